@@ -1,0 +1,119 @@
+"""Tiny models built offline: the `demo` model the server runs with no download, and the helpers
+tests and benchmarks use to make random-weight checkpoints of real architectures.
+
+Everything is deterministic (fixed seeds, fixed corpus), so the same folder comes out every time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("layerstream")
+
+DEMO_VERSION = "1"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|begin|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+_CORPUS = """The quick brown fox jumps over the lazy dog. Layer streaming runs models larger than memory.
+Once upon a time there was a small model that dreamed of being large. It read its weights from disk,
+one block at a time, and every block it read served every request that was waiting.
+Hello world! How are you today? I am fine, thank you. What is the capital of France? Paris.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: + - * / = ( ) [ ] { } < > ! ? . , ; :
+Unicode: café naïve déjà vu — “quotes” ünïcödé 日本語 中文 한국어 emoji 🙂🚀✨ über straße.
+def main():\n    print("hello")\n    return 0\n
+"""
+
+
+def train_tokenizer(folder: str | os.PathLike, vocab_size: int = 512, model_max_length: int = 2048):
+    """A byte-level BPE tokenizer trained offline on a fixed corpus, saved as a transformers
+    tokenizer with a chat template. Byte-level, so any UTF-8 text round-trips, and multi-byte
+    characters can be split across tokens (which is what incremental detokenisation must handle)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|endoftext|>", unk_token=None,
+        pad_token="<|endoftext|>", model_max_length=model_max_length,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def perturb_defaults(model: torch.nn.Module, seed: int = 0) -> None:
+    """Move every norm weight and bias away from its default init (ones / zeros), so a loader that
+    silently skips one of them produces different logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def build_random_model(folder: str | os.PathLike, config, dtype: torch.dtype = torch.float32, seed: int = 0,
+                       tokenizer_vocab: int | None = None, max_shard_size: str | None = None) -> Path:
+    """Save a random-weight transformers model for `config` (and a trained tokenizer) to folder."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(folder, vocab_size=tokenizer_vocab or min(config.vocab_size, 512),
+                          model_max_length=config.max_position_embeddings)
+    config.bos_token_id = tok.bos_token_id
+    config.eos_token_id = tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb_defaults(model, seed)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def demo_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+    )
+
+
+def cache_root() -> Path:
+    base = os.environ.get("LAYERSTREAM_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "layerstream" if not os.environ.get("LAYERSTREAM_CACHE") else Path(base)
+
+
+def demo_model_path() -> Path:
+    """Build the demo model once into the user's cache; later calls reuse it."""
+    folder = cache_root() / f"demo-v{DEMO_VERSION}"
+    marker = folder / "layerstream-demo.json"
+    if marker.exists():
+        return folder
+    log.warning("building the built-in demo model (random weights, a smoke-test model: its output is "
+                "gibberish) in %s", folder)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    build_random_model(tmp, demo_config(), dtype=torch.bfloat16, seed=1234)
+    (tmp / "layerstream-demo.json").write_text(json.dumps({"version": DEMO_VERSION, "random_weights": True}))
+    try:
+        tmp.rename(folder)
+    except OSError:
+        pass  # another process built it first; theirs is identical
+    return folder

@@ -1,0 +1,179 @@
+"""The engine: requests in, batched steps through the runner, sampled tokens and text deltas out.
+
+Single-threaded by design; `engine_loop.EngineLoop` runs it on a background thread for the server
+and `llm.LLM` drives it synchronously for the offline API.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer
+from .loader import EngineArgs, LoadedModel, load_model
+from .model_source import resolve_model
+from .sampler import TokenLogprobs, make_generator, sample_one
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+
+log = logging.getLogger("layerstream")
+
+
+class PromptTooLongError(ValueError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int):
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens."
+        )
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: deltas, plus totals once it finishes."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # text delta
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class _SeqState:
+    params: SamplingParams
+    generator: object
+    detok: IncrementalDetokenizer
+    stop_ids: set[int]
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, tokenizer=None):
+        self.args = args
+        path = resolve_model(args.model, show_progress=args.show_progress)
+        self.model: LoadedModel = load_model(args, path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        plan = self.model.plan
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, plan.max_num_seqs),
+            max_model_len=plan.max_model_len,
+            max_queue=args.max_queue,
+        ))
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    @property
+    def plan(self):
+        return self.model.plan
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.plan.max_model_len
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not prompt or not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {self.model.cfg.vocab_size})")
+        return list(prompt)
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        ids = self.encode(prompt)
+        self.check_length(len(ids), params.max_tokens)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.model.cfg.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                stop_ids.add(self.tokenizer.eos_token_id)
+        seq = Sequence(rid, ids, params.max_tokens)
+        seq.state = _SeqState(params, make_generator(params.seed),
+                              IncrementalDetokenizer(self.tokenizer, ids, params.stop), stop_ids)
+        self.scheduler.add(seq)  # may raise QueueFullError: nothing registered yet
+        self._seqs[rid] = seq
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.model.runner.execute(chunks)
+        outputs = []
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.count
+            if not chunk.samples:
+                continue
+            st: _SeqState = seq.state
+            token, info = sample_one(logits[row], st.params, seq.prompt_ids, seq.output_ids, st.generator)
+            row += 1
+            seq.output_ids.append(token)
+            reason = None
+            if token in st.stop_ids:
+                reason = "stop"
+            else:
+                st.detok.add_token(token)
+                if st.detok.stopped:
+                    reason = "stop"
+                elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+            if reason:
+                st.detok.flush()
+                self.scheduler.finish(seq, reason)
+                self._seqs.pop(seq.request_id, None)
+            outputs.append(RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=[token],
+                text=st.detok.take_delta(final=reason is not None),
+                logprobs=[info] if info else [],
+                finished=reason is not None,
+                finish_reason=reason,
+                num_prompt_tokens=len(seq.prompt_ids),
+                num_output_tokens=len(seq.output_ids),
+            ))
+        return outputs
+
+    def close(self) -> None:
+        self.model.runner.streamer.close()
+        self.model.index.close()
+
+    def is_running(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.status == SeqStatus.RUNNING

@@ -1,0 +1,187 @@
+"""Loading a model folder: config, validated weight index, memory plan, transport, streamer, KV cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .arch import ModelConfig, load_model_config, validate_checkpoint
+from .kv_cache import KVCache
+from .planner import MemoryPlan, PlanInputs, format_bytes, parse_bytes, plan_memory
+from .runner import ModelRunner
+from .safetensors_index import WeightIndex
+from .streamer import BlockStreamer
+from .transport import BlockSource, CpuTransport, Transport, to_compute
+
+log = logging.getLogger("layerstream")
+
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+               "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_device_memory: int | str | None = None
+    max_host_memory: int | str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_queue: int = 256
+    prefetch_depth: int = 1
+    transport: str = "auto"  # auto | cpu | cuda | simulated
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.max_device_memory = parse_bytes(self.max_device_memory)
+        self.max_host_memory = parse_bytes(self.max_host_memory)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    return cfg.checkpoint_dtype if cfg.checkpoint_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under the memory cgroup this process is in (v1 or v2), if it has a limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            limit_f, usage_f = f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            limit_f, usage_f = f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            raw = Path(limit_f).read_text().strip()
+            if raw != "max" and int(raw) < (1 << 60):
+                return int(raw) - int(Path(usage_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def host_memory_available() -> int:
+    """Bytes this process may still use: the tighter of its cgroup's room and MemAvailable."""
+    avail = 1 << 62
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    room = _cgroup_room()
+    return avail if room is None else min(avail, room)
+
+
+def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype) -> int:
+    """Peak activations of one step: hidden states, MLP intermediates, attention scores, logits."""
+    act = tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * dtype.itemsize
+    scores = min(tokens, seqs * max_len) * cfg.num_heads * max_len * 4
+    logits = seqs * cfg.vocab_size * 4 * 3
+    return act + scores + logits
+
+
+def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, plan: MemoryPlan,
+                   release_pages: bool) -> Transport:
+    kind = args.transport
+    if kind == "auto":
+        kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    if kind == "cpu":
+        return CpuTransport(source, dtype, release_pages=release_pages)
+    if kind == "cuda":
+        from .cuda_transport import CudaTransport
+
+        return CudaTransport(source, dtype, torch.device(args.device), plan)
+    if kind == "simulated":
+        from .simulated_transport import SimulatedTransport
+
+        return SimulatedTransport(CpuTransport(source, dtype, release_pages=release_pages))
+    raise ValueError(f"unknown transport {args.transport!r}")
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    index: WeightIndex
+    plan: MemoryPlan
+    runner: ModelRunner
+    dtype: torch.dtype
+    path: Path
+
+
+def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
+    path = Path(path)
+    cfg = load_model_config(path)
+    index = WeightIndex(path)
+    try:
+        validate_checkpoint(cfg, index)
+        device = torch.device(args.device)
+        dtype = resolve_dtype(args.dtype, cfg, device)
+        max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        block_numel = sum(index.entry(n).nbytes // index.entry(n).dtype.itemsize
+                          for n in cfg.block_tensor_names(0).values())
+        glob = cfg.global_tensors(index)
+        global_numel = sum(index.entry(n).nbytes // index.entry(n).dtype.itemsize for n, _ in glob.values())
+        budget = args.max_device_memory
+        if budget is None and device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.9) - (512 << 20)
+        plan = plan_memory(PlanInputs(
+            num_layers=cfg.num_layers,
+            block_bytes=block_numel * dtype.itemsize,
+            global_bytes=global_numel * dtype.itemsize,
+            kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+            workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
+            budget=budget,
+            max_model_len=max_len,
+            max_num_seqs=args.max_num_seqs,
+            prefetch_depth=args.prefetch_depth,
+        ))
+        host_room = args.max_host_memory or host_memory_available()
+        release_pages = bool(plan.streamed_blocks) and index.total_bytes() > host_room - (256 << 20)
+        if release_pages:
+            plan.notes.append(f"checkpoint ({format_bytes(index.total_bytes())}) exceeds host memory "
+                              f"({format_bytes(host_room)}): streamed pages are released after use")
+        log.info("%s: %s, %d layers, compute dtype %s\n%s", path, cfg.architecture, cfg.num_layers,
+                 str(dtype).replace("torch.", ""), plan.describe())
+
+        source = BlockSource(index, cfg)
+        transport = make_transport(args, source, dtype, plan, release_pages)
+        bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
+                   disable=not args.show_progress or not plan.resident_blocks, leave=False)
+        globals_ = {k: to_compute({k: index.view(n)}, dtype, device, copy=True)[k] for k, (n, _) in glob.items()}
+        bar.update(1)
+        streamer = BlockStreamer(transport, plan.resident_blocks, plan.streamed_blocks, args.prefetch_depth,
+                                 on_progress=lambda _i: bar.update(1))
+        bar.close()
+        kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
+                     dtype, device)
+        runner = ModelRunner(cfg, plan, globals_, streamer, kv, device, dtype)
+    except BaseException:
+        index.close()
+        raise
+    return LoadedModel(cfg, index, plan, runner, dtype, path)

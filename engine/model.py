@@ -1,0 +1,142 @@
+"""Transformer math as plain functions of (weights, activations, KV cache, step metadata).
+
+Nothing here knows where weights live: a block's weights arrive as a dict of tensors from the
+streamer. Tokens of every sequence in a step are packed into one flat (tokens, hidden) matrix so
+that each projection is a single matmul over the whole batch; only attention unpacks them into a
+padded (seqs, heads, query_len, head_dim) layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .arch import ModelConfig
+
+
+@dataclass
+class StepInputs:
+    """Everything about one batched step that is the same for every block; built once per step."""
+
+    input_ids: torch.Tensor  # (tokens,) int64
+    positions: torch.Tensor  # (tokens,) int64, position of each token in its sequence
+    cos: torch.Tensor  # (tokens, head_dim) compute dtype
+    sin: torch.Tensor  # (tokens, head_dim)
+    token_slots: torch.Tensor  # (tokens,) KV-cache slot of each token's sequence
+    seq_slots: torch.Tensor  # (seqs,) KV-cache slot of each sequence
+    # (seqs * max_query,) bool: which rows of the padded query layout hold a real token. Tokens are
+    # packed sequence by sequence, so the valid rows in (seq, query) order are exactly the tokens.
+    pad_valid: torch.Tensor
+    max_query: int
+    context_len: int  # keys attended to: max over sequences of (last position + 1)
+    attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
+    logits_index: torch.Tensor  # (sampled_seqs,) flat index of the token whose logits are needed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Accumulate in fp32 as the reference does, so bf16/fp16 inputs round the same way.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotary_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, with the checkpoint's rope scaling applied."""
+    hf = cfg.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope type {rope_type!r} is not supported")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    d = cfg.head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    return inv_freq, 1.0
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions[:, None].float() * inv_freq[None, :]  # (tokens, head_dim / 2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (tokens, head_dim)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def embed(input_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(input_ids, embed_weight)  # (tokens, hidden)
+
+
+def attention(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    step: StepInputs,
+    cfg: ModelConfig,
+) -> torch.Tensor:
+    tokens = x.shape[0]
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = F.linear(x, w["wq"], w.get("bq")).view(tokens, nh, hd)
+    k = F.linear(x, w["wk"], w.get("bk")).view(tokens, nkv, hd)
+    v = F.linear(x, w["wv"], w.get("bv")).view(tokens, nkv, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = apply_rotary(q, step.cos, step.sin)
+    k = apply_rotary(k, step.cos, step.sin)
+
+    # k_cache: (slots, kv_heads, max_len, head_dim); advanced indices around a slice put the
+    # indexed dims first, so the target is (tokens, kv_heads, head_dim) like k.
+    k_cache[step.token_slots, :, step.positions] = k
+    v_cache[step.token_slots, :, step.positions] = v
+
+    seqs, mq = step.seq_slots.shape[0], step.max_query
+    qp = q.new_zeros(seqs * mq, nh, hd)
+    qp[step.pad_valid] = q
+    qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
+    keys = k_cache[step.seq_slots, :, : step.context_len]  # (seqs, kv_heads, context, head_dim)
+    values = v_cache[step.seq_slots, :, : step.context_len]
+    out = F.scaled_dot_product_attention(
+        qp, keys, values, attn_mask=step.attn_mask, enable_gqa=nh != nkv
+    )  # (seqs, heads, max_query, head_dim)
+    out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)[step.pad_valid]  # (tokens, heads*head_dim)
+    return F.linear(out, w["wo"])
+
+
+def mlp(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
+
+
+def block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    step: StepInputs,
+    cfg: ModelConfig,
+) -> torch.Tensor:
+    """One decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
+    h = x + attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
+    return h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w)
+
+
+def final_logits(
+    x: torch.Tensor, norm_weight: torch.Tensor, head_weight: torch.Tensor, step: StepInputs, eps: float
+) -> torch.Tensor:
+    """Logits only for the tokens that are sampled: (sampled_seqs, vocab) in fp32."""
+    h = rms_norm(x[step.logits_index], norm_weight, eps)
+    return F.linear(h, head_weight).float()

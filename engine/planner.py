@@ -1,0 +1,151 @@
+"""Memory planning: what stays resident on the device, what streams, and how much KV cache fits.
+
+Pure arithmetic over byte counts, so it is cheap to test and to print before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, 1234 -> 1234; None/'' -> None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    num_layers: int
+    block_bytes: int  # one block's weights in the compute dtype
+    global_bytes: int  # embeddings + final norm + head in the compute dtype
+    kv_bytes_per_token: int  # K and V over all layers for one token of one sequence
+    workspace_bytes: int  # activations of the largest step
+    budget: int | None  # device bytes; None = unlimited
+    max_model_len: int
+    max_num_seqs: int
+    prefetch_depth: int = 1
+
+
+@dataclass
+class MemoryPlan:
+    budget: int | None
+    num_layers: int
+    resident_blocks: list[int]
+    streamed_blocks: list[int]
+    block_bytes: int
+    global_bytes: int
+    kv_cache_bytes: int
+    workspace_bytes: int
+    stream_buffer_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    prefetch_depth: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def streamed_bytes_per_step(self) -> int:
+        return len(self.streamed_blocks) * self.block_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return (
+            self.global_bytes + self.kv_cache_bytes + self.workspace_bytes + self.stream_buffer_bytes
+            + len(self.resident_blocks) * self.block_bytes
+        )
+
+    def is_resident(self, block: int) -> bool:
+        return block in self.resident_blocks
+
+    def describe(self) -> str:
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        lines = [
+            f"memory plan (budget {budget}, planned {format_bytes(self.device_bytes)}):",
+            f"  blocks resident: {len(self.resident_blocks)}/{self.num_layers}"
+            f"  streamed: {len(self.streamed_blocks)}/{self.num_layers}"
+            f"  ({format_bytes(self.block_bytes)} per block)",
+            f"  bytes streamed per step: {format_bytes(self.streamed_bytes_per_step)}"
+            f"  (prefetch depth {self.prefetch_depth}, stream buffers {format_bytes(self.stream_buffer_bytes)})",
+            f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
+            f"  KV cache: {format_bytes(self.kv_cache_bytes)} for {self.max_num_seqs} seqs x {self.max_model_len} tokens"
+            f"  workspace: {format_bytes(self.workspace_bytes)}",
+        ]
+        if self.streamed_blocks and len(self.streamed_blocks) <= 16:
+            lines.append(f"  streamed blocks: {self.streamed_blocks}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _spread(count: int, total: int) -> list[int]:
+    """`count` indices spread evenly over range(total): resident blocks between streamed ones
+    give the prefetcher compute time to hide each copy behind."""
+    if count <= 0:
+        return []
+    if count >= total:
+        return list(range(total))
+    return sorted({int(i * total / count) for i in range(count)})
+
+
+def plan_memory(p: PlanInputs) -> MemoryPlan:
+    if p.num_layers < 1:
+        raise PlanError("model has no layers")
+    seqs = p.max_num_seqs
+    notes: list[str] = []
+    kv = lambda n: n * p.max_model_len * p.kv_bytes_per_token  # noqa: E731
+    if p.budget is None:
+        resident = list(range(p.num_layers))
+        return MemoryPlan(None, p.num_layers, resident, [], p.block_bytes, p.global_bytes, kv(seqs),
+                          p.workspace_bytes, 0, p.max_model_len, seqs, p.prefetch_depth, notes)
+
+    buffers = (p.prefetch_depth + 1) * p.block_bytes
+    fixed = p.global_bytes + p.workspace_bytes
+    # KV room comes before resident blocks: a block that does not fit can stream, a sequence whose
+    # cache does not fit cannot run at all. Shrink concurrency rather than refuse to start.
+    while seqs > 1 and fixed + kv(seqs) + min(buffers, p.num_layers * p.block_bytes) > p.budget:
+        seqs -= 1
+    if seqs < p.max_num_seqs:
+        notes.append(f"max_num_seqs lowered from {p.max_num_seqs} to {seqs} so the KV cache fits the budget")
+    room = p.budget - fixed - kv(seqs)
+    if room >= p.num_layers * p.block_bytes:
+        resident_count = p.num_layers
+        buffers = 0
+    else:
+        if room < buffers:
+            need = fixed + kv(1) + buffers
+            raise PlanError(
+                f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
+                f"{format_bytes(p.global_bytes)}, KV cache {format_bytes(kv(seqs))}, workspace "
+                f"{format_bytes(p.workspace_bytes)} and {p.prefetch_depth + 1} stream buffers of "
+                f"{format_bytes(p.block_bytes)} need at least {format_bytes(need)}; raise "
+                "--max-device-memory or lower --max-model-len / --max-num-seqs"
+            )
+        resident_count = min(p.num_layers - 1, (room - buffers) // p.block_bytes)
+    resident = _spread(int(resident_count), p.num_layers)
+    streamed = [i for i in range(p.num_layers) if i not in set(resident)]
+    return MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes, kv(seqs),
+                      p.workspace_bytes, buffers, p.max_model_len, seqs, p.prefetch_depth, notes)

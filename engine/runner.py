@@ -1,0 +1,109 @@
+"""The model runner: one batched step = embed -> every block (acquired from the streamer) -> head.
+
+It owns the device-side state (global weights, KV cache, rotary tables) and turns the scheduler's
+chunks into StepInputs once per step, so the per-block loop does nothing but math and streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import model as M
+from .arch import ModelConfig
+from .kv_cache import KVCache
+from .planner import MemoryPlan
+from .scheduler import ScheduledChunk
+from .streamer import BlockStreamer, StreamStats
+
+
+@dataclass
+class StepTiming:
+    seconds: float
+    tokens: int
+    stream: StreamStats  # what the streamer did during this step
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, plan: MemoryPlan, globals_: dict[str, torch.Tensor],
+                 streamer: BlockStreamer, kv: KVCache, device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.plan = plan
+        self.device = device
+        self.dtype = dtype
+        self.streamer = streamer
+        self.kv = kv
+        self.embed_weight = globals_["embed"]
+        self.norm_weight = globals_["norm"]
+        self.head_weight = globals_.get("lm_head", globals_["embed"])
+        self.inv_freq, self.rope_scaling = M.rotary_inv_freq(cfg)
+        self.inv_freq = self.inv_freq.to(device)
+        self.last_step: StepTiming | None = None
+
+    def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
+        ids, positions, token_slots, logits_index = [], [], [], []
+        starts, counts = [], []
+        for c in chunks:
+            ids += c.seq.token_range(c.start, c.count)
+            positions += range(c.start, c.start + c.count)
+            token_slots += [c.seq.slot] * c.count
+            if c.samples:
+                logits_index.append(len(ids) - 1)
+            starts.append(c.start)
+            counts.append(c.count)
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        cos, sin = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
+        mq = max(counts)
+        ctx = max(s + n for s, n in zip(starts, counts))
+        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+        t = torch.arange(mq, device=dev)
+        q_pos = starts_t[:, None] + t[None, :]  # (seqs, max_query)
+        valid = t[None, :] < counts_t[:, None]  # (seqs, max_query)
+        keys = torch.arange(ctx, device=dev)
+        mask = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
+        window = self.cfg.sliding_window
+        if window is not None and window < ctx:
+            mask &= keys[None, None, :] > q_pos[:, :, None] - window
+        # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
+        mask[..., 0] |= ~valid
+        return M.StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=pos,
+            cos=cos,
+            sin=sin,
+            token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
+            seq_slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long, device=dev),
+            pad_valid=valid.reshape(-1),
+            max_query=mq,
+            context_len=ctx,
+            attn_mask=mask[:, None],
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; returns fp32 logits (sampling chunks in order, vocab)."""
+        t0 = time.perf_counter()
+        before = self.streamer.stats.snapshot()
+        step = self._step_inputs(chunks)
+        x = M.embed(step.input_ids, self.embed_weight)  # (tokens, hidden)
+        try:
+            for block in range(self.cfg.num_layers):
+                w = self.streamer.acquire(block)
+                k_cache, v_cache = self.kv.layer(block)
+                x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
+                self.streamer.release(block)
+        except BaseException:
+            # A half-finished pass leaves the prefetcher ahead of where the next step starts.
+            self.streamer.reset()
+            raise
+        logits = M.final_logits(x, self.norm_weight, self.head_weight, step, self.cfg.rms_norm_eps)
+        if logits.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.last_step = StepTiming(time.perf_counter() - t0, int(step.input_ids.shape[0]),
+                                    self.streamer.stats.since(before))
+        return logits

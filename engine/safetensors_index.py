@@ -1,0 +1,216 @@
+"""Memory-mapped safetensors reading: one validated index of every tensor in a checkpoint.
+
+Each file's header is parsed once; a tensor is then a (file, byte range, dtype, shape) entry and a
+zero-copy view into a private mapping of the file. Nothing is read from disk until a view's pages
+are touched, which is what lets the streamer decide when (and whether) bytes come in.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The largest header we accept: real checkpoints stay well under a few MB; anything bigger is a
+# corrupt length field, and reading it would allocate whatever garbage it says.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+PAGE_SIZE = mmap.PAGESIZE
+# Linux >= 5.14: fault pages into the page tables without copying (not exported by Python 3.11).
+MADV_POPULATE_READ = 22
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class SafetensorsFile:
+    """One mapped .safetensors file with a validated header."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open: {e.strerror}") from e
+        self.file_size = os.fstat(self._fd).st_size
+        self.entries = self._read_header()
+        # MAP_PRIVATE (ACCESS_COPY) gives torch a writable buffer without ever writing the file;
+        # pages stay shared with the page cache unless someone writes to them.
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self.file_size else None
+
+    def _read_header(self) -> dict[str, TensorEntry]:
+        if self.file_size < 8:
+            raise CheckpointError(f"{self.path}: file is {self.file_size} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > self.file_size:
+            raise CheckpointError(
+                f"{self.path}: header length {header_len} does not fit the file ({self.file_size} bytes); "
+                "the file is truncated or not safetensors"
+            )
+        raw = os.pread(self._fd, header_len, 8)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{self.path}: header is not valid JSON ({e})") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: header is not a JSON object")
+        header.pop("__metadata__", None)
+        data_start = 8 + header_len
+        data_len = self.file_size - data_start
+        entries: dict[str, TensorEntry] = {}
+        for name, info in header.items():
+            entries[name] = self._entry(name, info, data_start, data_len)
+        spans = sorted((e.start, e.end, e.name) for e in entries.values() if e.nbytes)
+        for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise CheckpointError(f"{self.path}: tensors {n0!r} and {n1!r} overlap")
+        return entries
+
+    def _entry(self, name: str, info: object, data_start: int, data_len: int) -> TensorEntry:
+        where = f"{self.path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise CheckpointError(f"{where}: header entry lacks dtype/shape/data_offsets")
+        dtype = DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(
+                f"{where}: dtype {info['dtype']!r} is not supported (supported: {', '.join(DTYPES)})"
+            )
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where}: bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{where}: bad data_offsets {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end:
+            raise CheckpointError(f"{where}: data_offsets {offsets} are not an increasing range")
+        if end > data_len:
+            raise CheckpointError(
+                f"{where}: data ends at byte {end} but the file holds only {data_len} data bytes "
+                "(truncated or corrupt file)"
+            )
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected = numel * dtype.itemsize
+        if end - begin != expected:
+            raise CheckpointError(
+                f"{where}: holds {end - begin} bytes but shape {shape} x {info['dtype']} needs {expected}"
+            )
+        return TensorEntry(name, self.path, dtype, tuple(shape), data_start + begin, data_start + end)
+
+    def view(self, entry: TensorEntry) -> torch.Tensor:
+        """A zero-copy tensor over the mapped bytes (no disk read happens here)."""
+        numel = entry.nbytes // entry.dtype.itemsize
+        if numel == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        if entry.start % entry.dtype.itemsize:
+            # Misaligned data cannot be viewed as the dtype; copying is the only correct option.
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
+            return raw.clone().view(entry.dtype).reshape(entry.shape)
+        t = torch.frombuffer(self._map, dtype=entry.dtype, count=numel, offset=entry.start)
+        return t.reshape(entry.shape)
+
+    def advise(self, start: int, end: int, advice: int) -> None:
+        """madvise over [start, end) widened to whole pages; advice the kernel refuses is ignored."""
+        if self._map is None or end <= start:
+            return
+        lo = start - start % PAGE_SIZE
+        try:
+            self._map.madvise(advice, lo, end - lo)
+        except (OSError, ValueError):
+            pass  # an older kernel without POPULATE_READ: prefetch degrades to on-demand faults
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # tensors still view the mapping; it is unmapped when they are collected
+        os.close(self._fd)
+
+
+class WeightIndex:
+    """name -> entry over every shard of a model folder, built once and validated."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.files: dict[Path, SafetensorsFile] = {}
+        self.entries: dict[str, TensorEntry] = {}
+        index_path = self.folder / "model.safetensors.index.json"
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+            shard_names = sorted(set(weight_map.values()))
+        elif (self.folder / "model.safetensors").exists():
+            weight_map, shard_names = None, ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+        for shard in shard_names:
+            path = self.folder / shard
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard named in the index is missing")
+            f = SafetensorsFile(path)
+            self.files[path] = f
+            for name, entry in f.entries.items():
+                if name in self.entries:
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} is also in {self.entries[name].path.name}"
+                    )
+                self.entries[name] = entry
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if name not in self.entries:
+                    raise CheckpointError(f"{self.folder / shard}: tensor {name!r} listed in the index is missing")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def entry(self, name: str) -> TensorEntry:
+        return self.entries[name]
+
+    def view(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        return self.files[e.path].view(e)
+
+    def advise(self, names: list[str], advice: int) -> None:
+        for name in names:
+            e = self.entries[name]
+            self.files[e.path].advise(e.start, e.end, advice)
+
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()

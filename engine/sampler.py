@@ -1,0 +1,85 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, seeded generators, logprobs.
+
+Each sequence carries its own torch.Generator, so its tokens depend only on its seed and its own
+logits, never on which other requests share the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """logits: (vocab,) fp32. Repetition penalty over prompt + output (HF semantics); presence and
+    frequency penalties over the output only (OpenAI semantics)."""
+    vocab = logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = seen[seen < vocab]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature then top-k, top-p, min-p on (vocab,) fp32 logits; removed entries -> -inf."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+               generator: torch.Generator) -> tuple[int, TokenLogprobs | None]:
+    """logits: (vocab,) fp32 raw model output for one sequence."""
+    raw = logits
+    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        probs = filter_logits(logits, params).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    info = None
+    if params.logprobs is not None:
+        # Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports.
+        lp = torch.log_softmax(raw, dim=-1)
+        top = []
+        if params.logprobs > 0:
+            vals, ids = torch.topk(lp, params.logprobs)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        info = TokenLogprobs(token, float(lp[token]), top)
+    return token, info

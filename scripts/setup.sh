@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up: a virtual environment in .venv with torch and the project.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.layerstream-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # The CPU wheel of torch lies on this machine's disk; pinning it keeps pip from fetching a
+  # multi-GB CUDA build. Where torch is already installed (a CUDA image, a GPU box) it is kept.
+  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${LAYERSTREAM_TORCH_VERSION:-2.13.0}"
+  python -m pip install -q -e ".[test,bench]"
+  touch "$stamp"
+fi
