@@ -1,0 +1,1 @@
+"""Benchmarks: each prints ratios side by side in one run and can write a PNG chart."""

@@ -1,0 +1,117 @@
+"""`layerstream` command line: generate, serve, and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+
+# subcommand -> (module, help); each module has add_arguments(parser) and run(args) -> int
+SUBCOMMANDS = {
+    "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
+    "bench": ("bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
+    "bench-serve": ("bench.serving", "throughput of a running server at several concurrencies"),
+    "bench-disk": ("bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model."""
+    p.add_argument("--model", default="demo", help="model folder, hub id, or 'demo' (default)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--max-device-memory", default=None, help="device memory budget, e.g. 4GiB or 512MB")
+    p.add_argument("--max-host-memory", default=None, help="host memory budget (default: what is available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + completion)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="streamed blocks prepared ahead of compute")
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides):
+    from .loader import EngineArgs
+
+    fields = dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_device_memory=ns.max_device_memory,
+                  max_host_memory=ns.max_host_memory, max_model_len=ns.max_model_len,
+                  max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                  prefetch_depth=ns.prefetch_depth)
+    fields.update(overrides)
+    return EngineArgs(**fields)
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print token ids, text and timing as JSON")
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from .llm_engine import LLMEngine
+    from .sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_args_from(ns, max_num_seqs=1, show_progress=not ns.json))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.seed)
+    t0 = time.perf_counter()
+    engine.add_request(ns.prompt, params, "cli")
+    ids, text, first, reason = [], "", None, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or time.perf_counter()
+            ids += out.new_token_ids
+            text += out.text
+            reason = out.finish_reason
+            if not ns.json:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+    end = time.perf_counter()
+    decode_tps = (len(ids) - 1) / (end - first) if first and len(ids) > 1 else None
+    if ns.json:
+        print(json.dumps({"token_ids": ids, "text": text, "finish_reason": reason,
+                          "timing": {"load_s": round(load_s, 3), "ttft_s": round(first - t0, 4) if first else None,
+                                     "total_s": round(end - t0, 4),
+                                     "decode_tokens_per_s": round(decode_tps, 2) if decode_tps else None}}))
+    else:
+        print()
+    engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="layerstream", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _generate_arguments(gen)
+    gen.set_defaults(func=_generate)
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            p.set_defaults(func=lambda _ns, e=e: sys.exit(f"layerstream: {e}"))
+            continue
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns) or 0
+    except (ValueError, FileNotFoundError) as e:
+        # User mistakes (bad checkpoint, bad flag value, budget too small): one clear line.
+        print(f"layerstream: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
