@@ -1,0 +1,135 @@
+"""Sampling against transformers' own logits processors, plus seeds, stops and logprobs end to end."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+)
+
+from engine import LLM, SamplingParams
+from engine.sampler import apply_penalties, filter_logits, make_generator, sample_one
+from engine.sampling_params import InvalidParameter
+
+VOCAB = 50
+
+
+@pytest.fixture
+def logits():
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def hf(processor, logits, ids=None):
+    ids = torch.tensor([ids or [0]])
+    return processor(ids, logits[None].clone())[0]
+
+
+@pytest.mark.parametrize("params,processor", [
+    (SamplingParams(temperature=0.7, top_k=5), lambda: [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)]),
+    (SamplingParams(temperature=1.3, top_p=0.8), lambda: [TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.8)]),
+    (SamplingParams(temperature=1.0, min_p=0.1), lambda: [MinPLogitsWarper(0.1)]),
+])
+def test_filters_match_transformers(logits, params, processor):
+    expected = logits.clone()
+    for p in processor():
+        expected = hf(p, expected)
+    ours = filter_logits(logits.clone(), params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    torch.testing.assert_close(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)])
+
+
+def test_repetition_penalty_matches_transformers(logits):
+    prompt, output = [1, 2, 3], [3, 7, 7]
+    ours = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=1.5), prompt, output)
+    expected = hf(RepetitionPenaltyLogitsProcessor(1.5), logits, prompt + output)
+    torch.testing.assert_close(ours, expected)
+
+
+def test_presence_and_frequency_penalties_follow_openai(logits):
+    ours = apply_penalties(logits.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2], [7, 7, 9])
+    expected = logits.clone()
+    expected[7] -= 0.5 + 2 * 0.25
+    expected[9] -= 0.5 + 1 * 0.25
+    torch.testing.assert_close(ours, expected)  # prompt tokens 1 and 2 are not penalised
+
+
+def test_greedy_and_degenerate_filters_pick_argmax(logits):
+    best = int(logits.argmax())
+    g = make_generator(0)
+    for params in [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
+                   SamplingParams(min_p=1.0)]:
+        assert sample_one(logits.clone(), params, [], [], g)[0] == best
+
+
+def test_sampling_follows_the_distribution(logits):
+    params = SamplingParams(temperature=1.0)
+    g = make_generator(123)
+    counts = torch.zeros(VOCAB)
+    for _ in range(4000):
+        counts[sample_one(logits, params, [], [], g)[0]] += 1
+    probs = logits.softmax(-1)
+    top = int(probs.argmax())
+    assert abs(counts[top] / 4000 - probs[top]) < 0.03
+
+
+def test_logprobs_are_the_model_distribution(logits):
+    token, info = sample_one(logits, SamplingParams(temperature=0, logprobs=3, repetition_penalty=2.0), [int(logits.argmax())], [], make_generator(0))
+    lp = torch.log_softmax(logits, -1)
+    assert info.token_id == token
+    assert info.logprob == pytest.approx(float(lp[token]))
+    assert [t for t, _ in info.top] == torch.topk(lp, 3).indices.tolist()
+
+
+def test_invalid_parameters_name_the_parameter():
+    with pytest.raises(InvalidParameter, match="top_p must be in"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(max_tokens=0)
+    assert e.value.param == "max_tokens"
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    llm = LLM(str(model_dirs["qwen2"]), max_model_len=128, max_num_seqs=4)
+    yield llm
+    llm.close()
+
+
+PROMPT = [10, 20, 30, 40]
+
+
+def test_same_seed_same_tokens(llm):
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    a = llm.generate([PROMPT], p)[0].outputs[0].token_ids
+    b = llm.generate([PROMPT], p)[0].outputs[0].token_ids
+    c = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=8, ignore_eos=True))
+    assert a == b
+    assert a != c[0].outputs[0].token_ids
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == greedy.token_ids[:first + 1]
+
+
+def test_stop_string_is_not_in_the_text(llm):
+    full = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True))[0].outputs[0]
+    assert len(full.text) > 6
+    stop = full.text[4:6]
+    cut = full.text.index(stop)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True,
+                                                stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:cut]
+
+
+def test_n_choices_and_logprobs(llm):
+    res = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=1, logprobs=2,
+                                                ignore_eos=True))[0]
+    assert len(res.outputs) == 3
+    assert all(len(o.logprobs) == 5 and len(o.logprobs[0].top) == 2 for o in res.outputs)
+    assert len({tuple(o.token_ids) for o in res.outputs}) > 1
