@@ -1,0 +1,102 @@
+"""The streamer's contract, with a fake transport: order, bounded tickets, failures, reset."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.streamer import BlockStreamer
+from engine.transport import Ticket, Transport
+
+
+class CountingTransport(Transport):
+    def __init__(self, fail_on=None, delay=0.0):
+        self.dtype, self.device = torch.float32, torch.device("cpu")
+        self.outstanding = 0
+        self.max_outstanding = 0
+        self.prepared: list[int] = []
+        self.fail_on = fail_on
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def resident(self, block):
+        return {"w": torch.full((2,), float(block))}
+
+    def prepare(self, block):
+        if block == self.fail_on:
+            raise OSError("disk on fire")
+        time.sleep(self.delay)
+        with self.lock:
+            self.outstanding += 1
+            self.max_outstanding = max(self.max_outstanding, self.outstanding)
+            self.prepared.append(block)
+        return Ticket(block, {"w": torch.full((2,), float(block))}, nbytes=8)
+
+    def retire(self, ticket):
+        with self.lock:
+            self.outstanding -= 1
+
+
+def run_steps(streamer, num_layers, steps):
+    seen = []
+    for _ in range(steps):
+        for i in range(num_layers):
+            w = streamer.acquire(i)
+            seen.append(int(w["w"][0]))
+            streamer.release(i)
+    return seen
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_blocks_arrive_in_order_and_at_most_depth_plus_one_exist(depth):
+    t = CountingTransport(delay=0.001)
+    s = BlockStreamer(t, resident=[0, 3], streamed=[1, 2, 4, 5], depth=depth)
+    try:
+        assert run_steps(s, 6, 5) == list(range(6)) * 5
+        assert t.max_outstanding <= depth + 1
+        assert s.stats.blocks_streamed == 4 * 5 and s.stats.bytes_streamed == 8 * 20
+    finally:
+        s.close()
+    assert t.outstanding == 0  # everything prepared was retired
+
+
+def test_prefetcher_runs_ahead_while_compute_holds_a_block():
+    t = CountingTransport()
+    s = BlockStreamer(t, resident=[], streamed=[0, 1, 2], depth=2)
+    try:
+        s.acquire(0)
+        deadline = time.time() + 5
+        while len(t.prepared) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        assert t.prepared == [0, 1, 2]  # blocks 1 and 2 were prepared while 0 was in use
+        time.sleep(0.05)
+        assert len(t.prepared) == 3  # and no further: depth bounds it
+        s.release(0)
+    finally:
+        s.close()
+
+
+def test_prepare_failure_surfaces_on_acquire_and_reset_recovers():
+    t = CountingTransport(fail_on=2)
+    s = BlockStreamer(t, resident=[0], streamed=[1, 2], depth=1)
+    try:
+        s.acquire(1)
+        s.release(1)
+        with pytest.raises(RuntimeError, match="streaming block 2 failed: disk on fire"):
+            s.acquire(2)
+        t.fail_on = None
+        s.reset()
+        assert run_steps(s, 3, 2) == [0, 1, 2, 0, 1, 2]
+    finally:
+        s.close()
+
+
+def test_out_of_order_acquire_is_an_error():
+    t = CountingTransport()
+    s = BlockStreamer(t, resident=[], streamed=[0, 1], depth=1)
+    try:
+        with pytest.raises(RuntimeError, match="out of order"):
+            s.acquire(1)
+    finally:
+        s.close()
