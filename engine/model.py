@@ -33,6 +33,8 @@ class StepInputs:
     context_len: int  # keys attended to: max over sequences of (last position + 1)
     attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
     logits_index: torch.Tensor  # (sampled_seqs,) flat index of the token whose logits are needed
+    # (first, last + 1) when seq_slots are consecutive: the cache is then read as a view, not gathered
+    slot_range: tuple[int, int] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,8 +110,13 @@ def attention(
     qp = q.new_zeros(seqs * mq, nh, hd)
     qp[step.pad_valid] = q
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
-    keys = k_cache[step.seq_slots, :, : step.context_len]  # (seqs, kv_heads, context, head_dim)
-    values = v_cache[step.seq_slots, :, : step.context_len]
+    if step.slot_range is not None:
+        lo, hi = step.slot_range
+        keys = k_cache[lo:hi, :, : step.context_len]  # (seqs, kv_heads, context, head_dim)
+        values = v_cache[lo:hi, :, : step.context_len]
+    else:
+        keys = k_cache[step.seq_slots, :, : step.context_len]
+        values = v_cache[step.seq_slots, :, : step.context_len]
     out = F.scaled_dot_product_attention(
         qp, keys, values, attn_mask=step.attn_mask, enable_gqa=nh != nkv
     )  # (seqs, heads, max_query, head_dim)

@@ -70,18 +70,21 @@ class ModelRunner:
             mask &= keys[None, None, :] > q_pos[:, :, None] - window
         # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
         mask[..., 0] |= ~valid
+        slots = [c.seq.slot for c in chunks]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return M.StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=pos,
             cos=cos,
             sin=sin,
             token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
-            seq_slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long, device=dev),
+            seq_slots=torch.tensor(slots, dtype=torch.long, device=dev),
             pad_valid=valid.reshape(-1),
             max_query=mq,
             context_len=ctx,
             attn_mask=mask[:, None],
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+            slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
 
     @torch.inference_mode()
