@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Build a local stand-in for the official PyTorch runtime image, without a registry: Debian
+# bookworm (debootstrap) + Python 3.11 in a venv on PATH + the CPU torch wheel pip finds on this
+# machine. Like pytorch/pytorch images, `python`/`pip` on PATH already have torch, so the project's
+# Dockerfile is exercised exactly as it would be on a CUDA base.
+#
+#   docker/base-image.sh            # builds once, then reuses the image
+#   REBUILD_BASE=1 docker/base-image.sh
+#
+# Prints the image name on its last line. Everything big (rootfs, wheelhouse, buildah storage)
+# lives under $LAYERSTREAM_DOCKER_STATE (default /var/tmp/layerstream-docker), never in the repo.
+set -euo pipefail
+
+STATE=${LAYERSTREAM_DOCKER_STATE:-/var/tmp/layerstream-docker}
+TORCH_VERSION=${LAYERSTREAM_TORCH_VERSION:-2.13.0}
+BASE_IMAGE=${LAYERSTREAM_BASE_IMAGE:-localhost/layerstream-base:bookworm-py311-torch${TORCH_VERSION}}
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+buildah() { command buildah --root "$STATE/storage" --runroot "$STATE/run" "$@"; }
+say() { echo "[base-image] $*" >&2; }
+
+mkdir -p "$STATE"
+if [ -z "${REBUILD_BASE:-}" ] && buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
+  say "reusing $BASE_IMAGE"
+  echo "$BASE_IMAGE"
+  exit 0
+fi
+for tool in buildah debootstrap; do
+  command -v "$tool" >/dev/null || { say "needs $tool: apt-get install -y buildah debootstrap"; exit 1; }
+done
+
+# The torch wheel and its dependencies, resolved by the host's pip (same CPython 3.11 ABI as
+# bookworm's python3.11), so the image build needs no index for torch.
+wheels="$STATE/wheelhouse"
+if ! ls "$wheels"/torch-"$TORCH_VERSION"*-cp311-*.whl >/dev/null 2>&1; then
+  say "collecting torch==$TORCH_VERSION and its dependencies into $wheels"
+  "${PYTHON:-python3}" -m pip download -q --only-binary=:all: -d "$wheels" "torch==$TORCH_VERSION"
+fi
+ls "$wheels"/torch-"$TORCH_VERSION"*-cp311-*.whl >/dev/null
+
+rootfs="$STATE/rootfs"
+if [ ! -f "$rootfs.tar" ] || [ -n "${REBUILD_BASE:-}" ]; then
+  say "debootstrap bookworm into $rootfs"
+  rm -rf "$rootfs"
+  # passwd: useradd for the Dockerfile's non-root user (the Ubuntu-based PyTorch images have it).
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd \
+    bookworm "$rootfs" "$MIRROR" >"$STATE/debootstrap.log" 2>&1 \
+    || { tail -20 "$STATE/debootstrap.log" >&2; exit 1; }
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+  tar -C "$rootfs" --numeric-owner -cf "$rootfs.tar.tmp" .
+  mv "$rootfs.tar.tmp" "$rootfs.tar"
+  rm -rf "$rootfs"
+fi
+
+say "importing the rootfs and installing torch"
+ctr=$(buildah from scratch)
+trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
+buildah add "$ctr" "$rootfs.tar" / >/dev/null
+run() { buildah run --isolation chroot "$@"; }
+run "$ctr" -- python3 -m venv /opt/venv
+run -v "$wheels:/wheels:ro" "$ctr" -- /opt/venv/bin/pip install -q --no-cache-dir --no-index \
+  --find-links /wheels "torch==$TORCH_VERSION"
+run "$ctr" -- /opt/venv/bin/python -c "import torch; print('[base-image] torch', torch.__version__)" >&2
+buildah config --env PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  --env LANG=C.UTF-8 --cmd /bin/bash --label org.opencontainers.image.description="layerstream smoke-test base: bookworm + python3.11 + torch $TORCH_VERSION (CPU)" \
+  "$ctr"
+buildah commit -q --rm "$ctr" "$BASE_IMAGE" >/dev/null
+trap - EXIT
+say "built $BASE_IMAGE"
+echo "$BASE_IMAGE"
