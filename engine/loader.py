@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .arch import ModelConfig, load_model_config, validate_checkpoint
 from .kv_cache import KVCache
-from .planner import MemoryPlan, PlanInputs, format_bytes, parse_bytes, plan_memory
+from .planner import MemoryPlan, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_memory
 from .runner import ModelRunner
 from .safetensors_index import WeightIndex
 from .streamer import BlockStreamer
@@ -36,7 +36,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_queue: int = 256
     prefetch_depth: int = 1
-    transport: str = "auto"  # auto | cpu | cuda | simulated
+    transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -80,6 +80,15 @@ def _cgroup_room() -> int | None:
     return None
 
 
+def host_budget(args: EngineArgs) -> int:
+    """--max-host-memory, or what the cgroup/machine still allows minus a margin for the
+    interpreter's own growth, allocator slack and temporaries of the compute."""
+    if args.max_host_memory is not None:
+        return args.max_host_memory
+    room = host_memory_available()
+    return max(0, room - room // 20 - (128 << 20))
+
+
 def host_memory_available() -> int:
     """Bytes this process may still use: the tighter of its cgroup's room and MemAvailable."""
     avail = 1 << 62
@@ -106,6 +115,14 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     kind = args.transport
     if kind == "auto":
         kind = "cuda" if args.device.startswith("cuda") else "cpu"
+        if kind == "cpu" and plan.disk_blocks:
+            kind = "disk"
+    if kind == "disk":
+        if args.device != "cpu":
+            raise ValueError(f"the disk transport computes on the CPU; got device {args.device!r}")
+        from .disk_transport import DiskTransport
+
+        return DiskTransport(source, dtype, plan.disk_blocks, args.prefetch_depth)
     if kind == "cpu":
         return CpuTransport(source, dtype, release_pages=release_pages)
     if kind == "cuda":
@@ -117,6 +134,19 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
 
         return SimulatedTransport(CpuTransport(source, dtype, release_pages=release_pages))
     raise ValueError(f"unknown transport {args.transport!r}")
+
+
+def _assign_disk_tier(plan: MemoryPlan, index: WeightIndex, host_room: int, host_fixed: int, block_bytes: int,
+                      force_disk: bool) -> None:
+    assign_host_tier(plan, host_room, host_fixed, block_bytes, force_disk=force_disk)
+    if not plan.disk_blocks:
+        return
+    from .disk_bandwidth import disk_bandwidth
+
+    try:
+        plan.disk_gbps = disk_bandwidth(index.files.keys()).gbps
+    except (OSError, ValueError) as e:
+        plan.notes.append(f"disk bandwidth not measured: {e}")
 
 
 @dataclass
@@ -150,6 +180,13 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         if budget is None and device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
             budget = int(free * 0.9) - (512 << 20)
+        host_room = host_budget(args)
+        ckpt_block_bytes = sum(index.entry(n).nbytes for n in cfg.block_tensor_names(0).values())
+        # Disk-tier staging holds checkpoint bytes; converted copies are the plan's stream buffers.
+        staging = (args.prefetch_depth + 1) * ckpt_block_bytes if cfg.checkpoint_dtype != dtype else 0
+        weights_bytes = (cfg.num_layers * block_numel + global_numel) * dtype.itemsize
+        if budget is None and device.type == "cpu" and weights_bytes > host_room:
+            budget = host_room - staging  # the device is the host: what does not fit streams
         plan = plan_memory(PlanInputs(
             num_layers=cfg.num_layers,
             block_bytes=block_numel * dtype.itemsize,
@@ -161,8 +198,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
             max_num_seqs=args.max_num_seqs,
             prefetch_depth=args.prefetch_depth,
         ))
-        host_room = args.max_host_memory or host_memory_available()
-        release_pages = bool(plan.streamed_blocks) and index.total_bytes() > host_room - (256 << 20)
+        if device.type == "cpu" and plan.streamed_blocks and args.transport in ("auto", "disk"):
+            _assign_disk_tier(plan, index, host_room, plan.device_bytes + staging, ckpt_block_bytes,
+                              force_disk=args.transport == "disk")
+        release_pages = bool(plan.streamed_blocks) and not plan.disk_blocks and index.total_bytes() > host_room - (256 << 20)
         if release_pages:
             plan.notes.append(f"checkpoint ({format_bytes(index.total_bytes())}) exceeds host memory "
                               f"({format_bytes(host_room)}): streamed pages are released after use")

@@ -67,6 +67,12 @@ class MemoryPlan:
     max_num_seqs: int
     prefetch_depth: int
     notes: list[str] = field(default_factory=list)
+    # Host tiering of the streamed blocks (assign_host_tier): kept in RAM, or read from disk each step.
+    host_budget: int | None = None
+    host_blocks: list[int] = field(default_factory=list)
+    disk_blocks: list[int] = field(default_factory=list)
+    disk_block_bytes: int = 0  # checkpoint bytes of one block (what a disk read moves)
+    disk_gbps: float | None = None  # measured sequential read bandwidth
 
     @property
     def streamed_bytes_per_step(self) -> int:
@@ -78,6 +84,15 @@ class MemoryPlan:
             self.global_bytes + self.kv_cache_bytes + self.workspace_bytes + self.stream_buffer_bytes
             + len(self.resident_blocks) * self.block_bytes
         )
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        return len(self.disk_blocks) * self.disk_block_bytes
+
+    @property
+    def disk_seconds_per_step(self) -> float | None:
+        """The disk tier's floor: no step can be faster than reading its disk bytes."""
+        return self.disk_bytes_per_step / (self.disk_gbps * 1e9) if self.disk_gbps else None
 
     def is_resident(self, block: int) -> bool:
         return block in self.resident_blocks
@@ -97,6 +112,14 @@ class MemoryPlan:
         ]
         if self.streamed_blocks and len(self.streamed_blocks) <= 16:
             lines.append(f"  streamed blocks: {self.streamed_blocks}")
+        if self.host_budget is not None and self.streamed_blocks:
+            lines.append(f"  host tier (host budget {format_bytes(self.host_budget)}): streamed blocks kept in RAM: "
+                         f"{len(self.host_blocks)}  read from disk each step: {len(self.disk_blocks)}")
+        if self.disk_blocks:
+            floor = self.disk_seconds_per_step
+            speed = (f"at {self.disk_gbps:.2f} GB/s measured: expected >= {floor * 1e3:.1f} ms per step"
+                     if floor is not None else "disk bandwidth not measured")
+            lines.append(f"  disk bytes per step: {format_bytes(self.disk_bytes_per_step)} ({speed})")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -149,3 +172,21 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     streamed = [i for i in range(p.num_layers) if i not in set(resident)]
     return MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes, kv(seqs),
                       p.workspace_bytes, buffers, p.max_model_len, seqs, p.prefetch_depth, notes)
+
+
+def assign_host_tier(plan: MemoryPlan, host_budget: int, host_fixed_bytes: int, disk_block_bytes: int,
+                     force_disk: bool = False) -> None:
+    """Split the streamed blocks into kept-in-RAM and read-from-disk-each-step.
+
+    host_fixed_bytes is what host memory holds besides the kept blocks (for CPU compute: the whole
+    device plan; for a GPU: its pinned staging buffers). Kept blocks are spread among the disk ones
+    so each disk read overlaps the compute of the kept blocks before it.
+    """
+    plan.host_budget = host_budget
+    plan.disk_block_bytes = disk_block_bytes
+    streamed = plan.streamed_blocks
+    room = host_budget - host_fixed_bytes
+    keep = 0 if force_disk or disk_block_bytes <= 0 else max(0, min(len(streamed), room // disk_block_bytes))
+    kept = {streamed[i] for i in _spread(int(keep), len(streamed))}
+    plan.host_blocks = [b for b in streamed if b in kept]
+    plan.disk_blocks = [b for b in streamed if b not in kept]

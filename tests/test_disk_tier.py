@@ -1,0 +1,176 @@
+"""The disk tier: blocks read from disk each step (O_DIRECT, or buffered where refused) give the
+same tokens as the resident run; the reader's bytes are the file's bytes; the host tier plan."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from engine import disk_bandwidth as dbw
+from engine.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
+from engine.llm import LLM
+from engine.planner import PlanInputs, assign_host_tier, plan_memory
+from engine.safetensors_index import WeightIndex
+from engine.sampling_params import SamplingParams
+
+PROMPTS = ["The quick brown fox", "Hello world! How are", "def main():"]
+SMALL = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)  # a tiny plan, so a few blocks stream
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    # The disk bandwidth is cached per file system in the layerstream cache folder.
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+
+
+def _generate(model_dir, **kw):
+    llm = LLM(str(model_dir), **kw)
+    try:
+        out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        return [o.outputs[0].token_ids for o in out], llm.plan
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(llama_dir):
+    tokens, plan = _generate(llama_dir)
+    assert not plan.streamed_blocks
+    return tokens
+
+
+def _refuse_o_direct(monkeypatch, at: str) -> list[int]:
+    """Make O_DIRECT fail the way file systems that refuse it do: EINVAL at open() or at read."""
+    refused = []
+    real_open, real_preadv = os.open, os.preadv
+    direct_fds: set[int] = set()
+
+    def fake_open(path, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            if at == "open":
+                refused.append(1)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            fd = real_open(path, flags, *a, **k)
+            direct_fds.add(fd)
+            return fd
+        return real_open(path, flags, *a, **k)
+
+    def fake_preadv(fd, buffers, offset, *a):
+        if fd in direct_fds:
+            refused.append(1)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "preadv", fake_preadv)
+    return refused
+
+
+@pytest.mark.parametrize("refuse", [None, "open", "read"])
+def test_disk_tier_tokens_identical_to_resident(llama_dir, resident_tokens, monkeypatch, refuse):
+    refused = _refuse_o_direct(monkeypatch, refuse) if refuse else []
+    budget = 900_000  # embeddings/head + KV + 2 stream buffers + 1 resident block
+    tokens, plan = _generate(llama_dir, max_device_memory=budget, transport="disk", **SMALL)
+    assert plan.disk_blocks and plan.disk_blocks == plan.streamed_blocks
+    assert tokens == resident_tokens
+    assert bool(refused) == bool(refuse)
+
+
+def test_disk_tier_chosen_when_host_memory_is_short(llama_dir, resident_tokens):
+    """Auto transport on CPU: a host budget below the weights puts the blocks that do not fit on disk."""
+    tokens, plan = _generate(llama_dir, max_host_memory=900_000, **SMALL)
+    assert plan.disk_blocks and plan.resident_blocks
+    assert plan.disk_gbps and plan.disk_gbps > 0
+    assert "read from disk each step" in plan.describe()
+    assert tokens == resident_tokens
+
+
+def test_disk_tier_converts_dtype(llama_dir):
+    """fp32 checkpoint, bf16 compute: converted on the prefetch thread, same tokens as resident bf16."""
+    ref, _ = _generate(llama_dir, dtype="bfloat16")
+    tokens, plan = _generate(llama_dir, dtype="bfloat16", max_device_memory=500_000, transport="disk",
+                             prefetch_depth=2, **SMALL)
+    assert plan.disk_blocks
+    assert tokens == ref
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reader_returns_the_file_bytes(llama_dir, direct):
+    index = WeightIndex(llama_dir)
+    reader = DiskReader(index.files.keys(), direct=direct, chunk_bytes=ALIGN * 2, in_flight=3)
+    try:
+        names = {n: index.entry(n) for n in list(index.entries)[:7]}
+        plan = plan_reads(names)
+        buf = StagingBuffer(plan.buffer_bytes)
+        assert buf.tensor.data_ptr() % ALIGN == 0
+        reader.read(plan, buf)
+        views = plan.views(buf)
+        for name in names:
+            torch.testing.assert_close(views[name], index.view(name), rtol=0, atol=0)
+        assert reader.stats.bytes_read >= plan.payload_bytes
+    finally:
+        reader.close()
+        index.close()
+
+
+def test_reader_falls_back_mid_read(llama_dir, monkeypatch):
+    refused = _refuse_o_direct(monkeypatch, "read")
+    index = WeightIndex(llama_dir)
+    reader = DiskReader(index.files.keys(), chunk_bytes=ALIGN, in_flight=4)
+    try:
+        entries = {n: index.entry(n) for n in index.entries}
+        plan = plan_reads(entries)
+        buf = StagingBuffer(plan.buffer_bytes)
+        reader.read(plan, buf)
+        assert refused and not reader.direct and reader.stats.buffered_fallbacks == 1
+        views = plan.views(buf)
+        for name in entries:
+            torch.testing.assert_close(views[name], index.view(name), rtol=0, atol=0)
+    finally:
+        reader.close()
+        index.close()
+
+
+def test_plan_reads_coalesces_a_block_into_one_span(llama_dir):
+    from engine.arch import load_model_config
+
+    cfg = load_model_config(llama_dir)
+    index = WeightIndex(llama_dir)
+    try:
+        plan = plan_reads({s: index.entry(n) for s, n in cfg.block_tensor_names(2).items()})
+        assert len(plan.spans) == 1
+        span = plan.spans[0]
+        assert span.start % ALIGN == 0 and span.end % ALIGN == 0
+        assert plan.payload_bytes <= plan.buffer_bytes < plan.payload_bytes + 2 * ALIGN
+    finally:
+        index.close()
+
+
+def test_host_tier_arithmetic():
+    plan = plan_memory(PlanInputs(num_layers=10, block_bytes=100, global_bytes=50, kv_bytes_per_token=1,
+                                  workspace_bytes=10, budget=50 + 10 + 16 + 200 + 300, max_model_len=16,
+                                  max_num_seqs=1))
+    assert len(plan.resident_blocks) == 3 and len(plan.streamed_blocks) == 7
+    assign_host_tier(plan, host_budget=plan.device_bytes + 250, host_fixed_bytes=plan.device_bytes,
+                     disk_block_bytes=100)
+    assert len(plan.host_blocks) == 2 and len(plan.disk_blocks) == 5
+    assert sorted(plan.host_blocks + plan.disk_blocks) == plan.streamed_blocks
+    plan.disk_gbps = 1e-6  # 1000 bytes/s
+    assert plan.disk_bytes_per_step == 500
+    assert plan.disk_seconds_per_step == pytest.approx(0.5)
+    assign_host_tier(plan, host_budget=10**9, host_fixed_bytes=0, disk_block_bytes=100, force_disk=True)
+    assert plan.disk_blocks == plan.streamed_blocks
+
+
+def test_disk_bandwidth_is_measured_once_per_file_system(tmp_path, monkeypatch):
+    monkeypatch.setattr(dbw, "MIN_CACHED_BYTES", ALIGN)
+    f = tmp_path / "blob.bin"
+    f.write_bytes(os.urandom(3 * ALIGN + 100))
+    first = dbw.disk_bandwidth([f])
+    assert not first.cached and first.gbps > 0 and first.bytes_read == 3 * ALIGN
+    again = dbw.disk_bandwidth([f])
+    assert again.cached and again.gbps == first.gbps
+    assert dbw.filesystem_key(f) in (dbw._cache_path().read_text())
