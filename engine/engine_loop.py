@@ -1,0 +1,280 @@
+"""The engine on its own thread, for the server: a thread-safe command queue in, per-request
+outputs out to asyncio.
+
+One thread owns the `LLMEngine` (it is single-threaded by design). Every request in flight is in
+the engine's scheduler, so each `step()` serves all of them at once: that is where batching
+happens, and a streamed block's transfer is paid once per step for everyone. asyncio code never
+touches the engine; it submits and aborts through the queue, and outputs come back through
+`loop.call_soon_threadsafe` into the submitting request's `RequestHandle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from .llm_engine import LLMEngine, RequestOutput
+from .loader import EngineArgs
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("layerstream")
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading (or failed to load); the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class EngineObserver(Protocol):
+    """What the engine thread reports (the server turns it into Prometheus metrics). Called on the
+    engine thread, so implementations must be cheap and thread-safe."""
+
+    def on_queue(self, engine: LLMEngine) -> None: ...
+
+    def on_step(self, engine: LLMEngine) -> None: ...
+
+    def on_token(self, first: bool, seconds: float) -> None: ...
+
+    def on_finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None: ...
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Tracked:
+    handle: "RequestHandle"
+    arrival: float
+    last: float | None = None  # time of the previous token
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class RequestHandle:
+    """The asyncio side of one HTTP request: one or more engine requests (n > 1, several prompts)
+    whose outputs arrive, interleaved, through one asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine_loop: "EngineLoop", requests: list[EngineRequest]):
+        self._loop = loop
+        self._engine_loop = engine_loop
+        self.requests = requests
+        self.accepted: asyncio.Future = loop.create_future()  # None, or the exception add_request raised
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = {r.request_id for r in requests}
+
+    # -- called on the engine thread --------------------------------------------------------------
+    def _post(self, item) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _resolve(self, error: BaseException | None) -> None:
+        def set_result():
+            if not self.accepted.done():
+                if error is None:
+                    self.accepted.set_result(None)
+                else:
+                    self.accepted.set_exception(error)
+        self._loop.call_soon_threadsafe(set_result)
+
+    # -- called on the event loop -----------------------------------------------------------------
+    async def outputs(self):
+        """Yield RequestOutputs of all this handle's requests until every one has finished; an
+        engine failure is raised here."""
+        await self.accepted
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            yield item
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Cancel whatever has not finished (client gone); the engine frees the slots before its
+        next step."""
+        if self._unfinished:
+            self._engine_loop.abort([r for r in self._unfinished])
+            self._unfinished.clear()
+
+
+class EngineLoop:
+    """Loads the model and runs the engine on a background thread.
+
+    state: "loading" -> "ready", or "failed" (error in `error`); "stopped" after shutdown()."""
+
+    def __init__(self, args: EngineArgs, observer: EngineObserver | None = None,
+                 engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
+                 on_failed: Callable[[BaseException], None] | None = None):
+        self.args = args
+        self.observer = observer
+        self._factory = engine_factory
+        self._on_failed = on_failed
+        self.state = "loading"
+        self.error: BaseException | None = None
+        self.engine: LLMEngine | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread = threading.Thread(target=self._run, name="layerstream-engine", daemon=True)
+        self.num_aborted = 0  # requests cancelled before finishing (engine thread writes, others read)
+
+    # -- public, any thread -----------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def tokenizer(self):
+        self._check_ready()
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        self._check_ready()
+        return self.engine.max_model_len
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text or ids, checked against the vocabulary). Safe off the engine
+        thread: it only reads the tokenizer and the config."""
+        self._check_ready()
+        return self.engine.encode(prompt)
+
+    def submit(self, requests: list[EngineRequest]) -> RequestHandle:
+        """Queue requests for the engine; call from the event loop. Await `handle.accepted` (or
+        iterate `handle.outputs()`) to learn whether the engine took them: QueueFullError,
+        PromptTooLongError and InvalidParameter surface there, and none of the requests runs."""
+        self._check_ready()
+        handle = RequestHandle(asyncio.get_running_loop(), self, requests)
+        self._commands.put(("add", handle))
+        return handle
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._commands.put(("abort", list(request_ids)))
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.state == "loading" and (end is None or time.monotonic() < end):
+            time.sleep(0.05)
+        return self.state == "ready"
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _check_ready(self) -> None:
+        if self.state == "loading":
+            raise EngineNotReadyError("the model is still loading")
+        if self.state != "ready":
+            raise EngineDeadError(f"the engine is not running ({self.state}): {self.error}")
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory(self.args)
+        except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
+            log.error("loading the model failed: %s", e)
+            self.error, self.state = e, "failed"
+            if self._on_failed:
+                self._on_failed(e)
+            return
+        self.state = "ready"
+        log.info("engine ready: max_model_len %d, max_num_seqs %d", self.engine.max_model_len,
+                 self.engine.plan.max_num_seqs)
+        try:
+            while self._drain(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._step()
+        finally:
+            self.state = "stopped"
+            for t in list(self._tracked.values()):
+                t.handle._post(EngineDeadError("the engine stopped"))
+            self._tracked.clear()
+            self.engine.close()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one when idle); False once asked to stop."""
+        while True:
+            try:
+                kind, arg = self._commands.get(block=block)
+            except queue.Empty:
+                if self.observer and not block:
+                    self.observer.on_queue(self.engine)
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                for rid in arg:
+                    t = self._tracked.pop(rid, None)
+                    if t is not None and self.engine.abort(rid):
+                        self.num_aborted += 1
+                        log.info("request %s cancelled, its slot is free", rid)
+                        if self.observer:
+                            self.observer.on_finished("abort", t.prompt_tokens, t.output_tokens)
+
+    def _add(self, handle: RequestHandle) -> None:
+        added = []
+        try:
+            for r in handle.requests:
+                self.engine.add_request(r.prompt_ids, r.params, r.request_id)
+                added.append(r)
+        except Exception as e:  # noqa: BLE001 - delivered to the request, which maps it to a status
+            for r in added:
+                self.engine.abort(r.request_id)
+            handle._resolve(e)
+            return
+        now = time.perf_counter()
+        for r in added:
+            self._tracked[r.request_id] = _Tracked(handle, now, prompt_tokens=len(r.prompt_ids))
+        handle._resolve(None)
+
+    def _step(self) -> None:
+        try:
+            outputs: list[RequestOutput] = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving
+            log.exception("engine step failed; failing %d requests", len(self._tracked))
+            for rid, t in list(self._tracked.items()):
+                self.engine.abort(rid)
+                t.handle._post(e)
+            self._tracked.clear()
+            return
+        now = time.perf_counter()
+        obs = self.observer
+        for out in outputs:
+            t = self._tracked.get(out.request_id)
+            if t is None:
+                continue  # aborted while the step ran
+            if obs:
+                obs.on_token(t.last is None, now - (t.last if t.last is not None else t.arrival))
+            t.last = now
+            t.output_tokens = out.num_output_tokens
+            if out.finished:
+                del self._tracked[out.request_id]
+                if obs:
+                    obs.on_finished(out.finish_reason or "stop", t.prompt_tokens, t.output_tokens)
+            t.handle._post(out)
+        if obs:
+            obs.on_step(self.engine)
+            obs.on_queue(self.engine)

@@ -1,0 +1,86 @@
+"""`layerstream serve`: uvicorn first (so /health answers 503 at once), the model loads on the
+engine thread meanwhile. Every flag can also come from a LAYERSTREAM_<FLAG> environment variable
+(e.g. LAYERSTREAM_MAX_DEVICE_MEMORY=4GiB); a flag on the command line wins."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from engine.cli import add_engine_arguments, engine_args_from
+
+log = logging.getLogger("layerstream.server")
+
+ENV_PREFIX = "LAYERSTREAM_"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send and /v1/models lists (default: the --model value)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot before new ones get 503 + Retry-After")
+    apply_env_defaults(p)
+
+
+def apply_env_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None:
+    """Turn LAYERSTREAM_<DEST> environment variables into defaults. argparse applies `type` to a
+    string default, so the variable is parsed and checked exactly like the flag would be."""
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = environ.get(ENV_PREFIX + action.dest.upper())
+        if value is None:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            action.default = value.strip().lower() in _TRUE
+        else:
+            action.default = value
+        action.help = f"{action.help or ''} [env {ENV_PREFIX}{action.dest.upper()}={value}]".strip()
+
+
+def run(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.engine_loop import EngineLoop
+
+    from .app import build_app
+    from .metrics import ServerMetrics
+
+    if ns.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {ns.max_queue}")
+    args = engine_args_from(ns, max_queue=ns.max_queue)
+    name = ns.served_model_name or ns.model
+    metrics = ServerMetrics(name)
+    config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def on_failed(_e: BaseException) -> None:
+        server.should_exit = True  # nothing to serve: stop with a non-zero status
+
+    def factory(engine_args):
+        from engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_args)
+        metrics.set_plan(engine.plan)
+        if ns.model == "demo":
+            log.warning("serving the built-in DEMO model as %r: random weights, output is gibberish; "
+                        "it exists for smoke tests. Pass --model DIR|HUB_ID to serve a real model.", name)
+        return engine
+
+    engine = EngineLoop(args, observer=metrics, engine_factory=factory, on_failed=on_failed)
+    config.app = build_app(engine, name, api_key=ns.api_key or None, metrics=metrics)
+    log.info("listening on http://%s:%d (model %s loading in the background; /health is 503 until ready)",
+             ns.host, ns.port, name)
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 1 if engine.state == "failed" else 0

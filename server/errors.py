@@ -1,0 +1,131 @@
+"""The one place exceptions become OpenAI error bodies and HTTP statuses.
+
+Every error the server returns, from a route, from validation, or inside an SSE stream, goes
+through `error_for` so the shape is always {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.engine_loop import EngineDeadError, EngineNotReadyError
+from engine.llm_engine import PromptTooLongError
+from engine.sampling_params import InvalidParameter
+from engine.scheduler import QueueFullError
+
+from .protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("layerstream.server")
+
+RETRY_AFTER_SECONDS = 1
+
+
+class APIError(Exception):
+    """An error the server raises itself with a known status (bad model name, bad field...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+
+class ModelNotFoundError(APIError):
+    def __init__(self, name: str, served: str):
+        super().__init__(404, f"The model `{name}` does not exist; this server serves `{served}`.",
+                         param="model", type_="NotFoundError")
+
+
+class AuthError(APIError):
+    def __init__(self, message: str):
+        super().__init__(401, message, type_="AuthenticationError")
+
+
+@dataclass
+class MappedError:
+    status: int
+    body: ErrorResponse
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
+
+    def sse(self) -> str:
+        return f"data: {self.body.model_dump_json()}\n\n"
+
+
+def _type_for(status: int) -> str:
+    return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            422: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg')}", None
+    param = ".".join(loc) or None
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts), param
+
+
+def error_for(exc: BaseException) -> MappedError:
+    headers: dict[str, str] = {}
+    param = None
+    type_ = None
+    if isinstance(exc, APIError):
+        status, message, param, type_ = exc.status, exc.message, exc.param, exc.type
+    elif isinstance(exc, RequestValidationError):
+        status = 400
+        message, param = _validation_message(exc)
+    elif isinstance(exc, json.JSONDecodeError):
+        status, message = 400, f"malformed JSON body: {exc}"
+    elif isinstance(exc, InvalidParameter):
+        status, message, param = 400, str(exc), exc.param
+    elif isinstance(exc, PromptTooLongError):
+        status, message, param = 400, str(exc), "max_tokens"
+    elif isinstance(exc, QueueFullError):
+        status, message = 503, f"server overloaded: {exc}; retry later"
+        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    elif isinstance(exc, EngineNotReadyError):
+        status, message = 503, f"{exc}; retry later"
+        headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    elif isinstance(exc, EngineDeadError):
+        status, message = 503, str(exc)
+    elif isinstance(exc, StarletteHTTPException):
+        status, message = exc.status_code, str(exc.detail)
+        headers.update(exc.headers or {})
+    elif isinstance(exc, ValueError):
+        # The engine's own input checks (empty prompt, token id out of range) are user mistakes.
+        status, message = 400, str(exc)
+    else:
+        log.exception("internal error", exc_info=exc)
+        status, message = 500, f"internal server error: {type(exc).__name__}: {exc}"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_ or _type_for(status), param=param,
+                                         code=status))
+    return MappedError(status, body, headers)
+
+
+async def handle_exception(_request: Request, exc: Exception) -> JSONResponse:
+    return error_for(exc).response()
+
+
+def install(app) -> None:
+    # Starlette sends a handler registered for bare Exception from its outermost middleware and
+    # then re-raises (the connection is dropped): so every expected class is registered by name
+    # and only a real bug reaches the Exception handler (500, logged with its traceback).
+    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ValueError, QueueFullError,
+                     EngineNotReadyError, EngineDeadError, Exception):
+        app.add_exception_handler(exc_type, handle_exception)
