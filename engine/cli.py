@@ -29,6 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
     p.add_argument("--prefetch-depth", type=int, default=1, help="streamed blocks prepared ahead of compute")
+    p.add_argument("--pin-host-memory", action="store_true",
+                   help="cuda: keep all streamed blocks in pinned host memory (if RAM allows) instead of staging")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
@@ -37,7 +39,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
     fields = dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_device_memory=ns.max_device_memory,
                   max_host_memory=ns.max_host_memory, max_model_len=ns.max_model_len,
                   max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                  prefetch_depth=ns.prefetch_depth)
+                  prefetch_depth=ns.prefetch_depth, pin_host_memory=ns.pin_host_memory)
     fields.update(overrides)
     return EngineArgs(**fields)
 

@@ -38,6 +38,7 @@ class EngineArgs:
     prefetch_depth: int = 1
     transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
     show_progress: bool = True
+    pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -128,7 +129,8 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     if kind == "cuda":
         from .cuda_transport import CudaTransport
 
-        return CudaTransport(source, dtype, torch.device(args.device), plan)
+        return CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
+                             host_budget=host_budget(args))
     if kind == "simulated":
         from .simulated_transport import SimulatedTransport
 
@@ -163,6 +165,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
     cfg = load_model_config(path)
     index = WeightIndex(path)
+    plan = streamer = None
     try:
         validate_checkpoint(cfg, index)
         device = torch.device(args.device)
@@ -220,6 +223,13 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
                      dtype, device)
         runner = ModelRunner(cfg, plan, globals_, streamer, kv, device, dtype)
+    except torch.OutOfMemoryError as e:
+        if streamer is not None:
+            streamer.close()
+        index.close()
+        from .cuda_transport import out_of_memory_error
+
+        raise out_of_memory_error(plan, torch.device(args.device), e) from e
     except BaseException:
         index.close()
         raise

@@ -24,14 +24,19 @@ from engine.simulated_transport import SimulatedTransport
 from tests.test_reference import PROMPT, prompt_logits, reference_greedy
 
 
-def all_streamed_budget(folder) -> int:
-    """A device budget that leaves no room for a resident block: every block streams."""
-    m = load_model(EngineArgs(model=str(folder), max_model_len=128, max_num_seqs=2, show_progress=False), folder)
+def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto") -> int:
+    """A device budget with room for exactly `resident` blocks besides depth + 1 stream buffers."""
+    m = load_model(EngineArgs(model=str(folder), max_model_len=128, max_num_seqs=2, dtype=dtype,
+                              show_progress=False), folder)
     p = m.plan
     m.runner.streamer.close()
     m.index.close()
-    return p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (p.prefetch_depth + 1) * p.block_bytes \
+    return p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (depth + 1 + resident) * p.block_bytes \
         + p.block_bytes // 2
+
+
+def all_streamed_budget(folder) -> int:
+    return budget_for(folder)
 
 
 def one_step(runner, tokens: int = 1) -> float:
@@ -116,3 +121,169 @@ def test_simulated_transport_rejects_bad_rates(monkeypatch):
     monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "fast")
     with pytest.raises(ValueError, match="LAYERSTREAM_SIM_GBPS"):
         SimulatedTransport(inner)
+
+
+# -- CudaTransport's event protocol, replayed on CPU ------------------------------------------------
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Event:
+    def __init__(self):
+        self.version = 0  # how many times it was recorded
+
+
+class RecordingRuntime:
+    """Stands in for CudaRuntime on CPU: copies run at once, stream/event calls are logged in the
+    order the two threads made them, for `check_protocol` to replay."""
+
+    def __init__(self, device):
+        import threading
+
+        self.device = device
+        self.compute = _Stream("compute")
+        self.log: list[tuple] = []
+        self.skip_record = None  # set by a test to break the protocol on purpose
+        self._lock = threading.Lock()
+
+    def stream(self):
+        return _Stream("copy")
+
+    def event(self, timing=False):
+        return _Event()
+
+    def current_stream(self):
+        return self.compute
+
+    def device_bytes(self, n):
+        return torch.empty(n, dtype=torch.uint8)
+
+    def pinned_bytes(self, n):
+        return torch.empty(n, dtype=torch.uint8)
+
+    def copy(self, dst, src, stream):
+        dst.copy_(src)
+        with self._lock:
+            self.log.append(("copy", stream.name, dst.data_ptr(), src.data_ptr()))
+
+    def wait(self, stream, event):
+        with self._lock:
+            self.log.append(("wait", stream.name, event, event.version))
+
+    def record(self, event, stream):
+        if self.skip_record is not None and self.skip_record(event):
+            return
+        with self._lock:
+            event.version += 1
+            self.log.append(("record", stream.name, event, event.version))
+
+    def host_wait(self, event):
+        with self._lock:
+            self.log.append(("host_wait", "host", event, event.version))
+
+    def synchronize(self):
+        pass
+
+    def copy_gbps(self, dst, src):
+        return None
+
+
+def check_protocol(t, log) -> int:
+    """Replay the log and prove, for every copy, that the device could not overwrite a buffer a
+    kernel may still read, nor read one before its copy landed. Returns the number of copies."""
+    dev = {buf.data_ptr(): i for i, buf in enumerate(t._dev)}
+    stage = {buf.data_ptr(): i for i, buf in enumerate(t._stage)}
+    freed = {id(e): i for i, e in enumerate(t._freed)}
+    ready = {id(e): i for i, e in enumerate(t._ready)}
+    staged = {id(e): i for i, e in enumerate(t._staged)}
+    n = len(t._dev)
+    copy_saw_freed = [0] * n  # version of free[b] the copy stream last waited on
+    freed_version = [0] * n
+    in_use = [False] * n  # activated and not yet retired
+    landed = [False] * n  # ready[b] recorded after the last copy into b
+    host_saw_staged = [0] * len(t._stage)
+    staged_version = [0] * len(t._stage)
+    copies = 0
+    for kind, stream, obj, arg in log:
+        if kind == "copy":
+            b = dev[obj]
+            assert stream == "copy", "host->device copies must run on the copy stream"
+            assert not in_use[b], f"copy into buffer {b} while a block in it was not retired"
+            assert copy_saw_freed[b] == freed_version[b], f"copy into buffer {b} does not wait for its last free"
+            if arg in stage:
+                s = stage[arg]
+                assert host_saw_staged[s] == staged_version[s], f"staging {s} refilled before its DMA finished"
+            landed[b] = False
+            copies += 1
+        elif kind == "wait" and stream == "copy" and id(obj) in freed:
+            copy_saw_freed[freed[id(obj)]] = arg
+        elif kind == "wait" and stream == "compute" and id(obj) in ready:
+            b = ready[id(obj)]
+            # The wait binds to ready[b]'s latest record, which `landed` says follows the last copy.
+            assert landed[b], f"compute on buffer {b} does not wait for its copy"
+            in_use[b] = True
+        elif kind == "record" and id(obj) in ready:
+            assert stream == "copy"
+            landed[ready[id(obj)]] = True
+        elif kind == "record" and id(obj) in freed:
+            b = freed[id(obj)]
+            assert stream == "compute", "free events mark the end of kernels: they belong on the compute stream"
+            freed_version[b] = arg
+            in_use[b] = False
+        elif kind == "record" and id(obj) in staged:
+            staged_version[staged[id(obj)]] = arg
+        elif kind == "host_wait" and id(obj) in staged:
+            host_saw_staged[staged[id(obj)]] = arg
+    return copies
+
+
+@pytest.fixture
+def recording_cuda(monkeypatch):
+    import engine.cuda_transport as ct
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+
+
+@pytest.mark.parametrize("depth,pin,dtype", [(1, False, "float32"), (2, False, "bfloat16"), (1, True, "float32")],
+                         ids=["depth1-staging", "depth2-bf16-staging", "pinned-cache"])
+def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cuda, depth, pin, dtype):
+    """CudaTransport's packing, staging, views and event order, run for real on CPU."""
+    from engine.cuda_transport import CudaTransport
+
+    kw = dict(max_model_len=128, max_num_seqs=2, dtype=dtype)
+    budget = budget_for(llama_dir, resident=1, depth=depth, dtype=dtype)
+    llm = LLM(str(llama_dir), device="cpu", transport="cuda", max_device_memory=budget, prefetch_depth=depth,
+              pin_host_memory=pin, **kw)
+    ref = LLM(str(llama_dir), **kw)
+    try:
+        t = llm.engine.model.runner.streamer.transport
+        assert isinstance(t, CudaTransport) and len(llm.plan.resident_blocks) == 1, llm.plan.describe()
+        assert t.num_buffers == depth + 1 and (len(t._stage) == 0) == pin
+        tol = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=0.05, rtol=0.05)
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), prompt_logits(ref, PROMPT), **tol)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        prompts = [PROMPT, PROMPT[:3], PROMPT[2:]]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if dtype == "float32":
+            assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
+        copies = check_protocol(t, t.rt.log)
+        assert copies >= 12 * len(llm.plan.streamed_blocks)
+    finally:
+        llm.close()
+        ref.close()
+
+
+def test_protocol_check_catches_a_missing_free_event(llama_dir, streamed_budget, recording_cuda):
+    """The checker is not vacuous: a transport that forgets to wait for compute is caught."""
+    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_model_len=128, max_num_seqs=2)
+    try:
+        t = llm.engine.model.runner.streamer.transport
+        freed = {id(e) for e in t._freed}
+        t.rt.skip_record = lambda e: id(e) in freed
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        with pytest.raises(AssertionError, match="does not wait for its last free|not retired"):
+            check_protocol(t, t.rt.log)
+    finally:
+        llm.close()

@@ -1,0 +1,327 @@
+"""CUDA transport: streamed blocks copied from pinned host memory into a ring of device buffers on a
+dedicated copy stream, ordered against compute by events alone.
+
+Per streamed block (ticket), with buffer b taken from the free ring and staging buffer s:
+  prefetch thread  prepare():  wait (host) until staging s's previous copy finished  [staged[s]]
+                               fill staging s from the mmap (page faults, dtype conversion)
+                               copy stream waits on free[b]  (last kernels reading b are done)
+                               copy_(non_blocking=True) staging s -> device b on the copy stream
+                               record ready[b] and staged[s] on the copy stream
+  compute thread   activate(): compute stream waits on ready[b]; weights are views into b
+                   retire():   record free[b] on the compute stream; b back to the ring
+No host synchronisation and no allocation happen in activate/retire: every buffer, view and event
+is made once here. The only host wait is the prefetch thread's on staged[s], which keeps it from
+overwriting pinned memory a DMA is still reading.
+
+Why it is race-free: a buffer is handed to a new ticket only after retire() of the ticket that last
+used it (the streamer allows depth + 1 tickets in flight and there are depth + 1 buffers), and that
+retire recorded free[b] after the kernels reading b were issued, so the next copy into b waits for
+them on the device. Compute of a block waits on ready[b], recorded after its copy. Copies are
+issued in order on one stream, so a buffer never receives two copies at once.
+
+With pin_host_memory, every streamed block is converted and kept in pinned memory once at load
+(when host memory allows), and prepare() only issues the copy: no staging, no page faults.
+
+All CUDA calls go through CudaRuntime, so tests can replay the transport on CPU with a runtime that
+records the order of events instead of running them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import bandwidth
+from .planner import MemoryPlan, format_bytes
+from .transport import BlockSource, Ticket, Transport, to_compute
+
+log = logging.getLogger("layerstream")
+
+ALIGN = 256  # bytes; every tensor in a packed buffer starts at a cuBLAS-friendly address
+HOST_MARGIN = 2 << 30  # host memory left free when deciding whether a pinned cache fits
+
+
+class DeviceMemoryError(ValueError):
+    """The device could not hold what the memory plan placed on it."""
+
+
+def out_of_memory_error(plan: MemoryPlan | None, device: torch.device, err: BaseException) -> DeviceMemoryError:
+    """A start-up OOM turned into one message that shows the plan that did not fit."""
+    where = ""
+    if device.type == "cuda":
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+            where = f" ({format_bytes(free)} free of {format_bytes(total)} now)"
+        except Exception:  # noqa: BLE001 - the context may be unusable after an OOM; the plan matters more
+            pass
+    plan_text = plan.describe() if plan is not None else "(no plan was made yet)"
+    return DeviceMemoryError(
+        f"{device} ran out of memory while loading{where}: {str(err).splitlines()[0] if str(err) else err!r}\n"
+        f"{plan_text}\nlower --max-device-memory (other processes or the CUDA context use part of the "
+        "device), --max-model-len or --max-num-seqs")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a block lies in a packed byte buffer."""
+
+    entries: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, byte offset, shape)
+    nbytes: int
+
+    @staticmethod
+    def of(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> "Layout":
+        entries, off = [], 0
+        for name, shape in shapes.items():
+            entries.append((name, off, tuple(shape)))
+            numel = 1
+            for d in shape:
+                numel *= d
+            off += -(-numel * dtype.itemsize // ALIGN) * ALIGN
+        return Layout(tuple(entries), off)
+
+    def views(self, buf: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, off, shape in self.entries:
+            numel = 1
+            for d in shape:
+                numel *= d
+            out[name] = buf[off:off + numel * dtype.itemsize].view(dtype).view(shape)
+        return out
+
+
+class CudaRuntime:
+    """The CUDA calls the transport makes, in one place (tests substitute a recording fake)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def stream(self):
+        return torch.cuda.Stream(device=self.device)
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def device_bytes(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8, device=self.device)
+
+    def pinned_bytes(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)  # a never-recorded event is a no-op: a fresh buffer is free
+
+    def record(self, event, stream) -> None:
+        event.record(stream)
+
+    def host_wait(self, event) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def copy_gbps(self, dst: torch.Tensor, src: torch.Tensor) -> float | None:
+        return bandwidth.measure_copy_gbps(dst, src)
+
+
+@dataclass
+class TraceRecord:
+    """CUDA timing events around one streamed block (trace=True only; for tests and benchmarks)."""
+
+    block: int
+    buffer: int
+    copy_start: object
+    copy_end: object
+    compute_start: object = None
+    compute_end: object = None
+
+
+class CudaTransport(Transport):
+    def __init__(self, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
+                 pin_host_memory: bool = False, host_budget: int | None = None, measure: bool = True,
+                 trace: bool = False, runtime: CudaRuntime | None = None):
+        self.source = source
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.plan = plan
+        self.rt = runtime or CudaRuntime(self.device)
+        self.trace = trace
+        self.traces: list[TraceRecord] = []
+        self.h2d_gbps: float | None = None
+        self.device_gbps: float | None = None
+        self.host_bytes = 0  # pinned host memory held: staging buffers + pinned cache
+        streamed = list(plan.streamed_blocks)
+        # Blocks of one architecture share a layout; views into every buffer are made once per layout.
+        self._layout: dict[int, Layout] = {}
+        for b in streamed:
+            shapes = {short: source.index.entry(name).shape for short, name in source.names(b).items()}
+            self._layout[b] = Layout.of(shapes, dtype)
+        layouts = sorted(set(self._layout.values()), key=lambda lay: lay.nbytes)
+        self._lid = {b: layouts.index(lay) for b, lay in self._layout.items()}
+        self._nbytes = {b: source.nbytes(b) for b in streamed}
+        self.buffer_bytes = max((lay.nbytes for lay in layouts), default=0)
+        self.num_buffers = plan.prefetch_depth + 1 if streamed else 0
+        self._pinned: dict[int, torch.Tensor] = {}
+        try:
+            self._dev = [self.rt.device_bytes(self.buffer_bytes) for _ in range(self.num_buffers)]
+        except torch.OutOfMemoryError as e:
+            raise out_of_memory_error(plan, self.device, e) from e
+        self._dev_views = [[lay.views(buf, dtype) for lay in layouts] for buf in self._dev]
+        self._dev_flat = [[buf[:lay.nbytes] for lay in layouts] for buf in self._dev]
+        self._free = collections.deque(range(self.num_buffers))
+        self._copy_stream = self.rt.stream() if streamed else None
+        self._ready = [self.rt.event() for _ in range(self.num_buffers)]
+        self._freed = [self.rt.event() for _ in range(self.num_buffers)]
+        if streamed and pin_host_memory:
+            self._pin_all(streamed, host_budget)
+        n_stage = 0 if self._pinned or not streamed else self.num_buffers
+        try:
+            self._stage = [self.rt.pinned_bytes(self.buffer_bytes) for _ in range(n_stage)]
+        except RuntimeError as e:  # cudaHostAlloc failures surface as RuntimeError
+            raise DeviceMemoryError(f"could not pin {n_stage} x {format_bytes(self.buffer_bytes)} of host memory "
+                                    f"for staging: {e}") from e
+        self.host_bytes += n_stage * self.buffer_bytes
+        self._stage_views = [[lay.views(buf, dtype) for lay in layouts] for buf in self._stage]
+        self._stage_flat = [[buf[:lay.nbytes] for lay in layouts] for buf in self._stage]
+        self._staged = [self.rt.event() for _ in range(n_stage)]
+        self._next_stage = 0
+        if streamed:
+            self._report(measure)
+
+    # -- load time ---------------------------------------------------------------------------
+    def _pin_all(self, streamed: list[int], host_budget: int | None) -> None:
+        from .loader import host_memory_available
+
+        need = sum(self._layout[b].nbytes for b in streamed)
+        room = (host_budget or host_memory_available()) - HOST_MARGIN
+        if need > room:
+            log.warning("--pin-host-memory: the %d streamed blocks need %s pinned but only %s of host memory is "
+                        "free to pin; staging from the mmap instead", len(streamed), format_bytes(need),
+                        format_bytes(max(room, 0)))
+            return
+        t0 = time.perf_counter()
+        try:
+            for b in streamed:
+                lay = self._layout[b]
+                buf = self.rt.pinned_bytes(lay.nbytes)
+                views = lay.views(buf, self.dtype)
+                for name, v in self.source.views(b).items():
+                    views[name].copy_(v)
+                self._pinned[b] = buf
+        except RuntimeError as e:
+            log.warning("--pin-host-memory: pinning failed after %d blocks (%s); staging from the mmap instead",
+                        len(self._pinned), e)
+            self._pinned.clear()
+            return
+        self.host_bytes += need
+        log.info("pinned %d streamed blocks (%s of host memory) in %.1f s", len(streamed), format_bytes(need),
+                 time.perf_counter() - t0)
+
+    def _report(self, measure: bool) -> None:
+        mode = (f"pinned cache {format_bytes(self.host_bytes)}" if self._pinned else
+                f"{len(self._stage)} pinned staging buffers ({format_bytes(self.host_bytes)} host)")
+        log.info("cuda transport: %d device buffers of %s, %s", self.num_buffers, format_bytes(self.buffer_bytes), mode)
+        if not measure:
+            return
+        src = self._stage[0] if self._stage else next(iter(self._pinned.values()))
+        self.h2d_gbps = self.rt.copy_gbps(self._dev[0][:src.numel()], src)
+        if self.num_buffers >= 2:
+            # A device-to-device copy reads and writes every byte: reads alone run about twice as fast.
+            d2d = self.rt.copy_gbps(self._dev[1], self._dev[0])
+            self.device_gbps = 2 * d2d if d2d else None
+        est = bandwidth.expected_step(self.plan, self.h2d_gbps, getattr(self.plan, "disk_gbps", None),
+                                      compute_seconds=bandwidth.decode_compute_seconds(self.plan, self.device_gbps))
+        if self.h2d_gbps:
+            log.info("host->device %.1f GB/s measured; %s", self.h2d_gbps, est.describe())
+
+    # -- Transport ---------------------------------------------------------------------------
+    def resident(self, block: int) -> dict[str, torch.Tensor]:
+        # Load time only: a pageable synchronous copy is fine, and converting on the device is faster.
+        views = self.source.views(block)
+        on_device = to_compute(views, views[next(iter(views))].dtype, self.device, copy=True)
+        return {k: v.to(self.dtype) for k, v in on_device.items()}
+
+    def prepare(self, block: int) -> Ticket:
+        rt = self.rt
+        lid = self._lid[block]
+        assert self._free, "more tickets in flight than device buffers: the streamer's slot count is off"
+        b = self._free.popleft()
+        src = self._pinned.get(block)
+        s = None
+        if src is None:
+            s = self._next_stage
+            self._next_stage = (s + 1) % len(self._stage)
+            rt.host_wait(self._staged[s])  # the DMA still reading staging s must finish first
+            staging = self._stage_views[s][lid]
+            for name, v in self.source.views(block).items():
+                staging[name].copy_(v)  # page faults and dtype conversion happen here, off the compute thread
+            src = self._stage_flat[s][lid]
+        rec = None
+        rt.wait(self._copy_stream, self._freed[b])
+        if self.trace:
+            rec = TraceRecord(block, b, rt.event(timing=True), rt.event(timing=True))
+            rt.record(rec.copy_start, self._copy_stream)
+        rt.copy(self._dev_flat[b][lid], src, self._copy_stream)
+        rt.record(self._ready[b], self._copy_stream)
+        if s is not None:
+            rt.record(self._staged[s], self._copy_stream)
+        if rec is not None:
+            rt.record(rec.copy_end, self._copy_stream)
+        return Ticket(block, self._dev_views[b][lid], self._nbytes[block], extra={"buffer": b, "trace": rec})
+
+    def activate(self, ticket: Ticket) -> dict[str, torch.Tensor]:
+        b = ticket.extra["buffer"]
+        stream = self.rt.current_stream()
+        self.rt.wait(stream, self._ready[b])
+        rec = ticket.extra["trace"]
+        if rec is not None:
+            rec.compute_start = self.rt.event(timing=True)
+            self.rt.record(rec.compute_start, stream)
+        return ticket.weights
+
+    def retire(self, ticket: Ticket) -> None:
+        b = ticket.extra.get("buffer")
+        if b is None:
+            return  # retired twice (a reset after a failed step)
+        stream = self.rt.current_stream()
+        self.rt.record(self._freed[b], stream)
+        rec = ticket.extra["trace"]
+        if rec is not None and rec.compute_start is not None:
+            rec.compute_end = self.rt.event(timing=True)
+            self.rt.record(rec.compute_end, stream)
+            self.traces.append(rec)
+        ticket.extra["buffer"] = None
+        ticket.weights = {}
+        self._free.append(b)
+
+    def close(self) -> None:
+        if self.num_buffers:
+            self.rt.synchronize()  # no DMA may still target memory about to be released
+        self._dev, self._dev_views, self._dev_flat, self._pinned = [], [], [], {}
+        self._stage, self._stage_views, self._stage_flat = [], [], []
+        self._free.clear()
+        self.host_bytes = 0
+
+    # -- diagnostics -------------------------------------------------------------------------
+    def trace_intervals(self) -> list[tuple[int, tuple[float, float], tuple[float, float]]]:
+        """(block, (copy start, end), (compute start, end)) in ms from the first traced copy."""
+        self.rt.synchronize()
+        recs = [r for r in self.traces if r.compute_end is not None]
+        if not recs:
+            return []
+        t0 = recs[0].copy_start
+        ms = lambda e: t0.elapsed_time(e)  # noqa: E731
+        return [(r.block, (ms(r.copy_start), ms(r.copy_end)), (ms(r.compute_start), ms(r.compute_end)))
+                for r in recs]
