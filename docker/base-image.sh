@@ -15,6 +15,7 @@ STATE=${LAYERSTREAM_DOCKER_STATE:-/var/tmp/layerstream-docker}
 TORCH_VERSION=${LAYERSTREAM_TORCH_VERSION:-2.13.0}
 BASE_IMAGE=${LAYERSTREAM_BASE_IMAGE:-localhost/layerstream-base:bookworm-py311-torch${TORCH_VERSION}}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+HOST_CA=${HOST_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 buildah() { command buildah --root "$STATE/storage" --runroot "$STATE/run" "$@"; }
 say() { echo "[base-image] $*" >&2; }
 
@@ -38,7 +39,7 @@ fi
 ls "$wheels"/torch-"$TORCH_VERSION"*-cp311-*.whl >/dev/null
 
 rootfs="$STATE/rootfs"
-if [ ! -f "$rootfs.tar" ] || [ -n "${REBUILD_BASE:-}" ]; then
+if [ ! -f "$rootfs.tar" ]; then  # rm it to debootstrap again
   say "debootstrap bookworm into $rootfs"
   rm -rf "$rootfs"
   # passwd: useradd for the Dockerfile's non-root user (the Ubuntu-based PyTorch images have it).
@@ -59,6 +60,15 @@ run() { buildah run --isolation chroot "$@"; }
 run "$ctr" -- python3 -m venv /opt/venv
 run -v "$wheels:/wheels:ro" "$ctr" -- /opt/venv/bin/pip install -q --no-cache-dir --no-index \
   --find-links /wheels "torch==$TORCH_VERSION"
+# Trust what this machine trusts: where HTTPS goes through an inspecting proxy, its CA is in the
+# host bundle, and pip (which otherwise uses its own certifi copy) needs it to reach the index
+# when the project's Dockerfile installs its dependencies. This belongs to the stand-in base,
+# not to the project's Dockerfile.
+if [ -f "$HOST_CA" ]; then
+  buildah copy "$ctr" "$HOST_CA" /etc/ssl/certs/ca-certificates.crt >/dev/null
+  printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' >"$STATE/pip.conf"
+  buildah copy "$ctr" "$STATE/pip.conf" /etc/pip.conf >/dev/null
+fi
 run "$ctr" -- /opt/venv/bin/python -c "import torch; print('[base-image] torch', torch.__version__)" >&2
 buildah config --env PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   --env LANG=C.UTF-8 --cmd /bin/bash --label org.opencontainers.image.description="layerstream smoke-test base: bookworm + python3.11 + torch $TORCH_VERSION (CPU)" \
