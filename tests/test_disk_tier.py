@@ -174,3 +174,30 @@ def test_disk_bandwidth_is_measured_once_per_file_system(tmp_path, monkeypatch):
     again = dbw.disk_bandwidth([f])
     assert again.cached and again.gbps == first.gbps
     assert dbw.filesystem_key(f) in (dbw._cache_path().read_text())
+
+
+def test_disk_block_is_viewed_in_place_and_buffers_recycle(llama_dir):
+    """Same dtype: a disk block's tensors are views into a staging buffer (no copy), and depth + 1
+    buffers serve any number of blocks because retire() hands each back."""
+    from engine.arch import load_model_config
+    from engine.disk_transport import DiskTransport
+    from engine.transport import BlockSource
+
+    cfg = load_model_config(llama_dir)
+    index = WeightIndex(llama_dir)
+    transport = DiskTransport(BlockSource(index, cfg), torch.float32, disk_blocks=range(cfg.num_layers), depth=1)
+    try:
+        buffers = set()
+        for block in list(range(cfg.num_layers)) * 2:
+            ticket = transport.prepare(block)
+            buf = ticket.extra["buffer"]
+            buffers.add(id(buf))
+            lo = buf.tensor.data_ptr()
+            for short, w in ticket.weights.items():
+                assert lo <= w.data_ptr() < lo + buf.nbytes, short
+                torch.testing.assert_close(w, index.view(cfg.block_tensor_names(block)[short]), rtol=0, atol=0)
+            transport.retire(ticket)
+        assert len(buffers) <= 2
+    finally:
+        transport.close()
+        index.close()

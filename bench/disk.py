@@ -1,0 +1,311 @@
+"""`layerstream bench-disk`: a model larger than RAM, transformers vs layerstream under a memory cgroup.
+
+Each peer runs as a child process placed (before it imports anything) in a cgroup v1 memory
+cgroup capped at about half the checkpoint's size, with the page cache dropped before it starts,
+so every byte a decode step needs that does not fit under the cap comes from disk:
+  transformers          from_pretrained + manual greedy decode; its weights are mmap-backed, so
+                        under the cap it pages them in (and out) on demand
+  layerstream           the planner keeps what fits in RAM and reads the rest from disk each step
+                        (the disk tier: O_DIRECT reads ahead of compute)
+  layerstream-uncapped  no cap, every block resident: the reference for identical tokens
+Reported per peer: decode tok/s, bytes read from disk per decode token (/proc/<pid>/io
+read_bytes), the GB/s that makes, and that as a % of the disk's sequential read speed measured
+first on the checkpoint itself (the disk floor: bytes per token / measured GB/s).
+
+Needs root (cgroup v1 memory controller and /proc/sys/vm/drop_caches writable); elsewhere it
+prints why and skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_ROOT = Path(os.environ.get("LAYERSTREAM_BENCH_DIR", "/var/tmp/layerstream-bench"))
+BENCH_MODEL_VERSION = "1"
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+PEERS = ("transformers", "layerstream", "layerstream-uncapped")
+PROMPT = "Once upon a time there was a small model that dreamed of being large. It read its weights from disk"
+
+
+def bench_model_config():
+    """A Llama of ~1.66B parameters, ~3.3 GB in bf16: 34 blocks of ~90 MB, a 32k vocabulary."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=34, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+    )
+
+
+def bench_model_path(root: Path = BENCH_ROOT) -> Path:
+    """Build the ~3.3 GB random-weight checkpoint once, outside the repository (needs ~10 GB RAM once)."""
+    folder = root / f"llama-3.3g-bf16-v{BENCH_MODEL_VERSION}"
+    marker = folder / "layerstream-bench.json"
+    if marker.exists():
+        return folder
+    import torch
+
+    from engine.demo import build_random_model
+
+    print(f"building the ~3.3 GB benchmark checkpoint in {folder} (once, a few minutes)", file=sys.stderr)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    build_random_model(tmp, bench_model_config(), dtype=torch.bfloat16, seed=7, max_shard_size="2GB")
+    (tmp / "layerstream-bench.json").write_text(json.dumps({"version": BENCH_MODEL_VERSION, "random_weights": True}))
+    tmp.rename(folder)
+    return folder
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"checkpoint folder (default: a ~3.3 GB bf16 Llama built once in {BENCH_ROOT})")
+    p.add_argument("--cap", default="half", help="memory cgroup limit: 'half' (of the checkpoint) or a size, e.g. 1.7GB")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {', '.join(PEERS)}")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=8, help="greedy tokens per peer (the first is prefill's)")
+    p.add_argument("--prefetch-depth", type=int, default=2, help="layerstream: blocks read ahead of compute")
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per peer")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ids", default=None, help=argparse.SUPPRESS)
+
+
+# -- child side ---------------------------------------------------------------------------------
+
+def read_bytes() -> int:
+    """Bytes this process (all its threads) caused to be read from storage: page faults,
+    readahead and O_DIRECT reads; page-cache hits do not count."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no read_bytes")
+
+
+def _child_transformers(model: str, ids: list[int], n: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    m.eval()
+    load_s = time.perf_counter() - t0
+    tokens = []
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = m(input_ids=torch.tensor([ids]), use_cache=True)  # (1, prompt, vocab)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        first, io0 = time.perf_counter(), read_bytes()
+        for _ in range(n - 1):
+            out = m(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+        end, io1 = time.perf_counter(), read_bytes()
+    return dict(tokens=tokens, load_s=load_s, ttft_s=first - t0, decode_s=end - first, decode_read_bytes=io1 - io0)
+
+
+def _child_layerstream(model: str, ids: list[int], n: int, depth: int) -> dict:
+    from engine.llm_engine import LLMEngine
+    from engine.loader import EngineArgs
+    from engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineArgs(model=model, max_num_seqs=1, max_model_len=len(ids) + n + 16,
+                                  max_num_batched_tokens=max(64, len(ids)), prefetch_depth=depth,
+                                  show_progress=False))
+    load_s = time.perf_counter() - t0
+    plan = engine.plan
+    t0 = time.perf_counter()
+    engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), "bench")
+    tokens, first, io0, stall0, busy0 = [], None, 0, 0.0, 0.0
+    streamer = engine.model.runner.streamer
+    reader = getattr(streamer.transport, "reader", None)
+    busy = lambda: reader.stats.seconds if reader else 0.0  # noqa: E731 - prefetch thread inside reads
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            if first is None:
+                first, io0, stall0, busy0 = time.perf_counter(), read_bytes(), streamer.stats.stall_seconds, busy()
+    end, io1 = time.perf_counter(), read_bytes()
+    result = dict(tokens=tokens, load_s=load_s, ttft_s=first - t0, decode_s=end - first, decode_read_bytes=io1 - io0,
+                  stall_s=streamer.stats.stall_seconds - stall0, reader_busy_s=busy() - busy0,
+                  resident_blocks=len(plan.resident_blocks),
+                  host_blocks=len(plan.host_blocks), disk_blocks=len(plan.disk_blocks),
+                  planned_disk_bytes_per_step=plan.disk_bytes_per_step, plan=plan.describe())
+    engine.close()
+    return result
+
+
+def _child(ns: argparse.Namespace) -> int:
+    ids = [int(t) for t in ns.ids.split(",")]
+    if ns.child == "transformers":
+        result = _child_transformers(ns.model, ids, ns.decode_tokens)
+    else:
+        result = _child_layerstream(ns.model, ids, ns.decode_tokens, ns.prefetch_depth)
+    print(json.dumps(result))
+    return 0
+
+
+# -- parent side --------------------------------------------------------------------------------
+
+def cgroups_unavailable() -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if not (CGROUP_ROOT / "cgroup.procs").exists():
+        return f"no cgroup v1 memory controller at {CGROUP_ROOT} (cgroup v2-only or not Linux)"
+    probe = CGROUP_ROOT / f"layerstream-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        return f"cannot create a memory cgroup under {CGROUP_ROOT}: {e.strerror} (run as root)"
+    if not os.access(DROP_CACHES, os.W_OK):
+        return f"cannot write {DROP_CACHES} to drop the page cache (run as root)"
+    return None
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    DROP_CACHES.write_text("1\n")
+
+
+class MemoryCgroup:
+    def __init__(self, name: str, limit: int | None):
+        self.path = CGROUP_ROOT / name
+        self.path.mkdir()
+        if limit is not None:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+
+    def join_fn(self):
+        procs = self.path / "cgroup.procs"
+        # Runs in the child between fork and exec: it is capped before the interpreter starts.
+        return lambda: procs.write_text(str(os.getpid()))
+
+    def stat(self) -> dict:
+        def read(name):
+            try:
+                return (self.path / name).read_text()
+            except OSError:
+                return ""
+        oom = {k: int(v) for k, v in (ln.split() for ln in read("memory.oom_control").splitlines()) if v.isdigit()}
+        return dict(max_usage=int(read("memory.max_usage_in_bytes") or 0), failcnt=int(read("memory.failcnt") or 0),
+                    oom_kills=oom.get("oom_kill", 0))
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+def _run_peer(ns, peer: str, model: Path, ids: list[int], cap: int | None) -> dict:
+    drop_page_cache()
+    cg = MemoryCgroup(f"layerstream-bench-{os.getpid()}-{peer}", cap)
+    argv = [sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "bench-disk", "--child",
+            "transformers" if peer == "transformers" else "layerstream", "--model", str(model),
+            "--ids", ",".join(map(str, ids)), "--decode-tokens", str(ns.decode_tokens),
+            "--prefetch-depth", str(ns.prefetch_depth)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, preexec_fn=cg.join_fn(), capture_output=True, text=True, timeout=ns.timeout,
+                              cwd=Path(__file__).resolve().parent.parent)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = "timeout", "", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+    stat = cg.stat()
+    cg.remove()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    res = json.loads(lines[-1]) if rc == 0 and lines else {}
+    res.update(peer=peer, cap=cap, rc=rc, wall_s=time.perf_counter() - t0, **stat)
+    if not lines or rc != 0:
+        res["error"] = ("OOM-killed under the cap" if stat["oom_kills"] or rc == -9 else f"exit {rc}")
+        res["stderr_tail"] = err[-2000:]
+    return res
+
+
+def _floor_columns(r: dict, gbps: float) -> tuple[str, str, str, str]:
+    n = len(r.get("tokens", [])) - 1
+    if n < 1:
+        return "-", "-", "-", "-"
+    tps = n / r["decode_s"]
+    per_tok = r["decode_read_bytes"] / n
+    achieved = r["decode_read_bytes"] / r["decode_s"] / 1e9
+    pct = f"{100 * achieved / gbps:.0f}%" if per_tok > (1 << 20) else "- (cached)"
+    return f"{tps:.3f}", f"{per_tok / 1e9:.2f}", f"{achieved:.2f}", pct
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.child:
+        return _child(ns)
+    why = cgroups_unavailable()
+    if why:
+        print(f"bench-disk: skipped: {why}")
+        return 0
+    peers = [p.strip() for p in ns.peers.split(",") if p.strip()]
+    for p in peers:
+        if p not in PEERS:
+            raise ValueError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+    if ns.decode_tokens < 2:
+        raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
+    from engine.disk_bandwidth import measure
+    from engine.planner import format_bytes, parse_bytes
+
+    model = Path(ns.model) if ns.model else bench_model_path()
+    files = sorted(model.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    cap = size // 2 if ns.cap == "half" else parse_bytes(ns.cap)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model).encode(PROMPT * 4)[:ns.prompt_tokens]
+    # The floor: the disk's own sequential speed, measured now (not from the cache) on this checkpoint.
+    bw = measure(max(files, key=lambda f: f.stat().st_size), max_bytes=1 << 30, max_seconds=5.0)
+    print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
+          f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens; disk: {bw.describe()}", flush=True)
+    results = []
+    for peer in peers:
+        r = _run_peer(ns, peer, model, ids, None if peer.endswith("-uncapped") else cap)
+        results.append(r)
+        print(f"  {peer}: {r.get('error') or 'ok'} in {r['wall_s']:.0f} s", flush=True)
+        if "error" in r:
+            print("    " + r["stderr_tail"].strip().replace("\n", "\n    "), flush=True)
+        if r.get("plan"):
+            print("    " + r["plan"].replace("\n", "\n    "), flush=True)
+        if "reader_busy_s" in r and "error" not in r:
+            print(f"    decode {r['decode_s']:.1f} s: disk reads in progress {r['reader_busy_s']:.1f} s, compute waiting "
+                  f"for a block {r['stall_s']:.1f} s", flush=True)
+    ref = next((r for r in results if r["peer"] == "layerstream-uncapped" and "error" not in r), None)
+    ref = ref or next((r for r in results if "error" not in r), None)
+    rows = []
+    for r in results:
+        tps, per_tok, achieved, pct = _floor_columns(r, bw.gbps)
+        if "error" in r:
+            same = r["error"]
+        elif r is ref:
+            same = "(reference)"
+        else:
+            same = "yes" if r["tokens"] == ref["tokens"] else \
+                f"no (first differs at {next(i for i, (a, b) in enumerate(zip(r['tokens'], ref['tokens'])) if a != b)})"
+        cap_s = "none" if r["cap"] is None else f"{r['cap'] / 1e9:.2f} GB"
+        rows.append([r["peer"], cap_s, tps, per_tok, achieved, pct, f"{r['max_usage'] / 1e9:.2f} GB", same])
+    print()
+    print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "% of disk floor",
+                     "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
+    by = {r["peer"]: r for r in results if "error" not in r}
+    if "transformers" in by and "layerstream" in by:
+        speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
+        print(f"\nlayerstream / transformers decode speed under the same cap: "
+              f"{speed(by['layerstream']) / speed(by['transformers']):.2f}x (target >= 2x)")
+    print(f"disk floor: measured {bw.gbps:.2f} GB/s; % of floor = achieved GB/s / measured GB/s (target >= 70%)")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"disk": bw.__dict__, "prompt_ids": ids, "results": results}, indent=1))
+    return 0
