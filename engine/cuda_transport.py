@@ -37,6 +37,7 @@ import torch
 
 from . import bandwidth
 from .planner import MemoryPlan, format_bytes
+from .safetensors_index import MADV_POPULATE_READ
 from .transport import BlockSource, Ticket, Transport, to_compute
 
 log = logging.getLogger("layerstream")
@@ -265,6 +266,9 @@ class CudaTransport(Transport):
             self._next_stage = (s + 1) % len(self._stage)
             rt.host_wait(self._staged[s])  # the DMA still reading staging s must finish first
             staging = self._stage_views[s][lid]
+            # One syscall maps the block's pages in bulk; touching them one 4 KiB fault at a time
+            # would make this fill, not the DMA, the slowest stage of the pipeline.
+            self.source.advise(block, MADV_POPULATE_READ)
             for name, v in self.source.views(block).items():
                 staging[name].copy_(v)  # page faults and dtype conversion happen here, off the compute thread
             src = self._stage_flat[s][lid]

@@ -1,0 +1,224 @@
+"""The CUDA transport on a GPU: exactness against transformers, copy/compute overlap measured with
+CUDA events, and no buffer-reuse hazard under a stress loop. Every test is marked `cuda` and skips
+without a GPU (tests/conftest.py).
+
+Tolerances, stated:
+  fp32  logits atol = rtol = 1e-4 (TF32 off), greedy tokens identical
+  fp16  logits atol = rtol = 2e-2; bf16 logits atol = 8e-2, rtol = 5e-2 (8 and 11 mantissa bits;
+        two orderings of the same sums differ by a few ulps of the largest partial sum)
+  fp16/bf16 greedy: identical, or at the first divergence our token is in transformers' top 5
+        and within the logit tolerance of its best (vLLM's check_logprobs_close, one-sided).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.models import ARCHS
+from tests.test_overlap import budget_for
+from tests.test_reference import PROMPT, prompt_logits
+
+pytestmark = pytest.mark.cuda
+
+TOL = {"float32": (1e-4, 1e-4), "float16": (2e-2, 2e-2), "bfloat16": (8e-2, 5e-2)}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def hf_greedy(folder, dtype: str, prompt: list[int], n: int):
+    """transformers on the GPU: prompt logits and a plain greedy loop with each step's logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to("cuda").eval()
+    ids, steps = list(prompt), []
+    with torch.no_grad():
+        prompt_out = model(torch.tensor([prompt], device="cuda")).logits[0].float()
+        for _ in range(n):
+            logits = model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+            steps.append(logits.cpu())
+            ids.append(int(logits.argmax()))
+    del model
+    torch.cuda.empty_cache()
+    return ids[len(prompt):], prompt_out.cpu(), steps
+
+
+def check_greedy_close(ours: list[int], ref: list[int], ref_steps: list[torch.Tensor], dtype: str) -> None:
+    if dtype == "float32":
+        assert ours == ref
+        return
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        logits = ref_steps[i]
+        top = logits.topk(5).indices.tolist()
+        atol, rtol = TOL[dtype]
+        assert a in top, f"step {i}: ours {a} not in transformers' top-5 {top}"
+        assert logits[b] - logits[a] <= atol + rtol * abs(float(logits[b])) * 4, (
+            f"step {i}: ours {a} is {float(logits[b] - logits[a]):.4f} below transformers' {b}")
+        return  # after a divergence the two continue from different prefixes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streaming"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_transformers_on_gpu(model_dirs, arch, dtype, streaming):
+    folder = model_dirs[arch]
+    ref_tokens, ref_logits, ref_steps = hf_greedy(folder, dtype, PROMPT, 24)
+    budget = budget_for(folder, resident=1, dtype=dtype) if streaming else None
+    llm = LLM(str(folder), device="cuda", dtype=dtype, max_model_len=128, max_num_seqs=2,
+              max_device_memory=budget)
+    try:
+        if streaming:
+            assert len(llm.plan.resident_blocks) == 1 and llm.plan.streamed_blocks
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(prompt_logits(llm, PROMPT).cpu(), ref_logits, atol=atol, rtol=rtol)
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0]
+        check_greedy_close(out.token_ids, ref_tokens, ref_steps, dtype)
+        if streaming:
+            t = llm.engine.model.runner.streamer.transport
+            assert type(t).__name__ == "CudaTransport" and t.h2d_gbps and t.h2d_gbps > 0.1
+            assert llm.engine.model.runner.streamer.stats.blocks_streamed >= 24 * len(llm.plan.streamed_blocks)
+    finally:
+        llm.close()
+
+
+def test_pinned_cache_equals_staging(llama_dir):
+    budget = budget_for(llama_dir, resident=1, dtype="bfloat16")
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=2, max_device_memory=budget)
+    staged, pinned = LLM(str(llama_dir), **kw), None
+    try:
+        pinned = LLM(str(llama_dir), pin_host_memory=True, **kw)
+        t = pinned.engine.model.runner.streamer.transport
+        assert t._pinned and not t._stage, "the tiny model's pinned cache must fit host memory"
+        assert torch.equal(prompt_logits(staged, PROMPT), prompt_logits(pinned, PROMPT))
+    finally:
+        staged.close()
+        if pinned is not None:
+            pinned.close()
+
+
+@pytest.fixture(scope="module")
+def mid_model(tmp_path_factory):
+    """~130M parameters in bf16 (16 MiB blocks): copies long enough to see on a timeline."""
+    from transformers import LlamaConfig
+
+    from engine.demo import build_random_model
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
+                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return build_random_model(tmp_path_factory.mktemp("mid") / "llama", cfg, dtype=torch.bfloat16, seed=3)
+
+
+def test_copies_overlap_compute(mid_model):
+    """CUDA events around every copy (copy stream) and every block's kernels (compute stream): the
+    copy of the next block runs while the current one computes, and a step takes well under
+    copy + compute."""
+    from engine.cuda_transport import CudaTransport
+
+    budget = budget_for(mid_model, resident=0, dtype="bfloat16")
+    # Pinned cache: prepare() only issues the DMA, so the copy engine (not the host filling staging
+    # buffers) paces the copies and the timeline shows the device-side overlap.
+    llm = LLM(str(mid_model), device="cuda", max_model_len=256, max_num_seqs=2, max_device_memory=budget,
+              pin_host_memory=True)
+    try:
+        runner = llm.engine.model.runner
+        t = runner.streamer.transport
+        assert isinstance(t, CudaTransport) and not llm.plan.resident_blocks and t._pinned
+        t.trace = True
+        # ~0.4 ms of extra kernel time per block, so compute is comparable to the copy of a block.
+        orig_activate = t.activate
+
+        def slow_activate(ticket):
+            w = orig_activate(ticket)
+            torch.cuda._sleep(800_000)
+            return w
+        t.activate = slow_activate
+        for _ in range(4):
+            prompt_logits_step(runner)
+        t.traces.clear()
+        prompt_logits_step(runner)
+        iv = t.trace_intervals()
+        assert len(iv) == len(llm.plan.streamed_blocks)
+        copy_ms = sum(c[1] - c[0] for _, c, _ in iv)
+        compute_ms = sum(k[1] - k[0] for _, _, k in iv)
+        span = iv[-1][2][1] - min(c[0] for _, c, _ in iv)
+        overlapping = sum(1 for (_, _, k), (_, c, _) in zip(iv, iv[1:]) if c[0] < k[1] and k[0] < c[1])
+        why = f"copy {copy_ms:.2f} ms, compute {compute_ms:.2f} ms, span {span:.2f} ms, intervals {iv}"
+        assert overlapping >= (len(iv) - 1) // 2, why
+        assert span < 0.9 * (copy_ms + compute_ms), why
+    finally:
+        llm.close()
+
+
+def prompt_logits_step(runner):
+    from engine.scheduler import ScheduledChunk, Sequence
+
+    s = Sequence("probe", list(PROMPT), 1)
+    s.slot = 0
+    return runner.execute([ScheduledChunk(s, 0, len(PROMPT))])
+
+
+def test_no_buffer_reuse_hazard_under_stress(llama_dir):
+    """Random extra kernel time on both streams lets the host race far ahead of the device; any
+    buffer overwritten while a kernel still reads it, or read before its copy lands, would give
+    another block's weights and visibly wrong logits."""
+    budget = budget_for(llama_dir, resident=0, dtype="float32")
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, max_num_seqs=2)
+    ref = LLM(str(llama_dir), **kw)
+    llm = LLM(str(llama_dir), max_device_memory=budget, **kw)
+    try:
+        t = llm.engine.model.runner.streamer.transport
+        assert not llm.plan.resident_blocks
+        rng_copy, rng_compute = random.Random(1), random.Random(2)
+        orig_copy, orig_activate = t.rt.copy, t.activate
+
+        def slow_copy(dst, src, stream):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(rng_copy.choice([0, 0, 20_000, 200_000]))
+            orig_copy(dst, src, stream)
+
+        def slow_activate(ticket):
+            w = orig_activate(ticket)
+            torch.cuda._sleep(rng_compute.choice([0, 0, 20_000, 200_000]))
+            return w
+        t.rt.copy, t.activate = slow_copy, slow_activate
+        rng = random.Random(0)
+        for i in range(150):
+            prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 12))]
+            torch.testing.assert_close(prompt_logits(llm, prompt), prompt_logits(ref, prompt), atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, i=i: f"iteration {i}: {m}")
+    finally:
+        llm.close()
+        ref.close()
+
+
+def test_startup_oom_names_the_plan(llama_dir):
+    """A plan that claims more than the GPU has (budget given by hand) fails with the plan in the message."""
+    from engine.cuda_transport import DeviceMemoryError
+
+    _free, total = torch.cuda.mem_get_info()
+    seqs = int(2 * total / (128 * 1280)) + 1  # KV cache of the tiny llama: 1280 bytes per token per sequence
+    msg = None
+    try:
+        LLM(str(llama_dir), device="cuda", max_model_len=128, max_num_seqs=seqs, max_device_memory=8 * total,
+            max_num_batched_tokens=seqs)
+    except DeviceMemoryError as e:
+        msg = str(e)
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert msg is not None, "expected a DeviceMemoryError"
+    assert "ran out of memory" in msg and "memory plan" in msg and "--max-device-memory" in msg, msg
