@@ -33,6 +33,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class EngineStepError(RuntimeError):
+    """A step failed (device error, bug); every request in that step fails with this, the engine
+    keeps serving new ones."""
+
+
 class EngineObserver(Protocol):
     """What the engine thread reports (the server turns it into Prometheus metrics). Called on the
     engine thread, so implementations must be cheap and thread-safe."""
@@ -76,7 +81,13 @@ class RequestHandle:
 
     # -- called on the engine thread --------------------------------------------------------------
     def _post(self, item) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._call(self._queue.put_nowait, item)
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the event loop is gone (server shutting down): nobody is waiting any more
 
     def _resolve(self, error: BaseException | None) -> None:
         def set_result():
@@ -85,7 +96,7 @@ class RequestHandle:
                     self.accepted.set_result(None)
                 else:
                     self.accepted.set_exception(error)
-        self._loop.call_soon_threadsafe(set_result)
+        self._call(set_result)
 
     # -- called on the event loop -----------------------------------------------------------------
     async def outputs(self):
@@ -255,9 +266,10 @@ class EngineLoop:
             outputs: list[RequestOutput] = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving
             log.exception("engine step failed; failing %d requests", len(self._tracked))
+            error = EngineStepError(f"the engine failed during a step: {type(e).__name__}: {e}")
             for rid, t in list(self._tracked.items()):
                 self.engine.abort(rid)
-                t.handle._post(e)
+                t.handle._post(error)
             self._tracked.clear()
             return
         now = time.perf_counter()

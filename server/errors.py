@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.engine_loop import EngineDeadError, EngineNotReadyError
+from engine.engine_loop import EngineDeadError, EngineNotReadyError, EngineStepError
 from engine.llm_engine import PromptTooLongError
 from engine.sampling_params import InvalidParameter
 from engine.scheduler import QueueFullError
@@ -104,6 +104,8 @@ def error_for(exc: BaseException) -> MappedError:
         headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
     elif isinstance(exc, EngineDeadError):
         status, message = 503, str(exc)
+    elif isinstance(exc, EngineStepError):
+        status, message = 500, str(exc)
     elif isinstance(exc, StarletteHTTPException):
         status, message = exc.status_code, str(exc.detail)
         headers.update(exc.headers or {})
@@ -127,5 +129,5 @@ def install(app) -> None:
     # then re-raises (the connection is dropped): so every expected class is registered by name
     # and only a real bug reaches the Exception handler (500, logged with its traceback).
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ValueError, QueueFullError,
-                     EngineNotReadyError, EngineDeadError, Exception):
+                     EngineNotReadyError, EngineDeadError, EngineStepError, Exception):
         app.add_exception_handler(exc_type, handle_exception)

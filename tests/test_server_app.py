@@ -1,0 +1,126 @@
+"""The server in-process (httpx's ASGI transport, no sockets): states that are hard to reach from
+outside a real server: loading, a failed load, an engine that fails mid-stream; plus the
+LAYERSTREAM_* environment defaults and the exit status of a server whose model cannot load."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.loader import EngineArgs
+from server.app import build_app
+from server.cli import add_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _request(app, method: str, path: str, **kw) -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_health_503_while_loading_then_failed():
+    release = threading.Event()
+
+    def slow_factory(_args):
+        release.wait(30)
+        raise ValueError("budget too small for this model")
+
+    engine = EngineLoop(EngineArgs(model="unused"), engine_factory=slow_factory).start()
+    app = build_app(engine, "m")
+    r = _request(app, "GET", "/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading"
+    r = _request(app, "POST", "/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "loading" in r.json()["error"]["message"]
+    assert _request(app, "GET", "/v1/models").json()["data"][0]["id"] == "m"
+    release.set()
+    assert not engine.wait_ready(10)
+    r = _request(app, "GET", "/health")
+    assert r.status_code == 503 and "budget too small" in r.json()["status"]
+    assert _request(app, "POST", "/v1/completions", json={"prompt": "hi"}).status_code == 503
+
+
+@pytest.fixture(scope="module")
+def flaky_engine(llama_dir):
+    """A real engine over the tiny model whose step fails while `fail` is set."""
+    state = {"fail_after": None, "steps": 0}
+
+    def factory(args):
+        engine = LLMEngine(args)
+        step = engine.step
+
+        def flaky_step():
+            state["steps"] += 1
+            if state["fail_after"] is not None and state["steps"] > state["fail_after"]:
+                raise RuntimeError("simulated device failure")
+            return step()
+
+        engine.step = flaky_step
+        return engine
+
+    loop = EngineLoop(EngineArgs(model=str(llama_dir), max_model_len=128, show_progress=False),
+                      engine_factory=factory).start()
+    assert loop.wait_ready(120), loop.error
+    yield loop, state
+    loop.shutdown()
+
+
+def test_engine_error_mid_stream_is_an_sse_error_frame(flaky_engine):
+    engine, state = flaky_engine
+    app = build_app(engine, "m")
+    body = {"prompt": "Hello", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
+    state["steps"], state["fail_after"] = 0, 3
+    r = _request(app, "POST", "/v1/completions", json=body)
+    assert r.status_code == 200
+    frames = r.text.split("\n\n")[:-1]
+    assert frames[-1] == "data: [DONE]"
+    err = json.loads(frames[-2][len("data: "):])["error"]
+    assert err["code"] == 500 and "simulated device failure" in err["message"]
+    assert len(frames) >= 3  # some tokens arrived before the failure
+    # Non-streamed, the same failure is a 500 in OpenAI's shape; then the engine keeps serving.
+    state["steps"], state["fail_after"] = 0, 1
+    r = _request(app, "POST", "/v1/completions", json={**body, "stream": False})
+    assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
+    state["fail_after"] = None
+    r = _request(app, "POST", "/v1/completions", json={**body, "stream": False})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+    assert not engine.engine.has_unfinished()
+
+
+def test_flags_from_environment(monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_MAX_DEVICE_MEMORY", "4GiB")
+    monkeypatch.setenv("LAYERSTREAM_PORT", "9123")
+    monkeypatch.setenv("LAYERSTREAM_API_KEY", "k")
+    monkeypatch.setenv("LAYERSTREAM_MAX_QUEUE", "7")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    ns = p.parse_args([])
+    assert (ns.max_device_memory, ns.port, ns.api_key, ns.max_queue, ns.model) == ("4GiB", 9123, "k", 7, "demo")
+    assert p.parse_args(["--port", "1"]).port == 1  # the command line wins
+    monkeypatch.setenv("LAYERSTREAM_PORT", "not-a-port")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(SystemExit):  # checked like the flag itself
+        p.parse_args([])
+
+
+def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "missing"),
+                           "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "missing" in proc.stderr and "loading the model failed" in proc.stderr
