@@ -1,8 +1,8 @@
 """End to end: a real `layerstream serve` subprocess on loopback serving a tiny fp32 llama, driven by
 the official openai client (sync and async, streamed and not) and by raw httpx for the wire format.
 
-Two servers per session: `server` (no auth, 4 of 5 blocks streamed so the streaming path and its
-telemetry are exercised) and `auth_server` (configured only through LAYERSTREAM_* variables, with
+Two servers per session: `server` (no auth, a device budget that streams most of the 5 blocks, so
+the streaming path and its telemetry are exercised) and `auth_server` (configured only through LAYERSTREAM_* variables, with
 an API key and room for one running + one waiting request, for the auth and overload cases).
 """
 
@@ -161,8 +161,8 @@ def test_metrics_streaming_telemetry(server):
                  "layerstream_streamed_bytes_last_step", "layerstream_streaming_gbps",
                  "layerstream_stall_seconds_per_step_bucket"]:
         assert name in text, name
-    assert server.metric("layerstream_blocks_resident") == 1
-    assert server.metric("layerstream_blocks_streamed") == 4
+    streamed = server.metric("layerstream_blocks_streamed")
+    assert streamed >= 1 and server.metric("layerstream_blocks_resident") + streamed == 5
     assert server.metric("layerstream_planned_streamed_bytes_per_step") > 0
     assert server.metric("layerstream_streamed_bytes_total") > 0
     assert server.metric("layerstream_requests_total", route="/v1/completions", status="200") >= 1
