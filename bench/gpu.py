@@ -1,0 +1,202 @@
+"""GPU benchmark: host->device bandwidth, then decode of one model under one device budget,
+layerstream streaming (staging from the mmap, and with --pin-host-memory) vs transformers +
+accelerate offload (device_map="auto" with max_memory), with layerstream all-resident as the
+compute reference.
+
+For each streaming peer it prints bytes streamed per token, decode time per token, and the
+bandwidth limit (bytes per token / measured host->device GB/s) as an efficiency %.
+
+    python -m bench.gpu [--model FOLDER] [--resident-fraction 0.25] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.common import bench_model_path, fmt, machine_description, table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the shared benchmark checkpoint)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--resident-fraction", type=float, default=0.25,
+                   help="share of the blocks the device budget keeps resident; the rest stream")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def _prompt(n: int) -> list[int]:
+    return [(17 * i + 5) % 500 + 1 for i in range(n)]
+
+
+def _tpot(times: list[float]) -> float | None:
+    """Median seconds between consecutive output tokens (decode only: the prefill token is first)."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
+def _layerstream(ns, folder: Path, budget: int | None, pin: bool) -> dict:
+    from engine.llm_engine import LLMEngine
+    from engine.loader import EngineArgs
+    from engine.sampling_params import SamplingParams
+
+    ids = _prompt(ns.prompt_tokens)
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineArgs(model=str(folder), device=ns.device, dtype=ns.dtype, max_device_memory=budget,
+                                  max_model_len=ns.prompt_tokens + ns.max_tokens + 16, max_num_seqs=1,
+                                  pin_host_memory=pin, show_progress=False))
+    load_s = time.perf_counter() - t0
+    try:
+        plan = engine.plan
+        runner = engine.model.runner
+
+        def generate(n: int) -> tuple[list[float], list[float]]:
+            engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            times, stalls = [], []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    times += [time.perf_counter()] * len(out.new_token_ids)
+                stalls.append(runner.last_step.stream.stall_seconds)
+            return times, stalls
+
+        generate(4)  # warm-up: kernel selection, first-touch of pages
+        times, stalls = generate(ns.max_tokens)
+        t = runner.streamer.transport
+        return {"load_s": load_s, "resident_blocks": len(plan.resident_blocks),
+                "streamed_blocks": len(plan.streamed_blocks), "bytes_per_token": plan.streamed_bytes_per_step,
+                "device_budget": budget, "planned_device_bytes": plan.device_bytes,
+                "host_pinned_bytes": getattr(t, "host_bytes", 0), "tpot_s": _tpot(times),
+                "stall_ms_per_step": 1e3 * statistics.median(stalls[1:] or stalls)}
+    finally:
+        engine.close()
+
+
+def _transformers_offload(ns, folder: Path, budget: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    from engine.loader import DTYPE_NAMES
+    from engine.safetensors_index import WeightIndex
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+            self.calls = 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls > 1:  # the first call carries the prompt
+                self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    t0 = time.perf_counter()
+    # accelerate places whole blocks on the GPU until max_memory is used and offloads the rest to
+    # the CPU, moving them to the GPU in every forward pass (AlignDevicesHook).
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE_NAMES[ns.dtype], device_map="auto",
+                                                 max_memory={0: budget, "cpu": "512GiB"}).eval()
+    load_s = time.perf_counter() - t0
+    dmap = getattr(model, "hf_device_map", {})
+    index = WeightIndex(folder)
+    try:
+        offloaded = sum(e.nbytes for name, e in index.entries.items()
+                        if any(dev in ("cpu", "disk") and (name == m or name.startswith(m + "."))
+                               for m, dev in dmap.items()))
+    finally:
+        index.close()
+    inp = torch.tensor([_prompt(ns.prompt_tokens)], device="cuda")
+
+    def generate(n: int) -> list[float]:
+        clock = Clock()
+        with torch.inference_mode():
+            model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, streamer=clock, pad_token_id=0)
+        return [time.perf_counter()] if not clock.times else clock.times
+
+    generate(4)
+    times = generate(ns.max_tokens)
+    on_gpu = sum(1 for dev in dmap.values() if dev not in ("cpu", "disk"))
+    result = {"load_s": load_s, "bytes_per_token": offloaded, "tpot_s": _tpot(times), "device_budget": budget,
+              "device_map_entries_on_gpu": on_gpu, "device_map_entries_offloaded": len(dmap) - on_gpu}
+    del model
+    torch.cuda.empty_cache()
+    return result
+
+
+def run(ns: argparse.Namespace) -> int:
+    import torch
+
+    from engine import bandwidth
+    from engine.loader import EngineArgs, load_model
+
+    if not torch.cuda.is_available():
+        print("bench.gpu: no CUDA device", file=sys.stderr)
+        return 1
+    folder = Path(ns.model) if ns.model else bench_model_path()
+    gpu = torch.cuda.get_device_name()
+    h2d = bandwidth.host_to_device_gbps(ns.device)
+    print(f"{gpu}; host: {machine_description()}")
+    print(f"model: {folder}")
+    print(f"host->device (pinned, 256 MiB copies): {h2d:.1f} GB/s")
+
+    # The plan's figures for this model and dtype, to size a budget that keeps a fraction resident.
+    probe = load_model(EngineArgs(model=str(folder), dtype=ns.dtype, max_num_seqs=1,
+                                  max_model_len=ns.prompt_tokens + ns.max_tokens + 16, show_progress=False), folder)
+    p = probe.plan
+    probe.runner.streamer.close()
+    probe.index.close()
+    keep = int(ns.resident_fraction * p.num_layers)
+    budget = (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (p.prefetch_depth + 1 + keep) * p.block_bytes
+              + p.block_bytes // 2)
+    print(f"{p.num_layers} blocks of {p.block_bytes / 2**20:.1f} MiB; device budget {budget / 2**30:.2f} GiB "
+          f"keeps {keep} resident")
+
+    results = {"resident": _layerstream(ns, folder, None, False)}
+    results["streaming"] = _layerstream(ns, folder, budget, False)
+    results["streaming --pin-host-memory"] = _layerstream(ns, folder, budget, True)
+    if not ns.skip_transformers:
+        try:
+            results["transformers+accelerate offload"] = _transformers_offload(ns, folder, budget)
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
+            print(f"transformers+accelerate offload failed: {e}", file=sys.stderr)
+
+    rows = []
+    for name, r in results.items():
+        nbytes, tpot = r["bytes_per_token"], r["tpot_s"]
+        floor = nbytes / (h2d * 1e9) if nbytes else None
+        achieved, pct = bandwidth.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
+        r.update(h2d_gbps=h2d, floor_s=floor, achieved_gbps=achieved, pct_of_floor=pct)
+        rows.append([name, fmt((r.get("device_budget") or 0) / 2**30), f"{nbytes / 2**20:.0f}",
+                     fmt(tpot * 1e3 if tpot else None), fmt(floor * 1e3 if floor else None),
+                     fmt(achieved, 1), fmt(pct, 0), fmt(r.get("stall_ms_per_step"))])
+    print()
+    print(table(["peer", "device budget GiB", "MiB streamed/token", "decode ms/token", "bandwidth limit ms/token",
+                 "achieved GB/s", "% of limit", "stall ms/step"], rows))
+    print(f"\nbandwidth limit = bytes streamed per token / {h2d:.1f} GB/s (measured host->device); "
+          "% of limit = limit / decode time per token")
+    if ns.json:
+        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.json).write_text(json.dumps({"gpu": gpu, "model": str(folder), "h2d_gbps": h2d,
+                                             "results": results}, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
