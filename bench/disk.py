@@ -257,7 +257,7 @@ def run(ns: argparse.Namespace) -> int:
             raise ValueError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
     if ns.decode_tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
-    from engine.disk_bandwidth import measure
+    from engine.disk_bandwidth import disk_bandwidth
     from engine.planner import format_bytes, parse_bytes
 
     model = Path(ns.model) if ns.model else bench_model_path()
@@ -267,8 +267,9 @@ def run(ns: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(model).encode(PROMPT * 4)[:ns.prompt_tokens]
-    # The floor: the disk's own sequential speed, measured now (not from the cache) on this checkpoint.
-    bw = measure(max(files, key=lambda f: f.stat().st_size), max_bytes=1 << 30, max_seconds=5.0)
+    # The floor: the disk's own sequential speed, measured now on this checkpoint and cached, so the
+    # layerstream child plans with the same figure.
+    bw = disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=5.0)
     print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
           f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens; disk: {bw.describe()}", flush=True)
     results = []

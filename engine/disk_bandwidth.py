@@ -111,8 +111,10 @@ def measure(path: str | os.PathLike, max_bytes: int = MEASURE_BYTES, max_seconds
     return DiskBandwidth(done / seconds / 1e9, done, seconds, direct_used, str(path), time.time())
 
 
-def disk_bandwidth(paths, use_cache: bool = True) -> DiskBandwidth:
-    """Bandwidth of the file system holding `paths` (measured on the largest), cached per file system."""
+def disk_bandwidth(paths, use_cache: bool = True, max_bytes: int = MEASURE_BYTES,
+                   max_seconds: float = MEASURE_SECONDS) -> DiskBandwidth:
+    """Bandwidth of the file system holding `paths` (measured on the largest), cached per file system;
+    use_cache=False measures again (and caches the new figure)."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("no files to measure the disk bandwidth on")
@@ -125,7 +127,7 @@ def disk_bandwidth(paths, use_cache: bool = True) -> DiskBandwidth:
                 return DiskBandwidth(**rec, cached=True)
             except TypeError:
                 pass  # a record from another version: measure again
-    bw = measure(largest)
+    bw = measure(largest, max_bytes, max_seconds)
     log.info("disk bandwidth of %s: %s", key, bw.describe())
     if bw.bytes_read >= MIN_CACHED_BYTES:
         _store(key, bw)
