@@ -88,7 +88,7 @@ def measure(path: str | os.PathLike, max_bytes: int = MEASURE_BYTES, max_seconds
     start = ((size - length) // 2) // ALIGN * ALIGN
     reader = DiskReader([path], direct=direct)
     try:
-        if not reader.direct:
+        if not reader.direct and hasattr(os, "posix_fadvise"):
             # Buffered: drop the file's cached pages so the read reaches the disk.
             fd = os.open(path, os.O_RDONLY)
             try:

@@ -239,7 +239,7 @@ class DiskReader:
                 raise OSError(errno.EIO, f"{f.path}: unexpected end of file at byte {file_off + done} "
                                          f"(file is {f.size} bytes); was it truncated while in use?")
             done += got
-        if not f.direct and want:
+        if not f.direct and want and hasattr(os, "posix_fadvise"):
             # Buffered fallback: drop what we just read, so streaming a larger-than-RAM model does
             # not fill the page cache (nor the memory cgroup it is charged to).
             os.posix_fadvise(f.fd, file_off, want, os.POSIX_FADV_DONTNEED)

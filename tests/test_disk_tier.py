@@ -223,3 +223,14 @@ def test_pinned_staging_feeds_a_device_copy(llama_dir):
     finally:
         reader.close()
         index.close()
+
+
+def test_bench_disk_skips_without_writable_cgroups(tmp_path, monkeypatch, capsys):
+    from bench import disk
+
+    monkeypatch.setattr(disk, "CGROUP_ROOT", tmp_path / "no-cgroup-here")
+    assert "no cgroup v1 memory controller" in disk.cgroups_unavailable()
+    from engine.cli import main
+
+    assert main(["bench-disk", "--model", str(tmp_path)]) == 0
+    assert "bench-disk: skipped: no cgroup v1 memory controller" in capsys.readouterr().out
