@@ -99,6 +99,7 @@ class CudaRuntime:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._registered: list[torch.Tensor] = []
 
     def stream(self):
         return torch.cuda.Stream(device=self.device)
@@ -113,7 +114,25 @@ class CudaRuntime:
         return torch.empty(n, dtype=torch.uint8, device=self.device)
 
     def pinned_bytes(self, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        """Exactly n page-locked bytes. pin_memory=True goes through the caching host allocator,
+        which rounds every block up to a power of two (a 22 MiB block would pin 32 MiB), so
+        register a plain allocation instead and fall back to the allocator if that fails."""
+        buf = torch.empty(n, dtype=torch.uint8)
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), n, 0)
+            ok = int(getattr(err, "value", err)) == 0
+        except (AttributeError, RuntimeError, TypeError):
+            ok = False
+        if not ok:
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        self._registered.append(buf)
+        return buf
+
+    def release(self) -> None:
+        """Unregister what pinned_bytes registered (after a synchronize: no DMA reads it any more)."""
+        for buf in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._registered.clear()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         with torch.cuda.stream(stream):
@@ -203,6 +222,7 @@ class CudaTransport(Transport):
 
     # -- load time ---------------------------------------------------------------------------
     def _pin_all(self, streamed: list[int], host_budget: int | None) -> None:
+        """Convert and pin every streamed block once; prepare() then only issues DMAs."""
         from .loader import host_memory_available
 
         need = sum(self._layout[b].nbytes for b in streamed)
@@ -225,6 +245,7 @@ class CudaTransport(Transport):
             log.warning("--pin-host-memory: pinning failed after %d blocks (%s); staging from the mmap instead",
                         len(self._pinned), e)
             self._pinned.clear()
+            self.rt.release()  # nothing else is registered yet: staging comes after this
             return
         self.host_bytes += need
         log.info("pinned %d streamed blocks (%s of host memory) in %.1f s", len(streamed), format_bytes(need),
@@ -315,6 +336,7 @@ class CudaTransport(Transport):
             self.rt.synchronize()  # no DMA may still target memory about to be released
         self._dev, self._dev_views, self._dev_flat, self._pinned = [], [], [], {}
         self._stage, self._stage_views, self._stage_flat = [], [], []
+        self.rt.release()
         self._free.clear()
         self.host_bytes = 0
 

@@ -186,6 +186,9 @@ class RecordingRuntime:
     def synchronize(self):
         pass
 
+    def release(self):
+        pass
+
     def copy_gbps(self, dst, src):
         return None
 
