@@ -10,7 +10,7 @@ transport's) and stretches time on both sides of the pipeline:
 Both are sleeps, which release the GIL: a correct streamer overlaps them, so a step with N
 streamed blocks takes about N * max(copy, compute) + a small constant, not N * (copy + compute).
 
-`layerstream ... --transport simulated` (EngineArgs.transport) reads its rates from
+`EngineArgs(transport="simulated")` (e.g. `LLM(..., transport="simulated")`) reads its rates from
 LAYERSTREAM_SIM_GBPS (copy bandwidth, default 2 GB/s) and LAYERSTREAM_SIM_COMPUTE_MS (per block,
 default 0).
 """
