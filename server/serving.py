@@ -174,26 +174,31 @@ class OpenAIServing:
             return self._completion_stream(job, req)
         await self._collect(job)
         choices = [CompletionChoice(index=c.index, text=c.echo_text + c.text, finish_reason=c.finish_reason,
-                                    logprobs=self._completion_logprobs(c.logprobs, len(c.echo_text))
+                                    logprobs=self._completion_logprobs(c.logprobs, [len(c.echo_text)])
                                     if req.logprobs is not None else None)
                    for c in sorted(job.choices.values(), key=lambda c: c.index)]
         return CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                   choices=choices, usage=job.usage())
 
-    def _completion_logprobs(self, infos: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+    def _completion_logprobs(self, infos: list[TokenLogprobs], offset: list[int]) -> CompletionLogprobs:
+        """offset: [character offset of the next token in the choice's text], advanced in place so a
+        stream's chunks continue where the previous one ended."""
         lp = CompletionLogprobs()
         for info in infos:
             tok = self._token_text(info.token_id)
-            lp.text_offset.append(offset)
+            lp.text_offset.append(offset[0])
             lp.tokens.append(tok)
             lp.token_logprobs.append(info.logprob)
-            lp.top_logprobs.append({self._token_text(t): v for t, v in info.top})
-            offset += len(tok)
+            top: dict[str, float] = {}
+            for t, v in info.top:  # best first; two ids with the same text keep the better logprob
+                top.setdefault(self._token_text(t), v)
+            lp.top_logprobs.append(top)
+            offset[0] += len(tok)
         return lp
 
     async def _completion_stream(self, job: _Job, req: CompletionRequest) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        offsets: dict[int, int] = {}
+        offsets = {c.index: [len(c.echo_text)] for c in job.choices.values()}
         try:
             async for out in job.handle.outputs():
                 c = job.apply(out)
@@ -205,9 +210,7 @@ class OpenAIServing:
                     continue  # text held back (incomplete character, possible stop string)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(out.logprobs, offsets.get(c.index, len(c.echo_text)))
-                    offsets[c.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens \
-                        else offsets.get(c.index, 0)
+                    logprobs = self._completion_logprobs(out.logprobs, offsets[c.index])
                 chunk = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                            choices=[CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                                                      finish_reason=c.finish_reason)])

@@ -182,6 +182,11 @@ def test_completion_fields_and_usage(server, tokenizer):
     # Greedy: the chosen token is the most likely one.
     for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
         assert lp == pytest.approx(max(top.values()), abs=1e-5)
+    # Streamed, the logprobs of all chunks add up to the same list, offsets included.
+    chunks = list(server.client().completions.create(model="tiny", prompt=PROMPT, logprobs=3, stream=True,
+                                                     **greedy()))
+    assert sum((ch.choices[0].logprobs.tokens for ch in chunks), []) == c.logprobs.tokens
+    assert sum((ch.choices[0].logprobs.text_offset for ch in chunks), []) == c.logprobs.text_offset
 
 
 def test_stream_equals_non_stream(server):
@@ -282,6 +287,20 @@ def test_stop_strings_excluded(server):
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model="tiny", prompt=PROMPT, stream=True, **greedy(max_tokens=24), **kw))
         assert streamed == cut
+
+
+def test_chat_n_streamed(server):
+    msgs = [{"role": "user", "content": "Hi"}]
+    chunks = list(server.client().chat.completions.create(model="tiny", messages=msgs, n=2, stream=True,
+                                                          **greedy(max_tokens=5)))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        (choice,) = ch.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    assert sum(1 for c in chunks if c.choices[0].finish_reason == "length") == 2
+    whole = server.client().chat.completions.create(model="tiny", messages=msgs, **greedy(max_tokens=5))
+    assert texts[0] == texts[1] == whole.choices[0].message.content
 
 
 def test_chat_usage_matches_template(server, tokenizer):
