@@ -94,8 +94,9 @@ class OpenAIServing:
     def _params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if not 1 <= req.n <= MAX_N:
             raise InvalidParameter("n", f"n must be in [1, {MAX_N}], got {req.n}")
-        if req.stream and getattr(req, "best_of", None) not in (None, 1, req.n):
-            raise InvalidParameter("best_of", "best_of is not supported")
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of > req.n:
+            raise InvalidParameter("best_of", f"best_of > n is not supported (got best_of {best_of}, n {req.n})")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,

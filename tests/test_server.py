@@ -2,8 +2,9 @@
 the official openai client (sync and async, streamed and not) and by raw httpx for the wire format.
 
 Two servers per session: `server` (no auth, a device budget that streams most of the 5 blocks, so
-the streaming path and its telemetry are exercised) and `auth_server` (configured only through LAYERSTREAM_* variables, with
-an API key and room for one running + one waiting request, for the auth and overload cases).
+the streaming path and its telemetry are exercised) and `auth_server` (configured only through
+LAYERSTREAM_* variables, with an API key and room for one running + one waiting request, for the
+auth and overload cases).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -279,7 +279,8 @@ def test_stop_strings_excluded(server):
     full = client.completions.create(model="tiny", prompt=PROMPT, **greedy(max_tokens=24))
     text = full.choices[0].text
     # A stop string from the middle of the greedy text: the output must end right before it.
-    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3])
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3)
+                if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3])
     cut = text[:text.find(stop)]
     for kw in ({"stop": stop}, {"stop": ["zzzzqqq", stop]}):
         r = client.completions.create(model="tiny", prompt=PROMPT, **greedy(max_tokens=24), **kw)
