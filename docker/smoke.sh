@@ -120,7 +120,11 @@ print(f\"[smoke {sys.argv[2]:>4}s] POST /v1/completions -> 200: {u['prompt_token
 " "$body" "$SECONDS" || fail "unexpected completion: $body"
 
 # `docker stop` sends SIGTERM to PID 1, the server process itself.
-pypid=$(pgrep -u "$uid" -f "^/[^ ]*python[^ ]* [^ ]*/${serve[0]} ${serve[1]}" | head -1 || true)
+descendants() { local p; for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done; }
+pypid=
+for p in $(descendants "$server_pid"); do
+  if [[ $(ps -o uid=,args= -p "$p") =~ ^\ *$uid\ [^\ ]*python ]]; then pypid=$p; fi
+done
 [ -n "$pypid" ] || fail "server process not found"
 kill -TERM "$pypid"
 for _ in $(seq 1 20); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
