@@ -384,12 +384,25 @@ def test_disconnect_mid_stream_cancels(server):
 
 def test_disconnect_non_streamed_cancels(server):
     aborted = server.metric("layerstream_request_finished_total", finished_reason="abort")
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "n": 4, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            post = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while server.metric("layerstream_num_requests_running") == 0:
+                assert not post.done(), "finished before it could be cancelled"
+                await asyncio.sleep(0.02)
+            post.cancel()  # the connection is closed with the response still pending
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(go())
     deadline = time.monotonic() + 20
-    while server.metric("layerstream_request_finished_total", finished_reason="abort") <= aborted:
+    while server.metric("layerstream_request_finished_total", finished_reason="abort") < aborted + 4:
         assert time.monotonic() < deadline, "the engine never cancelled the request"
+        time.sleep(0.1)
+    while server.metric("layerstream_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the cancelled requests still hold slots"
         time.sleep(0.1)
 
 
