@@ -244,6 +244,13 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
 def run(ns: argparse.Namespace) -> int:
     if ns.child:
         return _child(ns)
@@ -272,6 +279,7 @@ def run(ns: argparse.Namespace) -> int:
     bw = disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=5.0)
     print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
           f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens; disk: {bw.describe()}", flush=True)
+    load_before = _loadavg()
     results = []
     for peer in peers:
         r = _run_peer(ns, peer, model, ids, None if peer.endswith("-uncapped") else cap)
@@ -297,16 +305,23 @@ def run(ns: argparse.Namespace) -> int:
             same = "yes" if r["tokens"] == ref["tokens"] else \
                 f"no (first differs at {next(i for i, (a, b) in enumerate(zip(r['tokens'], ref['tokens'])) if a != b)})"
         cap_s = "none" if r["cap"] is None else f"{r['cap'] / 1e9:.2f} GB"
-        rows.append([r["peer"], cap_s, tps, per_tok, achieved, pct, f"{r['max_usage'] / 1e9:.2f} GB", same])
+        busy = (f"{100 * r['reader_busy_s'] / r['decode_s']:.0f}%"
+                if r.get("disk_blocks") and r.get("decode_s") else "-")
+        rows.append([r["peer"], cap_s, tps, per_tok, achieved, pct, busy, f"{r['max_usage'] / 1e9:.2f} GB", same])
     print()
     print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "% of disk floor",
-                     "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
+                     "reads in flight", "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
     by = {r["peer"]: r for r in results if "error" not in r}
     if "transformers" in by and "layerstream" in by:
         speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
         print(f"\nlayerstream / transformers decode speed under the same cap: "
               f"{speed(by['layerstream']) / speed(by['transformers']):.2f}x (target >= 2x)")
-    print(f"disk floor: measured {bw.gbps:.2f} GB/s; % of floor = achieved GB/s / measured GB/s (target >= 70%)")
+    print(f"disk floor: measured {bw.gbps:.2f} GB/s; % of floor = achieved GB/s / measured GB/s (target >= 70%); "
+          "reads in flight = share of decode time the disk tier had reads outstanding (well under 100%: "
+          "compute, not the disk, set the pace)")
+    print(f"load average before / after: {load_before} / {_loadavg()} on {os.cpu_count()} CPUs "
+          "(other processes share the machine: figures are noisy)")
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"disk": bw.__dict__, "prompt_ids": ids, "results": results}, indent=1))
+        Path(ns.json).write_text(json.dumps({"disk": bw.__dict__, "prompt_ids": ids, "load_before": load_before,
+                                             "load_after": _loadavg(), "results": results}, indent=1))
     return 0
