@@ -78,6 +78,7 @@ class RequestHandle:
         self.accepted: asyncio.Future = loop.create_future()  # None, or the exception add_request raised
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished = {r.request_id for r in requests}
+        self.arrival = time.perf_counter()  # time to first token counts the wait for the engine thread too
 
     # -- called on the engine thread --------------------------------------------------------------
     def _post(self, item) -> None:
@@ -256,9 +257,8 @@ class EngineLoop:
                 self.engine.abort(r.request_id)
             handle._resolve(e)
             return
-        now = time.perf_counter()
         for r in added:
-            self._tracked[r.request_id] = _Tracked(handle, now, prompt_tokens=len(r.prompt_ids))
+            self._tracked[r.request_id] = _Tracked(handle, handle.arrival, prompt_tokens=len(r.prompt_ids))
         handle._resolve(None)
 
     def _step(self) -> None:

@@ -102,6 +102,24 @@ def test_engine_error_mid_stream_is_an_sse_error_frame(flaky_engine):
     assert not engine.engine.has_unfinished()
 
 
+def test_requests_in_flight_share_steps(flaky_engine):
+    """Four 10-token requests submitted together finish in about 10 engine steps, not 40."""
+    from engine.engine_loop import EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    engine, state = flaky_engine
+    state["steps"], state["fail_after"] = 0, None
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    async def go():
+        handle = engine.submit([EngineRequest(f"share-{i}", [11 + i, 12, 13], params) for i in range(4)])
+        return [o async for o in handle.outputs()]
+
+    outs = asyncio.run(go())
+    assert sorted(o.request_id for o in outs if o.finished) == [f"share-{i}" for i in range(4)]
+    assert len(outs) == 40 and state["steps"] <= 11
+
+
 def test_flags_from_environment(monkeypatch):
     monkeypatch.setenv("LAYERSTREAM_MAX_DEVICE_MEMORY", "4GiB")
     monkeypatch.setenv("LAYERSTREAM_PORT", "9123")
