@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot before new ones get 503 + Retry-After")
+    p.epilog = (f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG>, e.g. "
+                f"{ENV_PREFIX}MAX_DEVICE_MEMORY=4GiB; a flag given on the command line wins.")
     apply_env_defaults(p)
 
 
@@ -41,7 +43,8 @@ def apply_env_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None:
             action.default = value.strip().lower() in _TRUE
         else:
             action.default = value
-        action.help = f"{action.help or ''} [env {ENV_PREFIX}{action.dest.upper()}={value}]".strip()
+        # The value is not echoed: it may be a secret (LAYERSTREAM_API_KEY).
+        action.help = f"{action.help or ''} [set by {ENV_PREFIX}{action.dest.upper()}]".strip()
 
 
 def run(ns: argparse.Namespace) -> int:
