@@ -6,7 +6,7 @@ measures the host->device link and turns a MemoryPlan into that floor, so start-
 expected time per step and the metrics can report achieved GB/s as a "% of floor".
 
 Function names are the contract with other tiers: a disk tier passes its measured read bandwidth
-as `disk_gbps` to `expected_step`, the metrics call `efficiency`.
+as `disk_gbps` to `expected_step`; metrics call `efficiency(bytes, seconds, stream_link_gbps(...))`.
 """
 
 from __future__ import annotations
@@ -110,3 +110,10 @@ def efficiency(nbytes: int, seconds: float, gbps: float | None) -> tuple[float, 
         return 0.0, None
     achieved = nbytes / seconds / GB
     return achieved, (100.0 * achieved / gbps if gbps else None)
+
+
+def stream_link_gbps(transport, plan: MemoryPlan) -> float | None:
+    """The measured speed of the slowest link streamed bytes cross: host->device for the CUDA (or
+    simulated) transport, the disk for the disk tier; None when nothing was measured."""
+    links = [g for g in (getattr(transport, "h2d_gbps", None), getattr(plan, "disk_gbps", None)) if g]
+    return min(links) if links else None

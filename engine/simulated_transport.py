@@ -55,6 +55,12 @@ class SimulatedTransport(Transport):
         self.seconds_per_block = seconds_per_block
         self.compute_seconds_per_block = compute_seconds_per_block
 
+    @property
+    def h2d_gbps(self) -> float | None:
+        """The simulated link's speed, named like CudaTransport's measured one so that "% of floor"
+        metrics work the same on CPU."""
+        return 1 / (self.seconds_per_byte * 1e9) if self.seconds_per_byte else None
+
     def copy_seconds(self, nbytes: int) -> float:
         """How long prepare() of a block of nbytes takes at least."""
         return nbytes * self.seconds_per_byte + self.seconds_per_block

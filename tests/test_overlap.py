@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.bandwidth import efficiency, stream_link_gbps
 from engine.loader import EngineArgs, load_model
 from engine.scheduler import ScheduledChunk, Sequence
 from engine.simulated_transport import SimulatedTransport
@@ -91,6 +92,11 @@ def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, 
         assert 0.9 * bound <= min(steps) <= 1.1 * bound + 0.015, why
         if compute_ms:
             assert statistics.median(steps) < 0.8 * (copy_total + compute_total), why
+        if compute_ms == 0:
+            # Copy-bound: the step runs at the (simulated) link's speed, i.e. near 100% of the floor.
+            nbytes = m.runner.last_step.stream.bytes_streamed
+            achieved, pct = efficiency(nbytes, min(steps), stream_link_gbps(t, m.plan))
+            assert 80 <= pct <= 101, f"{achieved:.4f} GB/s = {pct:.0f}% of floor; {why}"
         if compute_ms > copy_ms:
             # Copies are hidden entirely: the compute thread (almost) never waits for a block.
             assert min(stalls) < 0.1 * copy_total + 0.005, f"stalls {stalls}; {why}"
@@ -300,3 +306,23 @@ def test_protocol_check_catches_a_missing_free_event(llama_dir, streamed_budget,
             check_protocol(t, t.rt.log)
     finally:
         llm.close()
+
+
+def test_expected_step_and_efficiency_arithmetic():
+    from engine.bandwidth import StepEstimate, decode_compute_seconds, expected_step
+    from engine.planner import PlanInputs, plan_memory
+
+    plan = plan_memory(PlanInputs(num_layers=10, block_bytes=100_000_000, global_bytes=50_000_000,
+                                  kv_bytes_per_token=1000, workspace_bytes=10_000_000, budget=600_000_000,
+                                  max_model_len=1000, max_num_seqs=4))
+    assert len(plan.streamed_blocks) == 7  # 600M - 50M - 10M - 4M KV - 2 buffers = 3 resident blocks
+    est = expected_step(plan, h2d_gbps=25.0)
+    assert est.copy_seconds == pytest.approx(0.7e9 / 25e9)
+    assert expected_step(plan, 25.0, disk_gbps=2.0).copy_seconds == pytest.approx(0.7e9 / 2e9)  # slower link wins
+    compute = decode_compute_seconds(plan, 1000.0)
+    assert compute == pytest.approx(1.05e9 / 1000e9)
+    assert expected_step(plan, 25.0, compute_seconds=compute).floor_seconds == pytest.approx(0.028)
+    assert "copy-bound" in expected_step(plan, 25.0, compute_seconds=compute).describe()
+    assert StepEstimate(0, None, 0.0, None).describe().endswith("compute-bound")
+    assert efficiency(1_000_000_000, 0.1, 20.0) == (pytest.approx(10.0), pytest.approx(50.0))
+    assert efficiency(10, 0.0, 20.0) == (0.0, None)
