@@ -290,8 +290,9 @@ def run(ns: argparse.Namespace) -> int:
         if r.get("plan"):
             print("    " + r["plan"].replace("\n", "\n    "), flush=True)
         if "reader_busy_s" in r and "error" not in r:
-            print(f"    decode {r['decode_s']:.1f} s: disk reads in progress {r['reader_busy_s']:.1f} s, compute waiting "
-                  f"for a block {r['stall_s']:.1f} s", flush=True)
+            rate = r["decode_read_bytes"] / r["reader_busy_s"] / 1e9 if r["reader_busy_s"] else 0.0
+            print(f"    decode {r['decode_s']:.1f} s: disk reads in progress {r['reader_busy_s']:.1f} s "
+                  f"({rate:.2f} GB/s while in progress), compute waiting for a block {r['stall_s']:.1f} s", flush=True)
     ref = next((r for r in results if r["peer"] == "layerstream-uncapped" and "error" not in r), None)
     ref = ref or next((r for r in results if "error" not in r), None)
     rows = []
