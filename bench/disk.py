@@ -88,6 +88,14 @@ def read_bytes() -> int:
     raise RuntimeError("/proc/self/io has no read_bytes")
 
 
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM): anonymous memory plus mapped file pages."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _child_transformers(model: str, ids: list[int], n: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -106,7 +114,8 @@ def _child_transformers(model: str, ids: list[int], n: int) -> dict:
             out = m(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
         end, io1 = time.perf_counter(), read_bytes()
-    return dict(tokens=tokens, load_s=load_s, ttft_s=first - t0, decode_s=end - first, decode_read_bytes=io1 - io0)
+    return dict(tokens=tokens, load_s=load_s, ttft_s=first - t0, decode_s=end - first, decode_read_bytes=io1 - io0,
+                peak_rss=peak_rss())
 
 
 def _child_layerstream(model: str, ids: list[int], n: int, depth: int) -> dict:
@@ -134,7 +143,7 @@ def _child_layerstream(model: str, ids: list[int], n: int, depth: int) -> dict:
     end, io1 = time.perf_counter(), read_bytes()
     result = dict(tokens=tokens, load_s=load_s, ttft_s=first - t0, decode_s=end - first, decode_read_bytes=io1 - io0,
                   stall_s=streamer.stats.stall_seconds - stall0, reader_busy_s=busy() - busy0,
-                  resident_blocks=len(plan.resident_blocks),
+                  peak_rss=peak_rss(), resident_blocks=len(plan.resident_blocks),
                   host_blocks=len(plan.host_blocks), disk_blocks=len(plan.disk_blocks),
                   planned_disk_bytes_per_step=plan.disk_bytes_per_step, plan=plan.describe())
     engine.close()
@@ -308,10 +317,11 @@ def run(ns: argparse.Namespace) -> int:
         cap_s = "none" if r["cap"] is None else f"{r['cap'] / 1e9:.2f} GB"
         busy = (f"{100 * r['reader_busy_s'] / r['decode_s']:.0f}%"
                 if r.get("disk_blocks") and r.get("decode_s") else "-")
-        rows.append([r["peer"], cap_s, tps, per_tok, achieved, pct, busy, f"{r['max_usage'] / 1e9:.2f} GB", same])
+        rss = f"{r['peak_rss'] / 1e9:.2f} GB" if r.get("peak_rss") else "-"
+        rows.append([r["peer"], cap_s, tps, per_tok, achieved, pct, busy, rss, f"{r['max_usage'] / 1e9:.2f} GB", same])
     print()
     print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "% of disk floor",
-                     "reads in flight", "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
+                     "reads in flight", "peak RSS", "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
     by = {r["peer"]: r for r in results if "error" not in r}
     if "transformers" in by and "layerstream" in by:
         speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731

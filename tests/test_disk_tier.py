@@ -234,3 +234,14 @@ def test_bench_disk_skips_without_writable_cgroups(tmp_path, monkeypatch, capsys
 
     assert main(["bench-disk", "--model", str(tmp_path)]) == 0
     assert "bench-disk: skipped: no cgroup v1 memory controller" in capsys.readouterr().out
+
+
+def test_disk_tier_on_a_sharded_checkpoint(tmp_path, resident_tokens):
+    """Shards of ~100 KB: blocks span files, so a read plan has several spans in several files."""
+    from tests.models import build
+
+    folder = build(tmp_path / "sharded", "llama", max_shard_size="100KB")
+    assert len(list(folder.glob("*.safetensors"))) > 3
+    tokens, plan = _generate(folder, max_device_memory=900_000, transport="disk", **SMALL)
+    assert plan.disk_blocks
+    assert tokens == resident_tokens
