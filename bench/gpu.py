@@ -77,6 +77,18 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool) -> dict:
                 "stall_ms_per_step": 1e3 * statistics.median(stalls[1:] or stalls)}
     finally:
         engine.close()
+        del engine
+        _release_device_memory()
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _transformers_offload(ns, folder: Path, budget: int) -> dict:

@@ -276,10 +276,17 @@ class CudaTransport(Transport):
         return {k: v.to(self.dtype) for k, v in on_device.items()}
 
     def prepare(self, block: int) -> Ticket:
-        rt = self.rt
         lid = self._lid[block]
         assert self._free, "more tickets in flight than device buffers: the streamer's slot count is off"
         b = self._free.popleft()
+        try:
+            return self._fill(block, lid, b)
+        except BaseException:
+            self._free.appendleft(b)  # the streamer resets after a failure; the ring must stay whole
+            raise
+
+    def _fill(self, block: int, lid: int, b: int) -> Ticket:
+        rt = self.rt
         src = self._pinned.get(block)
         s = None
         if src is None:

@@ -326,3 +326,31 @@ def test_expected_step_and_efficiency_arithmetic():
     assert StepEstimate(0, None, 0.0, None).describe().endswith("compute-bound")
     assert efficiency(1_000_000_000, 0.1, 20.0) == (pytest.approx(10.0), pytest.approx(50.0))
     assert efficiency(10, 0.0, 20.0) == (0.0, None)
+
+
+def test_cuda_transport_recovers_from_a_failed_prepare(llama_dir, streamed_budget, recording_cuda):
+    """A block that cannot be read fails the step; the ring keeps all its buffers and the next
+    steps run (and match) as before."""
+    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_model_len=128, max_num_seqs=2)
+    try:
+        runner = llm.engine.model.runner
+        t = runner.streamer.transport
+        good = prompt_logits(llm, PROMPT[:3])
+        views, calls = t.source.views, {"n": 0}
+
+        def flaky(block):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError("simulated read error")
+            return views(block)
+        t.source.views = flaky
+        runner.streamer.reset()  # restart the cycle so the flaky read hits a block of the next step
+        with pytest.raises(RuntimeError, match="simulated read error"):
+            for _ in range(3):
+                prompt_logits(llm, PROMPT[:3])
+        assert len(t._free) + len(runner.streamer._in_use) <= t.num_buffers
+        for _ in range(3):
+            torch.testing.assert_close(prompt_logits(llm, PROMPT[:3]), good, atol=1e-6, rtol=1e-6)
+        check_protocol(t, t.rt.log)
+    finally:
+        llm.close()
