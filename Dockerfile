@@ -21,25 +21,32 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /tmp/layerstream-src
-COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY server ./server
-COPY bench ./bench
-COPY docker/healthcheck.py /opt/layerstream/healthcheck.py
+COPY pyproject.toml ./
 
-# The constraint file holds the exact torch the base ships (e.g. 2.9.0+cu128): pip must keep it,
-# and the build fails if anything still changed it.
+# Dependencies first, installed against empty packages, so that a source change rebuilds only
+# the short layer below. The constraint file holds the exact torch the base ships (e.g.
+# 2.9.0+cu128): pip must keep it, and the build fails if anything changed it anyway. It stays
+# in the image for anyone extending it: pip install -c /opt/torch-constraint.txt ...
 RUN set -eu; \
     if ! python -c "import torch" 2>/dev/null; then \
       python -m pip install --index-url "$TORCH_INDEX_URL" torch; \
     fi; \
-    before=$(python -c "import importlib.metadata as m; print(m.version('torch'))"); \
-    echo "torch==$before" > /tmp/torch-constraint.txt; \
-    python -m pip install --constraint /tmp/torch-constraint.txt .; \
-    after=$(python -c "import importlib.metadata as m; print(m.version('torch'))"); \
-    if [ "$before" != "$after" ]; then echo "torch changed: $before -> $after" >&2; exit 1; fi; \
-    echo "layerstream installed on torch $after"; \
-    cd / && rm -rf /tmp/layerstream-src /tmp/torch-constraint.txt
+    python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/torch-constraint.txt; \
+    mkdir engine server bench && touch README.md engine/__init__.py server/__init__.py bench/__init__.py; \
+    python -m pip install --constraint /opt/torch-constraint.txt .; \
+    rm -rf engine server bench build
+
+COPY README.md ./
+COPY engine ./engine
+COPY server ./server
+COPY bench ./bench
+COPY docker/healthcheck.py /opt/layerstream/healthcheck.py
+RUN set -eu; \
+    python -m pip install --no-deps --force-reinstall --constraint /opt/torch-constraint.txt .; \
+    python -c "import importlib.metadata as m, sys; want = open('/opt/torch-constraint.txt').read().split('==')[1].strip(); \
+have = m.version('torch'); sys.exit(f'torch changed: {want} -> {have}' if have != want else 0)"; \
+    echo "layerstream installed on the base image's torch $(python -c 'import torch; print(torch.__version__)')"; \
+    cd / && rm -rf /tmp/layerstream-src
 
 # /models: model folders, mounted read-only. /cache: Hugging Face downloads, on a volume (a named
 # volume starts out owned by the user below, because the image's /cache is).

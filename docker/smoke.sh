@@ -68,7 +68,10 @@ cleanup() {
 trap cleanup EXIT
 # Loopback only: chroot isolation shares the host's network, so the container's 0.0.0.0 default
 # would listen on every host interface.
-env_args=(--env LAYERSTREAM_HOST=127.0.0.1 --env LAYERSTREAM_PORT="$port" --env LAYERSTREAM_API_KEY="$API_KEY")
+# The empty ones are what docker/compose.yaml passes when those variables are unset.
+env_args=(--env LAYERSTREAM_HOST=127.0.0.1 --env LAYERSTREAM_PORT="$port" --env LAYERSTREAM_API_KEY="$API_KEY"
+          --env LAYERSTREAM_MAX_DEVICE_MEMORY= --env LAYERSTREAM_MAX_HOST_MEMORY= --env LAYERSTREAM_SERVED_MODEL_NAME=
+          --env LAYERSTREAM_DTYPE=auto --env HF_TOKEN=)
 crun() { buildah run --isolation chroot "${env_args[@]}" "$ctr" -- "$@"; }
 
 uid=$(crun id -u)
@@ -82,14 +85,15 @@ setsid bash -c 'exec "$@"' _ buildah --root "$STATE/storage" --runroot "$STATE/r
 server_pid=$!
 
 # Docker would run the HEALTHCHECK every --interval; here it runs every second until it passes.
-unhealthy=0
+unhealthy=0; last=
 while :; do
   if out=$(crun "${probe[@]}" 2>&1); then
     say "healthcheck: healthy   ($out)"
     break
   fi
   unhealthy=$((unhealthy + 1))
-  [ $unhealthy -le 3 ] || [ $((unhealthy % 10)) = 0 ] && say "healthcheck: unhealthy ($(head -1 <<<"$out"))"
+  out=$(head -1 <<<"$out")
+  if [ "$out" != "$last" ]; then say "healthcheck: unhealthy ($out)"; last=$out; fi
   kill -0 "$server_pid" 2>/dev/null || { tail -20 "$STATE/server.log"; fail "server exited while loading"; }
   [ $((SECONDS - t_start)) -lt "$LOAD_TIMEOUT" ] || { tail -20 "$STATE/server.log"; fail "not healthy after ${LOAD_TIMEOUT}s"; }
   sleep 1
