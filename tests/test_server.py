@@ -316,13 +316,17 @@ def test_chat_usage_matches_template(server, tokenizer):
     assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
 
 
-def test_chat_default_max_tokens_fills_context(server):
+def test_chat_default_max_tokens_fills_context(server, tokenizer):
+    # A long prompt, so "the rest of the context" is a few dozen tokens, not 250.
+    content = "The quick brown fox jumps over the lazy dog. "
+    while len(tokenizer.encode(content * 2)) < 200:
+        content *= 2
     r = httpx.post(server.url + "/v1/chat/completions",
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0,
                          "ignore_eos": True}, timeout=120)
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["total_tokens"] == 256
+    assert body["usage"]["total_tokens"] == 256 and body["usage"]["prompt_tokens"] > 100
 
 
 # -- async client, concurrency, disconnects -------------------------------------------------------
