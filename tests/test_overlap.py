@@ -265,11 +265,19 @@ def recording_cuda(monkeypatch):
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
 
 
-@pytest.mark.parametrize("depth,pin,dtype", [(1, False, "float32"), (2, False, "bfloat16"), (1, True, "float32")],
-                         ids=["depth1-staging", "depth2-bf16-staging", "pinned-cache"])
-def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cuda, depth, pin, dtype):
-    """CudaTransport's packing, staging, views and event order, run for real on CPU."""
+@pytest.mark.parametrize("depth,pin,dtype,parallel", [(1, False, "float32", False), (2, False, "bfloat16", True),
+                                                      (1, False, "float32", True), (1, True, "float32", False)],
+                         ids=["depth1-staging", "depth2-bf16-parallel-fill", "depth1-parallel-fill", "pinned-cache"])
+def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cuda, monkeypatch, depth, pin, dtype,
+                                        parallel):
+    """CudaTransport's packing, staging (serial, and in 4 KiB pieces on 4 threads), views and event
+    order, run for real on CPU."""
+    import engine.cuda_transport as ct
     from engine.cuda_transport import CudaTransport
+
+    if parallel:
+        monkeypatch.setattr(ct, "FILL_CHUNK", 4096)
+        monkeypatch.setattr(ct.os, "cpu_count", lambda: 16)
 
     kw = dict(max_model_len=128, max_num_seqs=2, dtype=dtype)
     budget = budget_for(llama_dir, resident=1, depth=depth, dtype=dtype)
@@ -280,6 +288,7 @@ def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cu
         t = llm.engine.model.runner.streamer.transport
         assert isinstance(t, CudaTransport) and len(llm.plan.resident_blocks) == 1, llm.plan.describe()
         assert t.num_buffers == depth + 1 and (len(t._stage) == 0) == pin
+        assert (t._fill_pool is not None) == parallel
         tol = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=0.05, rtol=0.05)
         torch.testing.assert_close(prompt_logits(llm, PROMPT), prompt_logits(ref, PROMPT), **tol)
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
