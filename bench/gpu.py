@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -151,6 +152,8 @@ def run(ns: argparse.Namespace) -> int:
     from engine import bandwidth
     from engine.loader import EngineArgs, load_model
 
+    # The transport logs its measured bandwidth and the expected time per step at start-up.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench.gpu: no CUDA device", file=sys.stderr)
         return 1
