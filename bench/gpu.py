@@ -191,7 +191,7 @@ def run(ns: argparse.Namespace) -> int:
         floor = nbytes / (h2d * 1e9) if nbytes else None
         achieved, pct = bandwidth.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
         r.update(h2d_gbps=h2d, floor_s=floor, achieved_gbps=achieved, pct_of_floor=pct)
-        rows.append([name, fmt((r.get("device_budget") or 0) / 2**30), f"{nbytes / 2**20:.0f}",
+        rows.append([name, fmt((r.get("device_budget") or 0) / 2**30), f"{nbytes / 2**20:.1f}",
                      fmt(tpot * 1e3 if tpot else None), fmt(floor * 1e3 if floor else None),
                      fmt(achieved, 1), fmt(pct, 0), fmt(r.get("stall_ms_per_step"))])
     print()
