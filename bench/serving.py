@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: prompt + completion tokens, rounded up to 16")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch threads in the server (OMP_NUM_THREADS; 0: torch's default)")
     g.add_argument("--server-arg", action="append", default=[], help="extra argument for `layerstream serve`")
     g.add_argument("--server-log", default=None, help="file for the server's log (default: a temporary file)")
 
@@ -170,7 +172,8 @@ def launch_server(ns) -> tuple[subprocess.Popen, str, Path]:
     log_path = Path(ns.server_log) if ns.server_log else Path(os.environ.get("TMPDIR", "/tmp")) / f"layerstream-bench-serve-{port}.log"
     log = open(log_path, "w")
     print(f"launching: {' '.join(argv)}\n  (log: {log_path})", flush=True)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(ns.threads)} if ns.threads else {})}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 import mmap
+import queue
 
 import torch
 
@@ -92,7 +93,11 @@ class CpuTransport(Transport):
 
     When the checkpoint dtype is the compute dtype, a streamed block is the mmap view itself
     (zero copy); prepare() only faults its pages in ahead of use. Otherwise prepare() converts into
-    a fresh tensor that retire() drops, so converted bytes exist only for blocks in flight.
+    a set of buffers that retire() hands back for the next block: the streamer keeps at most
+    depth + 1 blocks in flight, so at most that many sets ever exist (the planner's stream buffers).
+    Reusing them matters: a fresh tensor per block per step costs page faults to zero it, and once
+    glibc raises its mmap threshold past a freed buffer's size the freed memory stays in the heap,
+    fragmented, so RssAnon grew far past depth + 1 blocks.
     With release_pages, retire() also drops the block's pages from this process (MADV_DONTNEED)
     so a model larger than RAM keeps a bounded resident set.
     """
@@ -103,6 +108,7 @@ class CpuTransport(Transport):
         self.device = torch.device("cpu")
         self.release_pages = release_pages
         self._mapped: set[int] = set()  # streamed blocks whose pages this process has faulted in
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # conversion buffer sets not in use
 
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         return to_compute(self.source.views(block), self.dtype, self.device, copy=True)
@@ -116,9 +122,27 @@ class CpuTransport(Transport):
         if self.release_pages or block not in self._mapped:
             self.source.advise(block, MADV_POPULATE_READ)
             self._mapped.add(block)
-        return Ticket(block, to_compute(views, self.dtype, self.device, copy=False), self.source.nbytes(block))
+        convert = {k: v for k, v in views.items() if v.dtype != self.dtype}
+        if not convert:
+            return Ticket(block, views, self.source.nbytes(block))
+        buffers = self._take_buffers(convert)
+        for k, v in convert.items():
+            buffers[k].copy_(v)
+        return Ticket(block, {**views, **buffers}, self.source.nbytes(block), extra={"buffers": buffers})
+
+    def _take_buffers(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            buffers = self._free.get_nowait()
+            if all(k in buffers and buffers[k].shape == v.shape for k, v in like.items()):
+                return buffers
+        except queue.Empty:
+            pass
+        return {k: torch.empty(v.shape, dtype=self.dtype) for k, v in like.items()}
 
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}
+        buffers = ticket.extra.pop("buffers", None)
+        if buffers is not None:
+            self._free.put(buffers)
         if self.release_pages:
             self.source.advise(ticket.block, mmap.MADV_DONTNEED)

@@ -225,3 +225,35 @@ def test_a_request_that_can_never_fit_is_refused_up_front(llama_dir):
         assert not llm.engine.has_unfinished()
     finally:
         llm.close()
+
+
+def test_streaming_with_dtype_conversion_reuses_its_buffers(tmp_path):
+    """bf16 checkpoint computed in fp32: streamed blocks are converted into at most depth + 1
+    reused buffer sets, and a batch gives the same tokens as the all-resident engine."""
+    from tests.models import build
+
+    folder = build(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    params = greedy(12)
+    arrivals = {0: [(rid, PROMPTS[rid], params) for rid in PROMPTS]}
+    resident = LLM(str(folder), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16)
+    try:
+        want = drive(resident.engine, arrivals)
+        p = resident.plan
+        budget = p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (p.prefetch_depth + 1) * p.block_bytes
+    finally:
+        resident.close()
+    llm = LLM(str(folder), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16,
+              max_device_memory=budget)
+    try:
+        assert len(llm.plan.resident_blocks) == 0
+        transport = llm.engine.model.runner.streamer.transport
+        handed_out = []  # every buffer set prepare() used, kept alive so ids stay distinct
+        take = transport._take_buffers
+        transport._take_buffers = lambda like: handed_out.append(take(like)) or handed_out[-1]  # noqa: E731
+        got = drive(llm.engine, arrivals)
+    finally:
+        llm.close()
+    for rid in PROMPTS:
+        assert_same(got[rid], want[rid])
+    assert len(handed_out) > 10 * llm.engine.model.cfg.num_layers  # converted every step
+    assert len({id(b) for b in handed_out}) <= llm.plan.prefetch_depth + 1
