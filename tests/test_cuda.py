@@ -132,7 +132,7 @@ def test_copies_overlap_compute(mid_model):
     budget = budget_for(mid_model, resident=0, dtype="bfloat16")
     # Pinned cache: prepare() only issues the DMA, so the copy engine (not the host filling staging
     # buffers) paces the copies and the timeline shows the device-side overlap.
-    llm = LLM(str(mid_model), device="cuda", max_model_len=256, max_num_seqs=2, max_device_memory=budget,
+    llm = LLM(str(mid_model), device="cuda", max_model_len=128, max_num_seqs=2, max_device_memory=budget,
               pin_host_memory=True)
     try:
         runner = llm.engine.model.runner
