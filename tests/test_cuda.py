@@ -112,7 +112,7 @@ def test_pinned_cache_equals_staging(llama_dir):
 
 @pytest.fixture(scope="module")
 def mid_model(tmp_path_factory):
-    """~130M parameters in bf16 (16 MiB blocks): copies long enough to see on a timeline."""
+    """~90M parameters in bf16 (21.5 MiB blocks): copies long enough to see on a timeline."""
     from transformers import LlamaConfig
 
     from engine.demo import build_random_model
