@@ -10,7 +10,7 @@ Per streamed block (ticket), with buffer b taken from the free ring and staging 
   compute thread   activate(): compute stream waits on ready[b]; weights are views into b
                    retire():   record free[b] on the compute stream; b back to the ring
 No host synchronisation and no allocation happen in activate/retire: every buffer, view and event
-is made once here. The only host wait is the prefetch thread's on staged[s], which keeps it from
+is made once here (trace=True, for tests and benchmarks only, adds timing events per block). The only host wait is the prefetch thread's on staged[s], which keeps it from
 overwriting pinned memory a DMA is still reading.
 
 Why it is race-free: a buffer is handed to a new ticket only after retire() of the ticket that last
@@ -210,7 +210,7 @@ class CudaTransport(Transport):
         self.num_buffers = plan.prefetch_depth + 1 if streamed else 0
         self._pinned: dict[int, torch.Tensor] = {}
         try:
-            self._dev = [self.rt.device_bytes(self.buffer_bytes) for _ in range(self.num_buffers)]
+            self._dev = [self.rt.device_bytes(self.buffer_bytes) for _ in range(self.num_buffers)]  # (bytes,) u8
         except torch.OutOfMemoryError as e:
             raise out_of_memory_error(plan, self.device, e) from e
         self._dev_views = [[lay.views(buf, dtype) for lay in layouts] for buf in self._dev]
@@ -223,7 +223,7 @@ class CudaTransport(Transport):
             self._pin_all(streamed, host_budget)
         n_stage = 0 if self._pinned or not streamed else self.num_buffers
         try:
-            self._stage = [self.rt.pinned_bytes(self.buffer_bytes) for _ in range(n_stage)]
+            self._stage = [self.rt.pinned_bytes(self.buffer_bytes) for _ in range(n_stage)]  # (bytes,) u8
         except RuntimeError as e:  # cudaHostAlloc failures surface as RuntimeError
             raise DeviceMemoryError(f"could not pin {n_stage} x {format_bytes(self.buffer_bytes)} of host memory "
                                     f"for staging: {e}") from e
