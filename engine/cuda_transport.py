@@ -10,8 +10,9 @@ Per streamed block (ticket), with buffer b taken from the free ring and staging 
   compute thread   activate(): compute stream waits on ready[b]; weights are views into b
                    retire():   record free[b] on the compute stream; b back to the ring
 No host synchronisation and no allocation happen in activate/retire: every buffer, view and event
-is made once here (trace=True, for tests and benchmarks only, adds timing events per block). The only host wait is the prefetch thread's on staged[s], which keeps it from
-overwriting pinned memory a DMA is still reading.
+is made once here (trace=True, for tests and benchmarks only, adds timing events per block). The
+only host wait is the prefetch thread's on staged[s], which keeps it from overwriting pinned memory
+a DMA is still reading.
 
 Why it is race-free: a buffer is handed to a new ticket only after retire() of the ticket that last
 used it (the streamer allows depth + 1 tickets in flight and there are depth + 1 buffers), and that
