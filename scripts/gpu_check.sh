@@ -9,6 +9,12 @@ start=$SECONDS
 PY=${PYTHON:-python3}
 VENV=.venv-gpu
 
+if ! ls /dev/nvidia0 >/dev/null 2>&1 && ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU visible here (/dev/nvidia0, nvidia-smi); nothing to check" >&2
+  exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv 2>/dev/null
+
 has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 
 if [ ! -x "$VENV/bin/python" ] || ! has_cuda_torch "$VENV/bin/python"; then
