@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -185,7 +186,8 @@ class TraceRecord:
 class CudaTransport(Transport):
     def __init__(self, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
                  pin_host_memory: bool = False, host_budget: int | None = None, measure: bool = True,
-                 trace: bool = False, runtime: CudaRuntime | None = None, fill_threads: int | None = None):
+                 trace: bool = False, runtime: CudaRuntime | None = None, fill_threads: int | None = None,
+                 release_pages: bool = False):
         self.source = source
         self.dtype = dtype
         self.device = torch.device(device)
@@ -195,6 +197,8 @@ class CudaTransport(Transport):
         self.rt = runtime or CudaRuntime(self.device)
         self.trace = trace
         self.traces: list[TraceRecord] = []
+        # Checkpoint larger than host memory: drop a block's pages from this process once staged.
+        self.release_pages = release_pages
         self.h2d_gbps: float | None = None
         self.device_gbps: float | None = None
         self.host_bytes = 0  # pinned host memory held: staging buffers + pinned cache
@@ -320,6 +324,8 @@ class CudaTransport(Transport):
             # would make this fill, not the DMA, the slowest stage of the pipeline.
             self.source.advise(block, MADV_POPULATE_READ)
             self._fill_staging(self._stage_views[s][lid], self.source.views(block), self._pieces[lid])
+            if self.release_pages:
+                self.source.advise(block, mmap.MADV_DONTNEED)
             src = self._stage_flat[s][lid]
         rec = None
         rt.wait(self._copy_stream, self._freed[b])

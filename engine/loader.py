@@ -130,7 +130,7 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
         from .cuda_transport import CudaTransport
 
         return CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
-                             host_budget=host_budget(args))
+                             host_budget=host_budget(args), release_pages=release_pages)
     if kind == "simulated":
         from .simulated_transport import SimulatedTransport
 

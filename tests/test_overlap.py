@@ -363,3 +363,17 @@ def test_cuda_transport_recovers_from_a_failed_prepare(llama_dir, streamed_budge
         check_protocol(t, t.rt.log)
     finally:
         llm.close()
+
+
+def test_cuda_transport_releases_pages_when_the_checkpoint_exceeds_host_memory(llama_dir, streamed_budget,
+                                                                               recording_cuda):
+    kw = dict(max_model_len=128, max_num_seqs=2)
+    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_host_memory="100MB", **kw)
+    ref = LLM(str(llama_dir), **kw)
+    try:
+        assert llm.engine.model.runner.streamer.transport.release_pages
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref.generate([PROMPT], params)[0].outputs[0].token_ids
+    finally:
+        llm.close()
+        ref.close()
