@@ -373,7 +373,8 @@ def test_cuda_transport_releases_pages_when_the_checkpoint_exceeds_host_memory(l
     try:
         assert llm.engine.model.runner.streamer.transport.release_pages
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref.generate([PROMPT], params)[0].outputs[0].token_ids
+        ours, theirs = llm.generate([PROMPT], params), ref.generate([PROMPT], params)
+        assert ours[0].outputs[0].token_ids == theirs[0].outputs[0].token_ids
     finally:
         llm.close()
         ref.close()
