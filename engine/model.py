@@ -107,8 +107,14 @@ def attention(
     v_cache[step.token_slots, :, step.positions] = v
 
     seqs, mq = step.seq_slots.shape[0], step.max_query
-    qp = q.new_zeros(seqs * mq, nh, hd)
-    qp[step.pad_valid] = q
+    # Every chunk the same length (a pure decode step above all): the packed tokens already are the
+    # padded layout. Boolean-mask indexing would cost a nonzero(), a host sync, twice per layer.
+    padded = seqs * mq != tokens
+    if padded:
+        qp = q.new_zeros(seqs * mq, nh, hd)
+        qp[step.pad_valid] = q
+    else:
+        qp = q
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
     if step.slot_range is not None:
         lo, hi = step.slot_range
@@ -120,7 +126,9 @@ def attention(
     out = F.scaled_dot_product_attention(
         qp, keys, values, attn_mask=step.attn_mask, enable_gqa=nh != nkv
     )  # (seqs, heads, max_query, head_dim)
-    out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)[step.pad_valid]  # (tokens, heads*head_dim)
+    out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
+    if padded:
+        out = out[step.pad_valid]  # (tokens, heads*head_dim)
     return F.linear(out, w["wo"])
 
 
