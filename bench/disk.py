@@ -285,7 +285,8 @@ def run(ns: argparse.Namespace) -> int:
     ids = AutoTokenizer.from_pretrained(model).encode(PROMPT * 4)[:ns.prompt_tokens]
     # The floor: the disk's own sequential speed, measured now on this checkpoint and cached, so the
     # layerstream child plans with the same figure.
-    bw = disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=5.0)
+    measure = lambda: disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)  # noqa: E731
+    bw = measure()
     print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
           f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens; disk: {bw.describe()}", flush=True)
     load_before = _loadavg()
@@ -302,6 +303,11 @@ def run(ns: argparse.Namespace) -> int:
             rate = r["decode_read_bytes"] / r["reader_busy_s"] / 1e9 if r["reader_busy_s"] else 0.0
             print(f"    decode {r['decode_s']:.1f} s: disk reads in progress {r['reader_busy_s']:.1f} s "
                   f"({rate:.2f} GB/s while in progress), compute waiting for a block {r['stall_s']:.1f} s", flush=True)
+    # The disk's speed varies from minute to minute here (a shared virtual disk): measure again and
+    # hold every peer to the faster figure, so "% of floor" errs against us, never for us.
+    bw_after = measure()
+    print(f"disk again after the peers: {bw_after.describe()}")
+    bw_before, bw = bw, max(bw, bw_after, key=lambda b: b.gbps)
     ref = next((r for r in results if r["peer"] == "layerstream-uncapped" and "error" not in r), None)
     ref = ref or next((r for r in results if "error" not in r), None)
     rows = []
@@ -327,12 +333,13 @@ def run(ns: argparse.Namespace) -> int:
         speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
         print(f"\nlayerstream / transformers decode speed under the same cap: "
               f"{speed(by['layerstream']) / speed(by['transformers']):.2f}x (target >= 2x)")
-    print(f"disk floor: measured {bw.gbps:.2f} GB/s; % of floor = achieved GB/s / measured GB/s (target >= 70%); "
+    print(f"disk floor: measured {bw_before.gbps:.2f} GB/s before and {bw_after.gbps:.2f} GB/s after the peers, "
+          f"the faster ({bw.gbps:.2f} GB/s) used; % of floor = achieved GB/s / measured GB/s (target >= 70%); "
           "reads in flight = share of decode time the disk tier had reads outstanding (well under 100%: "
           "compute, not the disk, set the pace)")
     print(f"load average before / after: {load_before} / {_loadavg()} on {os.cpu_count()} CPUs "
           "(other processes share the machine: figures are noisy)")
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"disk": bw.__dict__, "prompt_ids": ids, "load_before": load_before,
+        Path(ns.json).write_text(json.dumps({"disk_before": bw_before.__dict__, "disk_after": bw_after.__dict__, "prompt_ids": ids, "load_before": load_before,
                                              "load_after": _loadavg(), "results": results}, indent=1))
     return 0
