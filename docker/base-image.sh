@@ -6,6 +6,7 @@
 #
 #   docker/base-image.sh            # builds once, then reuses the image
 #   REBUILD_BASE=1 docker/base-image.sh
+#   WITH_TORCH=0 docker/base-image.sh   # no torch: exercises the Dockerfile's torch install
 #
 # Prints the image name on its last line. Everything big (rootfs, wheelhouse, buildah storage)
 # lives under $LAYERSTREAM_DOCKER_STATE (default /var/tmp/layerstream-docker), never in the repo.
@@ -13,7 +14,13 @@ set -euo pipefail
 
 STATE=${LAYERSTREAM_DOCKER_STATE:-/var/tmp/layerstream-docker}
 TORCH_VERSION=${LAYERSTREAM_TORCH_VERSION:-2.13.0}
-BASE_IMAGE=${LAYERSTREAM_BASE_IMAGE:-localhost/layerstream-base:bookworm-py311-torch${TORCH_VERSION}}
+# WITH_TORCH=0: the same base without torch, like python:3.11-slim (the Dockerfile then installs it).
+WITH_TORCH=${WITH_TORCH:-1}
+if [ "$WITH_TORCH" = 1 ]; then
+  BASE_IMAGE=${LAYERSTREAM_BASE_IMAGE:-localhost/layerstream-base:bookworm-py311-torch${TORCH_VERSION}}
+else
+  BASE_IMAGE=${LAYERSTREAM_BASE_IMAGE:-localhost/layerstream-base:bookworm-py311-notorch}
+fi
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 HOST_CA=${HOST_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 buildah() { command buildah --root "$STATE/storage" --runroot "$STATE/run" "$@"; }
@@ -52,14 +59,16 @@ if [ ! -f "$rootfs.tar" ]; then  # rm it to debootstrap again
   rm -rf "$rootfs"
 fi
 
-say "importing the rootfs and installing torch"
+say "importing the rootfs$([ "$WITH_TORCH" = 1 ] && echo " and installing torch")"
 ctr=$(buildah from scratch)
 trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 buildah add "$ctr" "$rootfs.tar" / >/dev/null
 run() { buildah run --isolation chroot "$@"; }
 run "$ctr" -- python3 -m venv /opt/venv
-run -v "$wheels:/wheels:ro" "$ctr" -- /opt/venv/bin/pip install -q --no-cache-dir --no-index \
-  --find-links /wheels "torch==$TORCH_VERSION"
+if [ "$WITH_TORCH" = 1 ]; then
+  run -v "$wheels:/wheels:ro" "$ctr" -- /opt/venv/bin/pip install -q --no-cache-dir --no-index \
+    --find-links /wheels "torch==$TORCH_VERSION"
+fi
 # Trust what this machine trusts: where HTTPS goes through an inspecting proxy, its CA is in the
 # host bundle, and pip (which otherwise uses its own certifi copy) needs it to reach the index
 # when the project's Dockerfile installs its dependencies. This belongs to the stand-in base,
@@ -69,9 +78,11 @@ if [ -f "$HOST_CA" ]; then
   printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' >"$STATE/pip.conf"
   buildah copy "$ctr" "$STATE/pip.conf" /etc/pip.conf >/dev/null
 fi
-run "$ctr" -- /opt/venv/bin/python -c "import torch; print('[base-image] torch', torch.__version__)" >&2
+if [ "$WITH_TORCH" = 1 ]; then
+  run "$ctr" -- /opt/venv/bin/python -c "import torch; print('[base-image] torch', torch.__version__)" >&2
+fi
 buildah config --env PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  --env LANG=C.UTF-8 --cmd /bin/bash --label org.opencontainers.image.description="layerstream smoke-test base: bookworm + python3.11 + torch $TORCH_VERSION (CPU)" \
+  --env LANG=C.UTF-8 --cmd /bin/bash --label org.opencontainers.image.description="layerstream smoke-test base: bookworm + python3.11 (torch: $WITH_TORCH)" \
   "$ctr"
 buildah commit -q --rm "$ctr" "$BASE_IMAGE" >/dev/null
 trap - EXIT

@@ -8,6 +8,7 @@
 #   - SIGTERM stops the server cleanly (what `docker stop` sends).
 #
 #   docker/smoke.sh        # root, with: apt-get install -y buildah debootstrap curl
+#   SMOKE_VARIANT=cpu-index docker/smoke.sh   # base without torch: the Dockerfile installs it
 #
 # Not part of CI: the first run takes minutes (debootstrap, torch, the pip install); see
 # docker/README.md for measured times. Build state lives in $LAYERSTREAM_DOCKER_STATE
@@ -17,7 +18,11 @@ cd "$(dirname "$0")/.."
 
 STATE=${LAYERSTREAM_DOCKER_STATE:-/var/tmp/layerstream-docker}
 export LAYERSTREAM_DOCKER_STATE=$STATE
-IMAGE=${SMOKE_IMAGE:-localhost/layerstream:smoke}
+# torch-base: torch comes with the base image (as in the PyTorch images, the default).
+# cpu-index: a base without torch; the Dockerfile installs it (the compose file's CPU profile).
+VARIANT=${SMOKE_VARIANT:-torch-base}
+case $VARIANT in torch-base|cpu-index) ;; *) echo "SMOKE_VARIANT must be torch-base or cpu-index" >&2; exit 2;; esac
+IMAGE=${SMOKE_IMAGE:-localhost/layerstream:smoke-$VARIANT}
 LOAD_TIMEOUT=${SMOKE_LOAD_TIMEOUT:-180}
 API_KEY=smoke-$RANDOM$RANDOM
 buildah() { command buildah --root "$STATE/storage" --runroot "$STATE/run" "$@"; }
@@ -30,15 +35,44 @@ done
 [ "$(id -u)" = 0 ] || fail "run as root (buildah --isolation chroot and debootstrap need it)"
 mkdir -p "$STATE"
 
-say "base image"
-base=$(docker/base-image.sh 2> >(grep -v 'is ignored: it is neither' >&2) | tail -1)
+server_pid= ctr= index_pid=
+cleanup() {
+  if [ -n "$index_pid" ]; then kill "$index_pid" 2>/dev/null || true; fi
+  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
+    kill -KILL -- "-$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+  fi
+  if [ -n "$ctr" ]; then buildah rm "$ctr" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
+
+say "base image (variant $VARIANT)"
+build_args=(--build-arg DEFAULT_DEVICE=cpu)
+if [ "$VARIANT" = torch-base ]; then
+  base=$(docker/base-image.sh 2> >(grep -v 'is ignored: it is neither' >&2) | tail -1)
+else
+  # A base without torch, as the compose file's CPU profile uses (python:3.11-slim): the
+  # Dockerfile installs torch from TORCH_INDEX_URL, here the base script's wheelhouse served as
+  # a PEP 503 index on loopback (pip accepts plain http from 127.0.0.1).
+  base=$(WITH_TORCH=0 docker/base-image.sh 2> >(grep -v 'is ignored: it is neither' >&2) | tail -1)
+  rm -rf "$STATE/index" && mkdir -p "$STATE/index/simple"
+  for whl in "$STATE"/wheelhouse/*.whl; do
+    name=$(basename "$whl" | cut -d- -f1 | tr 'A-Z_.' 'a-z--')
+    mkdir -p "$STATE/index/simple/$name" && ln "$whl" "$STATE/index/simple/$name/"
+  done
+  iport=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  python3 -m http.server --bind 127.0.0.1 --directory "$STATE/index" "$iport" >"$STATE/index.log" 2>&1 &
+  index_pid=$!
+  build_args+=(--build-arg TORCH_INDEX_URL="http://127.0.0.1:$iport/simple/")
+fi
 t_base=$SECONDS
 
 say "building the Dockerfile on $base"
-buildah bud --isolation chroot --ulimit nofile=20000:20000 --format docker --layers -q \
-  --build-arg BASE_IMAGE="$base" --build-arg DEFAULT_DEVICE=cpu -t "$IMAGE" . >"$STATE/build.log" 2>&1 \
+buildah bud --isolation chroot --ulimit nofile=20000:20000 --format docker --layers --force-rm -q \
+  --build-arg BASE_IMAGE="$base" "${build_args[@]}" -t "$IMAGE" . >"$STATE/build.log" 2>&1 \
   || { tail -30 "$STATE/build.log"; fail "image build failed (log: $STATE/build.log)"; }
 t_build=$SECONDS
+if [ -n "$index_pid" ]; then kill "$index_pid"; wait "$index_pid" 2>/dev/null || true; index_pid=; fi
 
 # The image's own configuration, as Docker would read it.
 config=$(buildah inspect --type image "$IMAGE")
@@ -57,15 +91,6 @@ mapfile -t serve < <(python3 -c "import json,sys; print('\n'.join(json.loads(sys
 
 port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 ctr=$(buildah from --name "layerstream-smoke-$$" "$IMAGE")
-server_pid=
-cleanup() {
-  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
-    kill -KILL -- "-$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
-  buildah rm "$ctr" >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
 # Loopback only: chroot isolation shares the host's network, so the container's 0.0.0.0 default
 # would listen on every host interface.
 # The empty ones are what docker/compose.yaml passes when those variables are unset.
