@@ -215,7 +215,12 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         transport = make_transport(args, source, dtype, plan, release_pages)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
                    disable=not args.show_progress or not plan.resident_blocks, leave=False)
-        globals_ = {k: to_compute({k: index.view(n)}, dtype, device, copy=True)[k] for k, (n, _) in glob.items()}
+        # On CPU with a separate head, the embedding table is only gathered from (a few rows per
+        # step): it stays a zero-copy view of the mapped file and the runner casts the rows it
+        # gathers (the same elementwise cast, after the lookup instead of before: exact).
+        lazy_embed = device.type == "cpu" and "lm_head" in glob
+        globals_ = {k: index.view(n) if k == "embed" and lazy_embed
+                    else to_compute({k: index.view(n)}, dtype, device, copy=True)[k] for k, (n, _) in glob.items()}
         bar.update(1)
         streamer = BlockStreamer(transport, plan.resident_blocks, plan.streamed_blocks, args.prefetch_depth,
                                  on_progress=lambda _i: bar.update(1))

@@ -93,7 +93,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         before = self.streamer.stats.snapshot()
         step = self._step_inputs(chunks)
-        x = M.embed(step.input_ids, self.embed_weight)  # (tokens, hidden)
+        x = M.embed(step.input_ids, self.embed_weight).to(self.dtype)  # (tokens, hidden)
         try:
             for block in range(self.cfg.num_layers):
                 w = self.streamer.acquire(block)
