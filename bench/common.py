@@ -230,10 +230,11 @@ class Chart:
     """Grouped bar charts, one panel per metric; written only when --png is given."""
 
     title: str
-    panels: list[tuple[str, list[str], list[float | None]]] = field(default_factory=list)
+    panels: list[tuple[str, list[str], list[float | None], list[int] | None]] = field(default_factory=list)
 
-    def add(self, metric: str, labels: list[str], values: list[float | None]) -> None:
-        self.panels.append((metric, labels, values))
+    def add(self, metric: str, labels: list[str], values: list[float | None], groups: list[int] | None = None) -> None:
+        """groups: a colour index per bar (default: one colour per bar)."""
+        self.panels.append((metric, labels, values, groups))
 
     def save(self, path: str) -> None:
         import matplotlib
@@ -243,14 +244,15 @@ class Chart:
 
         fig, axes = plt.subplots(1, len(self.panels), figsize=(4.2 * len(self.panels), 3.8), squeeze=False)
         colors = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
-        for ax, (metric, labels, values) in zip(axes[0], self.panels):
+        for ax, (metric, labels, values, groups) in zip(axes[0], self.panels):
             vals = [v or 0.0 for v in values]
-            bars = ax.bar(range(len(vals)), vals, color=[colors[i % len(colors)] for i in range(len(vals))])
+            groups = groups or list(range(len(vals)))
+            bars = ax.bar(range(len(vals)), vals, color=[colors[g % len(colors)] for g in groups])
             ax.set_xticks(range(len(vals)), labels, rotation=20, ha="right", fontsize=8)
             ax.set_title(metric, fontsize=10)
             for b, v in zip(bars, values):
                 if v is not None:
-                    ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    ax.annotate(f"{v:.0f}" if v >= 100 else f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
                                 va="bottom", fontsize=7)
         fig.suptitle(self.title, fontsize=11)
         fig.tight_layout()
