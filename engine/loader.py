@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .arch import ModelConfig, load_model_config, validate_checkpoint
 from .kv_cache import KVCache
-from .planner import MemoryPlan, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_memory
+from .planner import MemoryPlan, PlanError, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_memory
 from .runner import ModelRunner
 from .safetensors_index import WeightIndex
 from .streamer import BlockStreamer
@@ -138,6 +138,19 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     raise ValueError(f"unknown transport {args.transport!r}")
 
 
+def _plan_memory(host_room: int | None, inputs: PlanInputs) -> MemoryPlan:
+    """plan_memory, with a message about host memory when the budget came from it (CPU, model larger than RAM)."""
+    try:
+        return plan_memory(inputs)
+    except PlanError as e:
+        if host_room is None:
+            raise
+        raise PlanError(f"the model does not fit in host memory ({format_bytes(host_room)} usable) and what must "
+                        f"stay in RAM does not fit either: {str(e).split(': ', 1)[-1].split('; raise')[0]}; raise "
+                        "--max-host-memory (or free memory) or lower --max-model-len / --max-num-seqs / "
+                        "--max-num-batched-tokens") from e
+
+
 def _assign_disk_tier(plan: MemoryPlan, index: WeightIndex, host_room: int, host_fixed: int, block_bytes: int,
                       force_disk: bool) -> None:
     assign_host_tier(plan, host_room, host_fixed, block_bytes, force_disk=force_disk)
@@ -188,9 +201,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         # Disk-tier staging holds checkpoint bytes; converted copies are the plan's stream buffers.
         staging = (args.prefetch_depth + 1) * ckpt_block_bytes if cfg.checkpoint_dtype != dtype else 0
         weights_bytes = (cfg.num_layers * block_numel + global_numel) * dtype.itemsize
-        if budget is None and device.type == "cpu" and weights_bytes > host_room:
+        host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
+        if host_sized:
             budget = host_room - staging  # the device is the host: what does not fit streams
-        plan = plan_memory(PlanInputs(
+        plan = _plan_memory(host_room if host_sized else None, PlanInputs(
             num_layers=cfg.num_layers,
             block_bytes=block_numel * dtype.itemsize,
             global_bytes=global_numel * dtype.itemsize,

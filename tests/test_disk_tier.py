@@ -245,3 +245,10 @@ def test_disk_tier_on_a_sharded_checkpoint(tmp_path, resident_tokens):
     tokens, plan = _generate(folder, max_device_memory=900_000, transport="disk", **SMALL)
     assert plan.disk_blocks
     assert tokens == resident_tokens
+
+
+def test_host_memory_too_small_names_the_host_budget(llama_dir):
+    from engine.planner import PlanError
+
+    with pytest.raises(PlanError, match=r"does not fit in host memory .*raise --max-host-memory"):
+        LLM(str(llama_dir), max_host_memory=300_000, **SMALL)
