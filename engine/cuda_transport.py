@@ -199,6 +199,9 @@ class CudaTransport(Transport):
         self.traces: list[TraceRecord] = []
         # Checkpoint larger than host memory: drop a block's pages from this process once staged.
         self.release_pages = release_pages
+        # The plan's disk-tier blocks are read by a DiskTransport (O_DIRECT, set by the loader):
+        # disk -> aligned host buffer -> pinned staging -> device.
+        self.disk = None
         self.h2d_gbps: float | None = None
         self.device_gbps: float | None = None
         self.host_bytes = 0  # pinned host memory held: staging buffers + pinned cache
@@ -319,13 +322,21 @@ class CudaTransport(Transport):
         if src is None:
             s = self._next_stage
             self._next_stage = (s + 1) % len(self._stage)
+            # A disk-tier block is read before the wait below, so the read overlaps the DMA draining s.
+            from_disk = self.disk.prepare(block) if self.disk is not None and block in self.disk.disk_blocks else None
             rt.host_wait(self._staged[s])  # the DMA still reading staging s must finish first
-            # One syscall maps the block's pages in bulk; touching them one 4 KiB fault at a time
-            # would make this fill, not the DMA, the slowest stage of the pipeline.
-            self.source.advise(block, MADV_POPULATE_READ)
-            self._fill_staging(self._stage_views[s][lid], self.source.views(block), self._pieces[lid])
-            if self.release_pages:
-                self.source.advise(block, mmap.MADV_DONTNEED)
+            if from_disk is not None:
+                try:
+                    self._fill_staging(self._stage_views[s][lid], from_disk.weights, self._pieces[lid])
+                finally:
+                    self.disk.retire(from_disk)
+            else:
+                # One syscall maps the block's pages in bulk; touching them one 4 KiB fault at a time
+                # would make this fill, not the DMA, the slowest stage of the pipeline.
+                self.source.advise(block, MADV_POPULATE_READ)
+                self._fill_staging(self._stage_views[s][lid], self.source.views(block), self._pieces[lid])
+                if self.release_pages:
+                    self.source.advise(block, mmap.MADV_DONTNEED)
             src = self._stage_flat[s][lid]
         rec = None
         rt.wait(self._copy_stream, self._freed[b])
@@ -385,6 +396,9 @@ class CudaTransport(Transport):
         if self._fill_pool is not None:
             self._fill_pool.shutdown()
             self._fill_pool = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         self._free.clear()
         self.host_bytes = 0
 

@@ -129,8 +129,15 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     if kind == "cuda":
         from .cuda_transport import CudaTransport
 
-        return CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
+        cuda = CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
                              host_budget=host_budget(args), release_pages=release_pages)
+        if plan.disk_blocks:
+            from .disk_transport import DiskTransport
+
+            # Read in the checkpoint's dtype (views, no conversion): filling pinned staging converts.
+            ckpt_dtype = source.index.entry(source.names(plan.disk_blocks[0])["wq"]).dtype
+            cuda.disk = DiskTransport(source, ckpt_dtype, plan.disk_blocks, depth=0)
+        return cuda
     if kind == "simulated":
         from .simulated_transport import SimulatedTransport
 
@@ -215,10 +222,15 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
             max_num_seqs=args.max_num_seqs,
             prefetch_depth=args.prefetch_depth,
         ))
-        if device.type == "cpu" and plan.streamed_blocks and args.transport in ("auto", "disk"):
-            _assign_disk_tier(plan, index, host_room, plan.device_bytes + staging, ckpt_block_bytes,
-                              force_disk=args.transport == "disk")
-        release_pages = bool(plan.streamed_blocks) and not plan.disk_blocks and index.total_bytes() > host_room - (256 << 20)
+        tier = args.transport if args.transport != "auto" else ("cuda" if device.type == "cuda" else "auto-cpu")
+        if plan.streamed_blocks and tier in ("auto-cpu", "disk", "cuda"):
+            # Host memory holds, besides kept blocks: on the CPU the whole device plan; for a GPU the
+            # pinned staging buffers and one disk read buffer.
+            host_fixed = (plan.device_bytes + staging if tier != "cuda"
+                          else (args.prefetch_depth + 1) * plan.block_bytes + ckpt_block_bytes)
+            _assign_disk_tier(plan, index, host_room, host_fixed, ckpt_block_bytes, force_disk=tier == "disk")
+        release_pages = (bool(plan.streamed_blocks) and not plan.disk_blocks
+                         and index.total_bytes() > host_room - (256 << 20))
         if release_pages:
             plan.notes.append(f"checkpoint ({format_bytes(index.total_bytes())}) exceeds host memory "
                               f"({format_bytes(host_room)}): streamed pages are released after use")

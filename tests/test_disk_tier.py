@@ -252,3 +252,25 @@ def test_host_memory_too_small_names_the_host_budget(llama_dir):
 
     with pytest.raises(PlanError, match=r"does not fit in host memory .*raise --max-host-memory"):
         LLM(str(llama_dir), max_host_memory=300_000, **SMALL)
+
+
+def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, resident_tokens, monkeypatch):
+    """The GPU path on CPU: CudaTransport replayed with the recording runtime of test_overlap; the
+    blocks the host tier leaves on disk go disk -> aligned buffer -> staging -> device buffer, with
+    the event protocol intact and the tokens of the resident run."""
+    import engine.cuda_transport as ct
+    from tests.test_overlap import RecordingRuntime, check_protocol
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=900_000, max_host_memory=650_000, **SMALL)
+    try:
+        plan = llm.plan
+        assert plan.disk_blocks and plan.host_blocks, plan.describe()
+        t = llm.engine.model.runner.streamer.transport
+        assert t.disk is not None and t.disk.disk_blocks == set(plan.disk_blocks)
+        out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in out] == resident_tokens
+        assert t.disk.reader.stats.bytes_read >= len(plan.disk_blocks) * plan.disk_block_bytes
+        assert check_protocol(t, t.rt.log) > 0
+    finally:
+        llm.close()
