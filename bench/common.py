@@ -160,6 +160,7 @@ class Child:
         return peaks
 
     def kill(self) -> None:
+        self.sampler._stop.set()
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
