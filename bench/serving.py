@@ -242,8 +242,12 @@ async def _bench(ns, url: str, levels: list[int]) -> list[LevelResult]:
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     async with httpx.AsyncClient(headers=headers, timeout=30) as client:
-        r = await client.get(f"{url}/v1/models")
-        r.raise_for_status()
+        try:
+            r = await client.get(f"{url}/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot list models at {url}/v1/models ({e}); is the server running? "
+                             "(--launch starts one)") from e
         model = r.json()["data"][0]["id"]
     prompt = [(i * 37 + 11) % 490 + 10 for i in range(ns.prompt_tokens)]
     body = {"model": model, "prompt": prompt, "max_tokens": ns.max_tokens, "temperature": 0.0,
