@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
 
+from engine.bandwidth import efficiency, stream_link_gbps
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -45,6 +47,9 @@ class ServerMetrics:
                                    registry=r)
         self.gbps = Gauge("layerstream_streaming_gbps", "achieved streaming rate of the last step "
                           "(bytes streamed / step seconds, 1e9 bytes/s)", labels, registry=r)
+        self.floor_pct = Gauge("layerstream_streaming_floor_percent", "last step's streaming rate as % of "
+                               "the measured link (host->device or disk): 100 = as fast as the bytes allow; "
+                               "absent when no link was measured (CPU page-cache streaming)", labels, registry=r)
         self.stall = Histogram("layerstream_stall_seconds_per_step", "time compute waited for a block, per step",
                                labels, buckets=(0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r)
         self.step_seconds = Histogram("layerstream_step_seconds", "wall time of one engine step", labels,
@@ -73,7 +78,12 @@ class ServerMetrics:
         self.step_bytes.labels(m).set(s.bytes_streamed)
         self.bytes_total.labels(m).inc(s.bytes_streamed)
         self.stall.labels(m).observe(max(0.0, s.stall_seconds))
-        self.gbps.labels(m).set(s.bytes_streamed / timing.seconds / 1e9 if timing.seconds > 0 else 0.0)
+        runner = engine.model.runner
+        gbps, floor = efficiency(s.bytes_streamed, timing.seconds,
+                                 stream_link_gbps(runner.streamer.transport, engine.plan))
+        self.gbps.labels(m).set(gbps)
+        if floor is not None:
+            self.floor_pct.labels(m).set(floor)
 
     def on_token(self, first: bool, seconds: float) -> None:
         (self.ttft if first else self.tpot).labels(self._model).observe(seconds)
