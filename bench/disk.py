@@ -283,15 +283,17 @@ def run(ns: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(model).encode(PROMPT * 4)[:ns.prompt_tokens]
-    # The floor: the disk's own sequential speed, measured now on this checkpoint and cached, so the
-    # layerstream child plans with the same figure.
+    # The floor: the disk's own sequential speed on this checkpoint. It moves from minute to minute
+    # here (a shared virtual disk), so it is measured right before each peer and once after the last;
+    # each peer is held to the faster of the two measurements around it, so "% of floor" errs
+    # against the peer, never for it. Each measurement is cached: the layerstream child plans with it.
     measure = lambda: disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)  # noqa: E731
-    bw = measure()
     print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
-          f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens; disk: {bw.describe()}", flush=True)
+          f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens", flush=True)
     load_before = _loadavg()
-    results = []
+    results, disk = [], [measure()]
     for peer in peers:
+        print(f"  disk: {disk[-1].describe()}", flush=True)
         r = _run_peer(ns, peer, model, ids, None if peer.endswith("-uncapped") else cap)
         results.append(r)
         print(f"  {peer}: {r.get('error') or 'ok'} in {r['wall_s']:.0f} s", flush=True)
@@ -303,16 +305,14 @@ def run(ns: argparse.Namespace) -> int:
             rate = r["decode_read_bytes"] / r["reader_busy_s"] / 1e9 if r["reader_busy_s"] else 0.0
             print(f"    decode {r['decode_s']:.1f} s: disk reads in progress {r['reader_busy_s']:.1f} s "
                   f"({rate:.2f} GB/s while in progress), compute waiting for a block {r['stall_s']:.1f} s", flush=True)
-    # The disk's speed varies from minute to minute here (a shared virtual disk): measure again and
-    # hold every peer to the faster figure, so "% of floor" errs against us, never for us.
-    bw_after = measure()
-    print(f"disk again after the peers: {bw_after.describe()}")
-    bw_before, bw = bw, max(bw, bw_after, key=lambda b: b.gbps)
+        disk.append(measure())
+        r["floor_gbps"] = max(disk[-2].gbps, disk[-1].gbps)
+    print(f"  disk: {disk[-1].describe()}", flush=True)
     ref = next((r for r in results if r["peer"] == "layerstream-uncapped" and "error" not in r), None)
     ref = ref or next((r for r in results if "error" not in r), None)
     rows = []
     for r in results:
-        tps, per_tok, achieved, pct = _floor_columns(r, bw.gbps)
+        tps, per_tok, achieved, pct = _floor_columns(r, r["floor_gbps"])
         if "error" in r:
             same = r["error"]
         elif r is ref:
@@ -324,22 +324,23 @@ def run(ns: argparse.Namespace) -> int:
         busy = (f"{100 * r['reader_busy_s'] / r['decode_s']:.0f}%"
                 if r.get("disk_blocks") and r.get("decode_s") else "-")
         rss = f"{r['peak_rss'] / 1e9:.2f} GB" if r.get("peak_rss") else "-"
-        rows.append([r["peer"], cap_s, tps, per_tok, achieved, pct, busy, rss, f"{r['max_usage'] / 1e9:.2f} GB", same])
+        rows.append([r["peer"], cap_s, tps, per_tok, achieved, f"{r['floor_gbps']:.2f}", pct, busy, rss, f"{r['max_usage'] / 1e9:.2f} GB", same])
     print()
-    print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "% of disk floor",
+    print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "disk GB/s", "% of disk floor",
                      "reads in flight", "peak RSS", "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
     by = {r["peer"]: r for r in results if "error" not in r}
     if "transformers" in by and "layerstream" in by:
         speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
         print(f"\nlayerstream / transformers decode speed under the same cap: "
               f"{speed(by['layerstream']) / speed(by['transformers']):.2f}x (target >= 2x)")
-    print(f"disk floor: measured {bw_before.gbps:.2f} GB/s before and {bw_after.gbps:.2f} GB/s after the peers, "
-          f"the faster ({bw.gbps:.2f} GB/s) used; % of floor = achieved GB/s / measured GB/s (target >= 70%); "
+    print("disk GB/s = the faster of the disk measurements just before and just after the peer; "
+          "% of floor = achieved GB/s / disk GB/s (target >= 70%); "
           "reads in flight = share of decode time the disk tier had reads outstanding (well under 100%: "
           "compute, not the disk, set the pace)")
     print(f"load average before / after: {load_before} / {_loadavg()} on {os.cpu_count()} CPUs "
           "(other processes share the machine: figures are noisy)")
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"disk_before": bw_before.__dict__, "disk_after": bw_after.__dict__, "prompt_ids": ids, "load_before": load_before,
-                                             "load_after": _loadavg(), "results": results}, indent=1))
+        Path(ns.json).write_text(json.dumps({"disk": [d.__dict__ for d in disk], "prompt_ids": ids,
+                                             "load_before": load_before, "load_after": _loadavg(),
+                                             "results": results}, indent=1))
     return 0
