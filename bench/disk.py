@@ -66,7 +66,8 @@ def bench_model_path(root: Path = BENCH_ROOT) -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"checkpoint folder (default: a ~3.3 GB bf16 Llama built once in {BENCH_ROOT})")
-    p.add_argument("--cap", default="half", help="memory cgroup limit: 'half' (of the checkpoint) or a size, e.g. 1.7GB")
+    p.add_argument("--cap", default="half",
+                   help="memory cgroup limit: 'half' (of the checkpoint) or a size, e.g. 1.7GB")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {', '.join(PEERS)}")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=8, help="greedy tokens per peer (the first is prefill's)")
@@ -267,6 +268,11 @@ def _floor_columns(r: dict, gbps: float) -> tuple[str, str, str, str]:
     return f"{tps:.3f}", f"{per_tok / 1e9:.2f}", f"{achieved:.2f}", pct
 
 
+def _first_difference(a: dict, b: dict) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y),
+                min(len(a["tokens"]), len(b["tokens"])))
+
+
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -343,16 +349,17 @@ def run(ns: argparse.Namespace) -> int:
         elif r is ref:
             same = "(reference)"
         else:
-            same = "yes" if r["tokens"] == ref["tokens"] else \
-                f"no (first differs at {next(i for i, (a, b) in enumerate(zip(r['tokens'], ref['tokens'])) if a != b)})"
+            same = "yes" if r["tokens"] == ref["tokens"] else f"no (first differs at {_first_difference(r, ref)})"
         cap_s = "none" if r["cap"] is None else f"{r['cap'] / 1e9:.2f} GB"
         busy = (f"{100 * r['reader_busy_s'] / r['decode_s']:.0f}%"
                 if r.get("disk_blocks") and r.get("decode_s") else "-")
         rss = f"{r['peak_rss'] / 1e9:.2f} GB" if r.get("peak_rss") else "-"
-        rows.append([r["peer"], cap_s, tps, per_tok, achieved, f"{r['floor_gbps']:.2f}", pct, busy, rss, f"{r['max_usage'] / 1e9:.2f} GB", same])
+        rows.append([r["peer"], cap_s, tps, per_tok, achieved, f"{r['floor_gbps']:.2f}", pct, busy, rss,
+                     f"{r['max_usage'] / 1e9:.2f} GB", same])
     print()
-    print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "disk GB/s", "% of disk floor",
-                     "reads in flight", "peak RSS", "cgroup peak", f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
+    print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "disk GB/s",
+                     "% of disk floor", "reads in flight", "peak RSS", "cgroup peak",
+                     f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
     by = {r["peer"]: r for r in results if "error" not in r}
     if "transformers" in by and "layerstream" in by:
         speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
