@@ -274,3 +274,10 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
         assert check_protocol(t, t.rt.log) > 0
     finally:
         llm.close()
+
+
+def test_cpu_plan_with_blocks_kept_in_ram_and_blocks_on_disk(llama_dir, resident_tokens):
+    tokens, plan = _generate(llama_dir, max_device_memory=900_000, max_host_memory=1_200_000, **SMALL)
+    assert plan.resident_blocks and plan.host_blocks and plan.disk_blocks, plan.describe()
+    assert sorted(plan.host_blocks + plan.disk_blocks) == plan.streamed_blocks
+    assert tokens == resident_tokens
