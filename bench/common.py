@@ -31,9 +31,9 @@ def bench_model_config():
     )
 
 
-def bench_model_path(root: Path = BENCH_ROOT) -> Path:
-    """Build the benchmark checkpoint (bf16, random weights) once, outside the repository."""
-    folder = root / f"llama-241m-bf16-v{BENCH_MODEL_VERSION}"
+def cached_random_model(name: str, config, root: Path = BENCH_ROOT, **build_kw) -> Path:
+    """Build a random-weight bf16 checkpoint once, outside the repository, and reuse it after."""
+    folder = root / f"{name}-v{BENCH_MODEL_VERSION}"
     marker = folder / "layerstream-bench.json"
     if marker.exists():
         return folder
@@ -41,15 +41,19 @@ def bench_model_path(root: Path = BENCH_ROOT) -> Path:
 
     from engine.demo import build_random_model
 
-    print(f"building the benchmark checkpoint in {folder} (once)", file=sys.stderr)
+    print(f"building the benchmark checkpoint {name} in {folder} (once)", file=sys.stderr)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    build_random_model(tmp, bench_model_config(), dtype=torch.bfloat16, seed=7, tokenizer_vocab=512)
+    build_random_model(tmp, config, dtype=torch.bfloat16, seed=7, **build_kw)
     (tmp / "layerstream-bench.json").write_text(json.dumps({"version": BENCH_MODEL_VERSION, "random_weights": True}))
     try:
         tmp.rename(folder)
     except OSError:
         pass  # built concurrently by another run; identical
     return folder
+
+
+def bench_model_path(root: Path = BENCH_ROOT) -> Path:
+    return cached_random_model("llama-241m-bf16", bench_model_config(), root, tokenizer_vocab=512)
 
 
 def checkpoint_bytes(folder: Path) -> int:

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_ROOT = Path(os.environ.get("LAYERSTREAM_BENCH_DIR", "/var/tmp/layerstream-bench"))
-BENCH_MODEL_VERSION = "1"
+from .common import BENCH_ROOT, cached_random_model
+
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 PEERS = ("transformers", "layerstream", "layerstream-uncapped")
@@ -46,21 +46,8 @@ def bench_model_config():
 
 
 def bench_model_path(root: Path = BENCH_ROOT) -> Path:
-    """Build the ~3.3 GB random-weight checkpoint once, outside the repository (needs ~10 GB RAM once)."""
-    folder = root / f"llama-3.3g-bf16-v{BENCH_MODEL_VERSION}"
-    marker = folder / "layerstream-bench.json"
-    if marker.exists():
-        return folder
-    import torch
-
-    from engine.demo import build_random_model
-
-    print(f"building the ~3.3 GB benchmark checkpoint in {folder} (once, a few minutes)", file=sys.stderr)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    build_random_model(tmp, bench_model_config(), dtype=torch.bfloat16, seed=7, max_shard_size="2GB")
-    (tmp / "layerstream-bench.json").write_text(json.dumps({"version": BENCH_MODEL_VERSION, "random_weights": True}))
-    tmp.rename(folder)
-    return folder
+    """The ~3.3 GB checkpoint (building it needs ~10 GB RAM once, a few minutes)."""
+    return cached_random_model("llama-3.3g-bf16", bench_model_config(), root, max_shard_size="2GB")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,8 +5,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.loader import EngineArgs, load_model
-from engine.planner import PlanInputs
 from tests.models import ARCHS, build, to_v4_config_style
 
 # fp32 on CPU: our attention runs over the KV cache and a different op order than the reference,
