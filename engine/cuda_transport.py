@@ -49,6 +49,7 @@ log = logging.getLogger("layerstream")
 ALIGN = 256  # bytes; every tensor in a packed buffer starts at a cuBLAS-friendly address
 HOST_MARGIN = 2 << 30  # host memory left free when deciding whether a pinned cache fits
 FILL_CHUNK = 8 << 20  # bytes per piece of a staging fill; pieces are copied in parallel
+PAGE = mmap.PAGESIZE  # the granularity at which cudaHostRegister pins host memory
 
 
 class DeviceMemoryError(ValueError):
@@ -116,7 +117,7 @@ class CudaRuntime:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._registered: list[torch.Tensor] = []
+        self._registered: list[tuple[torch.Tensor, int]] = []  # (allocation, registered address)
 
     def stream(self):
         return torch.cuda.Stream(device=self.device)
@@ -133,22 +134,30 @@ class CudaRuntime:
     def pinned_bytes(self, n: int) -> torch.Tensor:
         """Exactly n page-locked bytes. pin_memory=True goes through the caching host allocator,
         which rounds every block up to a power of two (a 22 MiB block would pin 32 MiB), so
-        register a plain allocation instead and fall back to the allocator if that fails."""
-        buf = torch.empty(n, dtype=torch.uint8)
+        register a plain allocation instead and fall back to the allocator if that fails.
+
+        The driver pins whole pages, and registering a page that is already registered fails
+        (cudaErrorHostMemoryAlreadyRegistered). Two small CPU tensors can share a page, so the
+        registered range is page-aligned, page-rounded and lies inside an allocation of its own.
+        A failed cudaHostRegister also leaves the runtime's last error set (torch exposes no
+        cudaGetLastError to clear it) and the next kernel launch check raises it: avoid failing."""
+        raw = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        size = max(PAGE, -(-n // PAGE) * PAGE)
         try:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), n, 0)
+            err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, 0)
             ok = int(getattr(err, "value", err)) == 0
         except (AttributeError, RuntimeError, TypeError):
             ok = False
         if not ok:
             return torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        self._registered.append(buf)
-        return buf
+        self._registered.append((raw, raw.data_ptr() + start))
+        return raw[start:start + n]
 
     def release(self) -> None:
         """Unregister what pinned_bytes registered (after a synchronize: no DMA reads it any more)."""
-        for buf in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        for _raw, ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
