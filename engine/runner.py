@@ -106,7 +106,8 @@ class ModelRunner:
             raise
         logits = M.final_logits(x, self.norm_weight, self.head_weight, step, self.cfg.rms_norm_eps)
         if logits.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            # The step's device: the thread's current device defaults to cuda:0 whatever the model's.
+            torch.cuda.current_stream(logits.device).synchronize()
         self.last_step = StepTiming(time.perf_counter() - t0, int(step.input_ids.shape[0]),
                                     self.streamer.stats.since(before))
         return logits
