@@ -133,7 +133,9 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self.model.runner.execute(chunks)
+        # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
+        # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
+        logits = self.model.runner.execute(chunks).cpu()
         outputs = []
         row = 0
         for chunk in chunks:
