@@ -32,7 +32,7 @@ def measure_copy_gbps(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = 256
     stream = torch.cuda.Stream(device=device)
     repeats = max(2, min(max_repeats, -(-min_bytes // dst.numel())))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(device), torch.cuda.stream(stream):  # device first: see CudaRuntime.copy
         dst.copy_(src, non_blocking=True)  # warm-up: first-touch mappings, lazy module loading
         start.record(stream)
         for _ in range(repeats):

@@ -161,7 +161,10 @@ class CudaRuntime:
         self._registered.clear()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-        with torch.cuda.stream(stream):
+        # The prefetch thread's current device is cuda:0 whatever the model's. torch.cuda.stream()
+        # alone switches to the stream's device and, on exit, back with cudaSetDevice(0), which
+        # creates a context on GPU 0 for a model on cuda:1; torch.cuda.device restores lazily.
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
     def wait(self, stream, event) -> None:
