@@ -42,7 +42,7 @@ import torch
 from . import bandwidth
 from .planner import MemoryPlan, format_bytes
 from .safetensors_index import MADV_POPULATE_READ
-from .transport import BlockSource, Ticket, Transport, to_compute
+from .transport import BlockSource, Ticket, Transport
 
 log = logging.getLogger("layerstream")
 
@@ -313,9 +313,8 @@ class CudaTransport(Transport):
     # -- Transport ---------------------------------------------------------------------------
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         # Load time only: a pageable synchronous copy is fine, and converting on the device is faster.
-        views = self.source.views(block)
-        on_device = to_compute(views, views[next(iter(views))].dtype, self.device, copy=True)
-        return {k: v.to(self.dtype) for k, v in on_device.items()}
+        # Each tensor travels in its own checkpoint dtype (a block may mix, e.g. fp32 norms in bf16).
+        return {k: v.to(self.device).to(self.dtype) for k, v in self.source.views(block).items()}
 
     def prepare(self, block: int) -> Ticket:
         lid = self._lid[block]

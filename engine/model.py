@@ -48,7 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotary_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, with the checkpoint's rope scaling applied."""
     hf = cfg.hf_config
-    params = getattr(hf, "rope_parameters", None) or {}
+    # transformers 5 normalises both config styles into rope_parameters; 4.x keeps rope_scaling.
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
