@@ -123,7 +123,9 @@ class CudaRuntime:
         return torch.cuda.Stream(device=self.device)
 
     def event(self, timing: bool = False):
-        return torch.cuda.Event(enable_timing=timing)
+        # blocking: the prefetch thread's host_wait sleeps instead of spinning a core the compute
+        # thread's kernel launches (and, on small hosts, the staging memcpy) need.
+        return torch.cuda.Event(enable_timing=timing, blocking=True)
 
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
