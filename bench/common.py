@@ -186,6 +186,33 @@ def serve_commands(handlers: dict, first: dict) -> None:
 
 # -- reporting ----------------------------------------------------------------------------------
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+    """Poll a launched `layerstream serve` until /health answers 200; raise with its log's tail if
+    it exits or does not get there in time."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100]."""
     if not values:

@@ -19,14 +19,14 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import Chart, bench_model_path, fmt, machine_description, percentile, table
+from .common import (Chart, bench_model_path, fmt, free_port, machine_description, percentile, table,
+                     wait_until_healthy)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,11 +148,6 @@ async def run_level(url: str, headers: dict, body: dict, concurrency: int, reque
 
 # -- launching a server -----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch_server(ns) -> tuple[subprocess.Popen, str, Path]:
     folder = bench_model_path() if ns.model == "bench" else Path(ns.model)
@@ -163,7 +158,7 @@ def launch_server(ns) -> tuple[subprocess.Popen, str, Path]:
         weights, _ = weight_bytes(folder, ns.dtype)
         budget = str(int(ns.budget_fraction * weights))
     max_len = ns.max_model_len or -(-(ns.prompt_tokens + ns.max_tokens) // 16) * 16
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--port", str(port),
             "--dtype", ns.dtype, "--max-num-seqs", str(ns.max_num_seqs), "--max-num-batched-tokens",
             str(ns.max_num_batched_tokens), "--max-model-len", str(max_len), *ns.server_arg]
@@ -175,20 +170,8 @@ def launch_server(ns) -> tuple[subprocess.Popen, str, Path]:
     env = {**os.environ, **({"OMP_NUM_THREADS": str(ns.threads)} if ns.threads else {})}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log_path
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not become ready in time; see {log_path}")
+    wait_until_healthy(proc, url, log_path, timeout=600)
+    return proc, url, log_path
 
 
 def plan_lines(log_path: Path) -> list[str]:

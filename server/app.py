@@ -116,18 +116,18 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
     async def models():
         return JSONResponse(serving.models().model_dump(mode="json"))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def generate(request: Request, work):
         try:
-            return respond(await _unless_disconnected(request, serving.completions(body)))
+            return respond(await _unless_disconnected(request, work))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(request, serving.completions(body))
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        try:
-            return respond(await _unless_disconnected(request, serving.chat(body)))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
+        return await generate(request, serving.chat(body))
 
     return app

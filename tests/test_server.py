@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from bench.common import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time there was"
@@ -50,31 +51,16 @@ class Server:
         return 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start(tmp: Path, name: str, argv: list[str], env: dict[str, str]) -> Server:
-    port = _free_port()
+    port = free_port()
     log = tmp / f"{name}.log"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LAYERSTREAM_") or k == "LAYERSTREAM_CACHE"}
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *argv],
                             cwd=ROOT, env={**clean, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return Server(url, "", proc, log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+    wait_until_healthy(proc, url, log, timeout=180)
+    return Server(url, "", proc, log)
 
 
 def _stop(server: Server) -> None:
