@@ -113,10 +113,6 @@ class RequestHandle:
                 self._unfinished.discard(item.request_id)
             yield item
 
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
     def abort(self) -> None:
         """Cancel whatever has not finished (client gone); the engine frees the slots before its
         next step."""
@@ -143,7 +139,6 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread = threading.Thread(target=self._run, name="layerstream-engine", daemon=True)
-        self.num_aborted = 0  # requests cancelled before finishing (engine thread writes, others read)
 
     # -- public, any thread -----------------------------------------------------------------------
     def start(self) -> "EngineLoop":
@@ -228,8 +223,8 @@ class EngineLoop:
         while True:
             try:
                 kind, arg = self._commands.get(block=block)
-            except queue.Empty:
-                if self.observer and not block:
+            except queue.Empty:  # only a non-blocking get gets here
+                if self.observer:
                     self.observer.on_queue(self.engine)
                 return True
             block = False
@@ -241,7 +236,6 @@ class EngineLoop:
                 for rid in arg:
                     t = self._tracked.pop(rid, None)
                     if t is not None and self.engine.abort(rid):
-                        self.num_aborted += 1
                         log.info("request %s cancelled, its slot is free", rid)
                         if self.observer:
                             self.observer.on_finished("abort", t.prompt_tokens, t.output_tokens)

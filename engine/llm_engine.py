@@ -15,7 +15,7 @@ from .loader import EngineArgs, LoadedModel, load_model
 from .model_source import resolve_model
 from .sampler import TokenLogprobs, make_generator, sample_one
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger("layerstream")
 
@@ -175,7 +175,3 @@ class LLMEngine:
     def close(self) -> None:
         self.model.runner.streamer.close()
         self.model.index.close()
-
-    def is_running(self, request_id: str) -> bool:
-        seq = self._seqs.get(request_id)
-        return seq is not None and seq.status == SeqStatus.RUNNING
