@@ -4,11 +4,11 @@ prepare() runs on the streamer's prefetch thread, so the reads of block i+1..i+d
 compute of block i. A disk-tier block is read (DiskReader: large aligned reads, several in flight)
 into one of depth + 1 staging buffers, which is exactly how many tickets the streamer lets exist,
 and its tensors are views into that buffer; retire() hands the buffer back. When the compute
-dtype differs from the checkpoint's, prepare() converts into fresh tensors and the staging buffer
-is free again at once.
+dtype differs from the checkpoint's, prepare() converts into reused buffer sets (shared with the
+host tier below) and the staging buffer is free again at once.
 
-Streamed blocks the plan keeps in host memory (the host tier) take the page-cache path of
-CpuTransport: their pages are faulted in ahead of use and never released.
+Streamed blocks the plan keeps in host memory (the host tier) are handed to a CpuTransport: their
+pages are faulted in once and never released, and a dtype conversion reuses its buffers.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import queue
 import torch
 
 from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
-from .safetensors_index import MADV_POPULATE_READ
-from .transport import BlockSource, Ticket, Transport, to_compute
+from .transport import BlockSource, CpuTransport, Ticket, Transport, to_compute
 
 
 class DiskTransport(Transport):
@@ -29,6 +28,7 @@ class DiskTransport(Transport):
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.disk_blocks = set(disk_blocks)
+        self._host = CpuTransport(source, dtype)
         self.reader = reader or DiskReader(source.index.files.keys(), direct=direct)
         num_layers = source.cfg.num_layers
         self.plans: list[ReadPlan] = [
@@ -58,9 +58,7 @@ class DiskTransport(Transport):
 
     def prepare(self, block: int) -> Ticket:
         if block not in self.disk_blocks:
-            self.source.advise(block, MADV_POPULATE_READ)
-            views = self.source.views(block)
-            return Ticket(block, to_compute(views, self.dtype, self.device, copy=False), self.source.nbytes(block))
+            return self._host.prepare(block)
         buf = self._free.get()
         try:
             views, nbytes = self._read(block, buf)
@@ -69,16 +67,20 @@ class DiskTransport(Transport):
             raise
         if all(v.dtype == self.dtype for v in views.values()):
             return Ticket(block, views, nbytes, extra={"buffer": buf})
-        # copy=True: a tensor already in the compute dtype must not keep viewing a recycled buffer.
-        converted = to_compute(views, self.dtype, self.device, copy=True)
+        # Every tensor is copied out, even one already in the compute dtype: the staging buffer is
+        # recycled at once. The copies go to the host tier's reused buffer sets, so disk and host
+        # blocks together never hold more than depth + 1 converted blocks (the plan's stream buffers).
+        converted = self._host._take_buffers(views)
+        for k, v in views.items():
+            converted[k].copy_(v)
         self._free.put(buf)
-        return Ticket(block, converted, nbytes)
+        return Ticket(block, converted, nbytes, extra={"buffers": converted})
 
     def retire(self, ticket: Ticket) -> None:
-        ticket.weights = {}
         buf = ticket.extra.pop("buffer", None)
         if buf is not None:
             self._free.put(buf)
+        self._host.retire(ticket)  # drops the weights and hands converted buffer sets back
 
     def close(self) -> None:
         self.reader.close()
