@@ -48,7 +48,7 @@ class EngineObserver(Protocol):
 
     def on_token(self, first: bool, seconds: float) -> None: ...
 
-    def on_finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None: ...
+    def on_finished(self, reason: str, prompt_tokens: int) -> None: ...
 
 
 @dataclass
@@ -61,10 +61,8 @@ class EngineRequest:
 @dataclass
 class _Tracked:
     handle: "RequestHandle"
-    arrival: float
+    prompt_tokens: int
     last: float | None = None  # time of the previous token
-    prompt_tokens: int = 0
-    output_tokens: int = 0
 
 
 class RequestHandle:
@@ -238,7 +236,7 @@ class EngineLoop:
                     if t is not None and self.engine.abort(rid):
                         log.info("request %s cancelled, its slot is free", rid)
                         if self.observer:
-                            self.observer.on_finished("abort", t.prompt_tokens, t.output_tokens)
+                            self.observer.on_finished("abort", t.prompt_tokens)
 
     def _add(self, handle: RequestHandle) -> None:
         added = []
@@ -252,7 +250,7 @@ class EngineLoop:
             handle._resolve(e)
             return
         for r in added:
-            self._tracked[r.request_id] = _Tracked(handle, handle.arrival, prompt_tokens=len(r.prompt_ids))
+            self._tracked[r.request_id] = _Tracked(handle, len(r.prompt_ids))
         handle._resolve(None)
 
     def _step(self) -> None:
@@ -273,13 +271,12 @@ class EngineLoop:
             if t is None:
                 continue  # aborted while the step ran
             if obs:
-                obs.on_token(t.last is None, now - (t.last if t.last is not None else t.arrival))
+                obs.on_token(t.last is None, now - (t.last if t.last is not None else t.handle.arrival))
             t.last = now
-            t.output_tokens = out.num_output_tokens
             if out.finished:
                 del self._tracked[out.request_id]
                 if obs:
-                    obs.on_finished(out.finish_reason or "stop", t.prompt_tokens, t.output_tokens)
+                    obs.on_finished(out.finish_reason or "stop", t.prompt_tokens)
             t.handle._post(out)
         if obs:
             obs.on_step(self.engine)

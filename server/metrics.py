@@ -89,7 +89,7 @@ class ServerMetrics:
         (self.ttft if first else self.tpot).labels(self._model).observe(seconds)
         self.generation_tokens.labels(self._model).inc()
 
-    def on_finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None:
+    def on_finished(self, reason: str, prompt_tokens: int) -> None:
         self.finished.labels(self._model, reason).inc()
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
 
