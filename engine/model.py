@@ -26,9 +26,11 @@ class StepInputs:
     sin: torch.Tensor  # (tokens, head_dim)
     token_slots: torch.Tensor  # (tokens,) KV-cache slot of each token's sequence
     seq_slots: torch.Tensor  # (seqs,) KV-cache slot of each sequence
-    # (seqs * max_query,) bool: which rows of the padded query layout hold a real token. Tokens are
-    # packed sequence by sequence, so the valid rows in (seq, query) order are exactly the tokens.
-    pad_valid: torch.Tensor
+    # (tokens,) int64: the row of the padded (seqs * max_query) query layout that holds each token,
+    # or None when every chunk has max_query tokens and the packed tokens already are that layout.
+    # Integer rows, built on the host once per step: a boolean mask would cost a nonzero(), a host
+    # sync, twice per block.
+    pad_rows: torch.Tensor | None
     max_query: int
     context_len: int  # keys attended to: max over sequences of (last position + 1)
     attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
@@ -108,12 +110,9 @@ def attention(
     v_cache[step.token_slots, :, step.positions] = v
 
     seqs, mq = step.seq_slots.shape[0], step.max_query
-    # Every chunk the same length (a pure decode step above all): the packed tokens already are the
-    # padded layout. Boolean-mask indexing would cost a nonzero(), a host sync, twice per layer.
-    padded = seqs * mq != tokens
-    if padded:
+    if step.pad_rows is not None:
         qp = q.new_zeros(seqs * mq, nh, hd)
-        qp[step.pad_valid] = q
+        qp[step.pad_rows] = q
     else:
         qp = q
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
@@ -128,8 +127,8 @@ def attention(
         qp, keys, values, attn_mask=step.attn_mask, enable_gqa=nh != nkv
     )  # (seqs, heads, max_query, head_dim)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
-    if padded:
-        out = out[step.pad_valid]  # (tokens, heads*head_dim)
+    if step.pad_rows is not None:
+        out = out[step.pad_rows]  # (tokens, heads*head_dim)
     return F.linear(out, w["wo"])
 
 

@@ -70,6 +70,10 @@ class ModelRunner:
             mask &= keys[None, None, :] > q_pos[:, :, None] - window
         # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
         mask[..., 0] |= ~valid
+        pad_rows = None
+        if len(chunks) * mq != len(ids):
+            pad_rows = torch.tensor([i * mq + j for i, n in enumerate(counts) for j in range(n)],
+                                    dtype=torch.long, device=dev)  # (tokens,)
         slots = [c.seq.slot for c in chunks]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return M.StepInputs(
@@ -79,7 +83,7 @@ class ModelRunner:
             sin=sin,
             token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
             seq_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            pad_valid=valid.reshape(-1),
+            pad_rows=pad_rows,
             max_query=mq,
             context_len=ctx,
             attn_mask=mask[:, None],
