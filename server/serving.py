@@ -37,10 +37,8 @@ class _Choice:
     """What one choice has accumulated so far."""
 
     index: int
-    prompt_ids: list[int]
     echo_text: str = ""  # the prompt, when echo is on
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False
@@ -65,7 +63,6 @@ class _Job:
     def apply(self, out: RequestOutput) -> _Choice:
         c = self.choices[out.request_id]
         c.text += out.text
-        c.token_ids += out.new_token_ids
         c.logprobs += out.logprobs
         c.num_output_tokens = out.num_output_tokens
         if out.finished:
@@ -124,7 +121,7 @@ class OpenAIServing:
                 rid = f"{response_id}-{p}-{i}"
                 seed = None if params.seed is None else params.seed + i
                 requests.append(EngineRequest(rid, ids, dataclasses.replace(params, seed=seed)))
-                choices[rid] = _Choice(p * req.n + i, ids, echo_texts[p] if echo_texts else "")
+                choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "")
         handle = self.engine.submit(requests)
         try:
             await handle.accepted
@@ -287,7 +284,6 @@ class OpenAIServing:
 
         try:
             for c in sorted(job.choices.values(), key=lambda c: c.index):
-                c.started = True
                 yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
             async for out in job.handle.outputs():
                 c = job.apply(out)
