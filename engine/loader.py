@@ -112,7 +112,7 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
 
 
 def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, plan: MemoryPlan,
-                   release_pages: bool) -> Transport:
+                   release_pages: bool, host_room: int) -> Transport:
     kind = args.transport
     if kind == "auto":
         kind = "cuda" if args.device.startswith("cuda") else "cpu"
@@ -130,7 +130,7 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
         from .cuda_transport import CudaTransport
 
         cuda = CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
-                             host_budget=host_budget(args), release_pages=release_pages)
+                             host_budget=host_room, release_pages=release_pages)
         if plan.disk_blocks:
             from .disk_transport import DiskTransport
 
@@ -238,7 +238,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
                  str(dtype).replace("torch.", ""), plan.describe())
 
         source = BlockSource(index, cfg)
-        transport = make_transport(args, source, dtype, plan, release_pages)
+        transport = make_transport(args, source, dtype, plan, release_pages, host_room)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
                    disable=not args.show_progress or not plan.resident_blocks, leave=False)
         # On CPU with a separate head, the embedding table is only gathered from (a few rows per
