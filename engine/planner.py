@@ -94,9 +94,6 @@ class MemoryPlan:
         """The disk tier's floor: no step can be faster than reading its disk bytes."""
         return self.disk_bytes_per_step / (self.disk_gbps * 1e9) if self.disk_gbps else None
 
-    def is_resident(self, block: int) -> bool:
-        return block in self.resident_blocks
-
     def describe(self) -> str:
         budget = "unlimited" if self.budget is None else format_bytes(self.budget)
         lines = [
