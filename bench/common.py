@@ -4,6 +4,7 @@ stays light."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -68,6 +69,13 @@ def warm_page_cache(folder: Path) -> float:
             while f.read(16 << 20):
                 pass
     return time.perf_counter() - t0
+
+
+def bench_main(prog: str, doc: str | None, add_arguments, run, argv: list[str] | None) -> int:
+    """`python -m bench.X`: the same arguments as the `layerstream` subcommand, then its run()."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 # -- memory of a child process ------------------------------------------------------------------

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import bench_model_path, fmt, machine_description, table
+from bench.common import bench_main, bench_model_path, fmt, machine_description, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -207,10 +207,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return bench_main("python -m bench.gpu", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import (Chart, bench_model_path, checkpoint_bytes, Child, fmt, machine_description, mib,
-                     serve_commands, table, warm_page_cache)
+from .common import (Chart, bench_main, bench_model_path, checkpoint_bytes, Child, fmt, machine_description,
+                     mib, serve_commands, table, warm_page_cache)
 
 PEERS = ("transformers", "resident", "streaming")
 RSS_ANON_SLACK = 200 * 10**6  # target (b): streaming peak RssAnon <= budget + 200 MB (decimal, as stated)
@@ -314,10 +314,7 @@ def chart(results: list[dict], model_name: str) -> Chart:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main("python -m bench.offline", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import (Chart, bench_model_path, fmt, free_port, machine_description, percentile, table,
-                     wait_until_healthy)
+from .common import (Chart, bench_main, bench_model_path, fmt, free_port, machine_description, percentile,
+                     table, wait_until_healthy)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -277,10 +277,7 @@ def chart(results: list[LevelResult]) -> Chart:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main("python -m bench.serving", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
