@@ -23,13 +23,13 @@ from .transport import BlockSource, CpuTransport, Ticket, Transport, to_compute
 
 class DiskTransport(Transport):
     def __init__(self, source: BlockSource, dtype: torch.dtype, disk_blocks, depth: int = 1,
-                 direct: bool = True, reader: DiskReader | None = None):
+                 direct: bool = True):
         self.source = source
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.disk_blocks = set(disk_blocks)
         self._host = CpuTransport(source, dtype)
-        self.reader = reader or DiskReader(source.index.files.keys(), direct=direct)
+        self.reader = DiskReader(source.index.files.keys(), direct=direct)
         num_layers = source.cfg.num_layers
         self.plans: list[ReadPlan] = [
             plan_reads({short: source.index.entry(name) for short, name in source.names(b).items()})
