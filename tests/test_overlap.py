@@ -36,10 +36,6 @@ def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto") -
         + p.block_bytes // 2
 
 
-def all_streamed_budget(folder) -> int:
-    return budget_for(folder)
-
-
 def one_step(runner, tokens: int = 1) -> float:
     s = Sequence("probe", list(PROMPT[:tokens]), 1)
     s.slot = 0
@@ -49,7 +45,7 @@ def one_step(runner, tokens: int = 1) -> float:
 
 @pytest.fixture(scope="module")
 def streamed_budget(llama_dir):
-    return all_streamed_budget(llama_dir)
+    return budget_for(llama_dir)
 
 
 @pytest.fixture
