@@ -37,4 +37,6 @@ def test_achieved_rate_and_percent_of_floor():
 def test_no_floor_without_a_measured_link():
     m = ServerMetrics("x")
     m.on_step(fake_engine(link_gbps=None))
-    assert "layerstream_streaming_floor_percent" not in samples(m)
+    got = samples(m)
+    assert got["layerstream_streaming_gbps"] == 0.8  # the step was recorded: only the floor is absent
+    assert "layerstream_streaming_floor_percent" not in got
