@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BENCH_ROOT, cached_random_model
+from .common import BENCH_ROOT, cached_random_model, read_status, table
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -78,10 +78,7 @@ def read_bytes() -> int:
 
 def peak_rss() -> int:
     """This process's peak resident set (VmHWM): anonymous memory plus mapped file pages."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return read_status(os.getpid()).get("VmHWM", 0)
 
 
 def _child_transformers(model: str, ids: list[int], n: int) -> dict:
@@ -260,12 +257,6 @@ def _first_difference(a: dict, b: dict) -> int:
                 min(len(a["tokens"]), len(b["tokens"])))
 
 
-def _md_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-
-
 def _loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -344,7 +335,7 @@ def run(ns: argparse.Namespace) -> int:
         rows.append([r["peer"], cap_s, tps, per_tok, achieved, f"{r['floor_gbps']:.2f}", pct, busy, rss,
                      f"{r['max_usage'] / 1e9:.2f} GB", same])
     print()
-    print(_md_table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "disk GB/s",
+    print(table(["peer", "memory cap", "decode tok/s", "disk GB/token", "achieved GB/s", "disk GB/s",
                      "% of disk floor", "reads in flight", "peak RSS", "cgroup peak",
                      f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
     by = {r["peer"]: r for r in results if "error" not in r}
