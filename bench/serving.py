@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .common import (Chart, bench_main, bench_model_path, fmt, free_port, machine_description, percentile,
                      table, wait_until_healthy)
+from .offline import prompt_ids, weight_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,8 +154,6 @@ def launch_server(ns) -> tuple[subprocess.Popen, str, Path]:
     folder = bench_model_path() if ns.model == "bench" else Path(ns.model)
     budget = ns.max_device_memory
     if ns.budget_fraction is not None:
-        from .offline import weight_bytes
-
         weights, _ = weight_bytes(folder, ns.dtype)
         budget = str(int(ns.budget_fraction * weights))
     max_len = ns.max_model_len or -(-(ns.prompt_tokens + ns.max_tokens) // 16) * 16
@@ -232,7 +231,7 @@ async def _bench(ns, url: str, levels: list[int]) -> list[LevelResult]:
             raise ValueError(f"cannot list models at {url}/v1/models ({e}); is the server running? "
                              "(--launch starts one)") from e
         model = r.json()["data"][0]["id"]
-    prompt = [(i * 37 + 11) % 490 + 10 for i in range(ns.prompt_tokens)]
+    prompt = prompt_ids(ns.prompt_tokens)
     body = {"model": model, "prompt": prompt, "max_tokens": ns.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "logprobs": 0}
     print(f"server: {url} (model {model}); machine: {machine_description()}")
