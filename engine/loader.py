@@ -185,7 +185,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
     cfg = load_model_config(path)
     index = WeightIndex(path)
-    plan = streamer = None
+    plan = transport = streamer = None
     try:
         validate_checkpoint(cfg, index)
         device = torch.device(args.device)
@@ -254,14 +254,16 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
                      dtype, device)
         runner = ModelRunner(cfg, plan, globals_, streamer, kv, device, dtype)
-    except torch.OutOfMemoryError as e:
+    except BaseException as e:
+        # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
         if streamer is not None:
-            streamer.close()
+            streamer.close()  # closes its transport too
+        elif transport is not None:
+            transport.close()
         index.close()
-        from .cuda_transport import out_of_memory_error
+        if isinstance(e, torch.OutOfMemoryError):
+            from .cuda_transport import out_of_memory_error
 
-        raise out_of_memory_error(plan, torch.device(args.device), e) from e
-    except BaseException:
-        index.close()
+            raise out_of_memory_error(plan, torch.device(args.device), e) from e
         raise
     return LoadedModel(cfg, index, plan, runner, dtype, path)

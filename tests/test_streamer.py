@@ -100,3 +100,24 @@ def test_out_of_order_acquire_is_an_error():
             s.acquire(1)
     finally:
         s.close()
+
+
+def test_failed_load_stops_the_prefetch_thread(llama_dir, monkeypatch):
+    """A load that fails after the streamer started must not leave its thread running."""
+    import engine.loader as loader
+    from engine import LLM
+
+    class NoRoomKVCache(loader.KVCache):
+        def __init__(self, *a, **kw):
+            raise RuntimeError("no room for the KV cache")
+
+    from tests.test_reference import stream_all_but_one_budget
+
+    probe = LLM(str(llama_dir), max_model_len=64, max_num_seqs=1)
+    budget = stream_all_but_one_budget(probe)
+    probe.close()
+    monkeypatch.setattr(loader, "KVCache", NoRoomKVCache)
+    before = {t for t in threading.enumerate() if t.name == "layerstream-prefetch"}
+    with pytest.raises(RuntimeError, match="no room"):
+        LLM(str(llama_dir), max_model_len=64, max_num_seqs=1, max_device_memory=budget)
+    assert {t for t in threading.enumerate() if t.name == "layerstream-prefetch"} == before
