@@ -5,6 +5,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -27,7 +28,11 @@ def read_header(path):
     return json.loads(raw[8:8 + n]), raw[8 + n:]
 
 
-def write_with_header(path, header, data):
+@contextmanager
+def edited_header(path):
+    """Yields the file's JSON header to change; writes it back in front of the same data."""
+    header, data = read_header(path)
+    yield header
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
@@ -68,65 +73,55 @@ def test_header_not_json(bad_copy):
 
 def test_offsets_past_end(bad_copy):
     f = bad_copy / "model.safetensors"
-    header, data = read_header(f)
+    _, data = read_header(f)
     name = "model.layers.1.mlp.up_proj.weight"
-    b, e = header[name]["data_offsets"]
-    header[name]["data_offsets"] = [len(data) + 8, len(data) + 8 + (e - b)]
-    write_with_header(f, header, data)
+    with edited_header(f) as header:
+        b, e = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [len(data) + 8, len(data) + 8 + (e - b)]
     with pytest.raises(CheckpointError, match=f"tensor '{name}': data ends at byte"):
         load(bad_copy)
 
 
 def test_size_does_not_match_shape(bad_copy):
-    f = bad_copy / "model.safetensors"
-    header, data = read_header(f)
     name = "model.norm.weight"
-    header[name]["shape"] = [header[name]["shape"][0] * 2]
-    write_with_header(f, header, data)
+    with edited_header(bad_copy / "model.safetensors") as header:
+        header[name]["shape"] = [header[name]["shape"][0] * 2]
     with pytest.raises(CheckpointError, match=f"tensor '{name}': holds \\d+ bytes but shape"):
         load(bad_copy)
 
 
 def test_overlapping_tensors(bad_copy):
-    f = bad_copy / "model.safetensors"
-    header, data = read_header(f)
-    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
-    a, b = names[0], names[1]
-    size = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
-    start = header[a]["data_offsets"][0]
-    if header[a]["data_offsets"][1] - start >= size:  # same size region starting where `a` starts
-        header[b]["data_offsets"] = [start, start + size]
-    write_with_header(f, header, data)
+    with edited_header(bad_copy / "model.safetensors") as header:
+        names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        a, b = names[0], names[1]
+        size = header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+        start = header[a]["data_offsets"][0]
+        if header[a]["data_offsets"][1] - start >= size:  # same size region starting where `a` starts
+            header[b]["data_offsets"] = [start, start + size]
     with pytest.raises(CheckpointError, match="overlap"):
         load(bad_copy)
 
 
 def test_missing_tensor(bad_copy):
-    f = bad_copy / "model.safetensors"
-    header, data = read_header(f)
-    del header["model.layers.2.self_attn.k_proj.weight"]
-    write_with_header(f, header, data)
+    with edited_header(bad_copy / "model.safetensors") as header:
+        del header["model.layers.2.self_attn.k_proj.weight"]
     with pytest.raises(CheckpointError, match="tensor 'model.layers.2.self_attn.k_proj.weight' is missing"):
         load(bad_copy)
 
 
 def test_wrong_shape(bad_copy):
-    f = bad_copy / "model.safetensors"
-    header, data = read_header(f)
     name = "model.layers.0.mlp.up_proj.weight"
-    rows, cols = header[name]["shape"]
-    header[name]["shape"] = [cols, rows]  # same byte size, transposed: only the shape check catches it
-    write_with_header(f, header, data)
+    with edited_header(bad_copy / "model.safetensors") as header:
+        rows, cols = header[name]["shape"]
+        header[name]["shape"] = [cols, rows]  # same byte size, transposed: only the shape check catches it
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[{cols}, {rows}\], expected \[{rows}, {cols}\]"):
         load(bad_copy)
 
 
 def test_unknown_dtype(bad_copy):
-    f = bad_copy / "model.safetensors"
-    header, data = read_header(f)
     name = "model.norm.weight"
-    header[name]["dtype"] = "F8_E4M3"
-    write_with_header(f, header, data)
+    with edited_header(bad_copy / "model.safetensors") as header:
+        header[name]["dtype"] = "F8_E4M3"
     with pytest.raises(CheckpointError, match=f"tensor '{name}': dtype 'F8_E4M3' is not supported"):
         load(bad_copy)
 
