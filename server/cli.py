@@ -30,13 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     apply_env_defaults(p)
 
 
-def apply_env_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None:
+def apply_env_defaults(p: argparse.ArgumentParser) -> None:
     """Turn LAYERSTREAM_<DEST> environment variables into defaults. argparse applies `type` to a
     string default, so the variable is parsed and checked exactly like the flag would be."""
     for action in p._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        value = environ.get(ENV_PREFIX + action.dest.upper())
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
         if value is None:
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
