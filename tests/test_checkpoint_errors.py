@@ -8,6 +8,7 @@ import sys
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from engine import LLM
 from engine.arch import UnsupportedModelError
@@ -162,6 +163,8 @@ def test_entries_are_zero_copy_views(llama_dir):
     e = f.entries["model.norm.weight"]
     a, b = f.view(e), f.view(e)
     assert a.data_ptr() == b.data_ptr()  # both point into the same mapping: no copy was made
+    # ... at the tensor's own offset in it (two views of one cached copy would pass the line above)
+    assert a.data_ptr() == torch.frombuffer(f._map, dtype=torch.uint8).data_ptr() + e.start
 
 
 def test_cli_reports_one_clear_line(bad_copy):
