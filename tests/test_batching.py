@@ -110,10 +110,9 @@ def test_batched_greedy_equals_each_sequence_alone(llama_dir, alone, streaming):
     blocks_per_step = []
     try:
         streamer = llm.engine.model.runner.streamer
-        on_step = lambda _s, eng: blocks_per_step.append(  # noqa: E731
-            (eng.model.runner.last_step.stream.blocks_streamed, len(eng.scheduler.running)))
+        on_step = lambda _s, eng: blocks_per_step.append(eng.model.runner.last_step.stream.blocks_streamed)  # noqa: E731
         got = drive(llm.engine, {0: [(rid, PROMPTS[rid], params[rid]) for rid in PROMPTS]}, on_step=on_step)
-        assert streamer.stats.blocks_streamed == sum(b for b, _ in blocks_per_step)
+        assert streamer.stats.blocks_streamed == sum(blocks_per_step)
     finally:
         llm.close()
     for rid in PROMPTS:
@@ -124,7 +123,7 @@ def test_batched_greedy_equals_each_sequence_alone(llama_dir, alone, streaming):
     if streaming:
         # One pass over the blocks per step, whatever the number of sequences in it.
         streamed = len(llm.plan.streamed_blocks)
-        assert all(b == streamed for b, _ in blocks_per_step), blocks_per_step
+        assert all(b == streamed for b in blocks_per_step), blocks_per_step
 
 
 def test_requests_arriving_while_others_decode(llama_dir, alone):
@@ -184,7 +183,7 @@ def test_per_sequence_sampling_seeds_and_stop_conditions_in_one_batch(llama_dir,
     assert got["c"].finish_reason == "stop" and len(got["c"].tokens) == first_stop + 1
 
 
-def test_a_full_queue_raises_queue_full_and_the_server_answers_503(llama_dir, alone):
+def test_a_full_queue_raises_queue_full_and_the_server_answers_503(llama_dir):
     params = greedy(6)
     llm = batched_llm(llama_dir, max_num_seqs=1, max_queue=2)
     engine = llm.engine
