@@ -40,7 +40,9 @@ class EngineStepError(RuntimeError):
 
 class EngineObserver(Protocol):
     """What the engine thread reports (the server turns it into Prometheus metrics). Called on the
-    engine thread, so implementations must be cheap and thread-safe."""
+    engine thread, so implementations must be cheap and thread-safe. on_finished's reason is the
+    request's finish_reason ("stop", "length"), "abort" when cancelled, or "error" when an engine
+    step raised while it was in flight."""
 
     def on_queue(self, engine: LLMEngine) -> None: ...
 
@@ -259,10 +261,14 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving
             log.exception("engine step failed; failing %d requests", len(self._tracked))
             error = EngineStepError(f"the engine failed during a step: {type(e).__name__}: {e}")
-            for rid, t in list(self._tracked.items()):
-                self.engine.abort(rid)
-                t.handle._post(error)
+            failed = list(self._tracked.items())
             self._tracked.clear()
+            for rid, t in failed:  # counted before any client hears of it, as finished requests are
+                self.engine.abort(rid)
+                if self.observer:
+                    self.observer.on_finished("error", t.prompt_tokens)
+            for _, t in failed:
+                t.handle._post(error)
             return
         now = time.perf_counter()
         obs = self.observer

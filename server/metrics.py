@@ -23,7 +23,8 @@ class ServerMetrics:
         self.requests = Counter("layerstream_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.finished = Counter("layerstream_request_finished", "engine requests by finish reason "
-                                "(stop, length, abort = cancelled, e.g. client disconnected)",
+                                "(stop, length, abort = cancelled, e.g. client disconnected, "
+                                "error = failed by an engine step error)",
                                 labels + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("layerstream_prompt_tokens", "prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("layerstream_generation_tokens", "tokens generated", labels, registry=r)

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.loader import EngineArgs
 from server.app import build_app
 from server.cli import add_arguments
+from server.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,8 +59,10 @@ def test_health_503_while_loading_then_failed():
 
 @pytest.fixture(scope="module")
 def flaky_engine(llama_dir):
-    """A real engine over the tiny model whose step fails while `fail` is set."""
+    """A real engine over the tiny model whose step fails once `fail_after` steps have run; its
+    observer is the server's metrics, as in `layerstream serve`."""
     state = {"fail_after": None, "steps": 0}
+    metrics = ServerMetrics("m")
 
     def factory(args):
         engine = LLMEngine(args)
@@ -74,14 +78,14 @@ def flaky_engine(llama_dir):
         return engine
 
     loop = EngineLoop(EngineArgs(model=str(llama_dir), max_model_len=128, show_progress=False),
-                      engine_factory=factory).start()
+                      observer=metrics, engine_factory=factory).start()
     assert loop.wait_ready(120), loop.error
-    yield loop, state
+    yield loop, state, metrics
     loop.shutdown()
 
 
 def test_engine_error_mid_stream_is_an_sse_error_frame(flaky_engine):
-    engine, state = flaky_engine
+    engine, state, _ = flaky_engine
     app = build_app(engine, "m")
     body = {"prompt": "Hello", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
     state["steps"], state["fail_after"] = 0, 3
@@ -102,12 +106,31 @@ def test_engine_error_mid_stream_is_an_sse_error_frame(flaky_engine):
     assert not engine.engine.has_unfinished()
 
 
+def _finished(app, reason: str) -> float:
+    text = _request(app, "GET", "/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "layerstream_request_finished_total" and s.labels["finished_reason"] == reason)
+
+
+def test_requests_failed_by_a_step_error_are_counted(flaky_engine):
+    """Each engine request a failed step fails counts once in layerstream_request_finished, as
+    "error"; before, only stop/length/abort were counted, so failures vanished from the metric."""
+    engine, state, metrics = flaky_engine
+    app = build_app(engine, "m", metrics=metrics)
+    before = _finished(app, "error")
+    state["steps"], state["fail_after"] = 0, 1
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}
+    assert _request(app, "POST", "/v1/completions", json=body).status_code == 500
+    state["fail_after"] = None
+    assert _finished(app, "error") == before + 2  # n=2: two engine requests failed
+
+
 def test_requests_in_flight_share_steps(flaky_engine):
     """Four 10-token requests submitted together finish in about 10 engine steps, not 40."""
     from engine.engine_loop import EngineRequest
     from engine.sampling_params import SamplingParams
 
-    engine, state = flaky_engine
+    engine, state, _ = flaky_engine
     state["steps"], state["fail_after"] = 0, None
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
