@@ -15,6 +15,7 @@ from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_memory
 from .runner import ModelRunner
 from .safetensors_index import WeightIndex
+from .scheduler import check_at_least_one
 from .streamer import BlockStreamer
 from .transport import BlockSource, CpuTransport, Transport, to_compute
 
@@ -47,8 +48,12 @@ class EngineArgs:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        # Checked here, not only in SchedulerConfig (built after the weights load), so a bad value
+        # fails at once, and `layerstream serve` reports it before it starts listening.
+        check_at_least_one(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                           max_queue=self.max_queue, prefetch_depth=self.prefetch_depth)
+        if self.max_model_len is not None:
+            check_at_least_one(max_model_len=self.max_model_len)
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:

@@ -56,6 +56,14 @@ class ScheduledChunk:
         return self.start + self.count == self.seq.num_tokens
 
 
+def check_at_least_one(**limits: int) -> None:
+    """ValueError naming the first of these limits that is below 1 (a count of sequences, tokens,
+    queued requests... where 0 would serve nothing)."""
+    for name, value in limits.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 16
@@ -64,8 +72,8 @@ class SchedulerConfig:
     max_queue: int = 256
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check_at_least_one(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                           max_queue=self.max_queue)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -55,9 +55,7 @@ def run(ns: argparse.Namespace) -> int:
     from .app import build_app
     from .metrics import ServerMetrics
 
-    if ns.max_queue < 1:
-        raise ValueError(f"--max-queue must be >= 1, got {ns.max_queue}")
-    args = engine_args_from(ns, max_queue=ns.max_queue)
+    args = engine_args_from(ns, max_queue=ns.max_queue)  # a bad value: ValueError, one line from main
     name = ns.served_model_name or ns.model
     metrics = ServerMetrics(name)
     config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,

@@ -204,6 +204,16 @@ def test_a_full_queue_raises_queue_full_and_the_server_answers_503(llama_dir):
     assert mapped.status == 503 and "Retry-After" in mapped.headers
 
 
+@pytest.mark.parametrize("kwargs", [dict(max_queue=0), dict(max_num_seqs=0), dict(max_num_batched_tokens=-1),
+                                    dict(max_model_len=0)])
+def test_limits_below_one_are_refused_before_the_model_loads(tmp_path, kwargs):
+    """A ValueError naming the limit, from EngineArgs, before any file is read: the folder does not
+    exist, and loading it would raise FileNotFoundError."""
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=f"{name} must be >= 1, got {value}"):
+        LLM(model=str(tmp_path / "missing"), **kwargs)
+
+
 def test_queued_requests_finish_unchanged_once_a_slot_frees(llama_dir, alone):
     params = greedy(6)
     llm = batched_llm(llama_dir, max_num_seqs=1, max_queue=2)

@@ -152,7 +152,8 @@ def test_new_requests_join_at_the_next_step_while_others_decode():
     assert shape(run_step(sched)) == [("a", 6, 1), ("b", 6, 1)]
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_num_seqs=0), dict(max_num_seqs=8, max_num_batched_tokens=4)])
+@pytest.mark.parametrize("kwargs", [dict(max_num_seqs=0), dict(max_num_seqs=8, max_num_batched_tokens=4),
+                                    dict(max_queue=0), dict(max_queue=-3), dict(max_model_len=0)])
 def test_invalid_config_is_rejected_with_the_value(kwargs):
     with pytest.raises(ValueError, match=str(list(kwargs.values())[-1])):
         SchedulerConfig(**kwargs)

@@ -160,6 +160,16 @@ def test_flags_from_environment(monkeypatch):
         p.parse_args([])
 
 
+def test_serve_rejects_max_queue_below_one_in_one_line(capsys):
+    """Checked by EngineArgs (as for the Python API), before anything loads or listens; the CLI turns
+    the ValueError into one line and status 2, no traceback."""
+    from engine.cli import main
+
+    assert main(["serve", "--max-queue", "0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "layerstream: error: max_queue must be >= 1, got 0\n"
+
+
 def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "missing"),
                            "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
