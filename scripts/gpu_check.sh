@@ -1,56 +1,105 @@
 #!/usr/bin/env bash
-# The GPU check, one script, under 5 minutes: set up an environment with a CUDA torch, run the tests
-# marked `cuda`, then the benchmark (host->device GB/s, bytes streamed per token, decode time per
-# token vs the bandwidth limit, and transformers + accelerate offload on the same budget).
+# The GPU check, one script, under 5 minutes: find a Python with a CUDA torch, run the tests marked
+# `cuda`, then the benchmark (host->device GB/s, bytes streamed per token, decode time per token vs
+# the bandwidth limit, and transformers + accelerate offload on the same budget).
 # Results land in bench_out/ (and in $OUT when set). Exit status: non-zero if a test failed.
+#
+#   scripts/gpu_check.sh            on a machine with an NVIDIA GPU
+#   scripts/gpu_check.sh --dry-run  anywhere: pick the Python, check its packages, collect the cuda
+#                                   tests and load the benchmark, with no GPU (CI runs this, so the
+#                                   script stays runnable as is)
+#
+# The Python: $PYTHON if set; else python3 when it already has a CUDA torch (GPU images: their torch is
+# never replaced, and no venv is made on top of it: a venv made from a venv's python would not see that
+# venv's packages); else .venv-gpu, made here with PyPI's default (CUDA) torch wheel. The project is
+# used from this checkout through PYTHONPATH, so nothing is installed on an offline machine unless a
+# package is missing; wheels for those can be carried in .whl/ (installed with --no-index).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-PY=${PYTHON:-python3}
-VENV=.venv-gpu
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+NEEDED="torch transformers accelerate safetensors tokenizers tqdm jinja2 huggingface_hub pytest"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-if ! ls /dev/nvidia0 >/dev/null 2>&1 && ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "gpu_check: no NVIDIA GPU visible here (/dev/nvidia0, nvidia-smi); nothing to check" >&2
-  exit 1
+if [ "$DRY" -eq 0 ]; then
+  if ! ls /dev/nvidia0 >/dev/null 2>&1 && ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no NVIDIA GPU visible here (/dev/nvidia0, nvidia-smi); nothing to check" >&2
+    exit 1
+  fi
+  nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv 2>/dev/null
 fi
-nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv 2>/dev/null
 
-has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+# A Python fit to run the check: a CUDA torch (any torch for a dry run).
+fit() { "$1" -c "import sys, torch; sys.exit(0 if $DRY or torch.cuda.is_available() else 1)" 2>/dev/null; }
 
-if [ ! -x "$VENV/bin/python" ] || ! has_cuda_torch "$VENV/bin/python"; then
-  rm -rf "$VENV"
-  if has_cuda_torch "$PY"; then
-    # A GPU image already has a CUDA torch: build on top of it and never replace it.
-    "$PY" -m venv --system-site-packages "$VENV"
+PY=${PYTHON:-}
+if [ -z "$PY" ] && [ "$DRY" -eq 1 ]; then
+  PY=python3
+  fit .venv/bin/python && PY=.venv/bin/python  # the project's CPU environment (scripts/setup.sh)
+elif [ -z "$PY" ]; then
+  if fit python3; then
+    PY=python3
   else
-    "$PY" -m venv "$VENV"
-    # PyPI's default Linux wheel of torch is the CUDA build (the CPU wheel of .venv would not do).
-    "$VENV/bin/python" -m pip install -q "torch>=2.5" || { echo "gpu_check: cannot install a CUDA torch" >&2; exit 1; }
+    VENV=.venv-gpu
+    if ! fit "$VENV/bin/python"; then
+      rm -rf "$VENV"
+      python3 -m venv "$VENV" && "$VENV/bin/python" -m pip install -q --timeout 20 "torch>=2.5" \
+        || { echo "gpu_check: python3 has no CUDA torch and none could be installed" >&2; exit 1; }
+    fi
+    PY=$VENV/bin/python
   fi
 fi
-. "$VENV/bin/activate"
-if ! python -c "import engine, transformers, accelerate, pytest, safetensors" 2>/dev/null; then
-  # Offline boxes: fall back to what is installed if the index is unreachable.
-  python -m pip install -q -e ".[test,bench]" || python -m pip install -q --no-deps -e . || true
+
+missing() { "$PY" - "$@" <<'EOF'
+import importlib.util, sys
+def found(m):
+    try:
+        return importlib.util.find_spec(m) is not None
+    except ImportError:
+        return False
+print(" ".join(m for m in sys.argv[1:] if not found(m)))
+EOF
+}
+fit "$PY" || { echo "gpu_check: $PY has no torch" >&2; exit 1; }
+need=$(missing $NEEDED)
+if [ -n "$need" ] && [ "$DRY" -eq 0 ]; then
+  echo "gpu_check: $PY lacks: $need; installing"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/gpu_check_site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+  else
+    # pip names are the module names here, but for huggingface_hub; a short timeout when offline.
+    "$PY" -m pip install -q --timeout 20 --retries 1 $(echo "$need" | sed 's/huggingface_hub/huggingface-hub/')
+  fi
+  need=$(missing $NEEDED)
 fi
-python - <<'EOF' || exit 1
-import torch
-assert torch.cuda.is_available(), "gpu_check: torch sees no CUDA device"
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
+[ -z "$need" ] || { echo "gpu_check: $PY lacks: $need (carry their wheels in .whl/)" >&2; exit 1; }
+"$PY" - "$DRY" <<'EOF' || exit 1
+import sys, torch
+if sys.argv[1] == "1":
+    print(f"torch {torch.__version__} at {sys.executable} (dry run: no GPU needed)")
+else:
+    assert torch.cuda.is_available(), "gpu_check: torch sees no CUDA device"
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()} at {sys.executable}")
 EOF
 
 mkdir -p bench_out
 echo "== cuda tests ($((SECONDS - start)) s)"
-timeout 170 python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee bench_out/gpu_tests.txt
+timeout 170 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee bench_out/gpu_tests.txt
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark ($((SECONDS - start)) s)"
-timeout 100 python -m bench.gpu --json bench_out/gpu.json 2>&1 | tee bench_out/gpu_bench.txt
-bench_rc=${PIPESTATUS[0]}
+if [ "$DRY" -eq 1 ]; then
+  "$PY" -m bench.gpu --help >/dev/null && echo "bench.gpu loads"
+  bench_rc=$?
+else
+  PYTHONUNBUFFERED=1 timeout 110 "$PY" -m bench.gpu --json bench_out/gpu.json 2>&1 | tee bench_out/gpu_bench.txt
+  bench_rc=${PIPESTATUS[0]}
+fi
 
 if [ -n "${OUT:-}" ]; then
-  cp bench_out/gpu_tests.txt bench_out/gpu_bench.txt "$OUT"/ 2>/dev/null
-  cp bench_out/gpu.json "$OUT"/ 2>/dev/null
+  cp bench_out/gpu_tests.txt bench_out/gpu_bench.txt bench_out/gpu.json "$OUT"/ 2>/dev/null
 fi
 echo "== done in $((SECONDS - start)) s: tests rc=$tests_rc, benchmark rc=$bench_rc"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

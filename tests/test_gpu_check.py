@@ -1,0 +1,82 @@
+"""scripts/gpu_check.sh must run as is on a GPU machine that no test here can reach, so CI runs its
+dry run: the same Python choice, package check, cuda test collection and benchmark import, with the
+packages a GPU image lacks (the server's) made unimportable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+# What the device image holds is listed in the device notes; these it does not have.
+ABSENT_ON_GPU_IMAGE = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic_core", "openai")
+
+
+def run_script(*args: str, env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHONPATH")}
+    env.update(env_extra)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def without(tmp_path: Path, packages: tuple[str, ...]) -> dict[str, str]:
+    """Environment for a Python that cannot import `packages` (a sitecustomize that refuses them)."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {packages!r}:\n"
+        "            raise ImportError('not installed here: ' + name)\n"
+        "sys.meta_path.insert(0, Absent())\n")
+    return {"PYTHON": sys.executable, "PYTHONPATH": str(block)}
+
+
+def test_dry_run_without_server_packages(tmp_path):
+    r = run_script("--dry-run", env_extra=without(tmp_path, ABSENT_ON_GPU_IMAGE), tmp_path=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    # Every cuda test collected (none failed to import), and each skipped here for want of a GPU.
+    cuda_tests = pytest.importorskip("tests.test_cuda")
+    plain = sum(1 for name in vars(cuda_tests) if name.startswith("test_")) - 1
+    n_cuda = len(cuda_tests.ARCHS) * 3 * 2 + plain  # architectures x dtypes x (resident, streaming)
+    assert f"{n_cuda} skipped" in out or torch.cuda.is_available(), out
+    assert "bench.gpu loads" in out and "tests rc=0, benchmark rc=0" in out, out
+
+
+def test_dry_run_names_missing_packages(tmp_path):
+    r = run_script("--dry-run", env_extra=without(tmp_path, ("accelerate",)), tmp_path=tmp_path)
+    assert r.returncode == 1 and "lacks: accelerate" in r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
+def test_refuses_without_a_gpu(tmp_path):
+    r = run_script(env_extra={"PYTHON": sys.executable}, tmp_path=tmp_path)
+    assert r.returncode == 1 and "no NVIDIA GPU visible" in r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["resident", "streaming"])
+def test_benchmark_peer_runs_on_cpu(llama_dir, fraction):
+    """bench.gpu's budget and its measurement of a layerstream peer, on the CPU device: the figures
+    it reads from the engine (plan, streamer stats, per-step stalls) exist and are sane, so the GPU
+    run only adds the device."""
+    import argparse
+
+    from bench.gpu import _layerstream, device_budget
+
+    ns = argparse.Namespace(device="cpu", dtype="float32", prompt_tokens=8, max_tokens=6, resident_fraction=fraction)
+    budget, plan, keep = device_budget(ns, llama_dir) if fraction else (None, None, None)
+    r = _layerstream(ns, llama_dir, budget, pin=False)
+    assert r["tpot_s"] > 0 and r["stall_ms_per_step"] >= 0 and r["load_s"] > 0
+    if fraction is None:
+        assert r["streamed_blocks"] == 0 and r["bytes_per_token"] == 0
+    else:
+        assert r["resident_blocks"] == keep == plan.num_layers // 2 and r["streamed_blocks"] == plan.num_layers - keep
+        assert r["bytes_per_token"] == r["streamed_blocks"] * plan.block_bytes
