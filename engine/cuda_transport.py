@@ -141,8 +141,9 @@ class CudaRuntime:
         The driver pins whole pages, and registering a page that is already registered fails
         (cudaErrorHostMemoryAlreadyRegistered). Two small CPU tensors can share a page, so the
         registered range is page-aligned, page-rounded and lies inside an allocation of its own.
-        A failed cudaHostRegister also leaves the runtime's last error set (torch exposes no
-        cudaGetLastError to clear it) and the next kernel launch check raises it: avoid failing."""
+        A failed cudaHostRegister (already registered, or a sandbox without it) also leaves the
+        runtime's last error pending, and torch's next kernel-launch check would raise it as that
+        kernel's failure: clear_pending_error() takes it before falling back."""
         raw = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
         start = -raw.data_ptr() % PAGE
         size = max(PAGE, -(-n // PAGE) * PAGE)
@@ -152,6 +153,7 @@ class CudaRuntime:
         except (AttributeError, RuntimeError, TypeError):
             ok = False
         if not ok:
+            clear_pending_error(self.device)
             return torch.empty(n, dtype=torch.uint8, pin_memory=True)
         self._registered.append((raw, raw.data_ptr() + start))
         return raw[start:start + n]
@@ -183,6 +185,16 @@ class CudaRuntime:
 
     def copy_gbps(self, dst: torch.Tensor, src: torch.Tensor) -> float | None:
         return bandwidth.measure_copy_gbps(dst, src)
+
+
+def clear_pending_error(device: torch.device) -> None:
+    """Take the error a failed runtime call left pending in this thread. torch exposes no
+    cudaGetLastError, but its check after every kernel launch calls it: launch one and drop what
+    it raises (nothing, when no error was pending)."""
+    try:
+        torch.empty(1, device=device).fill_(1)
+    except RuntimeError as e:
+        log.debug("cleared a pending CUDA error: %s", str(e).splitlines()[0] if str(e) else e)
 
 
 @dataclass

@@ -225,3 +225,32 @@ def test_startup_oom_names_the_plan(llama_dir):
         torch.cuda.empty_cache()
     assert msg is not None, "expected a DeviceMemoryError"
     assert "ran out of memory" in msg and "memory plan" in msg and "--max-device-memory" in msg, msg
+
+
+def test_failed_host_register_falls_back_cleanly(monkeypatch):
+    """A cudaHostRegister that fails (here: registering pages already registered, the way a sandbox
+    without it would) leaves its error pending in the runtime; pinned_bytes must fall back to the
+    pinned allocator and leave nothing for the next kernel launch to raise."""
+    from engine.cuda_transport import PAGE, CudaRuntime
+
+    rt = CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
+    first = rt.pinned_bytes(PAGE)
+    taken = rt._registered[0][1]
+    real = torch.cuda.cudart()
+
+    class Failing:
+        def cudaHostRegister(self, _ptr, _size, flags):
+            return real.cudaHostRegister(taken, PAGE, flags)  # fails: already registered
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Failing())
+    try:
+        second = rt.pinned_bytes(3 * PAGE)
+        assert len(rt._registered) == 1 and second.is_pinned() and second.numel() == 3 * PAGE
+        second.fill_(7)
+        dev = second.to("cuda", non_blocking=True)
+        assert int(dev.sum()) == 7 * 3 * PAGE  # kernels launch and run after the failure
+    finally:
+        monkeypatch.undo()
+        torch.cuda.synchronize()
+        rt.release()
+        del first
