@@ -82,6 +82,22 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool) -> dict:
         _release_device_memory()
 
 
+def device_budget(ns, folder: Path):
+    """(budget, plan, blocks kept): a device budget that keeps ns.resident_fraction of the blocks
+    resident with this run's KV cache and stream buffers, from the plan's own figures."""
+    from engine.loader import EngineArgs, load_model
+
+    probe = load_model(EngineArgs(model=str(folder), dtype=ns.dtype, max_num_seqs=1,
+                                  max_model_len=ns.prompt_tokens + ns.max_tokens + 16, show_progress=False), folder)
+    p = probe.plan
+    probe.runner.streamer.close()
+    probe.index.close()
+    keep = int(ns.resident_fraction * p.num_layers)
+    budget = (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (p.prefetch_depth + 1 + keep) * p.block_bytes
+              + p.block_bytes // 2)
+    return budget, p, keep
+
+
 def _release_device_memory() -> None:
     import gc
 
@@ -150,7 +166,6 @@ def run(ns: argparse.Namespace) -> int:
     import torch
 
     from engine import bandwidth
-    from engine.loader import EngineArgs, load_model
 
     # The transport logs its measured bandwidth and the expected time per step at start-up.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -164,29 +179,25 @@ def run(ns: argparse.Namespace) -> int:
     print(f"model: {folder}")
     print(f"host->device (pinned, 256 MiB copies): {h2d:.1f} GB/s")
 
-    # The plan's figures for this model and dtype, to size a budget that keeps a fraction resident.
-    probe = load_model(EngineArgs(model=str(folder), dtype=ns.dtype, max_num_seqs=1,
-                                  max_model_len=ns.prompt_tokens + ns.max_tokens + 16, show_progress=False), folder)
-    p = probe.plan
-    probe.runner.streamer.close()
-    probe.index.close()
-    keep = int(ns.resident_fraction * p.num_layers)
-    budget = (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (p.prefetch_depth + 1 + keep) * p.block_bytes
-              + p.block_bytes // 2)
+    budget, p, keep = device_budget(ns, folder)
     print(f"{p.num_layers} blocks of {p.block_bytes / 2**20:.1f} MiB; device budget {budget / 2**30:.2f} GiB "
           f"keeps {keep} resident")
 
-    results = {"resident": _layerstream(ns, folder, None, False)}
-    results["streaming"] = _layerstream(ns, folder, budget, False)
-    results["streaming --pin-host-memory"] = _layerstream(ns, folder, budget, True)
+    peers = [("resident", lambda: _layerstream(ns, folder, None, False)),
+             ("streaming", lambda: _layerstream(ns, folder, budget, False)),
+             ("streaming --pin-host-memory", lambda: _layerstream(ns, folder, budget, True))]
     if not ns.skip_transformers:
+        peers.append(("transformers+accelerate offload", lambda: _transformers_offload(ns, folder, budget)))
+    header = ["peer", "device budget GiB", "MiB streamed/token", "decode ms/token", "bandwidth limit ms/token",
+              "achieved GB/s", "% of limit", "stall ms/step"]
+    results, rows, failed = {}, [], []
+    for name, measure in peers:
         try:
-            results["transformers+accelerate offload"] = _transformers_offload(ns, folder, budget)
-        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
-            print(f"transformers+accelerate offload failed: {e}", file=sys.stderr)
-
-    rows = []
-    for name, r in results.items():
+            r = results[name] = measure()
+        except Exception as e:  # noqa: BLE001 - report a peer's failure, keep the others' figures
+            print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            failed.append(name)
+            continue
         nbytes, tpot = r["bytes_per_token"], r["tpot_s"]
         floor = nbytes / (h2d * 1e9) if nbytes else None
         achieved, pct = bandwidth.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
@@ -194,16 +205,18 @@ def run(ns: argparse.Namespace) -> int:
         rows.append([name, fmt((r.get("device_budget") or 0) / 2**30), f"{nbytes / 2**20:.1f}",
                      fmt(tpot * 1e3 if tpot else None), fmt(floor * 1e3 if floor else None),
                      fmt(achieved, 1), fmt(pct, 0), fmt(r.get("stall_ms_per_step"))])
+        # Each peer's figures as soon as they exist: a run cut short by the check's time limit keeps them.
+        print(" | ".join(f"{h}: {v}" for h, v in zip(header, rows[-1])), flush=True)
     print()
-    print(table(["peer", "device budget GiB", "MiB streamed/token", "decode ms/token", "bandwidth limit ms/token",
-                 "achieved GB/s", "% of limit", "stall ms/step"], rows))
+    print(table(header, rows))
     print(f"\nbandwidth limit = bytes streamed per token / {h2d:.1f} GB/s (measured host->device); "
           "% of limit = limit / decode time per token")
     if ns.json:
         Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.json).write_text(json.dumps({"gpu": gpu, "model": str(folder), "h2d_gbps": h2d,
-                                             "results": results}, indent=2))
-    return 0
+                                             "results": results, "failed": failed}, indent=2))
+    # The peer's failure is its own; any of ours fails the check.
+    return 1 if [f for f in failed if not f.startswith("transformers")] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
