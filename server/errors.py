@@ -20,7 +20,7 @@ from engine.llm_engine import PromptTooLongError
 from engine.sampling_params import InvalidParameter
 from engine.scheduler import QueueFullError
 
-from .protocol import ErrorInfo, ErrorResponse
+from .protocol import ErrorInfo, ErrorResponse, sse
 
 log = logging.getLogger("layerstream.server")
 
@@ -56,7 +56,7 @@ class MappedError:
         return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
 
     def sse(self) -> str:
-        return f"data: {self.body.model_dump_json()}\n\n"
+        return sse(self.body)
 
 
 def _type_for(status: int) -> str:

@@ -17,6 +17,13 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event: a body as JSON (a chunk, or an error once the stream has started),
+    or a literal such as [DONE]. The only place the event framing is written."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -5,6 +5,7 @@ fields become SamplingParams, and RequestOutput deltas become choices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -20,16 +21,12 @@ from .errors import APIError, ModelNotFoundError, error_for
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
                        CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, TopLogprob,
-                       UsageInfo, random_id)
+                       UsageInfo, random_id, sse)
 
 log = logging.getLogger("layerstream.server")
 
 MAX_N = 64  # choices per request: each one is a sequence in the engine
-DONE = "data: [DONE]\n\n"
-
-
-def sse(payload) -> str:
-    return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+DONE = sse("[DONE]")
 
 
 @dataclass
@@ -72,6 +69,25 @@ class _Job:
 
 def _finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
+
+
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def _event_stream(job: _Job, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """What every streamed response does around its chunks: an error after the status line was sent
+    becomes an error event, the job's engine requests are aborted however the stream ends (no-op
+    when they finished; a client that went away frees its slots), and [DONE] closes the stream."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for event in chunks:
+                yield event
+    except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+        yield error_for(e).sse()
+    finally:
+        job.handle.abort()
+    yield DONE
 
 
 class OpenAIServing:
@@ -169,7 +185,7 @@ class OpenAIServing:
         echo = [self.engine.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         job = await self._submit(prompts, req, params, "cmpl", echo)
         if req.stream:
-            return self._completion_stream(job, req)
+            return _event_stream(job, self._completion_chunks(job, req))
         await self._collect(job)
         choices = [CompletionChoice(index=c.index, text=c.echo_text + c.text, finish_reason=c.finish_reason,
                                     logprobs=self._completion_logprobs(c.logprobs, [len(c.echo_text)])
@@ -194,33 +210,26 @@ class OpenAIServing:
             offset[0] += len(tok)
         return lp
 
-    async def _completion_stream(self, job: _Job, req: CompletionRequest) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    async def _completion_chunks(self, job: _Job, req: CompletionRequest) -> AsyncIterator[str]:
         offsets = {c.index: [len(c.echo_text)] for c in job.choices.values()}
-        try:
-            async for out in job.handle.outputs():
-                c = job.apply(out)
-                text = out.text
-                if not c.started:
-                    c.started = True
-                    text = c.echo_text + text
-                if not (text or out.finished or out.logprobs):
-                    continue  # text held back (incomplete character, possible stop string)
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(out.logprobs, offsets[c.index])
-                chunk = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
-                                           choices=[CompletionChoice(index=c.index, text=text, logprobs=logprobs,
-                                                                     finish_reason=c.finish_reason)])
-                yield sse(chunk)
-            if include_usage:
-                yield sse(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
-                                             choices=[], usage=job.usage()))
-        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            yield error_for(e).sse()
-        finally:
-            job.handle.abort()
-        yield DONE
+        async for out in job.handle.outputs():
+            c = job.apply(out)
+            text = out.text
+            if not c.started:
+                c.started = True
+                text = c.echo_text + text
+            if not (text or out.finished or out.logprobs):
+                continue  # text held back (incomplete character, possible stop string)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(out.logprobs, offsets[c.index])
+            chunk = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+                                       choices=[CompletionChoice(index=c.index, text=text, logprobs=logprobs,
+                                                                 finish_reason=c.finish_reason)])
+            yield sse(chunk)
+        if _include_usage(req):
+            yield sse(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+                                         choices=[], usage=job.usage()))
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -258,7 +267,7 @@ class OpenAIServing:
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         job = await self._submit([ids], req, params, "chatcmpl")
         if req.stream:
-            return self._chat_stream(job, req)
+            return _event_stream(job, self._chat_chunks(job, req))
         await self._collect(job)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
@@ -275,27 +284,19 @@ class OpenAIServing:
             ChatTokenLogprob(**entry(i.token_id, i.logprob), top_logprobs=[TopLogprob(**entry(t, v)) for t, v in i.top])
             for i in infos])
 
-    async def _chat_stream(self, job: _Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
+    async def _chat_chunks(self, job: _Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
         def chunk(choices, usage=None) -> str:
             return sse(ChatCompletionChunk(id=job.response_id, created=job.created, model=self.model_name,
                                            choices=choices, usage=usage))
 
-        try:
-            for c in sorted(job.choices.values(), key=lambda c: c.index):
-                yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
-            async for out in job.handle.outputs():
-                c = job.apply(out)
-                if not (out.text or out.finished or out.logprobs):
-                    continue
-                delta = DeltaMessage(content=out.text) if out.text or not out.finished else DeltaMessage()
-                yield chunk([ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason,
-                                             logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None)])
-            if include_usage:
-                yield chunk([], job.usage())
-        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            yield error_for(e).sse()
-        finally:
-            job.handle.abort()
-        yield DONE
+        for c in sorted(job.choices.values(), key=lambda c: c.index):
+            yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+        async for out in job.handle.outputs():
+            c = job.apply(out)
+            if not (out.text or out.finished or out.logprobs):
+                continue
+            delta = DeltaMessage(content=out.text) if out.text or not out.finished else DeltaMessage()
+            yield chunk([ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason,
+                                         logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None)])
+        if _include_usage(req):
+            yield chunk([], job.usage())

@@ -96,6 +96,13 @@ def test_engine_error_mid_stream_is_an_sse_error_frame(flaky_engine):
     err = json.loads(frames[-2][len("data: "):])["error"]
     assert err["code"] == 500 and "simulated device failure" in err["message"]
     assert len(frames) >= 3  # some tokens arrived before the failure
+    # Chat streams end the same way (one wrapper frames both endpoints' streams).
+    state["steps"], state["fail_after"] = 0, 3
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    frames = _request(app, "POST", "/v1/chat/completions", json=chat).text.split("\n\n")[:-1]
+    assert frames[-1] == "data: [DONE]" and "simulated device failure" in frames[-2]
+    assert json.loads(frames[0][len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
     # Non-streamed, the same failure is a 500 in OpenAI's shape; then the engine keeps serving.
     state["steps"], state["fail_after"] = 0, 1
     r = _request(app, "POST", "/v1/completions", json={**body, "stream": False})
@@ -123,6 +130,18 @@ def test_requests_failed_by_a_step_error_are_counted(flaky_engine):
     assert _request(app, "POST", "/v1/completions", json=body).status_code == 500
     state["fail_after"] = None
     assert _finished(app, "error") == before + 2  # n=2: two engine requests failed
+
+
+def test_sse_events_share_one_framing():
+    """Chunks, the [DONE] sentinel and an error event inside a stream are all framed by
+    protocol.sse: one line "data: <payload>" and a blank line."""
+    from server.errors import APIError, error_for
+    from server.protocol import sse
+    from server.serving import DONE
+
+    err = error_for(APIError(400, "bad value", param="n"))
+    assert err.sse() == sse(err.body) == f"data: {err.body.model_dump_json()}\n\n"
+    assert DONE == sse("[DONE]") == "data: [DONE]\n\n"
 
 
 def test_requests_in_flight_share_steps(flaky_engine):
