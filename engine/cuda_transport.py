@@ -50,6 +50,7 @@ ALIGN = 256  # bytes; every tensor in a packed buffer starts at a cuBLAS-friendl
 HOST_MARGIN = 2 << 30  # host memory left free when deciding whether a pinned cache fits
 FILL_CHUNK = 8 << 20  # bytes per piece of a staging fill; pieces are copied in parallel
 PAGE = mmap.PAGESIZE  # the granularity at which cudaHostRegister pins host memory
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not the caller's
 
 
 class DeviceMemoryError(ValueError):
@@ -148,8 +149,11 @@ class CudaRuntime:
         start = -raw.data_ptr() % PAGE
         size = max(PAGE, -(-n // PAGE) * PAGE)
         try:
-            err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, 0)
-            ok = int(getattr(err, "value", err)) == 0
+            # On the model's device, and portable: memory pinned for one context only is pageable
+            # (driver-staged, slower) to the others, and the calling thread may be on GPU 0.
+            with torch.cuda.device(self.device):
+                err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, HOST_REGISTER_PORTABLE)
+            ok = _succeeded(err)
         except (AttributeError, RuntimeError, TypeError):
             ok = False
         if not ok:
@@ -161,7 +165,9 @@ class CudaRuntime:
     def release(self) -> None:
         """Unregister what pinned_bytes registered (after a synchronize: no DMA reads it any more)."""
         for _raw, ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            if not _succeeded(torch.cuda.cudart().cudaHostUnregister(ptr)):
+                log.warning("cudaHostUnregister failed for a pinned buffer at %#x", ptr)
+                clear_pending_error(self.device)
         self._registered.clear()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
@@ -185,6 +191,11 @@ class CudaRuntime:
 
     def copy_gbps(self, dst: torch.Tensor, src: torch.Tensor) -> float | None:
         return bandwidth.measure_copy_gbps(dst, src)
+
+
+def _succeeded(err) -> bool:
+    """A cudaError_t from torch.cuda.cudart() (a pybind enum, or an int) is cudaSuccess."""
+    return int(getattr(err, "value", err)) == 0
 
 
 def clear_pending_error(device: torch.device) -> None:

@@ -86,7 +86,9 @@ EOF
 
 mkdir -p bench_out
 echo "== cuda tests ($((SECONDS - start)) s)"
-timeout 170 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee bench_out/gpu_tests.txt
+# -v: one line per test as it ends, so a run cut short by the time limit still says which passed.
+timeout 180 "$PY" -m pytest -v -m cuda tests/test_cuda.py -p no:cacheprovider --durations=8 2>&1 \
+  | tee bench_out/gpu_tests.txt
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark ($((SECONDS - start)) s)"
@@ -94,7 +96,7 @@ if [ "$DRY" -eq 1 ]; then
   "$PY" -m bench.gpu --help >/dev/null && echo "bench.gpu loads"
   bench_rc=$?
 else
-  PYTHONUNBUFFERED=1 timeout 110 "$PY" -m bench.gpu --json bench_out/gpu.json 2>&1 | tee bench_out/gpu_bench.txt
+  PYTHONUNBUFFERED=1 timeout 100 "$PY" -m bench.gpu --json bench_out/gpu.json 2>&1 | tee bench_out/gpu_bench.txt
   bench_rc=${PIPESTATUS[0]}
 fi
 

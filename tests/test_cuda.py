@@ -235,6 +235,8 @@ def test_failed_host_register_falls_back_cleanly(monkeypatch):
 
     rt = CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
     first = rt.pinned_bytes(PAGE)
+    if not rt._registered:
+        pytest.skip("cudaHostRegister fails here for every buffer: the fallback is all there is")
     taken = rt._registered[0][1]
     real = torch.cuda.cudart()
 
