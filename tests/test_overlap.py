@@ -4,15 +4,15 @@ SimulatedTransport makes every streamed block's prepare() (prefetch thread) take
 holds the compute thread `compute` seconds per block. With N streamed blocks a step must then take
 about max(N * copy, N * compute) plus a small constant, never their sum.
 
-Tolerance, stated: the best of 6 steps lies in [0.9 * max, 1.1 * max + 15 ms] and the median below
-0.8 * (copy + compute). The constant covers the real (tiny) model math, embedding/head and thread
-wake-ups; best-of-N because other processes on a shared CPU only ever add time (preemption of the
-real math was seen to add up to 100 ms to a step), while the simulated sleeps are lower bounds.
+Tolerance, stated, in test_step_time_is_max_not_sum's docstring: "too slow" checks use the best of
+6 steps, because other processes on a shared CPU only ever add time; "too fast" checks are exact
+lower bounds that follow from the simulated sleeps, never a percentage.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 import torch
@@ -69,30 +69,57 @@ def load_simulated(folder, budget, depth=1):
 
 @pytest.mark.parametrize("copy_ms,compute_ms,depth", [(40, 40, 1), (50, 20, 1), (20, 50, 1), (40, 40, 2), (40, 0, 1)])
 def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, copy_ms, compute_ms, depth):
+    """N streamed blocks, S = 6 steps run back to back; copy = N * copy_ms, compute = N * compute_ms.
+
+    Not slower than max(copy, compute): the best step <= 1.1 * max + base + 5 ms, where base is the
+    best of 3 steps with no simulated time, measured by this test just before on the same machine
+    (the real model math, head and thread hand-offs: 1-2 ms idle, more when the CPU is shared, so the
+    bound follows the machine's load instead of a fixed constant); the median < 0.8 * (copy + compute).
+    Copy-bound: the best step's rate >= 80% of the simulated link.
+
+    Not faster than the simulated sleeps allow (exact): every step >= compute (the compute thread
+    sleeps N * compute_ms in each); the S steps together >= (S * N - depth - 1) * copy_ms, since
+    the prefetcher prepares blocks one after another and only depth + 1 of them may be under way
+    before the first measured step. This is checked over the window, not per step: a step can
+    legitimately beat N * copy_ms, by as much as the prefetcher got ahead during the previous
+    step's tail (head, sampling), and a loaded CPU stretches that tail (seen: a 197 ms step for
+    a 200 ms copy). As a rate, the window's is <= S * N / (S * N - depth - 1) of the link."""
     m = load_simulated(llama_dir, streamed_budget, depth)
     try:
         t = m.runner.streamer.transport
+        t.seconds_per_byte = t.compute_seconds_per_block = 0.0
+        base = min(one_step(m.runner) for _ in range(3))
         t.seconds_per_byte = copy_ms / 1000 / m.plan.block_bytes
         t.compute_seconds_per_block = compute_ms / 1000
         n = len(m.plan.streamed_blocks)
-        # Two warm-up steps: the prefetcher may hold blocks prepared at the constructor's rate.
-        steps, stalls = [], []
-        for _ in range(8):
+        # Two warm-up steps: the prefetcher may hold blocks prepared at the previous rate.
+        one_step(m.runner)
+        one_step(m.runner)
+        steps, stalls, nbytes = [], [], 0
+        start = time.perf_counter()
+        for _ in range(6):
             steps.append(one_step(m.runner))
             stalls.append(m.runner.last_step.stream.stall_seconds)
-        steps, stalls = steps[2:], stalls[2:]
+            nbytes += m.runner.last_step.stream.bytes_streamed
+        window = time.perf_counter() - start
         copy_total, compute_total = n * copy_ms / 1000, n * compute_ms / 1000
         bound = max(copy_total, compute_total)
+        head_start = (depth + 1) * copy_ms / 1000
         why = (f"copy {copy_total * 1000:.0f} ms, compute {compute_total * 1000:.0f} ms per step; steps "
-               f"{[round(s * 1000, 1) for s in steps]} ms")
-        assert 0.9 * bound <= min(steps) <= 1.1 * bound + 0.015, why
+               f"{[round(s * 1000, 1) for s in steps]} ms, window {window * 1000:.1f} ms, base {base * 1000:.1f} ms")
+        assert min(steps) <= 1.1 * bound + base + 0.005, why
+        assert min(steps) >= compute_total, why
+        assert window >= len(steps) * copy_total - head_start, why
         if compute_ms:
             assert statistics.median(steps) < 0.8 * (copy_total + compute_total), why
         if compute_ms == 0:
             # Copy-bound: the step runs at the (simulated) link's speed, i.e. near 100% of the floor.
-            nbytes = m.runner.last_step.stream.bytes_streamed
-            achieved, pct = efficiency(nbytes, min(steps), stream_link_gbps(t, m.plan))
-            assert 80 <= pct <= 101, f"{achieved:.4f} GB/s = {pct:.0f}% of floor; {why}"
+            link = stream_link_gbps(t, m.plan)
+            achieved, pct = efficiency(m.runner.last_step.stream.bytes_streamed, min(steps), link)
+            assert pct >= 80, f"{achieved:.4f} GB/s = {pct:.0f}% of floor; {why}"
+            cap = 100 * len(steps) * n / (len(steps) * n - depth - 1)
+            achieved, pct = efficiency(nbytes, window, link)
+            assert pct <= cap, f"window: {achieved:.4f} GB/s = {pct:.1f}% of floor > {cap:.1f}%; {why}"
         if compute_ms > copy_ms:
             # Copies are hidden entirely: the compute thread (almost) never waits for a block.
             assert min(stalls) < 0.1 * copy_total + 0.005, f"stalls {stalls}; {why}"
