@@ -6,7 +6,7 @@ compute reference.
 For each streaming peer it prints bytes streamed per token, decode time per token, and the
 bandwidth limit (bytes per token / measured host->device GB/s) as an efficiency %.
 
-    python -m bench.gpu [--model FOLDER] [--resident-fraction 0.25] [--json out.json]
+    python -m bench.gpu [--model FOLDER] [--resident-fraction 0.25] [--json out.json] [--png out.png]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import bench_main, bench_model_path, fmt, machine_description, table
+from bench.common import Chart, bench_main, bench_model_path, fmt, machine_description, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--png", default=None, help="also plot the results to this file")
 
 
 def _prompt(n: int) -> list[int]:
@@ -215,8 +216,22 @@ def run(ns: argparse.Namespace) -> int:
         Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.json).write_text(json.dumps({"gpu": gpu, "model": str(folder), "h2d_gbps": h2d,
                                              "results": results, "failed": failed}, indent=2))
+    if ns.png and results:
+        chart(results, gpu, folder.name).save(ns.png)
     # The peer's failure is its own; any of ours fails the check.
     return 1 if [f for f in failed if not f.startswith("transformers")] else 0
+
+
+def chart(results: dict[str, dict], gpu: str, model_name: str) -> Chart:
+    """Decode time per token against its bandwidth limit, and the link speed each peer achieved."""
+    names = list(results)
+    groups = [0 if name.startswith("transformers") else 1 for name in names]
+    c = Chart(f"{model_name} on {gpu}, same device budget (grey: transformers + accelerate, blue: layerstream)")
+    c.add("decode ms/token", names, [1e3 * r["tpot_s"] if r["tpot_s"] else None for r in results.values()], groups)
+    c.add("bandwidth limit ms/token", names,
+          [1e3 * r["floor_s"] if r.get("floor_s") else None for r in results.values()], groups)
+    c.add("achieved host->device GB/s", names, [r.get("achieved_gbps") for r in results.values()], groups)
+    return c
 
 
 def main(argv: list[str] | None = None) -> int:

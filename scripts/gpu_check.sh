@@ -96,12 +96,12 @@ if [ "$DRY" -eq 1 ]; then
   "$PY" -m bench.gpu --help >/dev/null && echo "bench.gpu loads"
   bench_rc=$?
 else
-  PYTHONUNBUFFERED=1 timeout 100 "$PY" -m bench.gpu --json bench_out/gpu.json 2>&1 | tee bench_out/gpu_bench.txt
+  PYTHONUNBUFFERED=1 timeout 100 "$PY" -m bench.gpu --json bench_out/gpu.json --png bench_out/gpu.png 2>&1 | tee bench_out/gpu_bench.txt
   bench_rc=${PIPESTATUS[0]}
 fi
 
 if [ -n "${OUT:-}" ]; then
-  cp bench_out/gpu_tests.txt bench_out/gpu_bench.txt bench_out/gpu.json "$OUT"/ 2>/dev/null
+  cp bench_out/gpu_tests.txt bench_out/gpu_bench.txt bench_out/gpu.json bench_out/gpu.png "$OUT"/ 2>/dev/null
 fi
 echo "== done in $((SECONDS - start)) s: tests rc=$tests_rc, benchmark rc=$bench_rc"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

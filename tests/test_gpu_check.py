@@ -80,3 +80,16 @@ def test_benchmark_peer_runs_on_cpu(llama_dir, fraction):
     else:
         assert r["resident_blocks"] == keep == plan.num_layers // 2 and r["streamed_blocks"] == plan.num_layers - keep
         assert r["bytes_per_token"] == r["streamed_blocks"] * plan.block_bytes
+
+
+def test_benchmark_chart_is_written(tmp_path):
+    """The plot the GPU run leaves beside its JSON, from results shaped as run() makes them (a peer
+    without figures is drawn empty, not an error)."""
+    from bench.gpu import chart
+
+    results = {"resident": {"tpot_s": 0.004, "floor_s": None, "achieved_gbps": None},
+               "streaming": {"tpot_s": 0.012, "floor_s": 0.010, "achieved_gbps": 41.5},
+               "transformers+accelerate offload": {"tpot_s": 0.060, "floor_s": 0.010, "achieved_gbps": 6.9}}
+    out = tmp_path / "gpu.png"
+    chart(results, "NVIDIA H200", "llama").save(str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
