@@ -94,9 +94,7 @@ def device_budget(ns, folder: Path):
     probe.runner.streamer.close()
     probe.index.close()
     keep = int(ns.resident_fraction * p.num_layers)
-    budget = (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (p.prefetch_depth + 1 + keep) * p.block_bytes
-              + p.block_bytes // 2)
-    return budget, p, keep
+    return p.budget_keeping(keep), p, keep
 
 
 def _release_device_memory() -> None:

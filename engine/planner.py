@@ -85,6 +85,13 @@ class MemoryPlan:
             + len(self.resident_blocks) * self.block_bytes
         )
 
+    def budget_keeping(self, resident: int, depth: int | None = None) -> int:
+        """A device budget under which this plan's model keeps exactly `resident` blocks besides
+        depth + 1 stream buffers (half a block of slack, less than another block needs)."""
+        depth = self.prefetch_depth if depth is None else depth
+        return (self.global_bytes + self.kv_cache_bytes + self.workspace_bytes
+                + (depth + 1 + resident) * self.block_bytes + self.block_bytes // 2)
+
     @property
     def disk_bytes_per_step(self) -> int:
         return len(self.disk_blocks) * self.disk_block_bytes

@@ -29,11 +29,9 @@ def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto") -
     """A device budget with room for exactly `resident` blocks besides depth + 1 stream buffers."""
     m = load_model(EngineArgs(model=str(folder), max_model_len=128, max_num_seqs=2, dtype=dtype,
                               show_progress=False), folder)
-    p = m.plan
     m.runner.streamer.close()
     m.index.close()
-    return p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + (depth + 1 + resident) * p.block_bytes \
-        + p.block_bytes // 2
+    return m.plan.budget_keeping(resident, depth)
 
 
 def one_step(runner, tokens: int = 1) -> float:
