@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .detokenizer import IncrementalDetokenizer
 from .loader import EngineArgs, LoadedModel, load_model
 from .model_source import resolve_model
+from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, Sequence
@@ -84,7 +85,10 @@ class LLMEngine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if ids:  # a tokenizer's added tokens may lie beyond the model's embedding table
+                check_token_ids(ids, self.model.cfg.vocab_size)
+            return ids
         if not prompt or not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {self.model.cfg.vocab_size})")
         return list(prompt)

@@ -26,6 +26,29 @@ class StepTiming:
     stream: StreamStats  # what the streamer did during this step
 
 
+class TokenIdError(ValueError):
+    """A token id outside the vocabulary: on a GPU, the embedding lookup would raise a device-side
+    assert that leaves the CUDA context unusable for every later step."""
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise TokenIdError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def upload(groups: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Lists of ints -> int64 tensors on `device`, through one host->device copy: the step's inputs
+    are a few hundred bytes, so each copy costs its fixed latency (and, from pageable memory, a
+    host sync); one pinned buffer copied with non_blocking=True pays it once and lets the host go
+    on. The pinned buffer is freed while the copy may still run: torch's pinned allocator keeps it
+    until the copy's stream passes that point. Returns views into the one device buffer."""
+    flat = [v for g in groups for v in g]
+    host = torch.tensor(flat, dtype=torch.long, pin_memory=device.type == "cuda")  # (total,)
+    return list(torch.split(host.to(device, non_blocking=True), [len(g) for g in groups]))
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, plan: MemoryPlan, globals_: dict[str, torch.Tensor],
                  streamer: BlockStreamer, kv: KVCache, device: torch.device, dtype: torch.dtype):
@@ -53,13 +76,18 @@ class ModelRunner:
                 logits_index.append(len(ids) - 1)
             starts.append(c.start)
             counts.append(c.count)
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        cos, sin = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
+        check_token_ids(ids, self.cfg.vocab_size)
         mq = max(counts)
         ctx = max(s + n for s, n in zip(starts, counts))
-        starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
-        counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+        pad_rows = None
+        if len(chunks) * mq != len(ids):
+            pad_rows = [i * mq + j for i, n in enumerate(counts) for j in range(n)]  # (tokens,)
+        slots = [c.seq.slot for c in chunks]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        ids_t, pos, token_slots_t, slots_t, logits_t, starts_t, counts_t, pad_t = upload(
+            [ids, positions, token_slots, slots, logits_index, starts, counts, pad_rows or []], self.device)
+        dev = self.device
+        cos, sin = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
         t = torch.arange(mq, device=dev)
         q_pos = starts_t[:, None] + t[None, :]  # (seqs, max_query)
         valid = t[None, :] < counts_t[:, None]  # (seqs, max_query)
@@ -70,24 +98,18 @@ class ModelRunner:
             mask &= keys[None, None, :] > q_pos[:, :, None] - window
         # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
         mask[..., 0] |= ~valid
-        pad_rows = None
-        if len(chunks) * mq != len(ids):
-            pad_rows = torch.tensor([i * mq + j for i, n in enumerate(counts) for j in range(n)],
-                                    dtype=torch.long, device=dev)  # (tokens,)
-        slots = [c.seq.slot for c in chunks]
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return M.StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=ids_t,
             positions=pos,
             cos=cos,
             sin=sin,
-            token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
-            seq_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            pad_rows=pad_rows,
+            token_slots=token_slots_t,
+            seq_slots=slots_t,
+            pad_rows=pad_t if pad_rows is not None else None,
             max_query=mq,
             context_len=ctx,
             attn_mask=mask[:, None],
-            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+            logits_index=logits_t,
             slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
 

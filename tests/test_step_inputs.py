@@ -1,0 +1,154 @@
+"""The runner's per-step inputs: the same tensors as the plain one-copy-per-field construction, built
+through a single host->device copy, and token ids checked on the host before any reaches the device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from engine import LLM
+from engine import model as M
+from engine.runner import TokenIdError
+from engine.scheduler import ScheduledChunk, Sequence
+
+
+def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
+    """The construction _step_inputs replaced: every field its own torch.tensor(..., device=dev)."""
+    ids, positions, token_slots, logits_index, starts, counts = [], [], [], [], [], []
+    for c in chunks:
+        ids += c.seq.token_range(c.start, c.count)
+        positions += range(c.start, c.start + c.count)
+        token_slots += [c.seq.slot] * c.count
+        if c.samples:
+            logits_index.append(len(ids) - 1)
+        starts.append(c.start)
+        counts.append(c.count)
+    dev = runner.device
+    pos = torch.tensor(positions, dtype=torch.long, device=dev)
+    cos, sin = M.rotary_cos_sin(pos, runner.inv_freq, runner.rope_scaling, runner.dtype)
+    mq, ctx = max(counts), max(s + n for s, n in zip(starts, counts))
+    starts_t = torch.tensor(starts, dtype=torch.long, device=dev)
+    counts_t = torch.tensor(counts, dtype=torch.long, device=dev)
+    t = torch.arange(mq, device=dev)
+    q_pos = starts_t[:, None] + t[None, :]
+    valid = t[None, :] < counts_t[:, None]
+    keys = torch.arange(ctx, device=dev)
+    mask = keys[None, None, :] <= q_pos[:, :, None]
+    window = runner.cfg.sliding_window
+    if window is not None and window < ctx:
+        mask &= keys[None, None, :] > q_pos[:, :, None] - window
+    mask[..., 0] |= ~valid
+    pad_rows = None
+    if len(chunks) * mq != len(ids):
+        pad_rows = torch.tensor([i * mq + j for i, n in enumerate(counts) for j in range(n)], dtype=torch.long,
+                                device=dev)
+    slots = [c.seq.slot for c in chunks]
+    consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+    return M.StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=pos, cos=cos, sin=sin,
+        token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
+        seq_slots=torch.tensor(slots, dtype=torch.long, device=dev), pad_rows=pad_rows, max_query=mq,
+        context_len=ctx, attn_mask=mask[:, None],
+        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+        slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None)
+
+
+class CountTransfers(TorchFunctionMode):
+    """Counts host->device transfers: a tensor made on a device from Python data (torch.tensor(...,
+    device=...)), or a result on a device computed from a host tensor (.to, copy_, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.transfers: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outputs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+        on_device = any(o.device.type != "cpu" for o in outputs)
+        from_data = func in (torch.tensor, torch.as_tensor) and not inputs
+        if on_device and (from_data or any(i.device.type == "cpu" for i in inputs)):
+            self.transfers.append(getattr(func, "__name__", str(func)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    out = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4)
+    yield out
+    out.close()
+
+
+def mixed_chunks() -> list[ScheduledChunk]:
+    """A prefill chunk, a decode and a mid-prompt chunk that does not sample, on slots out of order:
+    padding rows, a gathered (not sliced) cache, and an empty-free logits index all occur."""
+    a, b, c = Sequence("a", [5, 6, 7, 8, 9], 4), Sequence("b", list(range(1, 9)), 4), Sequence("c", [3] * 9, 4)
+    a.slot, b.slot, c.slot = 2, 0, 3
+    b.output_ids = [11]
+    return [ScheduledChunk(a, 0, 5), ScheduledChunk(b, 8, 1), ScheduledChunk(c, 3, 2)]
+
+
+def fields(step: M.StepInputs) -> dict:
+    return {k: getattr(step, k) for k in M.StepInputs.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("chunks", [mixed_chunks(), mixed_chunks()[1:2]], ids=["mixed", "one-decode"])
+def test_step_inputs_equal_the_per_field_construction(llm, chunks):
+    runner = llm.engine.model.runner
+    with torch.inference_mode():
+        ours, ref = fields(runner._step_inputs(chunks)), fields(reference_step_inputs(runner, chunks))
+    assert ours.keys() == ref.keys()
+    for name, want in ref.items():
+        got = ours[name]
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, name
+            torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+        else:
+            assert got == want, name
+
+
+def test_step_inputs_take_one_host_to_device_copy(llm):
+    """On the meta device every host->device transfer is visible: ours makes one per step, the
+    per-field construction (which the counter must catch) eight."""
+    runner = copy.copy(llm.engine.model.runner)
+    runner.device = torch.device("meta")
+    runner.inv_freq = runner.inv_freq.to("meta")
+    chunks = mixed_chunks()
+    with torch.inference_mode():
+        with CountTransfers() as ours:
+            step = runner._step_inputs(chunks)
+        with CountTransfers() as ref:
+            reference_step_inputs(runner, chunks)
+    assert len(ours.transfers) == 1, ours.transfers
+    assert len(ref.transfers) == 8, ref.transfers
+    assert all(t.device.type == "meta" for t in fields(step).values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("bad", [-1, 512, 10**9])
+def test_out_of_range_token_id_stops_on_the_host(llm, bad):
+    """An id outside [0, vocab) never reaches the embedding lookup (a device-side assert on a GPU);
+    the step raises before any block runs, and the next step is unaffected."""
+    runner = llm.engine.model.runner
+    s = Sequence("bad", [5, bad, 7], 1)
+    s.slot = 0
+    with pytest.raises(TokenIdError, match=f"token id {bad} is outside the vocabulary \\[0, 512\\)"):
+        runner.execute([ScheduledChunk(s, 0, 3)])
+    ok = Sequence("ok", [5, 6, 7], 1)
+    ok.slot = 0
+    assert torch.isfinite(runner.execute([ScheduledChunk(ok, 0, 3)])).all()
+
+
+def test_prompt_ids_checked_at_admission(llm, monkeypatch):
+    """Token-id prompts, and a tokenizer whose added tokens lie beyond the embedding table, are refused
+    when the request is added (a ValueError: the server's 400), not when the step runs."""
+    engine = llm.engine
+    with pytest.raises(ValueError, match="prompt token ids"):
+        engine.encode([1, 512])
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text: [1, 2, 600])
+    with pytest.raises(TokenIdError, match="token id 600"):
+        engine.encode("hello")
+    assert engine.num_waiting() == 0
