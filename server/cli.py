@@ -10,6 +10,8 @@ import os
 
 from engine.cli import add_engine_arguments, engine_args_from
 
+from .ray_options import add_ray_arguments, serve_on_ray
+
 log = logging.getLogger("layerstream.server")
 
 ENV_PREFIX = "LAYERSTREAM_"
@@ -25,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot before new ones get 503 + Retry-After")
+    add_ray_arguments(p)  # --ray and the replica flags; ray itself is imported only with --ray
     p.epilog = (f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG>, e.g. "
                 f"{ENV_PREFIX}MAX_DEVICE_MEMORY=4GiB; a flag given on the command line wins.")
     apply_env_defaults(p)
@@ -47,9 +50,9 @@ def apply_env_defaults(p: argparse.ArgumentParser) -> None:
         action.help = f"{action.help or ''} [set by {ENV_PREFIX}{action.dest.upper()}]".strip()
 
 
-def run(ns: argparse.Namespace) -> int:
-    import uvicorn
-
+def build_server(ns: argparse.Namespace, on_failed=None):
+    """The app and its engine loop (not started) from parsed flags: what `run` serves with uvicorn
+    and what each Ray Serve replica (server.ray_serve) wraps, so both serve the same routes."""
     from engine.engine_loop import EngineLoop
 
     from .app import build_app
@@ -58,12 +61,6 @@ def run(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns, max_queue=ns.max_queue)  # a bad value: ValueError, one line from main
     name = ns.served_model_name or ns.model
     metrics = ServerMetrics(name)
-    config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-
-    def on_failed(_e: BaseException) -> None:
-        server.should_exit = True  # nothing to serve: stop with a non-zero status
 
     def factory(engine_args):
         from engine.llm_engine import LLMEngine
@@ -76,9 +73,24 @@ def run(ns: argparse.Namespace) -> int:
         return engine
 
     engine = EngineLoop(args, observer=metrics, engine_factory=factory, on_failed=on_failed)
-    config.app = build_app(engine, name, api_key=ns.api_key or None, metrics=metrics)
+    return build_app(engine, name, api_key=ns.api_key or None, metrics=metrics), engine
+
+
+def run(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    if ns.ray:
+        return serve_on_ray(ns)
+    config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def on_failed(_e: BaseException) -> None:
+        server.should_exit = True  # nothing to serve: stop with a non-zero status
+
+    config.app, engine = build_server(ns, on_failed=on_failed)
     log.info("listening on http://%s:%d (model %s loading in the background; /health is 503 until ready)",
-             ns.host, ns.port, name)
+             ns.host, ns.port, ns.served_model_name or ns.model)
     engine.start()
     try:
         server.run()
