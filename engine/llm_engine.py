@@ -17,6 +17,7 @@ from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, Sequence
+from .structured_output import GrammarCompiler, Guide
 
 log = logging.getLogger("layerstream")
 
@@ -51,6 +52,7 @@ class _SeqState:
     generator: object
     detok: IncrementalDetokenizer
     stop_ids: set[int]
+    guide: Guide | None = None  # structured output: the grammar this sequence follows
 
 
 def load_tokenizer(path):
@@ -74,6 +76,13 @@ class LLMEngine:
         ))
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
+
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.model.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
 
     @property
     def plan(self):
@@ -105,14 +114,16 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
+        params.check_vocab(self.model.cfg.vocab_size)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stop_ids |= set(self.model.cfg.eos_token_ids)
-            if self.tokenizer.eos_token_id is not None:
-                stop_ids.add(self.tokenizer.eos_token_id)
+            stop_ids |= set(self._eos_ids())
+        guide = self.grammar.guide(params.structured) if params.structured is not None else None
         seq = Sequence(rid, ids, params.max_tokens)
         seq.state = _SeqState(params, make_generator(params.seed),
-                              IncrementalDetokenizer(self.tokenizer, ids, params.stop), stop_ids)
+                              IncrementalDetokenizer(self.tokenizer, ids, params.stop), stop_ids, guide)
+        if guide is not None:
+            guide.prefetch()  # the first mask is computed while the prompt is prefilled
         self.scheduler.add(seq)  # may raise QueueFullError: nothing registered yet
         self._seqs[rid] = seq
         return rid
@@ -148,7 +159,8 @@ class LLMEngine:
             if not chunk.samples:
                 continue
             st: _SeqState = seq.state
-            token, info = sample_one(logits[row], st.params, seq.prompt_ids, seq.output_ids, st.generator)
+            allowed = st.guide.allowed() if st.guide is not None else None
+            token, info = sample_one(logits[row], st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
             row += 1
             seq.output_ids.append(token)
             reason = None
@@ -156,7 +168,10 @@ class LLMEngine:
                 reason = "stop"
             else:
                 st.detok.add_token(token)
-                if st.detok.stopped:
+                if st.guide is not None:
+                    st.guide.accept(token)
+                if st.detok.stopped or (st.guide is not None and st.guide.stopped):
+                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
                     reason = "stop"
                 elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                     reason = "length"
@@ -164,6 +179,8 @@ class LLMEngine:
                 st.detok.flush()
                 self.scheduler.finish(seq, reason)
                 self._seqs.pop(seq.request_id, None)
+            elif st.guide is not None:
+                st.guide.prefetch()  # overlaps the next forward pass
             outputs.append(RequestOutput(
                 request_id=seq.request_id,
                 new_token_ids=[token],
@@ -177,5 +194,6 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
+        self.grammar.close()
         self.model.runner.streamer.close()
         self.model.index.close()

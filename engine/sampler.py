@@ -63,11 +63,23 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's logit_bias: each value is added to its token's logit before sampling."""
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    logits[ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+    return logits
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-               generator: torch.Generator) -> tuple[int, TokenLogprobs | None]:
-    """logits: (vocab,) fp32 raw model output for one sequence."""
+               generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprobs | None]:
+    """logits: (vocab,) fp32 raw model output for one sequence. allowed: (vocab,) bool, the tokens a
+    grammar admits (structured output); the others cannot be sampled whatever their bias."""
     raw = logits
     logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if params.greedy:
         token = int(torch.argmax(logits))
     else:

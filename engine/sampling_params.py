@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .structured_output import StructuredOutput
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 forces it
 
 
 @dataclass
@@ -21,6 +27,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0 = only the chosen)
     n: int = 1
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured: "StructuredOutput | None" = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +52,18 @@ class SamplingParams:
         for ok, name, why in checks:
             if not ok:
                 raise InvalidParameter(name, f"{name} {why}, got {getattr(self, name)!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidParameter("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} "
+                                                     f"for token {token}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidParameter(name, f"{name} names token ids outside the vocabulary [0, {vocab_size}): "
+                                             f"{bad[:5]}")
 
     @property
     def greedy(self) -> bool:
