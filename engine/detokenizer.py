@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far (up to a stop string, once found)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended generation
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -46,9 +47,10 @@ class IncrementalDetokenizer:
         start = max(0, len(self.text) - self._hold)
         self.text += new
         if self.stop:
-            hits = [p for p in (self.text.find(s, start) for s in self.stop) if p >= 0]
+            hits = [(p, s) for p, s in ((self.text.find(s, start), s) for s in self.stop) if p >= 0]
             if hits:
-                self.text = self.text[:min(hits)]  # stop strings are not part of the output
+                pos, self.stop_string = min(hits)
+                self.text = self.text[:pos]  # stop strings are not part of the output
                 self.stopped = True
 
     def flush(self) -> None:

@@ -165,6 +165,18 @@ class EngineLoop:
         self._check_ready()
         return self.engine.encode(prompt)
 
+    @property
+    def vocab_size(self) -> int:
+        self._check_ready()
+        return self.engine.model.cfg.vocab_size
+
+    def check_structured(self, so) -> None:
+        """Compile a structured-output constraint (cached for the engine), raising InvalidParameter
+        if it is not valid. Safe off the engine thread; call it there, since a large schema takes a
+        while to compile and the engine thread would otherwise stall every request."""
+        self._check_ready()
+        self.engine.grammar.check(so)
+
     def submit(self, requests: list[EngineRequest]) -> RequestHandle:
         """Queue requests for the engine; call from the event loop. Await `handle.accepted` (or
         iterate `handle.outputs()`) to learn whether the engine took them: QueueFullError,

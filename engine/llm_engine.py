@@ -42,6 +42,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it (vLLM's name)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 
@@ -144,6 +145,10 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV cache held: running sequences own a whole slot each."""
+        return len(self.scheduler.running) / self.scheduler.config.max_num_seqs
+
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -188,6 +193,7 @@ class LLMEngine:
                 logprobs=[info] if info else [],
                 finished=reason is not None,
                 finish_reason=reason,
+                stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
                 num_prompt_tokens=len(seq.prompt_ids),
                 num_output_tokens=len(seq.output_ids),
             ))

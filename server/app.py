@@ -16,14 +16,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.engine_loop import EngineLoop
 
-from . import errors
+from . import errors, tokenization
+from .anthropic import AnthropicServing, MessagesRequest
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+from .tokenization import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("layerstream.server")
 
-_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+           "/detokenize", "/v1/messages"}
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in logs and metrics only
 
 
@@ -41,7 +44,9 @@ class _Gate:
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer":
+            token = headers.get(b"x-api-key", b"").decode("latin-1")  # how Anthropic's clients send it
+        return bool(token) and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -58,7 +63,7 @@ class _Gate:
         try:
             if self.api_key and path.startswith("/v1") and not self._authorized(scope):
                 msg = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-                await errors.error_for(errors.AuthError(msg)).response()(scope, receive, send_status)
+                await errors.error_for(errors.AuthError(msg)).response_for(path)(scope, receive, send_status)
             else:
                 await self.app(scope, receive, send_status)
         finally:
@@ -90,6 +95,7 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
               metrics: ServerMetrics | None = None) -> FastAPI:
     metrics = metrics or ServerMetrics(served_model_name)
     serving = OpenAIServing(engine, served_model_name)
+    anthropic = AnthropicServing(serving)
     app = FastAPI(title="layerstream", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
     app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
@@ -116,6 +122,18 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
     async def models():
         return JSONResponse(serving.models().model_dump(mode="json"))
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return JSONResponse(serving.model(model_id).model_dump(mode="json"))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return JSONResponse(tokenization.tokenize(serving, body).model_dump(mode="json"))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return JSONResponse(tokenization.detokenize(serving, body).model_dump(mode="json"))
+
     async def generate(request: Request, work):
         try:
             return respond(await _unless_disconnected(request, work))
@@ -129,5 +147,9 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await generate(request, serving.chat(body))
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        return await generate(request, anthropic.messages(body))
 
     return app

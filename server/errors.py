@@ -58,6 +58,24 @@ class MappedError:
     def sse(self) -> str:
         return sse(self.body)
 
+    def anthropic_body(self) -> dict:
+        """The same error in Anthropic's shape (for /v1/messages); the field, if any, is named in
+        the message since that shape has no param."""
+        message = self.body.error.message
+        if self.body.error.param and self.body.error.param not in message:
+            message = f"{self.body.error.param}: {message}"
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"), "message": message}}
+
+    def response_for(self, path: str) -> JSONResponse:
+        if path.startswith(ANTHROPIC_PREFIX):
+            return JSONResponse(self.anthropic_body(), status_code=self.status, headers=self.headers)
+        return self.response()
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
 
 def _type_for(status: int) -> str:
     return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -74,6 +92,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg')}", None
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        # OpenAI's wording: a field this server would not honour is refused, never ignored.
+        return f"Unrecognized request argument supplied: {param}", param
     parts = []
     for e in errors[:5]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
@@ -120,8 +141,8 @@ def error_for(exc: BaseException) -> MappedError:
     return MappedError(status, body, headers)
 
 
-async def handle_exception(_request: Request, exc: Exception) -> JSONResponse:
-    return error_for(exc).response()
+async def handle_exception(request: Request, exc: Exception) -> JSONResponse:
+    return error_for(exc).response_for(request.url.path)
 
 
 def install(app) -> None:

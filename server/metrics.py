@@ -56,6 +56,11 @@ class ServerMetrics:
         self.step_seconds = Histogram("layerstream_step_seconds", "wall time of one engine step", labels,
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.steps = Counter("layerstream_steps", "engine steps", labels, registry=r)
+        self.masks = Gauge("layerstream_structured_output_mask_seconds", "seconds spent on structured-output "
+                           "token masks since start: kind=compute (worker thread, overlapped with the forward "
+                           "pass) or wait (the engine thread waiting for a mask before sampling)",
+                           labels + ["kind"], registry=r)
+        self.vllm = _VLLMNames(r, labels)
 
     def set_plan(self, plan) -> None:
         m = self._model
@@ -65,8 +70,14 @@ class ServerMetrics:
 
     # -- EngineObserver ---------------------------------------------------------------------------
     def on_queue(self, engine) -> None:
-        self.running.labels(self._model).set(engine.num_running())
-        self.waiting.labels(self._model).set(engine.num_waiting())
+        m = self._model
+        self.running.labels(m).set(engine.num_running())
+        self.waiting.labels(m).set(engine.num_waiting())
+        self.vllm.running.labels(m).set(engine.num_running())
+        self.vllm.waiting.labels(m).set(engine.num_waiting())
+        usage = engine.kv_cache_usage()
+        self.vllm.kv_usage.labels(m).set(usage)
+        self.vllm.gpu_cache_usage.labels(m).set(usage)
 
     def on_step(self, engine) -> None:
         m = self._model
@@ -85,17 +96,46 @@ class ServerMetrics:
         self.gbps.labels(m).set(gbps)
         if floor is not None:
             self.floor_pct.labels(m).set(floor)
+        stats = engine.grammar.stats
+        self.masks.labels(m, "compute").set(stats.compute_seconds)
+        self.masks.labels(m, "wait").set(stats.wait_seconds)
 
     def on_token(self, first: bool, seconds: float) -> None:
         (self.ttft if first else self.tpot).labels(self._model).observe(seconds)
+        (self.vllm.ttft if first else self.vllm.tpot).labels(self._model).observe(seconds)
         self.generation_tokens.labels(self._model).inc()
+        self.vllm.generation_tokens.labels(self._model).inc()
 
     def on_finished(self, reason: str, prompt_tokens: int) -> None:
         self.finished.labels(self._model, reason).inc()
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.vllm.success.labels(self._model, reason).inc()
+        self.vllm.prompt_tokens.labels(self._model).inc(prompt_tokens)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VLLMNames:
+    """The same figures under vLLM's metric names, so routers and autoscalers written for vLLM
+    (llm-d, KServe, KEDA rules) read this server unchanged. The KV-cache usage is the fraction of
+    KV slots held by running sequences (each holds a whole max_model_len slot); vLLM's v1 name and
+    its older gpu_ one are both exported."""
+
+    def __init__(self, r: CollectorRegistry, labels: list[str]):
+        self.running = Gauge("vllm:num_requests_running", "requests running (in a KV slot)", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "requests waiting for a slot", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels, registry=r)
+        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (older vLLM name)",
+                                     labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "tokens generated", labels, registry=r)
+        self.success = Counter("vllm:request_success", "finished requests by finish reason",
+                               labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "time between tokens", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)

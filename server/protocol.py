@@ -1,7 +1,8 @@
 """The OpenAI wire format: request and response bodies as pydantic models.
 
-Requests accept (and ignore) fields this server does not use, the way the OpenAI API accepts
-fields a client library knows and a given model does not; unknown values are never an error.
+A request field this server does not know is refused (400 naming it), as the OpenAI API refuses an
+unrecognized argument: a field accepted is a field honoured. `user` is the one field accepted
+without effect on the output; it is metadata in OpenAI's API too.
 """
 
 from __future__ import annotations
@@ -25,11 +26,33 @@ def sse(payload: BaseModel | str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar always holds the output to the schema
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` object: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Request):
@@ -52,6 +75,15 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer
+    # structured_outputs object; at most one of them per request.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 # A prompt is a string, a list of strings, token ids, or a list of token-id lists.
@@ -72,12 +104,36 @@ class ChatMessage(_Request):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls are constrained to the schema only with tool_choice required/named
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class UsageInfo(BaseModel):
@@ -123,9 +179,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCallInfo(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallInfo] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -144,9 +212,14 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(ToolCallInfo):
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):

@@ -5,6 +5,7 @@ fields become SamplingParams, and RequestOutput deltas become choices.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -17,11 +18,12 @@ from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import InvalidParameter, SamplingParams
 
+from . import structured, tools
 from .errors import APIError, ModelNotFoundError, error_for
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-                       CompletionRequest, CompletionResponse, DeltaMessage, ModelCard, ModelList, TopLogprob,
-                       UsageInfo, random_id, sse)
+                       CompletionRequest, CompletionResponse, DeltaMessage, DeltaToolCall, ModelCard, ModelList,
+                       ToolCallInfo, TopLogprob, UsageInfo, random_id, sse)
 
 log = logging.getLogger("layerstream.server")
 
@@ -40,6 +42,8 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False
     num_output_tokens: int = 0
+    tool_parser: tools.ToolCallParser | None = None  # chat with tools: text -> content + tool calls
+    stop_reason: str | int | None = None  # the stop string / token that ended it
 
 
 @dataclass
@@ -64,6 +68,7 @@ class _Job:
         c.num_output_tokens = out.num_output_tokens
         if out.finished:
             c.finish_reason = _finish_reason(out.finish_reason)
+            c.stop_reason = out.stop_reason
         return c
 
 
@@ -101,10 +106,27 @@ class OpenAIServing:
             raise ModelNotFoundError(name, self.model_name)
 
     def models(self) -> ModelList:
-        max_len = self.engine.max_model_len if self.engine.ready else None
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=max_len)])
+        return ModelList(data=[self.model(self.model_name)])
 
-    def _params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def model(self, name: str) -> ModelCard:
+        if name != self.model_name:
+            raise ModelNotFoundError(name, self.model_name)
+        max_len = self.engine.max_model_len if self.engine.ready else None
+        return ModelCard(id=self.model_name, max_model_len=max_len)
+
+    async def _structured(self, req, extra=None):
+        """The request's output constraint (from response_format / guided_* / structured_outputs, or
+        `extra` from tool_choice), compiled off the event loop so a 400 comes before any work."""
+        so = structured.structured_output(req)
+        if so is not None and extra is not None:
+            raise InvalidParameter(so.param, f"{so.param} cannot be combined with tool_choice required or a "
+                                             "named function, which constrain the output themselves")
+        so = so or extra
+        if so is not None:
+            await asyncio.to_thread(self.engine.check_structured, so)
+        return so
+
+    def _params(self, req, max_tokens: int, logprobs: int | None, structured_output=None) -> SamplingParams:
         if not 1 <= req.n <= MAX_N:
             raise InvalidParameter("n", f"n must be in [1, {MAX_N}], got {req.n}")
         best_of = getattr(req, "best_of", None)
@@ -124,10 +146,12 @@ class OpenAIServing:
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            logit_bias=structured.logit_bias(req),
+            structured=structured_output,
         )
 
     async def _submit(self, prompts: list[list[int]], req, params: SamplingParams, prefix: str,
-                      echo_texts: list[str] | None = None) -> _Job:
+                      echo_texts: list[str] | None = None, tool_plan: tools.ToolPlan | None = None) -> _Job:
         """Submit n engine requests per prompt (seed + i when seeded, as engine.llm does) and wait
         until the engine has taken all of them, so admission errors become a status code."""
         response_id = random_id(prefix)
@@ -137,7 +161,8 @@ class OpenAIServing:
                 rid = f"{response_id}-{p}-{i}"
                 seed = None if params.seed is None else params.seed + i
                 requests.append(EngineRequest(rid, ids, dataclasses.replace(params, seed=seed)))
-                choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "")
+                choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "",
+                                       tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None)
         handle = self.engine.submit(requests)
         try:
             await handle.accepted
@@ -146,7 +171,7 @@ class OpenAIServing:
             raise
         return _Job(response_id, int(time.time()), handle, choices, sum(len(ids) for ids in prompts))
 
-    async def _collect(self, job: _Job) -> None:
+    async def collect(self, job: _Job) -> None:
         try:
             async for out in job.handle.outputs():
                 job.apply(out)
@@ -179,20 +204,31 @@ class OpenAIServing:
         if req.suffix:
             raise InvalidParameter("suffix", "suffix is not supported")
         if req.echo and req.logprobs is not None:
-            raise InvalidParameter("echo", "echo together with logprobs (prompt logprobs) is not supported")
+            raise InvalidParameter("echo", "echo together with logprobs needs prompt logprobs, which this server "
+                                           "does not compute; send echo or logprobs, not both")
         prompts = self._completion_prompts(req.prompt)
-        params = self._params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        echo = [self.engine.tokenizer.decode(ids) for ids in prompts] if req.echo else None
+        so = await self._structured(req)
+        params = self._params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, so)
+        echo = self._echo_texts(req.prompt, prompts) if req.echo else None
         job = await self._submit(prompts, req, params, "cmpl", echo)
         if req.stream:
             return _event_stream(job, self._completion_chunks(job, req))
-        await self._collect(job)
+        await self.collect(job)
         choices = [CompletionChoice(index=c.index, text=c.echo_text + c.text, finish_reason=c.finish_reason,
                                     logprobs=self._completion_logprobs(c.logprobs, [len(c.echo_text)])
                                     if req.logprobs is not None else None)
                    for c in sorted(job.choices.values(), key=lambda c: c.index)]
         return CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                   choices=choices, usage=job.usage())
+
+    def _echo_texts(self, prompt, ids: list[list[int]]) -> list[str]:
+        """What echo puts before each completion: the prompt exactly as sent (text prompts), or the
+        text of the token ids sent, special tokens included."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], str):
+            return list(prompt)
+        return [self.engine.tokenizer.decode(x) for x in ids]
 
     def _completion_logprobs(self, infos: list[TokenLogprobs], offset: list[int]) -> CompletionLogprobs:
         """offset: [character offset of the next token in the choice's text], advanced in place so a
@@ -232,7 +268,7 @@ class OpenAIServing:
                                          choices=[], usage=job.usage()))
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, req: ChatCompletionRequest, plan: tools.ToolPlan) -> list[int]:
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
@@ -245,9 +281,14 @@ class OpenAIServing:
                     raise InvalidParameter("messages", "only text content parts are supported")
                 content = "".join(p.get("text", "") for p in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        tools.check_messages(messages)
+        # A template that reads `tools` renders them (and calls, results) itself; others get text.
+        native = "tools" in tok.chat_template
+        messages = tools.template_messages(messages, plan, native)
+        extra = {"tools": list(plan.tools)} if native and plan.active else {}
         try:
             text = tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=req.add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 - a template error is about the messages sent
             raise InvalidParameter("messages", f"the chat template failed on these messages: {e}") from e
         # The template writes any BOS itself; adding special tokens again would double it.
@@ -257,23 +298,42 @@ class OpenAIServing:
         return ids
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(req.model)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
-        ids = self._chat_prompt(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.engine.max_model_len - len(ids))
-        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        job = await self._submit([ids], req, params, "chatcmpl")
+        job = await self.start_chat(req)
         if req.stream:
             return _event_stream(job, self._chat_chunks(job, req))
-        await self._collect(job)
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+        await self.collect(job)
+        choices = [ChatChoice(index=c.index, message=self.message(c),
+                              finish_reason=tools.finish_reason(c.finish_reason, c.tool_parser),
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
                    for c in sorted(job.choices.values(), key=lambda c: c.index)]
         return ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                       choices=choices, usage=job.usage())
+
+    async def start_chat(self, req: ChatCompletionRequest) -> _Job:
+        """Everything a chat request does before its outputs arrive: checks, prompt, submission.
+        The Messages API (server.anthropic) shares it."""
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        plan = tools.plan_tools(req)
+        ids = self.chat_prompt_ids(req, plan)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.engine.max_model_len - len(ids))
+        so = await self._structured(req, plan.structured())
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, so)
+        return await self._submit([ids], req, params, "chatcmpl", tool_plan=plan)
+
+    @staticmethod
+    def message(c: _Choice) -> AssistantMessage:
+        if c.tool_parser is None:
+            return AssistantMessage(content=c.text)
+        head, _ = c.tool_parser.feed(c.text)
+        tail, _ = c.tool_parser.finish()
+        calls = c.tool_parser.calls
+        content = head + tail
+        return AssistantMessage(content=None if calls and not content.strip() else content,
+                                tool_calls=[ToolCallInfo(**t.openai()) for t in calls] or None)
 
     def _chat_logprobs(self, infos: list[TokenLogprobs]) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> dict:
@@ -293,10 +353,21 @@ class OpenAIServing:
             yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
         async for out in job.handle.outputs():
             c = job.apply(out)
-            if not (out.text or out.finished or out.logprobs):
+            text, calls = out.text, []
+            if c.tool_parser is not None:
+                seen = len(c.tool_parser.calls)
+                text, _ = c.tool_parser.feed(out.text)
+                if out.finished:
+                    tail, _ = c.tool_parser.finish()
+                    text += tail
+                calls = [DeltaToolCall(**t.openai(seen + i)) for i, t in enumerate(c.tool_parser.calls[seen:])]
+            if not (text or calls or out.finished or out.logprobs):
                 continue
-            delta = DeltaMessage(content=out.text) if out.text or not out.finished else DeltaMessage()
-            yield chunk([ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason,
+            delta = DeltaMessage(content=text or None, tool_calls=calls or None)
+            if not (text or calls) and not out.finished:
+                delta = DeltaMessage(content="")
+            yield chunk([ChatChunkChoice(index=c.index, delta=delta,
+                                         finish_reason=tools.finish_reason(c.finish_reason, c.tool_parser),
                                          logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None)])
         if _include_usage(req):
             yield chunk([], job.usage())
