@@ -105,7 +105,7 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self._hf = hf_tokenizer
         self.vocab_size = vocab_size
-        self._eos = [t for t in eos_token_ids if t < vocab_size]
+        self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
         self._lock = threading.Lock()
         self._tokenizer = None
         self._prototypes: OrderedDict[StructuredOutput, object] = OrderedDict()
@@ -118,7 +118,7 @@ class GrammarCompiler:
             import llguidance.hf
 
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                           eos_token=self._eos or None)
+                                                           eos_token=self.eos_token_ids or None)
         return self._tokenizer
 
     def check(self, so: StructuredOutput):
@@ -181,7 +181,12 @@ class Guide:
         self._compiler.stats.wait_seconds += time.perf_counter() - t0
         shifts = torch.arange(32, dtype=torch.int32)
         bits = (self._bits[:, None] >> shifts) & 1  # (vocab / 32, 32)
-        return bits.reshape(-1)[: self._compiler.vocab_size].bool()
+        allowed = bits.reshape(-1)[: self._compiler.vocab_size].bool()
+        if not allowed.any():
+            # A matcher in an error state admits nothing; end the sequence rather than sample
+            # from an all -inf row (NaN probabilities would fail the whole step).
+            allowed[self._compiler.eos_token_ids] = True
+        return allowed
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token. The mask only admits valid tokens, so a refusal is a bug

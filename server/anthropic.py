@@ -233,11 +233,7 @@ class AnthropicServing:
                     job.apply(out)
                     text, calls = out.text, []
                     if c.tool_parser is not None:
-                        seen = len(c.tool_parser.calls)
-                        text, _ = c.tool_parser.feed(out.text)
-                        if out.finished:
-                            text += c.tool_parser.finish()[0]
-                        calls = c.tool_parser.calls[seen:]
+                        text, calls = c.tool_parser.advance(out.text, out.finished)
                         if calls and not (text.strip() or text_open):
                             text = ""  # whitespace around calls is not a text block of its own
                     if text:

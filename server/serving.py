@@ -328,10 +328,7 @@ class OpenAIServing:
     def message(c: _Choice) -> AssistantMessage:
         if c.tool_parser is None:
             return AssistantMessage(content=c.text)
-        head, _ = c.tool_parser.feed(c.text)
-        tail, _ = c.tool_parser.finish()
-        calls = c.tool_parser.calls
-        content = head + tail
+        content, calls = c.tool_parser.advance(c.text, finished=True)
         return AssistantMessage(content=None if calls and not content.strip() else content,
                                 tool_calls=[ToolCallInfo(**t.openai()) for t in calls] or None)
 
@@ -356,11 +353,8 @@ class OpenAIServing:
             text, calls = out.text, []
             if c.tool_parser is not None:
                 seen = len(c.tool_parser.calls)
-                text, _ = c.tool_parser.feed(out.text)
-                if out.finished:
-                    tail, _ = c.tool_parser.finish()
-                    text += tail
-                calls = [DeltaToolCall(**t.openai(seen + i)) for i, t in enumerate(c.tool_parser.calls[seen:])]
+                text, new = c.tool_parser.advance(out.text, out.finished)
+                calls = [DeltaToolCall(**t.openai(seen + i)) for i, t in enumerate(new)]
             if not (text or calls or out.finished or out.logprobs):
                 continue
             delta = DeltaMessage(content=text or None, tool_calls=calls or None)

@@ -215,6 +215,15 @@ class ToolCallParser:
                 else:
                     calls.append(call)
 
+    def advance(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        """One output delta in: the content to send now and the calls completed by it (all of
+        what is left when `finished`)."""
+        content, calls = self.feed(text)
+        if finished:
+            tail, more = self.finish()
+            content, calls = content + tail, calls + more
+        return content, calls
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._buf = self._buf, ""
         if self.plan.mode == "named":

@@ -140,3 +140,12 @@ def test_logit_bias_forcing_eos_ends_at_once(llm):
     (res,) = llm.generate("Hello", SamplingParams(temperature=1.0, seed=0, max_tokens=10, logit_bias={eos: 100.0}))
     out = res.outputs[0]
     assert out.finish_reason == "stop" and out.text == "" and out.token_ids == [eos]
+
+
+def test_guide_in_error_state_allows_only_end_of_sequence(llm):
+    """A token the grammar refuses (which the mask never lets through) leaves the matcher in error;
+    the sequence can then only end, instead of sampling from an all -inf row."""
+    g = llm.engine.grammar.guide(choice(["yes", "no"]))
+    g.accept(llm.tokenizer.encode("z")[0])
+    assert g.error and g.stopped
+    assert g.allowed().nonzero().flatten().tolist() == llm.engine.grammar.eos_token_ids
