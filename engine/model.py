@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .arch import ModelConfig
+from .attention_backend import attend
 
 
 @dataclass
@@ -123,9 +124,7 @@ def attention(
     else:
         keys = k_cache[step.seq_slots, :, : step.context_len]
         values = v_cache[step.seq_slots, :, : step.context_len]
-    out = F.scaled_dot_product_attention(
-        qp, keys, values, attn_mask=step.attn_mask, enable_gqa=nh != nkv
-    )  # (seqs, heads, max_query, head_dim)
+    out = attend(qp, keys, values, step.attn_mask)  # (seqs, heads, max_query, head_dim)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)

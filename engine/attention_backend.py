@@ -1,0 +1,95 @@
+"""Scaled dot-product attention over a padded batch: which kernel runs, and how much memory it may
+take, decided here and nowhere else (model.attention calls `attend`).
+
+Three choices, each for a reason found reading the CUDA path against torch 2.11:
+- On CUDA the kernel is named, not left to SDPA's priority list: memory-efficient attention, with the
+  math path as the fallback. With a boolean mask in bf16/fp16 and cuDNN >= 9.15 SDPA would pick
+  cuDNN, which builds a graph for every new shape; decode changes the context length every step, a
+  build takes 55-400 ms and the graph cache grows without bound in a server. Flash takes no mask.
+- GQA is folded into the query axis: the `group` query heads that share a KV head become `group`
+  times as many query rows of that KV head. The call is then plain multi-head attention over the KV
+  heads as stored, which memory-efficient attention accepts with a mask in every torch version
+  (its enable_gqa support came late), and which the math path runs without materialising K and V
+  repeated per query head.
+- Calls are split over sequences and query rows so that the math path's temporaries (fp32 copies
+  of Q/K/V, scores, softmax, the additive mask) stay under `chunk_bytes`. A mixed prefill + decode
+  step pads every decode to the prefill's length; unsplit, a Llama-3-8B step of one 512-token chunk
+  and 15 decodes at 4096 context needed ~10 GB. `call_bytes` is that formula and the planner's
+  workspace estimate uses it (`workspace_bytes`), so the plan and the kernel agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+CHUNK_BYTES = 256 << 20  # bound on one call's temporaries (math path); smaller steps make one call
+CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int) -> int:
+    """Peak temporaries of one SDPA call on the math path (the most memory any backend takes), with
+    `heads` KV heads after folding and `rows` query rows per head. What the math path holds at its
+    peak (inside the softmax): the boolean mask folded and made additive, Q and K scaled in fp32
+    (Q, K, V first upcast when half precision), scores, softmax output and its masked copy in fp32,
+    a boolean of the scores, then the fp32 output and its cast back."""
+    half = itemsize < 4
+    mask = seqs * rows * ctx * (1 + itemsize)
+    qkv = seqs * heads * head_dim * 4 * ((2 if half else 1) * rows + (3 if half else 1) * ctx)
+    scores = seqs * heads * rows * ctx * (3 * 4 + 1)
+    out = seqs * heads * rows * head_dim * (4 + itemsize)
+    return mask + qkv + scores + out
+
+
+def split(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
+          chunk_bytes: int | None = None) -> tuple[int, int]:
+    """(sequences, query rows) per call so that call_bytes stays under chunk_bytes (CHUNK_BYTES by
+    default), whole sequences first; at least one sequence and one row per call."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    cost = lambda s, r: call_bytes(s, r, ctx, heads, head_dim, itemsize)  # noqa: E731
+    if cost(seqs, rows) <= chunk_bytes:
+        return seqs, rows
+    if cost(1, rows) <= chunk_bytes:
+        return max(1, chunk_bytes // cost(1, rows)), rows
+    fixed = cost(1, 0)
+    return 1, max(1, (chunk_bytes - fixed) // max(1, cost(1, 1) - fixed))
+
+
+def workspace_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
+                    chunk_bytes: int | None = None) -> int:
+    """Temporaries of the largest call `attend` makes for a (seqs, rows, ctx) problem."""
+    s, r = split(seqs, rows, ctx, heads, head_dim, itemsize, chunk_bytes)
+    return call_bytes(s, r, ctx, heads, head_dim, itemsize)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if q.device.type == "cuda":
+        with sdpa_kernel(CUDA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           chunk_bytes: int | None = None) -> torch.Tensor:
+    """q: (seqs, heads, max_query, head_dim); k, v: (seqs, kv_heads, context, head_dim);
+    mask: (seqs, 1, max_query, context) bool, True = may attend. Returns (seqs, heads, max_query, head_dim)."""
+    seqs, nh, mq, hd = q.shape
+    nkv, ctx = k.shape[1], k.shape[2]
+    group = nh // nkv
+    if group > 1:
+        # Query head h reads KV head h // group (repeat_interleave order), so heads split as (nkv, group).
+        q = q.reshape(seqs, nkv, group * mq, hd)  # (seqs, kv_heads, group * max_query, head_dim)
+        mask = mask[:, :, None].expand(seqs, 1, group, mq, ctx).reshape(seqs, 1, group * mq, ctx)
+    rows = q.shape[2]
+    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
+    if sp >= seqs and rp >= rows:
+        out = _sdpa(q, k, v, mask)
+    else:
+        out = q.new_empty(q.shape)
+        for a in range(0, seqs, sp):
+            for r in range(0, rows, rp):
+                out[a:a + sp, :, r:r + rp] = _sdpa(q[a:a + sp, :, r:r + rp], k[a:a + sp], v[a:a + sp],
+                                                  mask[a:a + sp, :, r:r + rp])
+    # reshape, not view: memory-efficient attention returns a (seqs, rows, heads, head_dim) layout.
+    return out.reshape(seqs, nh, mq, hd)
