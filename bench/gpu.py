@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the blocks the device budget keeps resident; the rest stream")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-host-memory", default=None,
+                   help="host memory the pinned row may pin (default: what its pinned cache needs plus the "
+                        "transport's 2 GiB margin and 1 GiB, stated rather than read from MemAvailable)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--png", default=None, help="also plot the results to this file")
@@ -45,7 +48,19 @@ def _tpot(times: list[float]) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def _layerstream(ns, folder: Path, budget: int | None, pin: bool) -> dict:
+def pinned_host_budget(ns, plan) -> int:
+    """The pinned row's explicit host budget: --max-host-memory, or its pinned cache plus the
+    transport's margin and 1 GiB. MemAvailable on a fresh VM may start small and would otherwise
+    decide, silently, that the row runs from staging."""
+    from engine.cuda_transport import HOST_MARGIN
+    from engine.planner import parse_bytes
+
+    given = parse_bytes(getattr(ns, "max_host_memory", None))
+    return given if given is not None else len(plan.streamed_blocks) * plan.block_bytes + HOST_MARGIN + (1 << 30)
+
+
+def _layerstream(ns, folder: Path, budget: int | None, pin: bool, host_memory: int | None = None,
+                 transport: str = "auto") -> dict:
     from engine.llm_engine import LLMEngine
     from engine.loader import EngineArgs
     from engine.sampling_params import SamplingParams
@@ -53,12 +68,17 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool) -> dict:
     ids = _prompt(ns.prompt_tokens)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=str(folder), device=ns.device, dtype=ns.dtype, max_device_memory=budget,
-                                  max_model_len=ns.prompt_tokens + ns.max_tokens + 16, max_num_seqs=1,
-                                  pin_host_memory=pin, show_progress=False))
+                                  max_host_memory=host_memory, max_model_len=ns.prompt_tokens + ns.max_tokens + 16,
+                                  max_num_seqs=1, pin_host_memory=pin, transport=transport, show_progress=False))
     load_s = time.perf_counter() - t0
     try:
         plan = engine.plan
         runner = engine.model.runner
+        t = runner.streamer.transport
+        pinned = bool(getattr(t, "_pinned", None))
+        if pin and plan.streamed_blocks and not pinned:
+            print(f"--pin-host-memory FELL BACK to staging: the pinned cache did not fit the host budget "
+                  f"({(host_memory or 0) / 2**30:.2f} GiB; see the transport's warning above)", flush=True)
 
         def generate(n: int) -> tuple[list[float], list[float]]:
             engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -71,11 +91,12 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool) -> dict:
 
         generate(4)  # warm-up: kernel selection, first-touch of pages
         times, stalls = generate(ns.max_tokens)
-        t = runner.streamer.transport
         return {"load_s": load_s, "resident_blocks": len(plan.resident_blocks),
                 "streamed_blocks": len(plan.streamed_blocks), "bytes_per_token": plan.streamed_bytes_per_step,
                 "device_budget": budget, "planned_device_bytes": plan.device_bytes,
-                "host_pinned_bytes": getattr(t, "host_bytes", 0), "tpot_s": _tpot(times),
+                "host_pinned_bytes": getattr(t, "host_bytes", 0), "pinned_cache": pinned,
+                "fell_back_to_staging": pin and bool(plan.streamed_blocks) and not pinned,
+                "host_memory_budget": host_memory, "tpot_s": _tpot(times),
                 "stall_ms_per_step": 1e3 * statistics.median(stalls[1:] or stalls)}
     finally:
         engine.close()
@@ -184,7 +205,7 @@ def run(ns: argparse.Namespace) -> int:
 
     peers = [("resident", lambda: _layerstream(ns, folder, None, False)),
              ("streaming", lambda: _layerstream(ns, folder, budget, False)),
-             ("streaming --pin-host-memory", lambda: _layerstream(ns, folder, budget, True))]
+             ("streaming --pin-host-memory", lambda: _layerstream(ns, folder, budget, True, pinned_host_budget(ns, p)))]
     if not ns.skip_transformers:
         peers.append(("transformers+accelerate offload", lambda: _transformers_offload(ns, folder, budget)))
     header = ["peer", "device budget GiB", "MiB streamed/token", "decode ms/token", "bandwidth limit ms/token",
@@ -197,6 +218,8 @@ def run(ns: argparse.Namespace) -> int:
             print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             failed.append(name)
             continue
+        if r.get("fell_back_to_staging"):
+            name = f"{name} (FELL BACK to staging)"
         nbytes, tpot = r["bytes_per_token"], r["tpot_s"]
         floor = nbytes / (h2d * 1e9) if nbytes else None
         achieved, pct = bandwidth.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)

@@ -20,6 +20,17 @@ PROMPTS = ["The quick brown fox", "Hello world! How are", "def main():"]
 SMALL = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)  # a tiny plan, so a few blocks stream
 
 
+def _budget(folder, resident: int = 1, depth: int = 1, dtype: str = "auto", limits: dict = SMALL) -> int:
+    """A device budget that keeps `resident` blocks besides the stream buffers under `limits`, from
+    the plan's own figures (hand-written byte counts broke whenever an estimate changed)."""
+    from engine.loader import EngineArgs, load_model
+
+    m = load_model(EngineArgs(model=str(folder), dtype=dtype, show_progress=False, **limits), folder)
+    m.runner.streamer.close()
+    m.index.close()
+    return m.plan.budget_keeping(resident, depth)
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     # The disk bandwidth is cached per file system in the layerstream cache folder.
@@ -72,16 +83,17 @@ def _refuse_o_direct(monkeypatch, at: str) -> list[int]:
 @pytest.mark.parametrize("refuse", [None, "open", "read"])
 def test_disk_tier_tokens_identical_to_resident(llama_dir, resident_tokens, monkeypatch, refuse):
     refused = _refuse_o_direct(monkeypatch, refuse) if refuse else []
-    budget = 900_000  # embeddings/head + KV + 2 stream buffers + 1 resident block
-    tokens, plan = _generate(llama_dir, max_device_memory=budget, transport="disk", **SMALL)
+    tokens, plan = _generate(llama_dir, max_device_memory=_budget(llama_dir), transport="disk", **SMALL)
     assert plan.disk_blocks and plan.disk_blocks == plan.streamed_blocks
     assert tokens == resident_tokens
     assert bool(refused) == bool(refuse)
 
 
 def test_disk_tier_chosen_when_host_memory_is_short(llama_dir, resident_tokens):
-    """Auto transport on CPU: a host budget below the weights puts the blocks that do not fit on disk."""
-    tokens, plan = _generate(llama_dir, max_host_memory=900_000, **SMALL)
+    """Auto transport on CPU: a host budget below the weights puts the blocks that do not fit on disk.
+    Steps of 8 tokens: a workspace small enough that one resident block fits below the weights."""
+    limits = dict(SMALL, max_num_batched_tokens=8)
+    tokens, plan = _generate(llama_dir, max_host_memory=_budget(llama_dir, limits=limits), **limits)
     assert plan.disk_blocks and plan.resident_blocks
     assert plan.disk_gbps and plan.disk_gbps > 0
     assert "read from disk each step" in plan.describe()
@@ -91,7 +103,8 @@ def test_disk_tier_chosen_when_host_memory_is_short(llama_dir, resident_tokens):
 def test_disk_tier_converts_dtype(llama_dir):
     """fp32 checkpoint, bf16 compute: converted on the prefetch thread, same tokens as resident bf16."""
     ref, _ = _generate(llama_dir, dtype="bfloat16")
-    tokens, plan = _generate(llama_dir, dtype="bfloat16", max_device_memory=500_000, transport="disk",
+    tokens, plan = _generate(llama_dir, dtype="bfloat16", max_device_memory=_budget(llama_dir, 1, 2, "bfloat16"),
+                             transport="disk",
                              prefetch_depth=2, **SMALL)
     assert plan.disk_blocks
     assert tokens == ref
@@ -243,7 +256,7 @@ def test_disk_tier_on_a_sharded_checkpoint(tmp_path, resident_tokens):
 
     folder = build(tmp_path / "sharded", "llama", max_shard_size="100KB")
     assert len(list(folder.glob("*.safetensors"))) > 3
-    tokens, plan = _generate(folder, max_device_memory=900_000, transport="disk", **SMALL)
+    tokens, plan = _generate(folder, max_device_memory=_budget(folder), transport="disk", **SMALL)
     assert plan.disk_blocks
     assert tokens == resident_tokens
 
@@ -263,7 +276,8 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
     from tests.test_overlap import RecordingRuntime, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
-    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=900_000, max_host_memory=650_000, **SMALL)
+    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=_budget(llama_dir), max_host_memory=650_000,
+              **SMALL)
     try:
         plan = llm.plan
         assert plan.disk_blocks and plan.host_blocks, plan.describe()
@@ -278,7 +292,8 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
 
 
 def test_cpu_plan_with_blocks_kept_in_ram_and_blocks_on_disk(llama_dir, resident_tokens):
-    tokens, plan = _generate(llama_dir, max_device_memory=900_000, max_host_memory=1_200_000, **SMALL)
+    budget = _budget(llama_dir)  # host memory: the device plan (CPU compute) and room for two of the blocks
+    tokens, plan = _generate(llama_dir, max_device_memory=budget, max_host_memory=budget + 300_000, **SMALL)
     assert plan.resident_blocks and plan.host_blocks and plan.disk_blocks, plan.describe()
     assert sorted(plan.host_blocks + plan.disk_blocks) == plan.streamed_blocks
     assert tokens == resident_tokens

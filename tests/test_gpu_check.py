@@ -43,12 +43,33 @@ def test_dry_run_without_server_packages(tmp_path):
     r = run_script("--dry-run", env_extra=without(tmp_path, ABSENT_ON_GPU_IMAGE), tmp_path=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    # Every cuda test collected (none failed to import), and each skipped here for want of a GPU.
+    # The probe ran first and printed each of its lines (the CPU's answers here).
+    stages = [out.index(f"== {s}") for s in ("probe", "cuda tests: copy stream", "cuda tests: against transformers",
+                                             "benchmark")]
+    assert stages == sorted(stages), out
+    probe = out[stages[0]:stages[1]]
+    for line in ("torch ", "transformers ", "MemAvailable", "sdpa ours (attention_backend.attend): ",
+                 "first call", "new context length", "cudaHostRegister: n/a", "host->device: n/a"):
+        assert line in probe, probe
+    # Every cuda test collected (none failed to import), the copy-stream ones in their own call
+    # before the reference comparisons, and each skipped here for want of a GPU.
     cuda_tests = pytest.importorskip("tests.test_cuda")
-    plain = sum(1 for name in vars(cuda_tests) if name.startswith("test_")) - 1
-    n_cuda = len(cuda_tests.ARCHS) * 3 * 2 + plain  # architectures x dtypes x (resident, streaming)
-    assert f"{n_cuda} skipped" in out or torch.cuda.is_available(), out
+    plain = sum(1 for name in vars(cuda_tests) if name.startswith("test_")) - 3  # the three parametrised
+    n_copy = plain + len(cuda_tests.STRESS_CASES) + 2  # + the attention kernel test's two dtypes
+    n_ref = len(cuda_tests.REFERENCE_CASES)
+    if not torch.cuda.is_available():
+        copy_part = out[stages[1]:stages[2]]
+        ref_part = out[stages[2]:stages[3]]
+        assert f"{n_copy} skipped" in copy_part and "test_no_buffer_reuse_hazard_under_stress" in copy_part, copy_part
+        assert f"{n_ref} skipped" in ref_part and "test_matches_transformers_on_gpu" in ref_part, ref_part
     assert "bench.gpu loads" in out and "tests rc=0, benchmark rc=0" in out, out
+
+
+def test_check_runs_offline():
+    """The GPU machine has no network: the script exports the hub's offline switches before any Python runs."""
+    text = SCRIPT.read_text()
+    assert "export HF_HUB_OFFLINE=1" in text
+    assert text.index("export HF_HUB_OFFLINE=1") < text.index('"$PY" -m')
 
 
 def test_dry_run_names_missing_packages(tmp_path):
@@ -93,3 +114,29 @@ def test_benchmark_chart_is_written(tmp_path):
     out = tmp_path / "gpu.png"
     chart(results, "NVIDIA H200", "llama").save(str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("host_memory,pinned", [("8GiB", True), ("2GiB", False)], ids=["fits", "falls-back"])
+def test_benchmark_pinned_row_states_its_host_budget(llama_dir, monkeypatch, capsys, host_memory, pinned):
+    """The pinned row passes an explicit host budget, and says so when the pinned cache did not fit
+    it and the row ran from staging (CudaTransport replayed on CPU; 2 GiB leaves nothing above the
+    transport's 2 GiB margin)."""
+    import argparse
+
+    import engine.cuda_transport as ct
+    from bench.gpu import _layerstream, device_budget, pinned_host_budget
+    from engine.planner import parse_bytes
+    from tests.test_overlap import RecordingRuntime
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    ns = argparse.Namespace(device="cpu", dtype="float32", prompt_tokens=8, max_tokens=4, resident_fraction=0.5,
+                            max_host_memory=host_memory)
+    budget, plan, _keep = device_budget(ns, llama_dir)
+    host = pinned_host_budget(ns, plan)
+    assert host == parse_bytes(host_memory)
+    r = _layerstream(ns, llama_dir, budget, pin=True, host_memory=host, transport="cuda")
+    assert r["pinned_cache"] == pinned and r["fell_back_to_staging"] == (not pinned)
+    assert r["host_memory_budget"] == host and r["streamed_blocks"] > 0
+    assert ("FELL BACK to staging" in capsys.readouterr().out) == (not pinned)
+    ns.max_host_memory = None  # the default: what the pinned cache needs, plus margins, stated
+    assert pinned_host_budget(ns, plan) == len(plan.streamed_blocks) * plan.block_bytes + ct.HOST_MARGIN + (1 << 30)

@@ -286,13 +286,20 @@ def recording_cuda(monkeypatch):
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
 
 
-@pytest.mark.parametrize("depth,pin,dtype,parallel", [(1, False, "float32", False), (2, False, "bfloat16", True),
-                                                      (1, False, "float32", True), (1, True, "float32", False)],
-                         ids=["depth1-staging", "depth2-bf16-parallel-fill", "depth1-parallel-fill", "pinned-cache"])
+# The GPU stress test's matrix (tests/test_cuda.py STRESS_CASES: pinned/staging x depth 1/2 x bf16/fp32),
+# staging filled serially, plus a parallel fill (4 KiB pieces on 4 threads) at each depth.
+PROTOCOL_CASES = ([(depth, pin, dtype, False) for pin in (False, True) for depth in (1, 2)
+                   for dtype in ("bfloat16", "float32")]
+                  + [(1, False, "float32", True), (2, False, "bfloat16", True)])
+
+
+@pytest.mark.parametrize("depth,pin,dtype,parallel", PROTOCOL_CASES,
+                         ids=[f"{'pinned' if p else 'staging'}-depth{d}-{t}{'-parallel-fill' if f else ''}"
+                              for d, p, t, f in PROTOCOL_CASES])
 def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cuda, monkeypatch, depth, pin, dtype,
                                         parallel):
-    """CudaTransport's packing, staging (serial, and in 4 KiB pieces on 4 threads), views and event
-    order, run for real on CPU."""
+    """CudaTransport's packing, staging (serial, and in 4 KiB pieces on 4 threads), pinned cache,
+    views and event order, run for real on CPU, with outputs compared against the resident model."""
     import engine.cuda_transport as ct
     from engine.cuda_transport import CudaTransport
 
@@ -302,8 +309,9 @@ def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cu
 
     kw = dict(max_model_len=128, max_num_seqs=2, dtype=dtype)
     budget = budget_for(llama_dir, resident=1, depth=depth, dtype=dtype)
+    # An explicit host budget: whether the pinned cache is used must not depend on MemAvailable.
     llm = LLM(str(llama_dir), device="cpu", transport="cuda", max_device_memory=budget, prefetch_depth=depth,
-              pin_host_memory=pin, **kw)
+              pin_host_memory=pin, max_host_memory="8GiB", **kw)
     ref = LLM(str(llama_dir), **kw)
     try:
         t = llm.engine.model.runner.streamer.transport
