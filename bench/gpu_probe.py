@@ -76,14 +76,22 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
+def _default_sdpa(q, k, v, m):
+    """SDPA with every backend allowed, cuDNN included (our attention turns cuDNN off process-wide)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    every = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(every):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+
 def probe_attention(device, dtype) -> list[str]:
     from engine.attention_backend import attend
 
     lines = []
     calls = {
         "ours (attention_backend.attend)": lambda q, k, v, m: attend(q, k, v, m),
-        "SDPA left to itself": lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
-                                                                                   enable_gqa=True),
+        "SDPA left to itself": lambda q, k, v, m: _default_sdpa(q, k, v, m),
     }
     # On a CPU (the dry run) a smaller problem: the point there is that the probe runs, not the figures.
     size = dict(heads=32, kv_heads=8, head_dim=128) if device.type == "cuda" else dict(heads=8, kv_heads=2, head_dim=32)
