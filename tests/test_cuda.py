@@ -309,3 +309,25 @@ def test_attention_runs_the_chosen_kernel(dtype):
                                                     dtype=DTYPES[dtype]))
     tol = 1e-4 if dtype == "float32" else 2e-2
     torch.testing.assert_close(attend(q, k, v, m).double(), reference_attention(q, k, v, m), atol=tol, rtol=tol)
+
+
+def test_step_inputs_through_one_pinned_copy_equal_the_cpu_ones(llama_dir):
+    """The step's integer inputs go to the GPU in one pinned non_blocking copy; what arrives (and
+    the mask and rotary tables built from it) equals the same step built on the CPU."""
+    from tests.test_step_inputs import fields, mixed_chunks
+
+    gpu = LLM(str(llama_dir), device="cuda", max_model_len=64, max_num_seqs=4)
+    cpu = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4)
+    try:
+        with torch.inference_mode():
+            got = fields(gpu.engine.model.runner._step_inputs(mixed_chunks()))
+            want = fields(cpu.engine.model.runner._step_inputs(mixed_chunks()))
+        for name, w in want.items():
+            if isinstance(w, torch.Tensor):
+                assert got[name].is_cuda, name
+                torch.testing.assert_close(got[name].cpu(), w, atol=1e-6, rtol=0, msg=name)
+            else:
+                assert got[name] == w, name
+    finally:
+        gpu.close()
+        cpu.close()
