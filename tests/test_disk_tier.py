@@ -23,12 +23,9 @@ SMALL = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)  # a t
 def _budget(folder, resident: int = 1, depth: int = 1, dtype: str = "auto", limits: dict = SMALL) -> int:
     """A device budget that keeps `resident` blocks besides the stream buffers under `limits`, from
     the plan's own figures (hand-written byte counts broke whenever an estimate changed)."""
-    from engine.loader import EngineArgs, load_model
+    from tests.test_overlap import budget_for
 
-    m = load_model(EngineArgs(model=str(folder), dtype=dtype, show_progress=False, **limits), folder)
-    m.runner.streamer.close()
-    m.index.close()
-    return m.plan.budget_keeping(resident, depth)
+    return budget_for(folder, resident, depth, dtype, **limits)
 
 
 @pytest.fixture(autouse=True)

@@ -25,10 +25,11 @@ from engine.simulated_transport import SimulatedTransport
 from tests.test_reference import PROMPT, prompt_logits, reference_greedy
 
 
-def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto") -> int:
-    """A device budget with room for exactly `resident` blocks besides depth + 1 stream buffers."""
-    m = load_model(EngineArgs(model=str(folder), max_model_len=128, max_num_seqs=2, dtype=dtype,
-                              show_progress=False), folder)
+def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto", **limits) -> int:
+    """A device budget with room for exactly `resident` blocks besides depth + 1 stream buffers, under
+    `limits` (EngineArgs fields; max_model_len=128, max_num_seqs=2 unless given)."""
+    limits = {"max_model_len": 128, "max_num_seqs": 2, **limits}
+    m = load_model(EngineArgs(model=str(folder), dtype=dtype, show_progress=False, **limits), folder)
     m.runner.streamer.close()
     m.index.close()
     return m.plan.budget_keeping(resident, depth)

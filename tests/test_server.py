@@ -72,9 +72,13 @@ def _stop(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server(llama_dir, tmp_path_factory):
+    from tests.test_overlap import budget_for
+
+    # One block resident, four streamed, under the server's own limits (the planner's figures).
+    budget = budget_for(llama_dir, resident=1, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512)
     s = _start(tmp_path_factory.mktemp("serve"), "server",
                ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "256",
-                "--max-device-memory", "9600000"], {})
+                "--max-device-memory", str(budget)], {})
     s.model = "tiny"
     yield s
     _stop(s)
