@@ -11,9 +11,10 @@
 # Results land in bench_out/ (and in $OUT when set). Exit status: non-zero if a test failed.
 #
 #   scripts/gpu_check.sh            on a machine with an NVIDIA GPU
-#   scripts/gpu_check.sh --dry-run  anywhere: pick the Python, check its packages, collect the cuda
-#                                   tests and load the benchmark, with no GPU (CI runs this, so the
-#                                   script stays runnable as is)
+#   scripts/gpu_check.sh --dry-run  anywhere: pick the Python, check its packages, run the probe on
+#                                   the CPU, collect the cuda tests in both calls and load the
+#                                   benchmark, with no GPU (CI runs this, so the script stays
+#                                   runnable as is)
 #
 # The Python: $PYTHON if set; else python3 when it already has a CUDA torch (GPU images: their torch is
 # never replaced, and no venv is made on top of it: a venv made from a venv's python would not see that
