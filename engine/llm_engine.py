@@ -57,8 +57,16 @@ class _SeqState:
 
 
 def load_tokenizer(path):
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .weights.gguf_model import metadata_folder
+
+        # Vocabulary, merges, special tokens and chat template all come from the GGUF metadata.
+        return AutoTokenizer.from_pretrained(metadata_folder(path))
     return AutoTokenizer.from_pretrained(path)
 
 

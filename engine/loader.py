@@ -204,6 +204,10 @@ class LoadedModel:
 
 def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
+    if path.suffix == ".gguf":
+        from .weights.gguf_loader import load_gguf_model
+
+        return load_gguf_model(args, path)
     cfg = load_model_config(path)
     index = WeightIndex(path)
     plan = transport = streamer = None

@@ -50,6 +50,9 @@ class PlanInputs:
     max_model_len: int
     max_num_seqs: int
     prefetch_depth: int = 1
+    # Bytes one streamed block moves, when that differs from its resident form (block_bytes):
+    # a GGUF block streams its packed GGML bytes and is unpacked by the compute that uses it.
+    streamed_block_bytes: int | None = None
 
 
 @dataclass
@@ -73,10 +76,15 @@ class MemoryPlan:
     disk_blocks: list[int] = field(default_factory=list)
     disk_block_bytes: int = 0  # checkpoint bytes of one block (what a disk read moves)
     disk_gbps: float | None = None  # measured sequential read bandwidth
+    streamed_block_bytes: int | None = None  # see PlanInputs; None = block_bytes
+
+    @property
+    def stream_block_bytes(self) -> int:
+        return self.block_bytes if self.streamed_block_bytes is None else self.streamed_block_bytes
 
     @property
     def streamed_bytes_per_step(self) -> int:
-        return len(self.streamed_blocks) * self.block_bytes
+        return len(self.streamed_blocks) * self.stream_block_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -107,7 +115,9 @@ class MemoryPlan:
             f"memory plan (budget {budget}, planned {format_bytes(self.device_bytes)}):",
             f"  blocks resident: {len(self.resident_blocks)}/{self.num_layers}"
             f"  streamed: {len(self.streamed_blocks)}/{self.num_layers}"
-            f"  ({format_bytes(self.block_bytes)} per block)",
+            f"  ({format_bytes(self.block_bytes)} per block"
+            + (f", {format_bytes(self.stream_block_bytes)} streamed" if self.streamed_block_bytes is not None else "")
+            + ")",
             f"  bytes streamed per step: {format_bytes(self.streamed_bytes_per_step)}"
             f"  (prefetch depth {self.prefetch_depth}, stream buffers {format_bytes(self.stream_buffer_bytes)})",
             f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
@@ -147,7 +157,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     if p.budget is None:
         resident = list(range(p.num_layers))
         return MemoryPlan(None, p.num_layers, resident, [], p.block_bytes, p.global_bytes, kv(seqs),
-                          p.workspace_bytes, 0, p.max_model_len, seqs, p.prefetch_depth, notes)
+                          p.workspace_bytes, 0, p.max_model_len, seqs, p.prefetch_depth, notes,
+                          streamed_block_bytes=p.streamed_block_bytes)
 
     buffers = (p.prefetch_depth + 1) * p.block_bytes
     fixed = p.global_bytes + p.workspace_bytes
@@ -175,7 +186,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     resident = _spread(int(resident_count), p.num_layers)
     streamed = [i for i in range(p.num_layers) if i not in set(resident)]
     return MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes, kv(seqs),
-                      p.workspace_bytes, buffers, p.max_model_len, seqs, p.prefetch_depth, notes)
+                      p.workspace_bytes, buffers, p.max_model_len, seqs, p.prefetch_depth, notes,
+                      streamed_block_bytes=p.streamed_block_bytes)
 
 
 def assign_host_tier(plan: MemoryPlan, host_budget: int, host_fixed_bytes: int, disk_block_bytes: int,
