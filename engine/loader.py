@@ -41,6 +41,7 @@ class EngineArgs:
     transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
     show_progress: bool = True
     pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
+    quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.quantize)
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -55,6 +56,12 @@ class EngineArgs:
                            max_queue=self.max_queue, prefetch_depth=self.prefetch_depth)
         if self.max_model_len is not None:
             check_at_least_one(max_model_len=self.max_model_len)
+        if self.quantization is not None:
+            if self.quantization not in ("int8", "int4"):
+                raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")
+            if self.device != "cpu" or self.transport not in ("auto", "cpu"):
+                raise ValueError("quantization runs with the CPU device and transport for now "
+                                 f"(device {self.device!r}, transport {self.transport!r} asked)")
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -224,6 +231,11 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
                           for n in cfg.block_tensor_names(0).values())
         glob = cfg.global_tensors(index)
         global_numel = sum(index.entry(n).nbytes // index.entry(n).dtype.itemsize for n, _ in glob.values())
+        block_bytes, global_bytes = block_numel * dtype.itemsize, global_numel * dtype.itemsize
+        if args.quantization:
+            from .weights.quantize import quantized_plan_bytes
+
+            block_bytes, global_bytes = quantized_plan_bytes(cfg, index, args.quantization, dtype)
         budget = args.max_device_memory
         if budget is None and device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
@@ -232,14 +244,14 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         ckpt_block_bytes = sum(index.entry(n).nbytes for n in cfg.block_tensor_names(0).values())
         # Disk-tier staging holds checkpoint bytes; converted copies are the plan's stream buffers.
         staging = (args.prefetch_depth + 1) * ckpt_block_bytes if cfg.checkpoint_dtype != dtype else 0
-        weights_bytes = (cfg.num_layers * block_numel + global_numel) * dtype.itemsize
+        weights_bytes = cfg.num_layers * block_bytes + global_bytes
         host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
         if host_sized:
             budget = host_room - staging  # the device is the host: what does not fit streams
         plan = _plan_memory(host_room if host_sized else None, PlanInputs(
             num_layers=cfg.num_layers,
-            block_bytes=block_numel * dtype.itemsize,
-            global_bytes=global_numel * dtype.itemsize,
+            block_bytes=block_bytes,
+            global_bytes=global_bytes,
             kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
             workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
             budget=budget,
@@ -266,12 +278,23 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         transport = make_transport(args, source, dtype, plan, release_pages, host_room)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
                    disable=not args.show_progress or not plan.resident_blocks, leave=False)
+        if args.quantization:
+            from .weights.quantize import QuantizingTransport
+
+            bar.reset(total=cfg.num_layers + 1)
+            bar.set_description(f"quantizing to {args.quantization}")
+            transport = QuantizingTransport(transport, args.quantization, plan.streamed_blocks,
+                                            on_progress=lambda _i: bar.update(1))
         # On CPU with a separate head, the embedding table is only gathered from (a few rows per
         # step): it stays a zero-copy view of the mapped file and the runner casts the rows it
         # gathers (the same elementwise cast, after the lookup instead of before: exact).
         lazy_embed = device.type == "cpu" and "lm_head" in glob
         globals_ = {k: index.view(n) if k == "embed" and lazy_embed
                     else to_compute({k: index.view(n)}, dtype, device, copy=True)[k] for k, (n, _) in glob.items()}
+        if args.quantization:
+            from .weights.quantize import quantize_head
+
+            globals_["lm_head"] = quantize_head(globals_.get("lm_head", globals_["embed"]), dtype)
         bar.update(1)
         streamer = BlockStreamer(transport, plan.resident_blocks, plan.streamed_blocks, args.prefetch_depth,
                                  on_progress=lambda _i: bar.update(1))

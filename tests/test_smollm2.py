@@ -58,7 +58,7 @@ def test_smollm2_fast_mode_close_to_exact(smollm2):
     for dtype in ("float32", "auto"):
         llm = LLM(str(smollm2), dtype=dtype, max_model_len=256, max_num_seqs=1)
         try:
-            prompt = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+            prompt = llm.tokenizer.encode("The capital of Italy is")
             logits[dtype] = torch.log_softmax(prompt_logits(llm, prompt), dim=-1)
             out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0]
             assert "Rome" in out.text
