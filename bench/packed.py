@@ -55,8 +55,8 @@ def _bf16_safetensors(gguf: Path, folder: Path) -> Path:
 
     from engine.weights.dequant import dequantize
     from engine.weights.gguf_file import GGUFIndex
-    from engine.weights.gguf_model import BLOCK_NAMES, GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
     from engine.arch import BLOCK_TENSORS
+    from engine.weights.gguf_model import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
 
     meta = metadata_folder(gguf)
     cfg = AutoConfig.from_pretrained(meta)
@@ -80,7 +80,6 @@ def _bf16_safetensors(gguf: Path, folder: Path) -> Path:
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(meta).save_pretrained(tmp)
     tmp.rename(folder)
-    del BLOCK_NAMES
     return folder
 
 
