@@ -186,13 +186,14 @@ class BlockManager:
                     break
         return PrefixMatch(tuple(found), self.block_size)
 
-    def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
-        """Whether a sequence with this match can get blocks covering num_tokens positions."""
+    def can_allocate(self, match: PrefixMatch, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether a sequence with this match can get blocks covering num_tokens positions and
+        leave `reserve` blocks free."""
         shared = [b for on_host, b in match.blocks if not on_host]
         # Sharing a free cached block takes it out of the free pool too.
         shared_free = sum(1 for b in shared if self.ref_count[b] == 0)
         need = self.blocks_for(num_tokens) - len(shared)
-        return need + shared_free <= self.num_free_blocks
+        return need + shared_free + reserve <= self.num_free_blocks
 
     def allocate(self, seq: PagedSequence, match: PrefixMatch, num_tokens: int) -> None:
         """Give a sequence without blocks its cached prefix plus fresh blocks up to num_tokens

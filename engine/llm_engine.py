@@ -82,6 +82,10 @@ class LLMEngine:
             max_num_batched_tokens=max(args.max_num_batched_tokens, plan.max_num_seqs),
             max_model_len=plan.max_model_len,
             max_queue=args.max_queue,
+            block_size=plan.kv_block_size,
+            num_kv_blocks=plan.num_kv_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_host_kv_blocks=plan.num_host_kv_blocks,
         ))
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -163,12 +167,13 @@ class LLMEngine:
             return []
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
-        logits = self.model.runner.execute(chunks).cpu()
+        copies = self.scheduler.blocks.take_copies()
+        logits = self.model.runner.execute(chunks, copies).cpu()
         outputs = []
         row = 0
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed += chunk.count
+            self.scheduler.commit(chunk)
             if not chunk.samples:
                 continue
             st: _SeqState = seq.state

@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 from . import attention_backend
 from .arch import ModelConfig, load_model_config, validate_checkpoint
 from .kv_cache import KVCache
-from .planner import MemoryPlan, PlanError, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_memory
+from .planner import (MemoryPlan, PlanError, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_largest_context,
+                      plan_memory)
 from .runner import ModelRunner
 from .safetensors_index import WeightIndex
 from .scheduler import check_at_least_one
@@ -42,10 +43,18 @@ class EngineArgs:
     show_progress: bool = True
     pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
     quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.quantize)
+    enable_prefix_caching: bool = True
+    block_size: int = 16  # token positions per KV block
+    kv_cache_memory: int | str | None = None  # device KV pool; None = planned from the budget
+    # Host tier for KV blocks evicted from the pool; None = 4 GiB or a tenth of host memory on CUDA,
+    # none on the CPU (there the pool already is host memory: give it more --kv-cache-memory instead).
+    kv_host_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
         self.max_host_memory = parse_bytes(self.max_host_memory)
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.kv_host_memory = parse_bytes(self.kv_host_memory)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -53,7 +62,7 @@ class EngineArgs:
         # Checked here, not only in SchedulerConfig (built after the weights load), so a bad value
         # fails at once, and `layerstream serve` reports it before it starts listening.
         check_at_least_one(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                           max_queue=self.max_queue, prefetch_depth=self.prefetch_depth)
+                           max_queue=self.max_queue, prefetch_depth=self.prefetch_depth, block_size=self.block_size)
         if self.max_model_len is not None:
             check_at_least_one(max_model_len=self.max_model_len)
         if self.quantization is not None:
@@ -173,10 +182,15 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     raise ValueError(f"unknown transport {args.transport!r}")
 
 
-def _plan_memory(host_room: int | None, inputs: PlanInputs) -> MemoryPlan:
-    """plan_memory, with a message about host memory when the budget came from it (CPU, model larger than RAM)."""
+# The smallest context worth starting with when the user did not choose one and the budget cannot
+# hold the default: below this, chat templates alone leave no room for a conversation.
+MIN_AUTO_MODEL_LEN = 256
+
+
+def _plan_memory(host_room: int | None, make_plan) -> MemoryPlan:
+    """make_plan(), with a message about host memory when the budget came from it (CPU, model larger than RAM)."""
     try:
-        return plan_memory(inputs)
+        return make_plan()
     except PlanError as e:
         if host_room is None:
             raise
@@ -197,6 +211,20 @@ def _assign_disk_tier(plan: MemoryPlan, index: WeightIndex, host_room: int, host
         plan.disk_gbps = disk_bandwidth(index.files.keys()).gbps
     except (OSError, ValueError) as e:
         plan.notes.append(f"disk bandwidth not measured: {e}")
+
+
+def _plan_kv_host_tier(plan: MemoryPlan, args: EngineArgs, device: torch.device, host_room: int,
+                       kv_per_token: int) -> None:
+    """Size the host tier of the KV cache (blocks evicted from the device pool). It only holds
+    prefix-cache blocks, so it is off with prefix caching off."""
+    size = args.kv_host_memory
+    if size is None:
+        size = min(4 << 30, host_room // 10) if device.type == "cuda" else 0
+    if not args.enable_prefix_caching:
+        size = 0
+    per_block = plan.kv_block_size * kv_per_token
+    plan.num_host_kv_blocks = int(size // per_block)
+    plan.kv_host_bytes = plan.num_host_kv_blocks * per_block
 
 
 @dataclass
@@ -223,6 +251,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         device = torch.device(args.device)
         dtype = resolve_dtype(args.dtype, cfg, device)
         max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+        kv_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
@@ -248,22 +277,33 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
         if host_sized:
             budget = host_room - staging  # the device is the host: what does not fit streams
-        plan = _plan_memory(host_room if host_sized else None, PlanInputs(
-            num_layers=cfg.num_layers,
-            block_bytes=block_bytes,
-            global_bytes=global_bytes,
-            kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
-            workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
-            budget=budget,
-            max_model_len=max_len,
-            max_num_seqs=args.max_num_seqs,
-            prefetch_depth=args.prefetch_depth,
-        ))
+
+        def inputs(max_len: int) -> PlanInputs:
+            return PlanInputs(
+                num_layers=cfg.num_layers,
+                block_bytes=block_bytes,
+                global_bytes=global_bytes,
+                kv_bytes_per_token=kv_per_token,
+                workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
+                budget=budget,
+                max_model_len=max_len,
+                max_num_seqs=args.max_num_seqs,
+                prefetch_depth=args.prefetch_depth,
+                kv_block_size=args.block_size,
+                kv_cache_bytes=args.kv_cache_memory,
+            )
+
+        if args.max_model_len is not None or max_len <= MIN_AUTO_MODEL_LEN:
+            plan = _plan_memory(host_room if host_sized else None, lambda: plan_memory(inputs(max_len)))
+        else:  # not the user's choice: start with the largest context that fits rather than refuse
+            plan = _plan_memory(host_room if host_sized else None, lambda: plan_largest_context(
+                inputs, max_len, MIN_AUTO_MODEL_LEN, args.block_size))
+        _plan_kv_host_tier(plan, args, device, host_room, kv_per_token)
         tier = args.transport if args.transport != "auto" else ("cuda" if device.type == "cuda" else "auto-cpu")
         if plan.streamed_blocks and tier in ("auto-cpu", "disk", "cuda"):
             # Host memory holds, besides kept blocks: on the CPU the whole device plan; for a GPU the
             # pinned staging buffers and one disk read buffer.
-            host_fixed = (plan.device_bytes + staging if tier != "cuda"
+            host_fixed = (plan.device_bytes + plan.kv_host_bytes + staging if tier != "cuda"
                           else (args.prefetch_depth + 1) * plan.block_bytes + ckpt_block_bytes)
             _assign_disk_tier(plan, index, host_room, host_fixed, ckpt_block_bytes, force_disk=tier == "disk")
         release_pages = (bool(plan.streamed_blocks) and not plan.disk_blocks
@@ -299,8 +339,8 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         streamer = BlockStreamer(transport, plan.resident_blocks, plan.streamed_blocks, args.prefetch_depth,
                                  on_progress=lambda _i: bar.update(1))
         bar.close()
-        kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
-                     dtype, device)
+        kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype, device, num_host_blocks=plan.num_host_kv_blocks)
         runner = ModelRunner(cfg, plan, globals_, streamer, kv, device, dtype)
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.

@@ -25,8 +25,10 @@ class StepInputs:
     positions: torch.Tensor  # (tokens,) int64, position of each token in its sequence
     cos: torch.Tensor  # (tokens, head_dim) compute dtype
     sin: torch.Tensor  # (tokens, head_dim)
-    token_slots: torch.Tensor  # (tokens,) KV-cache slot of each token's sequence
-    seq_slots: torch.Tensor  # (seqs,) KV-cache slot of each sequence
+    # (tokens,) int64: where each token's K/V goes in a layer's pool viewed as (blocks * block_size,
+    # kv_heads, head_dim): block_table[position // block_size] * block_size + position % block_size
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor  # (seqs, max_blocks) int64 KV blocks of each sequence, padded with 0
     # (tokens,) int64: the row of the padded (seqs * max_query) query layout that holds each token,
     # or None when every chunk has max_query tokens and the packed tokens already are that layout.
     # Integer rows, built on the host once per step: a boolean mask would cost a nonzero(), a host
@@ -36,8 +38,6 @@ class StepInputs:
     context_len: int  # keys attended to: max over sequences of (last position + 1)
     attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
     logits_index: torch.Tensor  # (sampled_seqs,) flat index of the token whose logits are needed
-    # (first, last + 1) when seq_slots are consecutive: the cache is then read as a view, not gathered
-    slot_range: tuple[int, int] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,30 +113,35 @@ def attention(
     q = apply_rotary(q, step.cos, step.sin)
     k = apply_rotary(k, step.cos, step.sin)
 
-    # k_cache: (slots, kv_heads, max_len, head_dim); advanced indices around a slice put the
-    # indexed dims first, so the target is (tokens, kv_heads, head_dim) like k.
-    k_cache[step.token_slots, :, step.positions] = k
-    v_cache[step.token_slots, :, step.positions] = v
+    # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
+    k_cache.view(-1, nkv, hd)[step.slot_mapping] = k
+    v_cache.view(-1, nkv, hd)[step.slot_mapping] = v
 
-    seqs, mq = step.seq_slots.shape[0], step.max_query
+    seqs, mq = step.block_tables.shape[0], step.max_query
     if step.pad_rows is not None:
         qp = q.new_zeros(seqs * mq, nh, hd)
         qp[step.pad_rows] = q
     else:
         qp = q
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
-    if step.slot_range is not None:
-        lo, hi = step.slot_range
-        keys = k_cache[lo:hi, :, : step.context_len]  # (seqs, kv_heads, context, head_dim)
-        values = v_cache[lo:hi, :, : step.context_len]
-    else:
-        keys = k_cache[step.seq_slots, :, : step.context_len]
-        values = v_cache[step.seq_slots, :, : step.context_len]
+    keys = gather_blocks(k_cache, step.block_tables, step.context_len)  # (seqs, kv_heads, context, head_dim)
+    values = gather_blocks(v_cache, step.block_tables, step.context_len)
     out = attend(qp, keys, values, step.attn_mask)  # (seqs, heads, max_query, head_dim)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
     return linear(out, w["wo"])
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first context_len positions of each sequence, through its block table.
+    cache: (blocks, block_size, kv_heads, head_dim); block_tables: (seqs, max_blocks)
+    -> (seqs, kv_heads, context_len, head_dim), the layout SDPA takes."""
+    seqs, max_blocks = block_tables.shape
+    _, bs, nkv, hd = cache.shape
+    x = cache[block_tables]  # (seqs, max_blocks, block_size, kv_heads, head_dim), a copy
+    x = x.view(seqs, max_blocks * bs, nkv, hd)[:, :context_len]  # (seqs, context, kv_heads, head_dim)
+    return x.transpose(1, 2)
 
 
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:

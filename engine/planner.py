@@ -53,6 +53,22 @@ class PlanInputs:
     # Bytes one streamed block moves, when that differs from its resident form (block_bytes):
     # a GGUF block streams its packed GGML bytes and is unpacked by the compute that uses it.
     streamed_block_bytes: int | None = None
+    kv_block_size: int = 16  # token positions per paged KV block
+    kv_cache_bytes: int | None = None  # the KV pool the user asked for (--kv-cache-memory); None = planned
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.kv_block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_blocks_per_seq(self) -> int:
+        """Blocks one sequence of max_model_len tokens needs: the smallest pool that can serve."""
+        return -(-self.max_model_len // self.kv_block_size)
+
+    def min_budget(self) -> int:
+        """The smallest device budget that serves one max_model_len sequence, all blocks streamed."""
+        return (self.global_bytes + self.workspace_bytes + self.kv_blocks_per_seq * self.kv_block_bytes
+                + min((self.prefetch_depth + 1) * self.block_bytes, self.num_layers * self.block_bytes))
 
 
 @dataclass
@@ -81,6 +97,12 @@ class MemoryPlan:
     @property
     def stream_block_bytes(self) -> int:
         return self.block_bytes if self.streamed_block_bytes is None else self.streamed_block_bytes
+    # The paged KV pool (kv_cache_bytes = num_kv_blocks x kv_block_size x bytes per token).
+    kv_block_size: int = 16
+    num_kv_blocks: int = 0
+    # Host tier of the KV cache (blocks evicted from the pool), sized by the loader.
+    num_host_kv_blocks: int = 0
+    kv_host_bytes: int = 0
 
     @property
     def streamed_bytes_per_step(self) -> int:
@@ -121,9 +143,14 @@ class MemoryPlan:
             f"  bytes streamed per step: {format_bytes(self.streamed_bytes_per_step)}"
             f"  (prefetch depth {self.prefetch_depth}, stream buffers {format_bytes(self.stream_buffer_bytes)})",
             f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
-            f"  KV cache: {format_bytes(self.kv_cache_bytes)} for {self.max_num_seqs} seqs x {self.max_model_len} tokens"
             f"  workspace: {format_bytes(self.workspace_bytes)}",
+            f"  KV pool: {format_bytes(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x {self.kv_block_size} "
+            f"tokens ({self.num_kv_blocks * self.kv_block_size} tokens shared by up to {self.max_num_seqs} seqs; "
+            f"max_model_len {self.max_model_len} per request)",
         ]
+        if self.num_host_kv_blocks:
+            lines.append(f"  KV host tier: {format_bytes(self.kv_host_bytes)} = {self.num_host_kv_blocks} blocks "
+                         "(evicted prefix-cache blocks, copied back on a hit)")
         if self.streamed_blocks and len(self.streamed_blocks) <= 16:
             lines.append(f"  streamed blocks: {self.streamed_blocks}")
         if self.host_budget is not None and self.streamed_blocks:
@@ -149,45 +176,87 @@ def _spread(count: int, total: int) -> list[int]:
 
 
 def plan_memory(p: PlanInputs) -> MemoryPlan:
+    """Split the budget between the KV pool, resident blocks and stream buffers.
+
+    The KV pool comes before resident blocks (a block that does not fit can stream; a sequence
+    whose cache does not fit cannot run), up to its target: what the user asked for, else what
+    max_num_seqs sequences of max_model_len would need (more would never be used). It may be
+    smaller down to one max_model_len sequence; then fewer sequences run at once when they are
+    long, as many as their actual lengths allow. Below that the plan is refused.
+    """
     if p.num_layers < 1:
         raise PlanError("model has no layers")
-    seqs = p.max_num_seqs
+    per_block, one_seq = p.kv_block_bytes, p.kv_blocks_per_seq
+    target = p.max_num_seqs * one_seq
     notes: list[str] = []
-    kv = lambda n: n * p.max_model_len * p.kv_bytes_per_token  # noqa: E731
-    if p.budget is None:
-        resident = list(range(p.num_layers))
-        return MemoryPlan(None, p.num_layers, resident, [], p.block_bytes, p.global_bytes, kv(seqs),
-                          p.workspace_bytes, 0, p.max_model_len, seqs, p.prefetch_depth, notes,
-                          streamed_block_bytes=p.streamed_block_bytes)
+    if p.kv_cache_bytes is not None:
+        target = p.kv_cache_bytes // per_block
+        if target < one_seq:
+            raise PlanError(f"--kv-cache-memory {format_bytes(p.kv_cache_bytes)} holds {target} KV blocks; one "
+                            f"sequence of max_model_len {p.max_model_len} needs {one_seq} "
+                            f"({format_bytes(one_seq * per_block)})")
 
+    def plan(resident: list[int], buffers: int, blocks: int) -> MemoryPlan:
+        streamed = [i for i in range(p.num_layers) if i not in set(resident)]
+        return MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes,
+                          blocks * per_block, p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs,
+                          p.prefetch_depth, notes, streamed_block_bytes=p.streamed_block_bytes,
+                          kv_block_size=p.kv_block_size, num_kv_blocks=blocks)
+
+    all_blocks = p.num_layers * p.block_bytes
+    if p.budget is None:
+        return plan(list(range(p.num_layers)), 0, target)
     buffers = (p.prefetch_depth + 1) * p.block_bytes
-    fixed = p.global_bytes + p.workspace_bytes
-    # KV room comes before resident blocks: a block that does not fit can stream, a sequence whose
-    # cache does not fit cannot run at all. Shrink concurrency rather than refuse to start.
-    while seqs > 1 and fixed + kv(seqs) + min(buffers, p.num_layers * p.block_bytes) > p.budget:
-        seqs -= 1
-    if seqs < p.max_num_seqs:
-        notes.append(f"max_num_seqs lowered from {p.max_num_seqs} to {seqs} so the KV cache fits the budget")
-    room = p.budget - fixed - kv(seqs)
-    if room >= p.num_layers * p.block_bytes:
-        resident_count = p.num_layers
-        buffers = 0
-    else:
-        if room < buffers:
-            need = fixed + kv(1) + buffers
-            raise PlanError(
-                f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
-                f"{format_bytes(p.global_bytes)}, KV cache {format_bytes(kv(seqs))}, workspace "
-                f"{format_bytes(p.workspace_bytes)} and {p.prefetch_depth + 1} stream buffers of "
-                f"{format_bytes(p.block_bytes)} need at least {format_bytes(need)}; raise "
-                "--max-device-memory or lower --max-model-len / --max-num-seqs"
-            )
-        resident_count = min(p.num_layers - 1, (room - buffers) // p.block_bytes)
-    resident = _spread(int(resident_count), p.num_layers)
-    streamed = [i for i in range(p.num_layers) if i not in set(resident)]
-    return MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes, kv(seqs),
-                      p.workspace_bytes, buffers, p.max_model_len, seqs, p.prefetch_depth, notes,
-                      streamed_block_bytes=p.streamed_block_bytes)
+    room = p.budget - p.global_bytes - p.workspace_bytes
+    blocks = min(target, max(0, room - min(buffers, all_blocks)) // per_block)
+    if blocks < one_seq:
+        raise PlanError(
+            f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
+            f"{format_bytes(p.global_bytes)}, KV cache for one sequence of {p.max_model_len} tokens "
+            f"{format_bytes(one_seq * per_block)}, workspace {format_bytes(p.workspace_bytes)} and "
+            f"{p.prefetch_depth + 1} stream buffers of {format_bytes(p.block_bytes)} need at least "
+            f"{format_bytes(p.min_budget())}; raise --max-device-memory or lower --max-model-len"
+        )
+    if blocks < target:
+        notes.append(f"KV pool of {blocks} blocks ({blocks * p.kv_block_size} tokens) is less than "
+                     f"{target} ({'--kv-cache-memory' if p.kv_cache_bytes else f'{p.max_num_seqs} x max_model_len'}): "
+                     "long sequences run fewer at a time")
+    room -= blocks * per_block
+    if room >= all_blocks:
+        return plan(list(range(p.num_layers)), 0, blocks)
+    resident_count = min(p.num_layers - 1, (room - buffers) // p.block_bytes)
+    return plan(_spread(int(resident_count), p.num_layers), buffers, blocks)
+
+
+def plan_largest_context(make_inputs, max_model_len: int, min_model_len: int, block_size: int) -> MemoryPlan:
+    """plan_memory for the largest context in [min_model_len, max_model_len] (a multiple of the
+    block size below max_model_len) whose plan fits; `make_inputs(max_len)` builds the inputs (the
+    workspace grows with the context). Refuses with what a small and the full context would need."""
+    try:
+        return plan_memory(make_inputs(max_model_len))
+    except PlanError:
+        pass
+    lo, hi = -(-min_model_len // block_size), (max_model_len - 1) // block_size  # in blocks
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            best = plan_memory(make_inputs(mid * block_size))
+            lo = mid + 1
+        except PlanError:
+            hi = mid - 1
+    if best is None:
+        small, full = make_inputs(min_model_len), make_inputs(max_model_len)
+        raise PlanError(
+            f"device budget {format_bytes(full.budget)} is too small even for a context of {min_model_len} "
+            f"tokens: that needs at least {format_bytes(small.min_budget())} (embeddings/head "
+            f"{format_bytes(small.global_bytes)}, workspace {format_bytes(small.workspace_bytes)}, KV "
+            f"{format_bytes(small.kv_blocks_per_seq * small.kv_block_bytes)}, stream buffers); the full "
+            f"context of {max_model_len} needs {format_bytes(full.min_budget())}; raise --max-device-memory"
+        )
+    best.notes.append(f"max_model_len lowered from {max_model_len} to {best.max_model_len} so one sequence fits "
+                      "the budget (set --max-model-len to choose, or raise --max-device-memory)")
+    return best
 
 
 def assign_host_tier(plan: MemoryPlan, host_budget: int, host_fixed_bytes: int, disk_block_bytes: int,

@@ -13,6 +13,7 @@ import torch
 
 from . import model as M
 from .arch import ModelConfig
+from .block_manager import BlockCopy
 from .kv_cache import KVCache
 from .planner import MemoryPlan
 from .scheduler import ScheduledChunk
@@ -66,12 +67,14 @@ class ModelRunner:
         self.last_step: StepTiming | None = None
 
     def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
-        ids, positions, token_slots, logits_index = [], [], [], []
+        ids, positions, slot_mapping, logits_index = [], [], [], []
         starts, counts = [], []
+        bs = self.kv.block_size
         for c in chunks:
+            table = c.seq.block_table
             ids += c.seq.token_range(c.start, c.count)
             positions += range(c.start, c.start + c.count)
-            token_slots += [c.seq.slot] * c.count
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
             if c.samples:
                 logits_index.append(len(ids) - 1)
             starts.append(c.start)
@@ -82,10 +85,13 @@ class ModelRunner:
         pad_rows = None
         if len(chunks) * mq != len(ids):
             pad_rows = [i * mq + j for i, n in enumerate(counts) for j in range(n)]  # (tokens,)
-        slots = [c.seq.slot for c in chunks]
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        ids_t, pos, token_slots_t, slots_t, logits_t, starts_t, counts_t, pad_t = upload(
-            [ids, positions, token_slots, slots, logits_index, starts, counts, pad_rows or []], self.device)
+        max_blocks = -(-ctx // bs)
+        # (seqs, max_blocks), flattened for the upload; padding blocks are never attended (keys past
+        # a sequence's end are masked), so block 0 will do.
+        tables = [b for c in chunks for b in c.seq.block_table[:max_blocks]
+                  + [0] * (max_blocks - len(c.seq.block_table[:max_blocks]))]
+        ids_t, pos, slot_mapping_t, tables_t, logits_t, starts_t, counts_t, pad_t = upload(
+            [ids, positions, slot_mapping, tables, logits_index, starts, counts, pad_rows or []], self.device)
         dev = self.device
         cos, sin = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
         t = torch.arange(mq, device=dev)
@@ -103,21 +109,23 @@ class ModelRunner:
             positions=pos,
             cos=cos,
             sin=sin,
-            token_slots=token_slots_t,
-            seq_slots=slots_t,
+            slot_mapping=slot_mapping_t,
+            block_tables=tables_t.view(len(chunks), max_blocks),
             pad_rows=pad_t if pad_rows is not None else None,
             max_query=mq,
             context_len=ctx,
             attn_mask=mask[:, None],
             logits_index=logits_t,
-            slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns fp32 logits (sampling chunks in order, vocab)."""
+    def execute(self, chunks: list[ScheduledChunk], copies: list[BlockCopy] = ()) -> torch.Tensor:
+        """Run one step, after the KV block copies the scheduling queued; returns fp32 logits
+        (sampling chunks in order, vocab)."""
         t0 = time.perf_counter()
         before = self.streamer.stats.snapshot()
+        if copies:
+            self.kv.copy_blocks(copies)
         step = self._step_inputs(chunks)
         x = M.embed(step.input_ids, self.embed_weight).to(self.dtype)  # (tokens, hidden)
         try:

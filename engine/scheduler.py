@@ -30,8 +30,11 @@ class Sequence:
     max_tokens: int
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    slot: int | None = None  # KV-cache slot while running
+    block_table: list[int] = field(default_factory=list)  # KV blocks, in position order, while running
+    block_hashes: list[bytes] = field(default_factory=list)  # memo of the block manager's addresses
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt at the last admission, tokens found in the prefix cache
+    num_preemptions: int = 0
     finish_reason: str | None = None
     state: object = None  # engine-side state (sampling, detokenizer); the scheduler never reads it
 
@@ -68,25 +71,51 @@ def check_at_least_one(**limits: int) -> None:
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_model_len: int = 2048  # per request (prompt + completion); not a reservation
     max_queue: int = 256
+    block_size: int = 16
+    # KV pool size in blocks; None = as many as max_num_seqs sequences of max_model_len would need.
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    num_host_kv_blocks: int = 0  # host tier for evicted cached blocks (0 = none)
 
     def __post_init__(self) -> None:
         check_at_least_one(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                           max_queue=self.max_queue)
+                           max_queue=self.max_queue, block_size=self.block_size)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step"
             )
+        one_seq = -(-self.max_model_len // self.block_size)
+        if self.num_kv_blocks is None:
+            self.num_kv_blocks = self.max_num_seqs * one_seq
+        elif self.num_kv_blocks < one_seq:
+            # With fewer, a lone sequence at max_model_len could never finish (nothing to preempt).
+            raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
+                             f"{self.max_model_len} ({one_seq} blocks of {self.block_size} tokens)")
 
 
 class Scheduler:
+    """Admission by free KV blocks, not slots: a sequence takes blocks as it grows.
+
+    When a running sequence needs a block and none is free, the most recently admitted running
+    sequence is preempted (vLLM's policy: the oldest requests keep making progress). Preemption
+    frees its blocks and puts it back at the head of the queue; its generated tokens are kept and
+    become part of what it re-prefills. Recompute, then, but cheap with prefix caching on: its full
+    blocks were published to the prefix cache, stay there until evicted (and then move to the host
+    tier, if there is one), so readmission finds them and recomputes only what was lost.
+    """
+
     def __init__(self, config: SchedulerConfig):
+        from .block_manager import BlockManager
+
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                   config.num_host_kv_blocks)
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.config.max_queue:
@@ -97,39 +126,90 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        cfg = self.config
+        chunks: dict[Sequence, ScheduledChunk] = {}  # insertion-ordered: decodes, prefills, admissions
+
+        def budget() -> int:
+            return cfg.max_num_batched_tokens - sum(c.count for c in chunks.values())
+
         # Decodes first: each running sequence past its prompt advances one token every step.
-        for seq in self.running:
-            if seq.num_computed == seq.num_tokens - 1:
-                chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
-                budget -= 1
-        # Then prefill still owed by running sequences, then new sequences while slots remain.
-        for seq in self.running:
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.num_computed == seq.num_tokens - 1 and self._make_room(seq, seq.num_tokens, chunks):
+                chunks[seq] = ScheduledChunk(seq, seq.num_computed, 1)
+            i += 1
+        # Then prefill still owed by running sequences, as far as the token budget and blocks allow.
+        i = 0
+        while i < len(self.running) and budget() > 0:
+            seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed
             if remaining > 1:
-                if budget <= 0:
-                    break
-                n = min(remaining, budget)
-                chunks.append(ScheduledChunk(seq, seq.num_computed, n))
-                budget -= n
-        while self.waiting and self.free_slots and budget > 0:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
+                fit = self._tokens_that_fit(seq)
+                if fit < 1:
+                    if not self._make_room(seq, seq.num_computed + 1, chunks):
+                        continue  # seq itself was preempted (it was the newest, so the last)
+                    fit = self._tokens_that_fit(seq)
+                n = min(remaining, budget(), fit)
+                self.blocks.grow(seq, seq.num_computed + n)
+                chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)
+            i += 1
+        # Then new (or preempted) sequences, first come first served, while blocks allow. Keep
+        # free the blocks running sequences will need at the next step, so admitting does not
+        # just preempt the newcomer again then.
+        bs = cfg.block_size
+        reserve = sum(1 for s in self.running if len(s.block_table) * bs < s.num_tokens + 1)
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget() > 0:
+            seq = self.waiting[0]
+            match = self.blocks.match(seq)
+            n = min(seq.num_tokens - match.num_tokens, budget())
+            if not self.blocks.can_allocate(match, match.num_tokens + n, reserve=reserve):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, match, match.num_tokens + n)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = match.num_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
-            budget -= n
-        return chunks
+            chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)
+        return list(chunks.values())
+
+    def _tokens_that_fit(self, seq: Sequence) -> int:
+        """Tokens seq could compute now with its blocks plus every free one."""
+        return (len(seq.block_table) + self.blocks.num_free_blocks) * self.config.block_size - seq.num_computed
+
+    def _make_room(self, seq: Sequence, num_tokens: int, chunks: dict[Sequence, ScheduledChunk]) -> bool:
+        """Grow seq's blocks to num_tokens positions, preempting the newest running sequences while
+        none is free; False if seq itself had to go (it was the newest)."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, chunks)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence, chunks: dict[Sequence, ScheduledChunk]) -> None:
+        chunks.pop(seq, None)
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)  # first to come back: it is older than anything waiting
+
+    def commit(self, chunk: ScheduledChunk) -> None:
+        """The step computed this chunk's K/V: count it and publish the blocks it filled."""
+        chunk.seq.num_computed += chunk.count
+        self.blocks.commit(chunk.seq, since=chunk.start)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence (finished or cancelled) and free its slot at once."""
+        """Remove a sequence (finished or cancelled) and free its blocks at once."""
         seq.finish_reason = seq.finish_reason or reason
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
-            seq.slot = None
+            self.blocks.free(seq)
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

@@ -186,7 +186,7 @@ def prompt_logits_step(runner):
     from engine.scheduler import ScheduledChunk, Sequence
 
     s = Sequence("probe", list(PROMPT), 1)
-    s.slot = 0
+    s.block_table = list(range(runner.kv.num_blocks))  # blocks 0.. in order: any will do
     return runner.execute([ScheduledChunk(s, 0, len(PROMPT))])
 
 

@@ -37,7 +37,7 @@ def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto", *
 
 def one_step(runner, tokens: int = 1) -> float:
     s = Sequence("probe", list(PROMPT[:tokens]), 1)
-    s.slot = 0
+    s.block_table = list(range(runner.kv.num_blocks))  # blocks 0.. in order: any will do
     runner.execute([ScheduledChunk(s, 0, tokens)])
     return runner.last_step.seconds
 

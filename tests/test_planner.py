@@ -1,6 +1,6 @@
 import pytest
 
-from engine.planner import PlanError, PlanInputs, parse_bytes, plan_memory
+from engine.planner import PlanError, PlanInputs, parse_bytes, plan_largest_context, plan_memory
 
 MiB = 1 << 20
 
@@ -46,12 +46,33 @@ def test_budget_that_fits_everything_streams_nothing():
     assert p.streamed_blocks == [] and p.stream_buffer_bytes == 0
 
 
-def test_kv_cache_shrinks_concurrency_before_refusing():
-    kv_one = 1024 * 1024
+def test_kv_pool_shrinks_before_resident_blocks_and_refuses_below_one_sequence():
+    kv_one = 1024 * 1024  # one sequence of 1024 tokens x 1 KiB = 64 blocks of 16 tokens
     budget = 5 * MiB + 1 * MiB + 2 * kv_one + 2 * 10 * MiB
     p = plan_memory(inputs(budget=budget))
-    assert p.max_num_seqs == 2 and p.resident_blocks == []
-    assert any("max_num_seqs lowered from 4 to 2" in n for n in p.notes)
+    # Room for two full-length sequences' blocks, not four: the pool is smaller, concurrency is not
+    # capped (it follows what sequences use); no block resident.
+    assert p.num_kv_blocks == 128 and p.kv_cache_bytes == 2 * kv_one and p.max_num_seqs == 4
+    assert p.resident_blocks == [] and p.device_bytes <= budget
+    assert any("KV pool of 128 blocks" in n for n in p.notes)
+    with pytest.raises(PlanError, match="KV cache for one sequence of 1024 tokens"):
+        plan_memory(inputs(budget=budget - kv_one - 1))
+
+
+def test_kv_cache_memory_sets_the_pool_and_must_hold_one_sequence():
+    p = plan_memory(inputs(kv_cache_bytes=10 * MiB))
+    assert p.num_kv_blocks == 10 * MiB // (16 * 1024)
+    with pytest.raises(PlanError, match="holds 32 KV blocks; one sequence of max_model_len 1024 needs 64"):
+        plan_memory(inputs(kv_cache_bytes=32 * 16 * 1024))
+
+
+def test_largest_context_that_fits_is_chosen_and_a_hopeless_budget_says_what_would_do():
+    budget = 5 * MiB + 1 * MiB + 300 * 1024 + 2 * 10 * MiB  # room for 300 tokens of KV besides the rest
+    p = plan_largest_context(lambda n: inputs(budget=budget, max_model_len=n), 1024, 64, 16)
+    assert p.max_model_len == 288 and p.num_kv_blocks == 18
+    assert any("max_model_len lowered from 1024 to 288" in n for n in p.notes)
+    with pytest.raises(PlanError, match=r"too small even for a context of 64 tokens: that needs at least 26\.06 MiB"):
+        plan_largest_context(lambda n: inputs(budget=20 * MiB, max_model_len=n), 1024, 64, 16)
 
 
 def test_too_small_budget_is_a_clear_error():

@@ -40,7 +40,7 @@ def prompt_logits(llm, prompt):
     rows = []
     for end in range(1, len(prompt) + 1):  # prefill the prefix, sample its last token
         s = Sequence("probe", list(prompt[:end]), 1)
-        s.slot = 0
+        s.block_table = list(range(runner.kv.num_blocks))  # blocks 0.. in order: any will do
         rows.append(runner.execute([ScheduledChunk(s, 0, end)])[0])
     return torch.stack(rows)
 

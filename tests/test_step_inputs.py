@@ -18,11 +18,12 @@ from engine.scheduler import ScheduledChunk, Sequence
 
 def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
     """The construction _step_inputs replaced: every field its own torch.tensor(..., device=dev)."""
-    ids, positions, token_slots, logits_index, starts, counts = [], [], [], [], [], []
+    ids, positions, slot_mapping, logits_index, starts, counts = [], [], [], [], [], []
+    bs = runner.kv.block_size
     for c in chunks:
         ids += c.seq.token_range(c.start, c.count)
         positions += range(c.start, c.start + c.count)
-        token_slots += [c.seq.slot] * c.count
+        slot_mapping += [c.seq.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
         if c.samples:
             logits_index.append(len(ids) - 1)
         starts.append(c.start)
@@ -46,15 +47,14 @@ def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
     if len(chunks) * mq != len(ids):
         pad_rows = torch.tensor([i * mq + j for i, n in enumerate(counts) for j in range(n)], dtype=torch.long,
                                 device=dev)
-    slots = [c.seq.slot for c in chunks]
-    consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+    max_blocks = -(-ctx // bs)
+    tables = [(c.seq.block_table + [0] * max_blocks)[:max_blocks] for c in chunks]
     return M.StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=pos, cos=cos, sin=sin,
-        token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
-        seq_slots=torch.tensor(slots, dtype=torch.long, device=dev), pad_rows=pad_rows, max_query=mq,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=dev), pad_rows=pad_rows, max_query=mq,
         context_len=ctx, attn_mask=mask[:, None],
-        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
-        slot_range=(slots[0], slots[0] + len(slots)) if consecutive else None)
+        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev))
 
 
 class CountTransfers(TorchFunctionMode):
@@ -78,16 +78,17 @@ class CountTransfers(TorchFunctionMode):
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    out = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4)
+    out = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4, block_size=4)
     yield out
     out.close()
 
 
 def mixed_chunks() -> list[ScheduledChunk]:
-    """A prefill chunk, a decode and a mid-prompt chunk that does not sample, on slots out of order:
-    padding rows, a gathered (not sliced) cache, and an empty-free logits index all occur."""
+    """A prefill chunk, a decode and a mid-prompt chunk that does not sample, on blocks out of order
+    and tables of different lengths: padding rows, padded block tables, and an empty-free logits
+    index all occur."""
     a, b, c = Sequence("a", [5, 6, 7, 8, 9], 4), Sequence("b", list(range(1, 9)), 4), Sequence("c", [3] * 9, 4)
-    a.slot, b.slot, c.slot = 2, 0, 3
+    a.block_table, b.block_table, c.block_table = [2, 7], [0, 5, 9], [3, 1, 4]  # blocks of 4 tokens
     b.output_ids = [11]
     return [ScheduledChunk(a, 0, 5), ScheduledChunk(b, 8, 1), ScheduledChunk(c, 3, 2)]
 
@@ -134,11 +135,11 @@ def test_out_of_range_token_id_stops_on_the_host(llm, bad):
     the step raises before any block runs, and the next step is unaffected."""
     runner = llm.engine.model.runner
     s = Sequence("bad", [5, bad, 7], 1)
-    s.slot = 0
+    s.block_table = [0]
     with pytest.raises(TokenIdError, match=f"token id {bad} is outside the vocabulary \\[0, 512\\)"):
         runner.execute([ScheduledChunk(s, 0, 3)])
     ok = Sequence("ok", [5, 6, 7], 1)
-    ok.slot = 0
+    ok.block_table = [0]
     assert torch.isfinite(runner.execute([ScheduledChunk(ok, 0, 3)])).all()
 
 

@@ -14,9 +14,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..kv_cache import KVCache
-from ..loader import (DTYPE_NAMES, EngineArgs, LoadedModel, _plan_memory, format_bytes, host_budget,
+from ..loader import (DTYPE_NAMES, EngineArgs, LoadedModel, _plan_kv_host_tier, _plan_memory, format_bytes, host_budget,
                       workspace_bytes)
-from ..planner import PlanInputs
+from ..planner import PlanInputs, plan_memory
 from ..runner import ModelRunner
 from ..streamer import BlockStreamer
 from .gguf_file import GGUFIndex
@@ -63,18 +63,22 @@ def load_gguf_model(args: EngineArgs, path: str | Path) -> LoadedModel:
         host_sized = budget is None and weights_bytes > host_room
         if host_sized:
             budget = host_room
-        plan = _plan_memory(host_room if host_sized else None, PlanInputs(
+        kv_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        plan = _plan_memory(host_room if host_sized else None, lambda: plan_memory(PlanInputs(
             num_layers=cfg.num_layers,
             block_bytes=block_bytes,
             global_bytes=global_bytes,
-            kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+            kv_bytes_per_token=kv_per_token,
             workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
             budget=budget,
             max_model_len=max_len,
             max_num_seqs=args.max_num_seqs,
             prefetch_depth=args.prefetch_depth,
             streamed_block_bytes=source.nbytes(0),
-        ))
+            kv_block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory,
+        )))
+        _plan_kv_host_tier(plan, args, torch.device("cpu"), host_room, kv_per_token)
         release_pages = bool(plan.streamed_blocks) and index.total_bytes() > host_room - (256 << 20)
         types = sorted({t.qtype.name for t in index.entries.values()})
         plan.notes.append(f"GGUF tensor types {', '.join(types)}; compute "
@@ -97,8 +101,8 @@ def load_gguf_model(args: EngineArgs, path: str | Path) -> LoadedModel:
         streamer = BlockStreamer(transport, plan.resident_blocks, plan.streamed_blocks, args.prefetch_depth,
                                  on_progress=lambda _i: bar.update(1))
         bar.close()
-        kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
-                     dtype, torch.device("cpu"))
+        kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype, torch.device("cpu"), num_host_blocks=plan.num_host_kv_blocks)
         runner = ModelRunner(cfg, plan, globals_, streamer, kv, torch.device("cpu"), dtype)
     except BaseException:
         if streamer is not None:
