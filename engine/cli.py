@@ -34,6 +34,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize a bf16/fp16/fp32 checkpoint's block weights at load (weight-only; CPU)")
     p.add_argument("--pin-host-memory", action="store_true",
                    help="cuda: keep all streamed blocks in pinned host memory (if RAM allows) instead of staging")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes seen before (on by default; "
+                        "--no-enable-prefix-caching turns it off)")
+    p.add_argument("--block-size", type=int, default=16, help="token positions per paged KV block")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="device KV pool size, e.g. 512MiB (default: planned from the budget)")
+    p.add_argument("--kv-host-memory", default=None,
+                   help="host tier for KV blocks evicted from the pool, e.g. 2GiB (default: min(4GiB, 10%% of host "
+                        "memory) on cuda, none on cpu where the pool already is host memory)")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
@@ -43,7 +52,9 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   max_host_memory=ns.max_host_memory, max_model_len=ns.max_model_len,
                   max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                   prefetch_depth=ns.prefetch_depth, pin_host_memory=ns.pin_host_memory,
-                  quantization=getattr(ns, "quantization", None))  # Namespaces built elsewhere (Ray) may lack it
+                  quantization=getattr(ns, "quantization", None),  # Namespaces built elsewhere (Ray) may lack it
+                  enable_prefix_caching=getattr(ns, "enable_prefix_caching", True), block_size=getattr(ns, "block_size", 16),
+                  kv_cache_memory=getattr(ns, "kv_cache_memory", None), kv_host_memory=getattr(ns, "kv_host_memory", None))
     fields.update(overrides)
     return EngineArgs(**fields)
 

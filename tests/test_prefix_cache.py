@@ -1,0 +1,138 @@
+"""Paged KV and automatic prefix caching through the real engine (tiny fp32 Llama): a request's tokens
+and logprobs must not depend on whether its prefix came from the cache, on preemption, on blocks
+swapped to the host tier and back, or on other requests aborted around it.
+
+The reference is the engine with prefix caching off serving each request alone, its whole prompt
+in one prefill chunk; the engines under test chunk prefills and batch requests that share prefixes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.test_batching import MAX_LEN, assert_same, drive, greedy
+
+PREFIX = [(i * 17 + 5) % 500 + 6 for i in range(40)]  # 2.5 blocks of 16 shared by every prompt
+
+
+def sampled(max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=seed, ignore_eos=True,
+                          logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=1, max_num_batched_tokens=MAX_LEN,
+              enable_prefix_caching=False)
+    cache: dict = {}
+
+    def run(prompt: list[int], params: SamplingParams):
+        key = (tuple(prompt), repr(params))
+        if key not in cache:
+            cache[key] = drive(llm.engine, {0: [("solo", prompt, params)]})["solo"]
+        return cache[key]
+
+    yield run
+    llm.close()
+
+
+def kv_block_bytes(llm) -> int:
+    return llm.plan.kv_cache_bytes // llm.plan.num_kv_blocks
+
+
+def checked(engine):
+    """on_step hook: block accounting is consistent after every step."""
+    def on_step(_step, e):
+        e.scheduler.blocks.check()
+    return on_step
+
+
+def assert_no_leaks(engine) -> None:
+    blocks = engine.scheduler.blocks
+    blocks.check()
+    assert not engine.has_unfinished()
+    assert blocks.num_used_blocks == 0  # every block is free or held only by the prefix cache
+
+
+def shared_prefix_workload(reference):
+    x = PREFIX + [1, 2, 3]
+    x_out = reference(x, greedy(10)).tokens
+    return {
+        0: [("x", x, greedy(10))],
+        3: [("y", PREFIX + [4, 5], greedy(8)), ("y2", PREFIX + [4, 5], sampled(8, seed=1))],  # n > 1 alike
+        6: [("z", x + [7] * 20, sampled(12, seed=3))],  # extends x's prompt past the next block
+        # The next turn of x's chat: its history, generated tokens included, then a new message.
+        20: [("x-turn2", x + x_out + [9, 9], greedy(6)), ("short", [3, 4], greedy(5))],
+    }
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+def test_shared_prefixes_give_the_same_tokens_and_logprobs_as_each_request_alone(llama_dir, reference,
+                                                                                prefix_caching):
+    arrivals = shared_prefix_workload(reference)
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16,
+              enable_prefix_caching=prefix_caching)
+    try:
+        got = drive(llm.engine, arrivals, on_step=checked(llm.engine))
+        for reqs in arrivals.values():
+            for rid, prompt, params in reqs:
+                assert_same(got[rid], reference(prompt, params))
+        stats = llm.engine.scheduler.blocks.stats
+        if prefix_caching:
+            # y, y2, z and x-turn2 found whole blocks of what x (and y) computed before them.
+            assert stats.hit_tokens >= 32 * 4
+        else:
+            assert stats.hit_tokens == 0 and llm.engine.scheduler.blocks.num_cached_blocks == 0
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("host_blocks", [0, 24], ids=["recompute", "host-tier"])
+def test_preemption_and_host_swaps_leave_outputs_unchanged(llama_dir, reference, host_blocks):
+    """A pool of exactly one max_model_len sequence (8 blocks) for four growing sequences: the
+    newest are preempted and resume; with a host tier their evicted cached blocks come back from it."""
+    probe = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=4)
+    block = kv_block_bytes(probe)
+    probe.close()
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16,
+              kv_cache_memory=8 * block, kv_host_memory=host_blocks * block)
+    try:
+        assert llm.plan.num_kv_blocks == 8 and llm.plan.num_host_kv_blocks == host_blocks
+        arrivals = {0: [(f"s{i}", PREFIX[: 20 + 6 * i] + [i + 1] * 5, greedy(24 - 3 * i)) for i in range(3)]
+                    + [("t", PREFIX + [8], sampled(20, seed=5))],
+                    30: [("late", PREFIX[:33] + [2], greedy(10))]}
+        got = drive(llm.engine, arrivals, on_step=checked(llm.engine))
+        for reqs in arrivals.values():
+            for rid, prompt, params in reqs:
+                assert_same(got[rid], reference(prompt, params))
+        assert llm.engine.scheduler.num_preemptions > 0
+        stats = llm.engine.scheduler.blocks.stats
+        if host_blocks:
+            assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0 and stats.host_hit_tokens > 0
+            kv = llm.engine.model.runner.kv
+            assert kv.bytes_swapped_in == stats.blocks_swapped_in * block
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
+
+
+def test_aborts_of_sequences_sharing_blocks_leave_the_others_unchanged(llama_dir, reference):
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16)
+    try:
+        a = PREFIX + [11, 12]
+        arrivals = {0: [("a", a, greedy(12))],
+                    4: [("b", a + [13], greedy(12)), ("c", PREFIX + [14], greedy(12))],
+                    5: [("d", a, sampled(10, seed=2))]}
+        # b is cancelled while it shares a's blocks, c mid-prefill, d right after its admission.
+        got = drive(llm.engine, arrivals, aborts={6: ["b", "d"], 5: ["c"]}, on_step=checked(llm.engine))
+        assert_same(got["a"], reference(a, greedy(12)))
+        assert_no_leaks(llm.engine)
+        # The cache still serves later requests correctly.
+        again = drive(llm.engine, {0: [("e", a + [13], greedy(5))]})
+        assert_same(again["e"], reference(a + [13], greedy(5)))
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
