@@ -86,6 +86,38 @@ class BlockStats:
     evictions: int = 0  # cached device blocks reused for other content
 
 
+@dataclass(frozen=True)
+class KVTelemetry:
+    """A snapshot of the paged KV cache for observers (/metrics, the engine's telemetry): pool use,
+    prefix-cache hits in tokens, host-tier traffic, preemptions. Counters are totals since start."""
+
+    block_size: int
+    blocks_total: int
+    blocks_used: int  # held by running sequences
+    blocks_cached: int  # holding a cached prefix (in use or not)
+    host_blocks_total: int
+    host_blocks_used: int
+    prefix_caching: bool
+    queried_tokens: int
+    hit_tokens: int
+    host_hit_tokens: int
+    blocks_swapped_out: int
+    blocks_swapped_in: int
+    bytes_swapped_out: int
+    bytes_swapped_in: int
+    preemptions: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by running sequences (cached free blocks count as free)."""
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hits over tokens looked up, both in tokens."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 @dataclass
 class _HostTier:
     """A bounded LRU pool of cached blocks in host memory, addressed like the device cache."""
@@ -274,6 +306,17 @@ class BlockManager:
         self._evictable.clear()
         if self.host is not None:
             self.host = _HostTier(self.host.num_blocks)
+
+    def telemetry(self, bytes_swapped_out: int, bytes_swapped_in: int, preemptions: int) -> KVTelemetry:
+        """The snapshot, with the bytes the KV cache actually copied between the tiers."""
+        s, host = self.stats, self.host
+        return KVTelemetry(
+            block_size=self.block_size, blocks_total=self.num_blocks, blocks_used=self.num_used_blocks,
+            blocks_cached=self.num_cached_blocks, host_blocks_total=host.num_blocks if host else 0,
+            host_blocks_used=len(host.by_hash) if host else 0, prefix_caching=self.enable_prefix_caching,
+            queried_tokens=s.queried_tokens, hit_tokens=s.hit_tokens, host_hit_tokens=s.host_hit_tokens,
+            blocks_swapped_out=s.blocks_swapped_out, blocks_swapped_in=s.blocks_swapped_in,
+            bytes_swapped_out=bytes_swapped_out, bytes_swapped_in=bytes_swapped_in, preemptions=preemptions)
 
     def check(self) -> None:
         """Internal consistency (tests call it after every step): every block is exactly one of

@@ -10,6 +10,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+from .block_manager import KVTelemetry
 from .detokenizer import IncrementalDetokenizer
 from .loader import EngineArgs, LoadedModel, load_model
 from .model_source import resolve_model
@@ -158,8 +159,16 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def kv_cache_usage(self) -> float:
-        """Fraction of the KV cache held: running sequences own a whole slot each."""
-        return len(self.scheduler.running) / self.scheduler.config.max_num_seqs
+        """Fraction of the KV pool's blocks held by running sequences (cached free blocks count as free)."""
+        return self.scheduler.blocks.num_used_blocks / self.scheduler.blocks.num_blocks
+
+    def kv_telemetry(self) -> KVTelemetry:
+        """The paged KV cache's figures: pool use, prefix-cache hits (tokens), host tier, preemptions."""
+        kv = self.model.runner.kv
+        return self.scheduler.blocks.telemetry(kv.bytes_swapped_out, kv.bytes_swapped_in, self.scheduler.num_preemptions)
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.blocks.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()

@@ -61,6 +61,27 @@ class ServerMetrics:
                            "pass) or wait (the engine thread waiting for a mask before sampling)",
                            labels + ["kind"], registry=r)
         self.vllm = _VLLMNames(r, labels)
+        # Paged KV cache: pool use, prefix-cache hits (in tokens, as vLLM counts them), host tier.
+        self.kv_usage = Gauge("layerstream_kv_cache_usage_perc", "fraction of KV pool blocks held by running "
+                              "requests (1 = full; cached free blocks count as free)", labels, registry=r)
+        self.kv_blocks = Gauge("layerstream_kv_cache_blocks", "KV blocks by state (total, used = held by "
+                               "running requests, cached = holding a prefix-cache entry)", labels + ["state"],
+                               registry=r)
+        self.prefix_queries = Counter("layerstream_prefix_cache_queries", "prompt tokens looked up in the "
+                                      "prefix cache", labels, registry=r)
+        self.prefix_hits = Counter("layerstream_prefix_cache_hits", "prompt tokens whose KV came from the "
+                                   "prefix cache instead of being computed", labels, registry=r)
+        self.kv_host_blocks = Gauge("layerstream_kv_host_blocks", "KV host tier blocks (total, used)",
+                                    labels + ["state"], registry=r)
+        self.kv_swapped_blocks = Counter("layerstream_kv_swapped_blocks", "KV blocks copied between the device "
+                                         "pool and the host tier (direction out = to host, in = to device)",
+                                         labels + ["direction"], registry=r)
+        self.kv_swapped_bytes = Counter("layerstream_kv_swapped_bytes", "bytes copied between the device "
+                                        "pool and the host tier", labels + ["direction"], registry=r)
+        self.preemptions = Counter("layerstream_num_preemptions", "running requests preempted because the KV "
+                                   "pool was full (recomputed on readmission, minus prefix-cache hits)",
+                                   labels, registry=r)
+        self._kv_seen = None  # the last KVTelemetry, to turn its totals into counter increments
 
     def set_plan(self, plan) -> None:
         m = self._model
@@ -99,6 +120,32 @@ class ServerMetrics:
         stats = engine.grammar.stats
         self.masks.labels(m, "compute").set(stats.compute_seconds)
         self.masks.labels(m, "wait").set(stats.wait_seconds)
+        self.observe_kv(engine.kv_telemetry())
+
+    def observe_kv(self, t) -> None:
+        """Publish a KVTelemetry snapshot (engine.kv_telemetry())."""
+        m, prev = self._model, self._kv_seen
+        self.kv_usage.labels(m).set(t.usage)
+        self.kv_blocks.labels(m, "total").set(t.blocks_total)
+        self.kv_blocks.labels(m, "used").set(t.blocks_used)
+        self.kv_blocks.labels(m, "cached").set(t.blocks_cached)
+        self.kv_host_blocks.labels(m, "total").set(t.host_blocks_total)
+        self.kv_host_blocks.labels(m, "used").set(t.host_blocks_used)
+
+        def delta(name: str) -> int:
+            return getattr(t, name) - (getattr(prev, name) if prev is not None else 0)
+
+        self.prefix_queries.labels(m).inc(delta("queried_tokens"))
+        self.prefix_hits.labels(m).inc(delta("hit_tokens"))
+        self.kv_swapped_blocks.labels(m, "out").inc(delta("blocks_swapped_out"))
+        self.kv_swapped_blocks.labels(m, "in").inc(delta("blocks_swapped_in"))
+        self.kv_swapped_bytes.labels(m, "out").inc(delta("bytes_swapped_out"))
+        self.kv_swapped_bytes.labels(m, "in").inc(delta("bytes_swapped_in"))
+        self.preemptions.labels(m).inc(delta("preemptions"))
+        self.vllm.prefix_queries.labels(m).inc(delta("queried_tokens"))
+        self.vllm.prefix_hits.labels(m).inc(delta("hit_tokens"))
+        self.vllm.preemptions.labels(m).inc(delta("preemptions"))
+        self._kv_seen = t
 
     def on_token(self, first: bool, seconds: float) -> None:
         (self.ttft if first else self.tpot).labels(self._model).observe(seconds)
@@ -122,8 +169,8 @@ class ServerMetrics:
 class _VLLMNames:
     """The same figures under vLLM's metric names, so routers and autoscalers written for vLLM
     (llm-d, KServe, KEDA rules) read this server unchanged. The KV-cache usage is the fraction of
-    KV slots held by running sequences (each holds a whole max_model_len slot); vLLM's v1 name and
-    its older gpu_ one are both exported."""
+    the paged pool's blocks held by running sequences; vLLM's v1 name and its older gpu_ one are
+    both exported. Prefix-cache queries and hits count tokens, as vLLM's do."""
 
     def __init__(self, r: CollectorRegistry, labels: list[str]):
         self.running = Gauge("vllm:num_requests_running", "requests running (in a KV slot)", labels, registry=r)
@@ -131,6 +178,11 @@ class _VLLMNames:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels, registry=r)
         self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (older vLLM name)",
                                      labels, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", labels,
+                                   registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "requests preempted (KV pool full)", labels, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "tokens generated", labels, registry=r)
         self.success = Counter("vllm:request_success", "finished requests by finish reason",

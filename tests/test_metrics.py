@@ -4,18 +4,28 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.block_manager import KVTelemetry
 from engine.runner import StepTiming
 from engine.streamer import StreamStats
 from engine.structured_output import MaskStats
 from server.metrics import ServerMetrics
 
 
-def fake_engine(link_gbps, bytes_streamed=400_000_000, seconds=0.5):
+def kv_snapshot(**kw) -> KVTelemetry:
+    base = dict(block_size=16, blocks_total=100, blocks_used=25, blocks_cached=40, host_blocks_total=50,
+                host_blocks_used=10, prefix_caching=True, queried_tokens=1000, hit_tokens=640, host_hit_tokens=32,
+                blocks_swapped_out=12, blocks_swapped_in=2, bytes_swapped_out=12 * 4096, bytes_swapped_in=2 * 4096,
+                preemptions=3)
+    return KVTelemetry(**(base | kw))
+
+
+def fake_engine(link_gbps, bytes_streamed=400_000_000, seconds=0.5, kv=None):
     timing = StepTiming(seconds=seconds, tokens=4, stream=StreamStats(bytes_streamed, 10, 0.01, 0.4))
     transport = SimpleNamespace(h2d_gbps=link_gbps)
     runner = SimpleNamespace(last_step=timing, streamer=SimpleNamespace(transport=transport))
     plan = SimpleNamespace(disk_gbps=None)
-    return SimpleNamespace(model=SimpleNamespace(runner=runner), plan=plan,
+    kv = kv or kv_snapshot()
+    return SimpleNamespace(model=SimpleNamespace(runner=runner), plan=plan, kv_telemetry=lambda: kv,
                            grammar=SimpleNamespace(stats=MaskStats(masks=3, compute_seconds=0.25, wait_seconds=0.5)))
 
 
@@ -61,3 +71,28 @@ def test_vllm_metric_names():
     assert got["vllm:num_requests_running"] == 3 and got["vllm:num_requests_waiting"] == 2
     assert got["vllm:kv_cache_usage_perc"] == 0.75 == got["vllm:gpu_cache_usage_perc"]
     assert got["vllm:prompt_tokens_total"] == 7 and got["vllm:request_success_total"] == 1
+
+
+def test_kv_pool_prefix_hits_host_tier_and_preemptions():
+    m = ServerMetrics("x")
+    m.on_step(fake_engine(link_gbps=None))
+    m.on_step(fake_engine(link_gbps=None, kv=kv_snapshot(blocks_used=50, queried_tokens=1500, hit_tokens=800,
+                                                          blocks_swapped_in=5, bytes_swapped_in=5 * 4096,
+                                                          preemptions=4)))
+    got = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for smp in fam.samples:
+            got[(smp.name, tuple(sorted((k, v) for k, v in smp.labels.items() if k != "model_name")))] = smp.value
+    assert got[("layerstream_kv_cache_usage_perc", ())] == 0.5
+    assert got[("layerstream_kv_cache_blocks", (("state", "total"),))] == 100
+    assert got[("layerstream_kv_cache_blocks", (("state", "cached"),))] == 40
+    # Counters carry the engine's totals, not the sum of the snapshots.
+    assert got[("layerstream_prefix_cache_queries_total", ())] == 1500
+    assert got[("layerstream_prefix_cache_hits_total", ())] == 800
+    assert got[("layerstream_kv_swapped_blocks_total", (("direction", "in"),))] == 5
+    assert got[("layerstream_kv_swapped_bytes_total", (("direction", "out"),))] == 12 * 4096
+    assert got[("layerstream_kv_host_blocks", (("state", "used"),))] == 10
+    assert got[("layerstream_num_preemptions_total", ())] == 4
+    # and under vLLM's names
+    assert got[("vllm:prefix_cache_queries_total", ())] == 1500 and got[("vllm:prefix_cache_hits_total", ())] == 800
+    assert got[("vllm:num_preemptions_total", ())] == 4

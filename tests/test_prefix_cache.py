@@ -83,6 +83,9 @@ def test_shared_prefixes_give_the_same_tokens_and_logprobs_as_each_request_alone
         if prefix_caching:
             # y, y2, z and x-turn2 found whole blocks of what x (and y) computed before them.
             assert stats.hit_tokens >= 32 * 4
+            t = llm.engine.kv_telemetry()
+            assert (t.hit_tokens, t.queried_tokens, t.blocks_used) == (stats.hit_tokens, stats.queried_tokens, 0)
+            assert 0 < t.hit_rate < 1 and t.blocks_cached > 0
         else:
             assert stats.hit_tokens == 0 and llm.engine.scheduler.blocks.num_cached_blocks == 0
         assert_no_leaks(llm.engine)
@@ -136,3 +139,47 @@ def test_aborts_of_sequences_sharing_blocks_leave_the_others_unchanged(llama_dir
         assert_no_leaks(llm.engine)
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory):
+    """The tiny Llama with a 2048-token default context (its max_position_embeddings)."""
+    import zlib
+
+    from engine.demo import build_random_model
+    from tests.models import make_config
+
+    cfg = make_config("llama")
+    cfg.max_position_embeddings = 2048
+    return build_random_model(tmp_path_factory.mktemp("long") / "llama", cfg, seed=zlib.crc32(b"long") % 1000)
+
+
+def test_a_budget_below_the_default_context_starts_with_the_largest_context_that_fits(long_context_dir):
+    from engine.planner import PlanError
+
+    full = LLM(str(long_context_dir), max_num_seqs=2)
+    p = full.plan
+    assert p.max_model_len == 2048
+    full.close()
+    # Room for about 1000 tokens of KV besides what streaming needs (the workspace shrinks with the
+    # context too, so the context found is at least that).
+    per_token = p.kv_cache_bytes // (p.num_kv_blocks * p.kv_block_size)
+    budget = p.global_bytes + p.workspace_bytes + 2 * p.block_bytes + 1000 * per_token
+    llm = LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget)
+    try:
+        q = llm.plan
+        assert 1000 <= q.max_model_len < 2048 and q.max_model_len % 16 == 0
+        assert q.num_kv_blocks * q.kv_block_size >= q.max_model_len and q.device_bytes <= budget
+        assert any(f"max_model_len lowered from 2048 to {q.max_model_len}" in n for n in q.notes)
+        assert llm.engine.max_model_len == q.max_model_len
+        out = llm.generate([5, 6, 7], greedy(4))[0].outputs[0]
+        assert len(out.token_ids) == 4
+    finally:
+        llm.close()
+    # The user's own --max-model-len is honoured or refused, never lowered.
+    with pytest.raises(PlanError, match="too small"):
+        LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget, max_model_len=2048)
+    # A budget that cannot hold even 256 tokens says what would do.
+    with pytest.raises(PlanError, match=r"too small even for a context of 256 tokens: that needs at least .*"
+                                        r"the full context of 2048 needs"):
+        LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=p.global_bytes + 2 * p.block_bytes)

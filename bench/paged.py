@@ -1,0 +1,185 @@
+"""`python -m bench.paged`: what the paged KV cache and prefix caching buy, in one run, on the benchmark
+model streamed at a budget of 25% of its fp32 weights (default).
+
+1. Multi-turn chat over HTTP: 8 turns, each resending the history (previous prompts plus a fixed
+   16-token assistant reply) with ~240 new tokens, so the prompt grows to ~2k tokens. Time to first
+   token per turn from a server with prefix caching and one started with --no-enable-prefix-caching.
+2. Concurrency at a fixed budget: how many 256-token sequences run at once in the paged pool the
+   planner sizes (measured: the engine's peak of running sequences), against what a slot cache of
+   the same bytes holds (computed: one max_model_len reservation per sequence, as before #15).
+3. Aggregate generated tok/s over HTTP at 16 concurrent clients vs 1 (same server as 1).
+
+    python -m bench.paged                    # all three; prints Markdown tables
+    python -m bench.paged --parts chat       # only the chat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import bench_main, bench_model_path, fmt, free_port, machine_description, table, wait_until_healthy
+from .offline import weight_bytes
+from .serving import one_request, run_level
+
+TURN_TOKENS = 240
+REPLY = [7] * 16  # the assistant's reply resent in the history (fixed: greedy ids are not returned)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="bench", help="model folder ('bench': the ~0.5 GB bf16 benchmark Llama)")
+    p.add_argument("--budget-fraction", type=float, default=0.25, help="device budget as a fraction of the fp32 weights")
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2304)
+    p.add_argument("--parts", default="chat,concurrency,throughput")
+    p.add_argument("--timeout", type=float, default=1800)
+
+
+def _turn_tokens(turn: int) -> list[int]:
+    return [(turn * 131 + i * 17) % 500 + 6 for i in range(TURN_TOKENS)]
+
+
+def launch(folder: Path, budget: int, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--port", str(port),
+            "--max-device-memory", str(budget), *extra]
+    print(f"launching: {' '.join(argv)}\n  (log: {log_path})", flush=True)
+    proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(proc, url, log_path, timeout=600)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def chat(url: str, turns: int, timeout: float) -> list[tuple[int, float]]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        history: list[int] = []
+        out = []
+        for turn in range(1, turns + 1):
+            prompt = history + _turn_tokens(turn)
+            body = {"model": model, "prompt": prompt, "max_tokens": len(REPLY), "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "logprobs": 0}
+            r = await one_request(client, url, body, timeout)
+            if not r.ok:
+                raise RuntimeError(f"turn {turn}: {r.error}")
+            out.append((len(prompt), r.ttft))
+            print(f"    turn {turn}: prompt {len(prompt)} tokens, TTFT {r.ttft * 1000:.0f} ms", flush=True)
+            history = prompt + REPLY
+    return out
+
+
+async def throughput(url: str, timeout: float) -> dict[int, float]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+    body = {"model": model, "prompt": [(i * 7) % 500 + 6 for i in range(16)], "max_tokens": 64,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0}
+    await run_level(url, {}, {**body, "max_tokens": 4}, 1, 1, timeout)  # warm-up
+    rates = {}
+    for c, n in ((1, 3), (16, 32)):
+        res = await run_level(url, {}, body, c, n, timeout)
+        if res.ok != n:
+            raise RuntimeError(f"concurrency {c}: {res.errors[:1]}")
+        rates[c] = res.tok_per_s
+        print(f"    concurrency {c}: {res.tok_per_s:.1f} tok/s aggregate", flush=True)
+    return rates
+
+
+def concurrency(folder: Path, budget: int, max_model_len: int) -> dict:
+    """Peak running 256-token sequences in the planned paged pool, in-process (the engine's own count)."""
+    from engine.llm_engine import LLMEngine
+    from engine.loader import EngineArgs
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model=str(folder), max_device_memory=budget, max_model_len=max_model_len,
+                                  max_num_seqs=256, show_progress=False))
+    try:
+        plan = engine.plan
+        bpt = plan.kv_cache_bytes // (plan.num_kv_blocks * plan.kv_block_size)
+        slot_seqs = plan.kv_cache_bytes // (max_model_len * bpt)
+        fits = plan.num_kv_blocks * plan.kv_block_size // 256
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for i in range(fits + 4):  # distinct prompts: no prefix sharing inflates the count
+            engine.add_request([(i * 37 + j * 11) % 500 + 6 + (j == 0) * i for j in range(240)], params)
+        peak, t0 = 0, time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            peak = max(peak, engine.num_running())
+        kv = engine.kv_telemetry()
+        return dict(pool_bytes=plan.kv_cache_bytes, blocks=plan.num_kv_blocks, slot=slot_seqs, paged=peak,
+                    preemptions=kv.preemptions, seconds=time.perf_counter() - t0, requests=fits + 4)
+    finally:
+        engine.close()
+
+
+def run(ns: argparse.Namespace) -> int:
+    parts = {p.strip() for p in ns.parts.split(",") if p.strip()}
+    folder = bench_model_path() if ns.model == "bench" else Path(ns.model)
+    fp32 = weight_bytes(folder, "float32")[0]
+    budget = int(ns.budget_fraction * fp32)
+    print(f"model {folder}; budget {budget / 1e6:.0f} MB = {ns.budget_fraction:.0%} of the fp32 weights "
+          f"({fp32 / 1e9:.2f} GB); machine: {machine_description()}", flush=True)
+    common = ["--max-model-len", str(ns.max_model_len), "--max-num-seqs", "16"]
+    ttft: dict[str, list] = {}
+    rates: dict[int, float] = {}
+    logdir = Path("/tmp")
+    for name, flags in (("prefix caching", []), ("no prefix caching", ["--no-enable-prefix-caching"])):
+        if "chat" not in parts and (name != "prefix caching" or "throughput" not in parts):
+            continue
+        proc, url = launch(folder, budget, logdir / f"bench-paged-{name.replace(' ', '-')}.log", common + flags)
+        try:
+            if "chat" in parts:
+                print(f"  chat, {name}:", flush=True)
+                ttft[name] = asyncio.run(chat(url, ns.turns, ns.timeout))
+            if "throughput" in parts and name == "prefix caching":
+                print("  throughput:", flush=True)
+                rates = asyncio.run(throughput(url, ns.timeout))
+        finally:
+            stop(proc)
+    conc = concurrency(folder, budget, 2048) if "concurrency" in parts else None
+
+    print()
+    if ttft:
+        on, off = ttft.get("prefix caching"), ttft.get("no prefix caching")
+        rows = []
+        for i in range(len(on or off)):
+            a = on[i][1] if on else None
+            b = off[i][1] if off else None
+            rows.append([str(i + 1), str((on or off)[i][0]), fmt(a * 1000 if a else None, 0),
+                         fmt(b * 1000 if b else None, 0), fmt(b / a if a and b else None, 1) + "x"])
+        print(table(["turn", "prompt tokens", "TTFT cached (ms)", "TTFT uncached (ms)", "uncached / cached"], rows))
+        print()
+    if conc:
+        print(table(["KV pool", "slot cache (max_model_len 2048 each)", "paged, measured peak", "ratio",
+                     "preemptions"],
+                    [[f"{conc['pool_bytes'] / 2**20:.1f} MiB ({conc['blocks']} blocks)", str(conc["slot"]),
+                      str(conc["paged"]), fmt(conc["paged"] / max(conc["slot"], 1), 1) + "x",
+                      str(conc["preemptions"])]]))
+        print()
+    if rates:
+        print(table(["concurrency", "aggregate tok/s", "vs 1"],
+                    [[str(c), fmt(r, 1), fmt(r / rates[1], 1) + "x"] for c, r in rates.items()]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("python -m bench.paged", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
