@@ -218,9 +218,9 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             f"{format_bytes(p.min_budget())}; raise --max-device-memory or lower --max-model-len"
         )
     if blocks < target:
-        notes.append(f"KV pool of {blocks} blocks ({blocks * p.kv_block_size} tokens) is less than "
-                     f"{target} ({'--kv-cache-memory' if p.kv_cache_bytes else f'{p.max_num_seqs} x max_model_len'}): "
-                     "long sequences run fewer at a time")
+        wanted = "--kv-cache-memory" if p.kv_cache_bytes else f"{p.max_num_seqs} x max_model_len"
+        notes.append(f"KV pool of {blocks} blocks ({blocks * p.kv_block_size} tokens) is less than the {target} "
+                     f"blocks of {wanted}: long sequences run fewer at a time")
     room -= blocks * per_block
     if room >= all_blocks:
         return plan(list(range(p.num_layers)), 0, blocks)
