@@ -62,22 +62,25 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-async def chat(url: str, turns: int, timeout: float) -> list[tuple[int, float]]:
+async def chat(urls: dict[str, str], turns: int, timeout: float) -> dict[str, list[tuple[int, float]]]:
+    """The same chat against each server, turn by turn in alternation, so that both see the same
+    machine load at each turn (this machine is shared)."""
     import httpx
 
+    out: dict[str, list[tuple[int, float]]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=timeout) as client:
-        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        models = {name: (await client.get(f"{url}/v1/models")).json()["data"][0]["id"] for name, url in urls.items()}
         history: list[int] = []
-        out = []
         for turn in range(1, turns + 1):
             prompt = history + _turn_tokens(turn)
-            body = {"model": model, "prompt": prompt, "max_tokens": len(REPLY), "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "logprobs": 0}
-            r = await one_request(client, url, body, timeout)
-            if not r.ok:
-                raise RuntimeError(f"turn {turn}: {r.error}")
-            out.append((len(prompt), r.ttft))
-            print(f"    turn {turn}: prompt {len(prompt)} tokens, TTFT {r.ttft * 1000:.0f} ms", flush=True)
+            for name, url in urls.items():
+                body = {"model": models[name], "prompt": prompt, "max_tokens": len(REPLY), "temperature": 0.0,
+                        "ignore_eos": True, "stream": True, "logprobs": 0}
+                r = await one_request(client, url, body, timeout)
+                if not r.ok:
+                    raise RuntimeError(f"{name}, turn {turn}: {r.error}")
+                out[name].append((len(prompt), r.ttft))
+                print(f"    {name}, turn {turn}: prompt {len(prompt)} tokens, TTFT {r.ttft * 1000:.0f} ms", flush=True)
             history = prompt + REPLY
     return out
 
@@ -137,19 +140,24 @@ def run(ns: argparse.Namespace) -> int:
     common = ["--max-model-len", str(ns.max_model_len), "--max-num-seqs", "16"]
     ttft: dict[str, list] = {}
     rates: dict[int, float] = {}
-    logdir = Path("/tmp")
-    for name, flags in (("prefix caching", []), ("no prefix caching", ["--no-enable-prefix-caching"])):
-        if "chat" not in parts and (name != "prefix caching" or "throughput" not in parts):
-            continue
-        proc, url = launch(folder, budget, logdir / f"bench-paged-{name.replace(' ', '-')}.log", common + flags)
-        try:
-            if "chat" in parts:
-                print(f"  chat, {name}:", flush=True)
-                ttft[name] = asyncio.run(chat(url, ns.turns, ns.timeout))
-            if "throughput" in parts and name == "prefix caching":
-                print("  throughput:", flush=True)
-                rates = asyncio.run(throughput(url, ns.timeout))
-        finally:
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for name, flags in (("prefix caching", []), ("no prefix caching", ["--no-enable-prefix-caching"])):
+            if name == "prefix caching" or "chat" in parts:
+                log = Path("/tmp") / f"bench-paged-{name.replace(' ', '-')}.log"
+                servers[name] = launch(folder, budget, log, common + flags)
+        if "chat" in parts:
+            print("  chat:", flush=True)
+            ttft = asyncio.run(chat({name: url for name, (_, url) in servers.items()}, ns.turns, ns.timeout))
+        for name, (proc, _) in list(servers.items()):
+            if name != "prefix caching":
+                stop(proc)
+                del servers[name]
+        if "throughput" in parts:
+            print("  throughput:", flush=True)
+            rates = asyncio.run(throughput(servers["prefix caching"][1], ns.timeout))
+    finally:
+        for proc, _ in servers.values():
             stop(proc)
     conc = concurrency(folder, budget, 2048) if "concurrency" in parts else None
 

@@ -296,17 +296,6 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached address (device and host); blocks in use stay with their owners."""
-        for b, h in enumerate(self.hash_of):
-            if h is not None:
-                self.hash_of[b] = None
-        self._by_hash.clear()
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        if self.host is not None:
-            self.host = _HostTier(self.host.num_blocks)
-
     def telemetry(self, bytes_swapped_out: int, bytes_swapped_in: int, preemptions: int) -> KVTelemetry:
         """The snapshot, with the bytes the KV cache actually copied between the tiers."""
         s, host = self.stats, self.host

@@ -114,7 +114,7 @@ class RequestHandle:
             yield item
 
     def abort(self) -> None:
-        """Cancel whatever has not finished (client gone); the engine frees the slots before its
+        """Cancel whatever has not finished (client gone); the engine frees their KV blocks before its
         next step."""
         if self._unfinished:
             self._engine_loop.abort([r for r in self._unfinished])
@@ -248,7 +248,7 @@ class EngineLoop:
                 for rid in arg:
                     t = self._tracked.pop(rid, None)
                     if t is not None and self.engine.abort(rid):
-                        log.info("request %s cancelled, its slot is free", rid)
+                        log.info("request %s cancelled, its KV blocks are free", rid)
                         if self.observer:
                             self.observer.on_finished("abort", t.prompt_tokens)
 

@@ -167,9 +167,6 @@ class LLMEngine:
         kv = self.model.runner.kv
         return self.scheduler.blocks.telemetry(kv.bytes_swapped_out, kv.bytes_swapped_in, self.scheduler.num_preemptions)
 
-    def reset_prefix_cache(self) -> None:
-        self.scheduler.blocks.reset_prefix_cache()
-
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:

@@ -215,7 +215,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             f"{format_bytes(p.global_bytes)}, KV cache for one sequence of {p.max_model_len} tokens "
             f"{format_bytes(one_seq * per_block)}, workspace {format_bytes(p.workspace_bytes)} and "
             f"{p.prefetch_depth + 1} stream buffers of {format_bytes(p.block_bytes)} need at least "
-            f"{format_bytes(p.min_budget())}; raise --max-device-memory or lower --max-model-len"
+            f"{format_bytes(p.min_budget())}; raise --max-device-memory or lower --max-model-len (or "
+            "--max-num-batched-tokens: the workspace holds a chunk's attention scores over the whole context)"
         )
     if blocks < target:
         wanted = "--kv-cache-memory" if p.kv_cache_bytes else f"{p.max_num_seqs} x max_model_len"

@@ -42,7 +42,7 @@ def apply_env_defaults(p: argparse.ArgumentParser) -> None:
         value = os.environ.get(ENV_PREFIX + action.dest.upper())
         if value is None:
             continue
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
             action.default = value.strip().lower() in _TRUE
         else:
             action.default = value

@@ -97,7 +97,7 @@ def parse_flags(args: dict) -> argparse.Namespace:
         if action is None or action.dest == "help":
             raise ValueError(f"unknown argument {key!r}: use a `layerstream serve` flag without its dashes, "
                              "e.g. model=demo num_replicas=2")
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             switches[action.dest] = str(value).strip().lower() in _TRUE  # false must beat a LAYERSTREAM_ default
         else:
             argv += [action.option_strings[0], str(value)]

@@ -69,6 +69,12 @@ def drive(engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]
 def alone(llama_dir):
     """Serves one request at a time, each prompt prefilled in one chunk."""
     llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=1, max_num_batched_tokens=MAX_LEN)
+    yield one_at_a_time(llm)
+    llm.close()
+
+
+def one_at_a_time(llm: LLM):
+    """run(prompt, params) -> Result: the request served alone by llm (memoised)."""
     cache: dict = {}
 
     def run(prompt: list[int], params: SamplingParams) -> Result:
@@ -77,8 +83,7 @@ def alone(llama_dir):
             cache[key] = drive(llm.engine, {0: [("solo", prompt, params)]})["solo"]
         return cache[key]
 
-    yield run
-    llm.close()
+    return run
 
 
 def batched_llm(llama_dir, streaming: bool = False, **kw) -> LLM:

@@ -12,7 +12,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.test_batching import MAX_LEN, assert_same, drive, greedy
+from tests.test_batching import MAX_LEN, assert_same, drive, greedy, one_at_a_time
 
 PREFIX = [(i * 17 + 5) % 500 + 6 for i in range(40)]  # 2.5 blocks of 16 shared by every prompt
 
@@ -26,15 +26,7 @@ def sampled(max_tokens: int, seed: int) -> SamplingParams:
 def reference(llama_dir):
     llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=1, max_num_batched_tokens=MAX_LEN,
               enable_prefix_caching=False)
-    cache: dict = {}
-
-    def run(prompt: list[int], params: SamplingParams):
-        key = (tuple(prompt), repr(params))
-        if key not in cache:
-            cache[key] = drive(llm.engine, {0: [("solo", prompt, params)]})["solo"]
-        return cache[key]
-
-    yield run
+    yield one_at_a_time(llm)
     llm.close()
 
 

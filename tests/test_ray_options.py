@@ -36,6 +36,14 @@ def test_environment_variables_and_switches(monkeypatch):
     assert not parse_flags({"pin_host_memory": "false"}).pin_host_memory
 
 
+def test_prefix_caching_switch_from_arguments_and_environment(monkeypatch):
+    assert parse_flags({}).enable_prefix_caching is True  # on by default
+    assert parse_flags({"enable_prefix_caching": "false"}).enable_prefix_caching is False
+    monkeypatch.setenv("LAYERSTREAM_ENABLE_PREFIX_CACHING", "0")
+    assert parse_flags({}).enable_prefix_caching is False
+    assert parse_flags({"enable_prefix_caching": "true"}).enable_prefix_caching is True
+
+
 @pytest.mark.parametrize("args, message", [
     ({"num_replicas": "0"}, "--num-replicas must be >= 1, got 0"),
     ({"min_replicas": "1"}, "needs both --min-replicas and --max-replicas"),
