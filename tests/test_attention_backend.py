@@ -124,10 +124,11 @@ def test_mixed_step_peak_within_the_planned_workspace(llama_dir, monkeypatch, ch
         chunks = []
         for slot in range(seqs - 1):  # decodes that attend to the whole context
             s = Sequence(f"d{slot}", [3] * (max_len - 1), 4)
-            s.slot, s.output_ids = slot, [7]
+            per_seq = max_len // runner.kv.block_size  # each sequence its own run of blocks
+            s.block_table, s.output_ids = list(range(slot * per_seq, (slot + 1) * per_seq)), [7]
             chunks.append(ScheduledChunk(s, max_len - 1, 1))
         p = Sequence("p", [5] * (tokens - seqs + 1), 4)
-        p.slot = seqs - 1
+        p.block_table = list(range((seqs - 1) * per_seq, seqs * per_seq))
         chunks.append(ScheduledChunk(p, 0, tokens - seqs + 1))
         with torch.inference_mode(), sdpa_kernel([SDPBackend.MATH]):
             runner.execute(chunks)  # warm-up: lazily made buffers are not the step's
