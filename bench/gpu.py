@@ -134,7 +134,7 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
     from transformers.generation.streamers import BaseStreamer
 
     from engine.loader import DTYPE_NAMES
-    from engine.safetensors_index import WeightIndex
+    from engine.weights.safetensors_index import WeightIndex
 
     class Clock(BaseStreamer):
         def __init__(self):

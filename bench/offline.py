@@ -59,7 +59,7 @@ def weight_bytes(folder: Path, dtype_name: str) -> tuple[int, str]:
 
     from engine.arch import load_model_config
     from engine.loader import resolve_dtype
-    from engine.safetensors_index import WeightIndex
+    from engine.weights.safetensors_index import WeightIndex
 
     cfg = load_model_config(folder)
     dtype = resolve_dtype(dtype_name, cfg, torch.device("cpu"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_index import CheckpointError, WeightIndex
+from .weights.safetensors_index import CheckpointError, WeightIndex
 
 # architecture name in config.json -> family flags
 SUPPORTED_ARCHITECTURES = {

@@ -41,7 +41,7 @@ import torch
 
 from . import bandwidth
 from .planner import MemoryPlan, format_bytes
-from .safetensors_index import MADV_POPULATE_READ
+from .weights.safetensors_index import MADV_POPULATE_READ
 from .transport import BlockSource, Ticket, Transport
 
 log = logging.getLogger("layerstream")

@@ -15,7 +15,7 @@ from .arch import ModelConfig, load_model_config, validate_checkpoint
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_memory
 from .runner import ModelRunner
-from .safetensors_index import WeightIndex
+from .weights.safetensors_index import WeightIndex
 from .scheduler import check_at_least_one
 from .streamer import BlockStreamer
 from .transport import BlockSource, CpuTransport, Transport, to_compute

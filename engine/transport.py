@@ -20,7 +20,7 @@ import queue
 import torch
 
 from .arch import ModelConfig
-from .safetensors_index import MADV_POPULATE_READ, WeightIndex
+from .weights.safetensors_index import MADV_POPULATE_READ, WeightIndex
 
 
 class BlockSource:

@@ -13,7 +13,7 @@ from engine import disk_bandwidth as dbw
 from engine.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
 from engine.llm import LLM
 from engine.planner import PlanInputs, assign_host_tier, plan_memory
-from engine.safetensors_index import WeightIndex
+from engine.weights.safetensors_index import WeightIndex
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["The quick brown fox", "Hello world! How are", "def main():"]
