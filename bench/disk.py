@@ -142,7 +142,7 @@ def _read_only_pass(model: str, plans) -> tuple[int, float]:
     """One step's disk reads again, same reader, same files, nothing else running in this process:
     the speed the disk gives this access pattern right now, a second measure of the floor taken
     seconds after the decode (the standalone measurements can land in a slower minute)."""
-    from engine.disk_reader import DiskReader, StagingBuffer
+    from engine.weights.disk_reader import DiskReader, StagingBuffer
 
     files = sorted(Path(model).glob("*.safetensors"))
     reader = DiskReader(files)

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .disk_reader import ALIGN, CHUNK_BYTES, DiskReader, ReadPlan, StagingBuffer, Span
+from .weights.disk_reader import ALIGN, CHUNK_BYTES, DiskReader, ReadPlan, StagingBuffer, Span
 
 log = logging.getLogger("layerstream")
 

@@ -17,7 +17,7 @@ import queue
 
 import torch
 
-from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
+from .weights.disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
 from .transport import BlockSource, CpuTransport, Ticket, Transport, to_compute
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import disk_bandwidth as dbw
-from engine.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
+from engine.weights.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
 from engine.llm import LLM
 from engine.planner import PlanInputs, assign_host_tier, plan_memory
 from engine.weights.safetensors_index import WeightIndex

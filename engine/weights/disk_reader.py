@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .weights.safetensors_index import TensorEntry
+from .safetensors_index import TensorEntry
 
 # O_DIRECT wants file offset, length and memory address aligned to the logical block size
 # (512 or 4096 bytes); 4096 satisfies both and is the page size, so buffers are page aligned too.
