@@ -277,7 +277,7 @@ def run(ns: argparse.Namespace) -> int:
             raise ValueError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
     if ns.decode_tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
-    from engine.disk_bandwidth import disk_bandwidth
+    from engine.weights.disk_bandwidth import disk_bandwidth
     from engine.planner import format_bytes, parse_bytes
 
     model = Path(ns.model) if ns.model else bench_model_path()

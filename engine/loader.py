@@ -184,7 +184,7 @@ def _assign_disk_tier(plan: MemoryPlan, index: WeightIndex, host_room: int, host
     assign_host_tier(plan, host_room, host_fixed, block_bytes, force_disk=force_disk)
     if not plan.disk_blocks:
         return
-    from .disk_bandwidth import disk_bandwidth
+    from .weights.disk_bandwidth import disk_bandwidth
 
     try:
         plan.disk_gbps = disk_bandwidth(index.files.keys()).gbps

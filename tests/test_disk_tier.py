@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine import disk_bandwidth as dbw
+from engine.weights import disk_bandwidth as dbw
 from engine.weights.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
 from engine.llm import LLM
 from engine.planner import PlanInputs, assign_host_tier, plan_memory

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .weights.disk_reader import ALIGN, CHUNK_BYTES, DiskReader, ReadPlan, StagingBuffer, Span
+from .disk_reader import ALIGN, CHUNK_BYTES, DiskReader, ReadPlan, StagingBuffer, Span
 
 log = logging.getLogger("layerstream")
 
@@ -50,7 +50,7 @@ def filesystem_key(path: str | os.PathLike) -> str:
 
 
 def _cache_path() -> Path:
-    from .demo import cache_root
+    from ..demo import cache_root
 
     return cache_root() / CACHE_FILE
 
