@@ -185,7 +185,7 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
 def run(ns: argparse.Namespace) -> int:
     import torch
 
-    from engine import bandwidth
+    from engine.weights import bandwidth
 
     # The transport logs its measured bandwidth and the expected time per step at start-up.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

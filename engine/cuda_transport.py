@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bandwidth
+from .weights import bandwidth
 from .planner import MemoryPlan, format_bytes
 from .weights.safetensors_index import MADV_POPULATE_READ
 from .transport import BlockSource, Ticket, Transport

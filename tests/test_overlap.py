@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.bandwidth import efficiency, stream_link_gbps
+from engine.weights.bandwidth import efficiency, stream_link_gbps
 from engine.loader import EngineArgs, load_model
 from engine.scheduler import ScheduledChunk, Sequence
 from engine.simulated_transport import SimulatedTransport
@@ -348,7 +348,7 @@ def test_protocol_check_catches_a_missing_free_event(llama_dir, streamed_budget,
 
 
 def test_expected_step_and_efficiency_arithmetic():
-    from engine.bandwidth import StepEstimate, decode_compute_seconds, expected_step
+    from engine.weights.bandwidth import StepEstimate, decode_compute_seconds, expected_step
     from engine.planner import PlanInputs, plan_memory
 
     plan = plan_memory(PlanInputs(num_layers=10, block_bytes=100_000_000, global_bytes=50_000_000,

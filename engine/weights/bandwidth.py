@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .planner import MemoryPlan, format_bytes
+from ..planner import MemoryPlan, format_bytes
 
 GB = 1e9
 
