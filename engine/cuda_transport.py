@@ -42,7 +42,7 @@ import torch
 from .weights import bandwidth
 from .planner import MemoryPlan, format_bytes
 from .weights.safetensors_index import MADV_POPULATE_READ
-from .transport import BlockSource, Ticket, Transport
+from .weights.transport import BlockSource, Ticket, Transport
 
 log = logging.getLogger("layerstream")
 

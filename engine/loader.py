@@ -18,7 +18,7 @@ from .runner import ModelRunner
 from .weights.safetensors_index import WeightIndex
 from .scheduler import check_at_least_one
 from .streamer import BlockStreamer
-from .transport import BlockSource, CpuTransport, Transport, to_compute
+from .weights.transport import BlockSource, CpuTransport, Transport, to_compute
 
 log = logging.getLogger("layerstream")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .transport import Ticket, Transport
+from .weights.transport import Ticket, Transport
 
 
 @dataclass

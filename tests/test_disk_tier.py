@@ -191,7 +191,7 @@ def test_disk_block_is_viewed_in_place_and_buffers_recycle(llama_dir):
     buffers serve any number of blocks because retire() hands each back."""
     from engine.arch import load_model_config
     from engine.disk_transport import DiskTransport
-    from engine.transport import BlockSource
+    from engine.weights.transport import BlockSource
 
     cfg = load_model_config(llama_dir)
     index = WeightIndex(llama_dir)

@@ -150,7 +150,7 @@ def test_simulated_outputs_equal_reference_and_resident(llama_dir, streamed_budg
 
 
 def test_simulated_transport_rejects_bad_rates(monkeypatch):
-    from engine.transport import CpuTransport
+    from engine.weights.transport import CpuTransport
 
     inner = CpuTransport.__new__(CpuTransport)
     inner.device, inner.dtype = torch.device("cpu"), torch.float32

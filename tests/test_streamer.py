@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.streamer import BlockStreamer
-from engine.transport import Ticket, Transport
+from engine.weights.transport import Ticket, Transport
 
 
 class CountingTransport(Transport):

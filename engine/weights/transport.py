@@ -19,8 +19,8 @@ import queue
 
 import torch
 
-from .arch import ModelConfig
-from .weights.safetensors_index import MADV_POPULATE_READ, WeightIndex
+from ..arch import ModelConfig
+from .safetensors_index import MADV_POPULATE_READ, WeightIndex
 
 
 class BlockSource:
