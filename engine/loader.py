@@ -17,7 +17,7 @@ from .planner import MemoryPlan, PlanError, PlanInputs, assign_host_tier, format
 from .runner import ModelRunner
 from .weights.safetensors_index import WeightIndex
 from .scheduler import check_at_least_one
-from .streamer import BlockStreamer
+from .weights.streamer import BlockStreamer
 from .weights.transport import BlockSource, CpuTransport, Transport, to_compute
 
 log = logging.getLogger("layerstream")

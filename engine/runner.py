@@ -16,7 +16,7 @@ from .arch import ModelConfig
 from .kv_cache import KVCache
 from .planner import MemoryPlan
 from .scheduler import ScheduledChunk
-from .streamer import BlockStreamer, StreamStats
+from .weights.streamer import BlockStreamer, StreamStats
 
 
 @dataclass

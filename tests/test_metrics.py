@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.runner import StepTiming
-from engine.streamer import StreamStats
+from engine.weights.streamer import StreamStats
 from engine.structured_output import MaskStats
 from server.metrics import ServerMetrics
 

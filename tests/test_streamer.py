@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from engine.streamer import BlockStreamer
+from engine.weights.streamer import BlockStreamer
 from engine.weights.transport import Ticket, Transport
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights.transport import Ticket, Transport
+from .transport import Ticket, Transport
 
 
 @dataclass
