@@ -160,7 +160,7 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
             cuda.disk = DiskTransport(source, ckpt_dtype, plan.disk_blocks, depth=0)
         return cuda
     if kind == "simulated":
-        from .simulated_transport import SimulatedTransport
+        from .weights.simulated_transport import SimulatedTransport
 
         return SimulatedTransport(CpuTransport(source, dtype, release_pages=release_pages))
     raise ValueError(f"unknown transport {args.transport!r}")

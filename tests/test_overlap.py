@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine.weights.bandwidth import efficiency, stream_link_gbps
 from engine.loader import EngineArgs, load_model
 from engine.scheduler import ScheduledChunk, Sequence
-from engine.simulated_transport import SimulatedTransport
+from engine.weights.simulated_transport import SimulatedTransport
 from tests.test_reference import PROMPT, prompt_logits, reference_greedy
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 
-from .weights.transport import Ticket, Transport
+from .transport import Ticket, Transport
 
 
 def _env_float(name: str, default: float) -> float:
