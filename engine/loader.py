@@ -142,7 +142,7 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     if kind == "disk":
         if args.device != "cpu":
             raise ValueError(f"the disk transport computes on the CPU; got device {args.device!r}")
-        from .disk_transport import DiskTransport
+        from .weights.disk_transport import DiskTransport
 
         return DiskTransport(source, dtype, plan.disk_blocks, args.prefetch_depth)
     if kind == "cpu":
@@ -153,7 +153,7 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
         cuda = CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
                              host_budget=host_room, release_pages=release_pages)
         if plan.disk_blocks:
-            from .disk_transport import DiskTransport
+            from .weights.disk_transport import DiskTransport
 
             # Read in the checkpoint's dtype (views, no conversion): filling pinned staging converts.
             ckpt_dtype = source.index.entry(source.names(plan.disk_blocks[0])["wq"]).dtype

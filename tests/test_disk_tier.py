@@ -190,7 +190,7 @@ def test_disk_block_is_viewed_in_place_and_buffers_recycle(llama_dir):
     """Same dtype: a disk block's tensors are views into a staging buffer (no copy), and depth + 1
     buffers serve any number of blocks because retire() hands each back."""
     from engine.arch import load_model_config
-    from engine.disk_transport import DiskTransport
+    from engine.weights.disk_transport import DiskTransport
     from engine.weights.transport import BlockSource
 
     cfg = load_model_config(llama_dir)

@@ -17,8 +17,8 @@ import queue
 
 import torch
 
-from .weights.disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
-from .weights.transport import BlockSource, CpuTransport, Ticket, Transport, to_compute
+from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
+from .transport import BlockSource, CpuTransport, Ticket, Transport, to_compute
 
 
 class DiskTransport(Transport):
