@@ -148,7 +148,7 @@ def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, pl
     if kind == "cpu":
         return CpuTransport(source, dtype, release_pages=release_pages)
     if kind == "cuda":
-        from .cuda_transport import CudaTransport
+        from .weights.cuda_transport import CudaTransport
 
         cuda = CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
                              host_budget=host_room, release_pages=release_pages)
@@ -283,7 +283,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
             transport.close()
         index.close()
         if isinstance(e, torch.OutOfMemoryError):
-            from .cuda_transport import out_of_memory_error
+            from .weights.cuda_transport import out_of_memory_error
 
             raise out_of_memory_error(plan, torch.device(args.device), e) from e
         raise

@@ -136,7 +136,7 @@ def test_copies_overlap_compute(mid_model):
     """CUDA events around every copy (copy stream) and every block's kernels (compute stream): the
     copy of the next block runs while the current one computes, a step takes well under
     copy + compute, and the overlapped step's logits are the all-resident model's."""
-    from engine.cuda_transport import CudaTransport
+    from engine.weights.cuda_transport import CudaTransport
 
     budget = budget_for(mid_model, resident=0, dtype="bfloat16")
     resident = LLM(str(mid_model), device="cuda", max_model_len=128, max_num_seqs=2)
@@ -245,7 +245,7 @@ def test_no_buffer_reuse_hazard_under_stress(llama_dir, resident_refs, pin, dept
 
 def test_startup_oom_names_the_plan(llama_dir):
     """A plan that claims more than the GPU has (budget given by hand) fails with the plan in the message."""
-    from engine.cuda_transport import DeviceMemoryError
+    from engine.weights.cuda_transport import DeviceMemoryError
 
     _free, total = torch.cuda.mem_get_info()
     seqs = int(2 * total / (128 * 1280)) + 1  # KV cache of the tiny llama: 1280 bytes per token per sequence
@@ -266,7 +266,7 @@ def test_failed_host_register_falls_back_cleanly(monkeypatch):
     """A cudaHostRegister that fails (here: registering pages already registered, the way a sandbox
     without it would) leaves its error pending in the runtime; pinned_bytes must fall back to the
     pinned allocator and leave nothing for the next kernel launch to raise."""
-    from engine.cuda_transport import PAGE, CudaRuntime
+    from engine.weights.cuda_transport import PAGE, CudaRuntime
 
     rt = CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
     first = rt.pinned_bytes(PAGE)

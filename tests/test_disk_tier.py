@@ -269,7 +269,7 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
     """The GPU path on CPU: CudaTransport replayed with the recording runtime of test_overlap; the
     blocks the host tier leaves on disk go disk -> aligned buffer -> staging -> device buffer, with
     the event protocol intact and the tokens of the resident run."""
-    import engine.cuda_transport as ct
+    import engine.weights.cuda_transport as ct
     from tests.test_overlap import RecordingRuntime, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)

@@ -282,7 +282,7 @@ def check_protocol(t, log) -> int:
 
 @pytest.fixture
 def recording_cuda(monkeypatch):
-    import engine.cuda_transport as ct
+    import engine.weights.cuda_transport as ct
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
 
@@ -301,8 +301,8 @@ def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cu
                                         parallel):
     """CudaTransport's packing, staging (serial, and in 4 KiB pieces on 4 threads), pinned cache,
     views and event order, run for real on CPU, with outputs compared against the resident model."""
-    import engine.cuda_transport as ct
-    from engine.cuda_transport import CudaTransport
+    import engine.weights.cuda_transport as ct
+    from engine.weights.cuda_transport import CudaTransport
 
     if parallel:
         monkeypatch.setattr(ct, "FILL_CHUNK", 4096)

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights import bandwidth
-from .planner import MemoryPlan, format_bytes
-from .weights.safetensors_index import MADV_POPULATE_READ
-from .weights.transport import BlockSource, Ticket, Transport
+from . import bandwidth
+from ..planner import MemoryPlan, format_bytes
+from .safetensors_index import MADV_POPULATE_READ
+from .transport import BlockSource, Ticket, Transport
 
 log = logging.getLogger("layerstream")
 
@@ -290,7 +290,7 @@ class CudaTransport(Transport):
     # -- load time ---------------------------------------------------------------------------
     def _pin_all(self, streamed: list[int], host_budget: int | None) -> None:
         """Convert and pin every streamed block once; prepare() then only issues DMAs."""
-        from .loader import host_memory_available
+        from ..loader import host_memory_available
 
         need = sum(self._layout[b].nbytes for b in streamed)
         room = (host_budget or host_memory_available()) - HOST_MARGIN
