@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from .args import EngineArgs
 from .llm_engine import LLMEngine, RequestOutput
-from .loader import EngineArgs
 from .sampling_params import SamplingParams
+from .telemetry import EngineTelemetry
 
 log = logging.getLogger("layerstream")
 
@@ -40,13 +41,14 @@ class EngineStepError(RuntimeError):
 
 class EngineObserver(Protocol):
     """What the engine thread reports (the server turns it into Prometheus metrics). Called on the
-    engine thread, so implementations must be cheap and thread-safe. on_finished's reason is the
-    request's finish_reason ("stop", "length"), "abort" when cancelled, or "error" when an engine
-    step raised while it was in flight."""
+    engine thread, so implementations must be cheap and thread-safe. on_step gets the telemetry
+    snapshot taken right after the step. on_finished's reason is the request's finish_reason
+    ("stop", "length"), "abort" when cancelled, or "error" when an engine step raised while it was
+    in flight."""
 
     def on_queue(self, engine: LLMEngine) -> None: ...
 
-    def on_step(self, engine: LLMEngine) -> None: ...
+    def on_step(self, telemetry: EngineTelemetry) -> None: ...
 
     def on_token(self, first: bool, seconds: float) -> None: ...
 
@@ -136,6 +138,7 @@ class EngineLoop:
         self.state = "loading"
         self.error: BaseException | None = None
         self.engine: LLMEngine | None = None
+        self._telemetry: EngineTelemetry | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread = threading.Thread(target=self._run, name="layerstream-engine", daemon=True)
@@ -153,6 +156,11 @@ class EngineLoop:
     def tokenizer(self):
         self._check_ready()
         return self.engine.tokenizer
+
+    def telemetry(self) -> EngineTelemetry | None:
+        """The engine's latest telemetry snapshot (taken after each step on the engine thread, so
+        reading it never races a step); None until the model has loaded."""
+        return self._telemetry
 
     @property
     def max_model_len(self) -> int:
@@ -216,6 +224,7 @@ class EngineLoop:
             if self._on_failed:
                 self._on_failed(e)
             return
+        self._telemetry = self.engine.telemetry()
         self.state = "ready"
         log.info("engine ready: max_model_len %d, max_num_seqs %d", self.engine.max_model_len,
                  self.engine.plan.max_num_seqs)
@@ -283,6 +292,7 @@ class EngineLoop:
                 t.handle._post(error)
             return
         now = time.perf_counter()
+        self._telemetry = self.engine.telemetry()
         obs = self.observer
         for out in outputs:
             t = self._tracked.get(out.request_id)
@@ -297,5 +307,5 @@ class EngineLoop:
                     obs.on_finished(out.finish_reason or "stop", t.prompt_tokens)
             t.handle._post(out)
         if obs:
-            obs.on_step(self.engine)
+            obs.on_step(self._telemetry)
             obs.on_queue(self.engine)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .llm_engine import LLMEngine
-from .loader import EngineArgs
+from .args import EngineArgs
 from .planner import MemoryPlan
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
@@ -38,6 +38,10 @@ class LLM:
     @property
     def plan(self) -> MemoryPlan:
         return self.engine.plan
+
+    def telemetry(self):
+        """The engine's telemetry snapshot (engine.telemetry.EngineTelemetry)."""
+        return self.engine.telemetry()
 
     @property
     def tokenizer(self):

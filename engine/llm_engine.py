@@ -10,14 +10,18 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
+from .args import EngineArgs
 from .detokenizer import IncrementalDetokenizer
-from .loader import EngineArgs, LoadedModel, load_model
+from .loader import LoadedModel, load_model
 from .model_source import resolve_model
 from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, Sequence
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 from .structured_output import GrammarCompiler, Guide
+from .telemetry import EngineTelemetry, KVUsage, PlanSummary, StepTelemetry
 
 log = logging.getLogger("layerstream")
 
@@ -64,20 +68,28 @@ def load_tokenizer(path):
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, tokenizer=None):
-        self.args = args
         path = resolve_model(args.model, show_progress=args.show_progress)
         self.model: LoadedModel = load_model(args, path)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-        plan = self.model.plan
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=plan.max_num_seqs,
-            max_num_batched_tokens=max(args.max_num_batched_tokens, plan.max_num_seqs),
-            max_model_len=plan.max_model_len,
-            max_queue=args.max_queue,
-        ))
+        try:
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+            plan = self.model.plan
+            self.scheduler = Scheduler(SchedulerConfig(
+                max_num_seqs=plan.max_num_seqs,
+                max_num_batched_tokens=max(args.max_num_batched_tokens, plan.max_num_seqs),
+                max_model_len=plan.max_model_len,
+                max_queue=args.max_queue,
+            ))
+        except BaseException:
+            self.model.close()  # a tokenizer that does not load: the weights stream no more
+            raise
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
+        self._steps = 0
+        try:
+            self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
+        except BaseException:
+            self.model.close()
+            raise
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model.cfg.eos_token_ids)
@@ -156,6 +168,7 @@ class LLMEngine:
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
         logits = self.model.runner.execute(chunks).cpu()
+        self._steps += 1
         outputs = []
         row = 0
         for chunk in chunks:
@@ -199,7 +212,41 @@ class LLMEngine:
             ))
         return outputs
 
+    def telemetry(self) -> EngineTelemetry:
+        """A snapshot of what the engine is doing: the plan, bytes streamed (last step and in total,
+        by tier), time compute waited for weights, achieved GB/s and % of the measured floor, KV-cache
+        usage. Cheap; meant to be read after every step (the server's /metrics does)."""
+        weights = self.model.weights.telemetry()
+        last = self.model.runner.last_step
+        plan = self.model.plan
+        running = list(self.scheduler.running)
+        return EngineTelemetry(
+            plan=PlanSummary.of(plan, weights.links),
+            links=weights.links,
+            transport_name=weights.transport_name,
+            dtype=str(self.model.dtype).replace("torch.", ""),
+            steps=self._steps,
+            last_step=None if last is None else StepTelemetry.of(last.seconds, last.stream, weights.links),
+            total=weights.stream,
+            kv=KVUsage(plan.max_num_seqs, len(running), plan.max_model_len,
+                       sum(s.num_computed for s in running), plan.kv_cache_bytes),
+            pinned_host_bytes=weights.pinned_host_bytes,
+            buffer_sets=weights.buffer_sets,
+            blocks_converted=weights.blocks_converted,
+            structured_output=self.grammar.stats.snapshot(),
+            pinned_cache=weights.pinned_cache,
+        )
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """fp32 logits (vocab,) of the token after `prompt_ids`, from one prefill step in KV slot 0,
+        outside the scheduler: for tests and tools comparing against a reference, not while requests run."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
+        seq = Sequence("prompt-logits", list(prompt_ids), 1)
+        seq.slot = 0
+        return self.model.runner.execute([ScheduledChunk(seq, 0, len(prompt_ids))])[0]
+
     def close(self) -> None:
+        """Stop streaming and release the model's threads, buffers, pinned memory and files."""
         self.grammar.close()
-        self.model.runner.streamer.close()
-        self.model.index.close()
+        self.model.close()

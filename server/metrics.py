@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
 
-from engine.weights.bandwidth import efficiency, stream_link_gbps
+from engine.telemetry import EngineTelemetry, PlanSummary
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -56,17 +56,20 @@ class ServerMetrics:
         self.step_seconds = Histogram("layerstream_step_seconds", "wall time of one engine step", labels,
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.steps = Counter("layerstream_steps", "engine steps", labels, registry=r)
+        self.tier_bytes = Counter("layerstream_streamed_tier_bytes", "bytes streamed in all steps by the tier "
+                                  "the blocks came from (host memory, or read from disk each step)",
+                                  labels + ["tier"], registry=r)
         self.masks = Gauge("layerstream_structured_output_mask_seconds", "seconds spent on structured-output "
                            "token masks since start: kind=compute (worker thread, overlapped with the forward "
                            "pass) or wait (the engine thread waiting for a mask before sampling)",
                            labels + ["kind"], registry=r)
         self.vllm = _VLLMNames(r, labels)
 
-    def set_plan(self, plan) -> None:
+    def set_plan(self, plan: PlanSummary) -> None:
         m = self._model
-        self.blocks_resident.labels(m).set(len(plan.resident_blocks))
-        self.blocks_streamed.labels(m).set(len(plan.streamed_blocks))
-        self.plan_bytes_per_step.labels(m).set(plan.streamed_bytes_per_step)
+        self.blocks_resident.labels(m).set(plan.blocks_resident)
+        self.blocks_streamed.labels(m).set(plan.blocks_streamed)
+        self.plan_bytes_per_step.labels(m).set(plan.planned_bytes_per_step)
 
     # -- EngineObserver ---------------------------------------------------------------------------
     def on_queue(self, engine) -> None:
@@ -79,26 +82,25 @@ class ServerMetrics:
         self.vllm.kv_usage.labels(m).set(usage)
         self.vllm.gpu_cache_usage.labels(m).set(usage)
 
-    def on_step(self, engine) -> None:
+    def on_step(self, telemetry: EngineTelemetry) -> None:
         m = self._model
-        timing = engine.model.runner.last_step
-        if timing is None:
+        step = telemetry.last_step
+        if step is None:
             return
         self.steps.labels(m).inc()
-        self.step_seconds.labels(m).observe(timing.seconds)
-        s = timing.stream
+        self.step_seconds.labels(m).observe(step.seconds)
+        s = step.stream
         self.step_bytes.labels(m).set(s.bytes_streamed)
         self.bytes_total.labels(m).inc(s.bytes_streamed)
         self.stall.labels(m).observe(max(0.0, s.stall_seconds))
-        runner = engine.model.runner
-        gbps, floor = efficiency(s.bytes_streamed, timing.seconds,
-                                 stream_link_gbps(runner.streamer.transport, engine.plan))
-        self.gbps.labels(m).set(gbps)
-        if floor is not None:
-            self.floor_pct.labels(m).set(floor)
-        stats = engine.grammar.stats
-        self.masks.labels(m, "compute").set(stats.compute_seconds)
-        self.masks.labels(m, "wait").set(stats.wait_seconds)
+        self.tier_bytes.labels(m, "host").inc(s.host_tier_bytes)
+        self.tier_bytes.labels(m, "disk").inc(s.disk_tier_bytes)
+        self.gbps.labels(m).set(step.gbps)
+        if step.floor_percent is not None:
+            self.floor_pct.labels(m).set(step.floor_percent)
+        masks = telemetry.structured_output
+        self.masks.labels(m, "compute").set(masks.compute_seconds)
+        self.masks.labels(m, "wait").set(masks.wait_seconds)
 
     def on_token(self, first: bool, seconds: float) -> None:
         (self.ttft if first else self.tpot).labels(self._model).observe(seconds)

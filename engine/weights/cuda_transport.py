@@ -330,6 +330,10 @@ class CudaTransport(Transport):
     def link_gbps(self) -> float | None:
         return self.h2d_gbps
 
+    @property
+    def pinned_cache(self) -> bool:
+        return bool(self._pinned)
+
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         # Load time only: a pageable synchronous copy is fine, and converting on the device is faster.
         # Each tensor travels in its own checkpoint dtype (a block may mix, e.g. fp32 norms in bf16).

@@ -53,6 +53,7 @@ class Transport(ABC):
     pool: BufferPool | None = None  # host conversion buffers, when this transport converts on the host
     host_bytes: int = 0  # page-locked host memory held
     device_gbps: float | None = None  # measured device memory read speed, when there is a device
+    pinned_cache: bool = False  # streamed blocks kept pinned in host memory (CUDA --pin-host-memory)
 
     @abstractmethod
     def resident(self, block: int) -> dict[str, torch.Tensor]:
