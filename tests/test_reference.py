@@ -34,14 +34,9 @@ def stream_all_but_one_budget(llm_resident) -> int:
 
 def prompt_logits(llm, prompt):
     """Logits for every prompt position, through the engine's own runner (one prefill chunk)."""
-    from engine.scheduler import ScheduledChunk, Sequence
-
-    runner = llm.engine.model.runner
     rows = []
     for end in range(1, len(prompt) + 1):  # prefill the prefix, sample its last token
-        s = Sequence("probe", list(prompt[:end]), 1)
-        s.slot = 0
-        rows.append(runner.execute([ScheduledChunk(s, 0, end)])[0])
+        rows.append(llm.engine.prompt_logits(list(prompt[:end])))
     return torch.stack(rows)
 
 
@@ -63,7 +58,7 @@ def test_matches_transformers(model_dirs, arch, streaming):
         assert out.token_ids == ref_tokens
         assert out.finish_reason == "length"
         if streaming:
-            stats = llm.engine.model.runner.streamer.stats
+            stats = llm.telemetry().total
             assert stats.blocks_streamed >= 32 * len(llm.plan.streamed_blocks)
     finally:
         llm.close()

@@ -55,7 +55,7 @@ def _start(tmp: Path, name: str, argv: list[str], env: dict[str, str]) -> Server
     port = free_port()
     log = tmp / f"{name}.log"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LAYERSTREAM_") or k == "LAYERSTREAM_CACHE"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *argv],
+    proc = subprocess.Popen([sys.executable, "-m", "layerstream", "serve", "--port", str(port), *argv],
                             cwd=ROOT, env={**clean, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, url, log, timeout=180)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.loader import EngineArgs
+from engine import EngineArgs
 from server.app import build_app
 from server.cli import add_arguments
 from server.metrics import ServerMetrics
@@ -182,7 +182,7 @@ def test_flags_from_environment(monkeypatch):
 def test_serve_rejects_max_queue_below_one_in_one_line(capsys):
     """Checked by EngineArgs (as for the Python API), before anything loads or listens; the CLI turns
     the ValueError into one line and status 2, no traceback."""
-    from engine.cli import main
+    from layerstream.cli import main
 
     assert main(["serve", "--max-queue", "0", "--port", "0"]) == 2
     err = capsys.readouterr().err
@@ -190,7 +190,7 @@ def test_serve_rejects_max_queue_below_one_in_one_line(capsys):
 
 
 def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "missing"),
+    proc = subprocess.run([sys.executable, "-m", "layerstream", "serve", "--model", str(tmp_path / "missing"),
                            "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "missing" in proc.stderr and "loading the model failed" in proc.stderr
