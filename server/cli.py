@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 
+from engine import EngineArgs
 from engine.cli import add_engine_arguments, engine_args_from
 
 from .ray_options import add_ray_arguments, serve_on_ray
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model name clients send and /v1/models lists (default: the --model value)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-queue", type=int, default=EngineArgs.default("max_queue"),
                    help="requests waiting for a slot before new ones get 503 + Retry-After")
     add_ray_arguments(p)  # --ray and the replica flags; ray itself is imported only with --ray
     p.epilog = (f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG>, e.g. "
@@ -66,7 +67,7 @@ def build_server(ns: argparse.Namespace, on_failed=None):
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_args)
-        metrics.set_plan(engine.plan)
+        metrics.set_plan(engine.telemetry().plan)
         if ns.model == "demo":
             log.warning("serving the built-in DEMO model as %r: random weights, output is gibberish; "
                         "it exists for smoke tests. Pass --model DIR|HUB_ID to serve a real model.", name)
