@@ -51,6 +51,10 @@ class EngineArgs:
         for name, value in limits.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step")
         check_transport(self.transport, self.device)
 
     @staticmethod

@@ -15,8 +15,6 @@ class KVCache:
         shape = (num_slots, num_kv_heads, max_len, head_dim)  # (slots, kv_heads, positions, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots = num_slots
-        self.max_len = max_len
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -74,9 +74,8 @@ class LLMEngine:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
             plan = self.model.plan
             self.scheduler = Scheduler(SchedulerConfig(
-                max_num_seqs=plan.max_num_seqs,
-                max_num_batched_tokens=max(args.max_num_batched_tokens, plan.max_num_seqs),
-                max_model_len=plan.max_model_len,
+                max_num_seqs=plan.max_num_seqs,  # at most args.max_num_seqs <= max_num_batched_tokens
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_queue=args.max_queue,
             ))
         except BaseException:

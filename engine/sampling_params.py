@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def per_choice(self) -> list["SamplingParams"]:
+        """One single-choice SamplingParams per choice of an n > 1 request: each choice samples
+        independently, and a fixed seed is offset per choice (seed + i), so choice i of a seeded
+        request is reproducible. The offline API and the server both use this."""
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
+
+def normalize_prompts(prompts) -> list:
+    """One prompt or a batch, as a list of prompts: a string, a list of strings, a list of token
+    ids, or a list of token-id lists (what both the offline API and /v1/completions accept)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 class InvalidParameter(ValueError):

@@ -56,29 +56,14 @@ class ScheduledChunk:
         return self.start + self.count == self.seq.num_tokens
 
 
-def check_at_least_one(**limits: int) -> None:
-    """ValueError naming the first of these limits that is below 1 (a count of sequences, tokens,
-    queued requests... where 0 would serve nothing)."""
-    for name, value in limits.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    max_queue: int = 256
+    """The scheduler's share of the engine limits, which EngineArgs validated and the plan may have
+    lowered (max_num_seqs, when the KV cache of every requested sequence does not fit)."""
 
-    def __post_init__(self) -> None:
-        check_at_least_one(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                           max_queue=self.max_queue)
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running sequence can decode each step"
-            )
+    max_num_seqs: int
+    max_num_batched_tokens: int  # >= max_num_seqs, so every running sequence can decode each step
+    max_queue: int
 
 
 class Scheduler:

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from engine.engine_loop import EngineLoop, EngineRequest, RequestHandle
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams, normalize_prompts
 
 from . import structured, tools
 from .errors import APIError, ModelNotFoundError, error_for
@@ -157,10 +157,9 @@ class OpenAIServing:
         response_id = random_id(prefix)
         requests, choices = [], {}
         for p, ids in enumerate(prompts):
-            for i in range(req.n):
+            for i, choice in enumerate(dataclasses.replace(params, n=req.n).per_choice()):
                 rid = f"{response_id}-{p}-{i}"
-                seed = None if params.seed is None else params.seed + i
-                requests.append(EngineRequest(rid, ids, dataclasses.replace(params, seed=seed)))
+                requests.append(EngineRequest(rid, ids, choice))
                 choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "",
                                        tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None)
         handle = self.engine.submit(requests)
@@ -183,12 +182,7 @@ class OpenAIServing:
 
     # -- /v1/completions --------------------------------------------------------------------------
     def _completion_prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
+        prompts = normalize_prompts(prompt)
         if not prompts:
             raise InvalidParameter("prompt", "prompt must not be empty")
         try:

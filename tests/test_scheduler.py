@@ -30,7 +30,7 @@ def shape(chunks: list[ScheduledChunk]) -> list[tuple[str, int, int]]:
 
 
 def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_queue=256))
     a = seq("a", 20)
     sched.add(a)
     steps, samples = [], []
@@ -49,7 +49,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
 
 
 def test_decodes_come_first_and_prefill_gets_what_is_left_of_the_budget():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_queue=256))
     a, b = seq("a", 3), seq("b", 2)
     sched.add(a)
     sched.add(b)
@@ -66,7 +66,7 @@ def test_decodes_come_first_and_prefill_gets_what_is_left_of_the_budget():
 
 @pytest.mark.parametrize("budget", [4, 5, 16])
 def test_no_step_exceeds_the_token_budget(budget):
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_queue=256))
     for i, n in enumerate([9, 1, 13, 4, 6, 2]):
         sched.add(seq(f"s{i}", n, max_tokens=3))
     steps = 0
@@ -80,7 +80,7 @@ def test_no_step_exceeds_the_token_budget(budget):
 
 
 def test_max_num_seqs_bounds_running_and_a_finished_sequence_frees_its_slot_at_once():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_queue=256))
     a, b, c = seq("a", 4, max_tokens=2), seq("b", 4, max_tokens=5), seq("c", 4)
     for s in (a, b, c):
         sched.add(s)
@@ -95,7 +95,7 @@ def test_max_num_seqs_bounds_running_and_a_finished_sequence_frees_its_slot_at_o
 
 
 def test_slots_are_unique_among_running_sequences():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_queue=256))
     for i in range(7):
         sched.add(seq(f"s{i}", 2 + i, max_tokens=1 + i % 3))
     while sched.has_work():
@@ -105,7 +105,7 @@ def test_slots_are_unique_among_running_sequences():
 
 
 def test_cancelling_a_running_sequence_leaves_the_others_positions_alone():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_queue=256))
     a, b, c = seq("a", 3), seq("b", 3), seq("c", 3)
     for s in (a, b, c):
         sched.add(s)
@@ -117,7 +117,7 @@ def test_cancelling_a_running_sequence_leaves_the_others_positions_alone():
 
 
 def test_cancelling_a_waiting_sequence_removes_it_from_the_queue():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_queue=256))
     a, b = seq("a", 3), seq("b", 3)
     sched.add(a)
     sched.add(b)
@@ -129,7 +129,7 @@ def test_cancelling_a_waiting_sequence_removes_it_from_the_queue():
 
 
 def test_a_full_queue_raises_and_admits_again_once_there_is_room():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, max_queue=2))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_queue=2))
     sched.add(seq("a", 3))
     sched.add(seq("b", 3))
     with pytest.raises(QueueFullError):
@@ -141,7 +141,7 @@ def test_a_full_queue_raises_and_admits_again_once_there_is_room():
 
 
 def test_new_requests_join_at_the_next_step_while_others_decode():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_queue=256))
     a = seq("a", 4, max_tokens=10)
     sched.add(a)
     run_step(sched)
@@ -155,5 +155,9 @@ def test_new_requests_join_at_the_next_step_while_others_decode():
 @pytest.mark.parametrize("kwargs", [dict(max_num_seqs=0), dict(max_num_seqs=8, max_num_batched_tokens=4),
                                     dict(max_queue=0), dict(max_queue=-3), dict(max_model_len=0)])
 def test_invalid_config_is_rejected_with_the_value(kwargs):
+    """The limits are validated once, by EngineArgs, for every entry point (SchedulerConfig is built
+    from validated values)."""
+    from engine import EngineArgs
+
     with pytest.raises(ValueError, match=str(list(kwargs.values())[-1])):
-        SchedulerConfig(**kwargs)
+        EngineArgs(model="unused", **kwargs)
