@@ -18,7 +18,7 @@ from .weights import LinkSpeeds, StreamStats, floor_percent
 class PlanSummary:
     blocks_resident: int
     blocks_streamed: int
-    blocks_host_tier: int  # streamed blocks kept in host memory
+    blocks_host_tier: int  # streamed blocks that stay in host memory (page cache, pinned or kept)
     blocks_disk_tier: int  # streamed blocks read from disk each step
     planned_bytes_per_step: int  # streamed blocks x block size (compute dtype)
     planned_disk_bytes_per_step: int
@@ -29,9 +29,10 @@ class PlanSummary:
 
     @staticmethod
     def of(plan: MemoryPlan, links: LinkSpeeds) -> "PlanSummary":
-        return PlanSummary(len(plan.resident_blocks), len(plan.streamed_blocks), len(plan.host_blocks),
-                           len(plan.disk_blocks), plan.streamed_bytes_per_step, plan.disk_bytes_per_step, plan.budget,
-                           plan.device_bytes, plan.release_pages, plan.describe(links.disk_gbps))
+        streamed, disk = len(plan.streamed_blocks), len(plan.disk_blocks)
+        return PlanSummary(len(plan.resident_blocks), streamed, streamed - disk, disk, plan.streamed_bytes_per_step,
+                           plan.disk_bytes_per_step, plan.budget, plan.device_bytes, plan.release_pages,
+                           plan.describe(links.disk_gbps))
 
 
 @dataclass(frozen=True)

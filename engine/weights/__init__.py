@@ -54,7 +54,8 @@ from .streamer import StreamStats
 from .tiers import TRANSPORTS, check_transport
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "DiskBandwidth", "LinkSpeeds", "ModelCheckpoint", "ModelWeights", "PlacedGlobals",
-    "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo", "WeightSizes", "WeightsTelemetry",
-    "check_transport", "efficiency", "expected_step", "floor_percent", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",
+    "CheckpointError", "CheckpointReader", "DiskBandwidth", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
+    "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo", "WeightSizes", "WeightsTelemetry",
+    "check_transport", "efficiency", "expected_step", "floor_percent", "host_to_device_gbps",
+    "measure_disk_bandwidth", "open_checkpoint",
 ]
