@@ -194,3 +194,23 @@ def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
                            "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "missing" in proc.stderr and "loading the model failed" in proc.stderr
+
+
+def test_telemetry_is_reachable_from_the_engine_loop(flaky_engine):
+    """The snapshot /metrics reads is taken on the engine thread after every step and readable from
+    any thread: steps counted once per successful step (as the metrics' step counter), the last
+    step's figures, and a KV cache that is empty again once the request finished."""
+    engine, state, metrics = flaky_engine
+    app = build_app(engine, "m", metrics=metrics)
+    state["fail_after"] = None
+    before = engine.telemetry().steps
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    assert _request(app, "POST", "/v1/completions", json=body).status_code == 200
+    t = engine.telemetry()
+    assert t.steps >= before + 6  # the prefill step gives the first token, each decode step one more
+    assert t.last_step is not None and t.last_step.seconds > 0
+    assert t.kv.slots >= 1 and t.kv.slots_used == 0 and t.kv.tokens_cached == 0
+    text = _request(app, "GET", "/metrics").text
+    steps = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "layerstream_steps_total")
+    assert steps == t.steps
