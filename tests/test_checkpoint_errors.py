@@ -194,3 +194,10 @@ def test_a_bad_shard_leaves_no_file_open(tmp_path):
         with pytest.raises(CheckpointError, match=shards[-1].name):
             open_checkpoint(folder)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_close_twice_is_harmless(llama_dir):
+    """LLM.close() and the engine thread's own close may both run: the second finds nothing open."""
+    llm = LLM(str(llama_dir), max_model_len=32, max_num_seqs=1)
+    llm.close()
+    llm.close()

@@ -72,7 +72,7 @@ class SafetensorsFile:
             # pages stay shared with the page cache unless someone writes to them.
             self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self.file_size else None
         except BaseException:
-            os.close(self._fd)  # a bad header: release the descriptor before the error propagates
+            self.close()  # a bad header: release the descriptor before the error propagates
             raise
 
     def _read_header(self) -> dict[str, TensorInfo]:
@@ -153,12 +153,16 @@ class SafetensorsFile:
             pass  # an older kernel without POPULATE_READ: prefetch degrades to on-demand faults
 
     def close(self) -> None:
+        """Unmap and close the file; closing again does nothing."""
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:
                 pass  # tensors still view the mapping; it is unmapped when they are collected
-        os.close(self._fd)
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class WeightIndex(CheckpointReader):
@@ -239,5 +243,6 @@ class WeightIndex(CheckpointReader):
         return sum(e.nbytes for e in self.entries.values())
 
     def close(self) -> None:
+        """Close every shard; closing again does nothing."""
         for f in self._files.values():
             f.close()
