@@ -460,3 +460,33 @@ def test_failed_cuda_transport_construction_unregisters_pinned_memory(llama_dir,
         LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_model_len=128, max_num_seqs=2)
     assert len(runtimes) == 1 and runtimes[0].ever_registered == 2  # both staging buffers were pinned...
     assert runtimes[0].registered == 0  # ...and are unregistered again
+
+
+@pytest.mark.parametrize("transport", ["cuda", "simulated", "cpu", "disk"],
+                         ids=["cuda-replayed", "simulated", "cpu", "disk"])  # a bare "cuda" id marks it GPU-only
+def test_bytes_streamed_are_counted_where_they_cross_the_link(llama_dir, recording_cuda, monkeypatch, transport):
+    """#18 item 5: an fp32 checkpoint served in bf16 moves bf16 bytes over the link, so a step's
+    bytes_streamed is the plan's streamed bytes in the compute dtype (half the checkpoint's bytes),
+    by tier; the disk tier also counts what it read from disk, in the checkpoint's dtype."""
+    monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "0")  # the simulated link without its sleeps
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(llama_dir.parent / "cache"))  # the disk-speed cache
+    budget = budget_for(llama_dir, resident=1, dtype="bfloat16")
+    llm = LLM(str(llama_dir), dtype="bfloat16", transport=transport, max_device_memory=budget, max_model_len=128,
+              max_num_seqs=2)
+    try:
+        plan = llm.plan
+        assert plan.streamed_blocks
+        if transport == "disk":
+            assert plan.disk_block_bytes == 2 * plan.block_bytes  # fp32 on disk, bf16 for compute
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        t = llm.telemetry()
+        step = t.last_step.stream
+        assert step.bytes_streamed == plan.streamed_bytes_per_step == len(plan.streamed_blocks) * plan.block_bytes
+        assert t.total.bytes_streamed == t.total.blocks_streamed * plan.block_bytes
+        if transport == "disk":
+            assert step.disk_tier_bytes == step.bytes_streamed and step.host_tier_bytes == 0
+            assert step.disk_bytes_read >= len(plan.disk_blocks) * plan.disk_block_bytes  # fp32 off the disk
+        else:
+            assert step.host_tier_bytes == step.bytes_streamed and step.disk_bytes_read == 0
+    finally:
+        llm.close()
