@@ -1,4 +1,4 @@
-"""The block streamer: the one place that decides where a block's weights come from.
+"""The block streamer: decides when each streamed block is prepared (the transport decides how).
 
 Resident blocks are materialised once. Streamed blocks are prepared by a background thread in the
 order every step visits them (cyclically, step after step), at most `depth` blocks ahead of the one
