@@ -34,7 +34,9 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
 Readers (checkpoint.py): a CheckpointReader is named tensors with byte ranges, a storage dtype OR a quant
 type (e.g. "Q4_K"), a logical shape, zero-copy typed views of plain tensors and raw-byte views of packed
 ones, and the format's tensor names. safetensors_index.WeightIndex is the safetensors reader; a GGUF
-reader is one more class and one more branch in formats.open_checkpoint.
+reader is one more class and one more branch in formats.open_checkpoint. The unit a transport moves is
+a block's set of named tensors (BlockSource.tensors(i)); per-expert units for MoE are a finer key of the
+same source, acquired the same way, without changes outside this package.
 
 Inside (may change freely): source.BlockSource (a block's tensors by short name), streamer.BlockStreamer
 (prefetch thread), transport (Transport, Ticket, CpuTransport), cuda_transport, disk_transport,
