@@ -55,8 +55,6 @@ def prompt_ids(n: int) -> list[int]:
 
 def weight_bytes(folder: Path, dtype_name: str) -> tuple[int, str]:
     """Bytes of the weights in the compute dtype, and that dtype's name."""
-    import torch
-
     from engine.args import resolve_dtype
     from engine.arch import load_model_config
     from engine.weights import open_checkpoint
