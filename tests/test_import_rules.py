@@ -34,7 +34,7 @@ def imports(path: Path) -> set[str]:
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -48,6 +48,18 @@ def imports(path: Path) -> set[str]:
                 sub = f"{mod}.{a.name}"
                 out.add(sub if _is_module(sub) else mod)
     return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (annotations only: never imported at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def _is_module(name: str) -> bool:
@@ -124,6 +136,7 @@ def test_the_checker_is_not_vacuous():
     assert "engine.weights.streamer" in imports(pkg / "weights" / "model_weights.py")
     assert "engine.weights.disk_reader" in imports(pkg / "weights" / "model_weights.py")  # inside a method
     assert {"engine.planner", "engine.weights"} <= imports(pkg / "loader.py")
+    assert "engine.weights.streamer" not in imports(pkg / "weights" / "bandwidth.py")  # under TYPE_CHECKING
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
