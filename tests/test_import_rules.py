@@ -16,8 +16,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "bench", "layerstream")
+# Unit tests of the weights package's parts, and tests that replay its CUDA transport on CPU (they
+# swap CudaRuntime for a recording one).
 WEIGHTS_UNIT_TESTS = {"test_streamer.py", "test_disk_tier.py", "test_checkpoint_errors.py", "test_overlap.py",
-                      "test_cuda.py"}
+                      "test_cuda.py", "test_gpu_check.py"}
 
 
 def module_name(path: Path) -> str:

@@ -3,6 +3,7 @@ through a single host->device copy, and token ids checked on the host before any
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -76,10 +77,10 @@ class CountTransfers(TorchFunctionMode):
         return out
 
 
-@pytest.fixture(scope="module")
-def loaded(llama_dir):
-    """The engine, and the ModelRunner its load built, captured as it is made: these are unit tests
-    of the runner's step inputs, which no public interface shows (nor should)."""
+@contextlib.contextmanager
+def capture_runners():
+    """The ModelRunners loads build meanwhile, captured as they are made: these are unit tests of the
+    runner's step inputs, which no public interface shows (nor should)."""
     import engine.loader as loader
 
     made = []
@@ -91,6 +92,13 @@ def loaded(llama_dir):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "ModelRunner", Captured)
+        yield made
+
+
+@pytest.fixture(scope="module")
+def loaded(llama_dir):
+    """The engine, and the ModelRunner its load built."""
+    with capture_runners() as made:
         out = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4)
     yield out, made[0]
     out.close()

@@ -47,6 +47,7 @@ from ..errors import CheckpointError
 from .bandwidth import LinkSpeeds, StepEstimate, efficiency, expected_step, floor_percent, host_to_device_gbps
 from .checkpoint import CheckpointReader, TensorInfo
 from .cuda_transport import HOST_MARGIN as PINNED_HOST_MARGIN
+from .cuda_transport import host_register_works
 from .disk_bandwidth import DiskBandwidth
 from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
 from .formats import open_checkpoint
@@ -58,6 +59,6 @@ from .tiers import TRANSPORTS, check_transport
 __all__ = [
     "CheckpointError", "CheckpointReader", "DiskBandwidth", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
     "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo", "WeightSizes", "WeightsTelemetry",
-    "check_transport", "efficiency", "expected_step", "floor_percent", "host_to_device_gbps",
+    "check_transport", "efficiency", "expected_step", "floor_percent", "host_register_works", "host_to_device_gbps",
     "measure_disk_bandwidth", "open_checkpoint",
 ]

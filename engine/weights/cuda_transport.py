@@ -185,6 +185,24 @@ def clear_pending_error(device: torch.device) -> None:
         log.debug("cleared a pending CUDA error: %s", str(e).splitlines()[0] if str(e) else e)
 
 
+def host_register_works(device: torch.device) -> bool:
+    """Whether cudaHostRegister pins memory here (else pinned buffers come from torch's caching
+    allocator, rounded up to a power of two): registers 64 pages, copies them to the device, checks
+    what arrived, and unregisters them."""
+    rt = CudaRuntime(device)
+    try:
+        buf = rt.pinned_bytes(64 * PAGE)
+        ok = bool(rt._registered) and buf.is_pinned()
+        dev = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
+        dev.copy_(buf.fill_(3), non_blocking=True)
+        torch.cuda.synchronize(device)
+        assert int(dev[-1]) == 3, "a host->device copy from registered memory delivered the wrong bytes"
+        return ok
+    finally:
+        torch.cuda.synchronize(device)
+        rt.release()
+
+
 @dataclass
 class TraceRecord:
     """CUDA timing events around one streamed block (trace=True only; for tests and benchmarks)."""
