@@ -27,6 +27,8 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan.
+  PINNED_HOST_MARGIN, host_register_works(device), host_to_device_gbps(device)
+      What a GPU benchmark or probe needs to know about the CUDA path without reaching into it.
   weights.close(); checkpoint.close()
       Give back threads, buffers, pinned memory, file descriptors and mappings. A constructor that
       fails releases what it took before raising.
@@ -58,7 +60,7 @@ from .tiers import TRANSPORTS, check_transport
 
 __all__ = [
     "CheckpointError", "CheckpointReader", "DiskBandwidth", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
-    "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo", "WeightSizes", "WeightsTelemetry",
+    "PINNED_HOST_MARGIN", "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo", "WeightSizes", "WeightsTelemetry",
     "check_transport", "efficiency", "expected_step", "floor_percent", "host_register_works", "host_to_device_gbps",
     "measure_disk_bandwidth", "open_checkpoint",
 ]
