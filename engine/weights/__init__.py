@@ -60,7 +60,7 @@ from .tiers import TRANSPORTS, check_transport
 
 __all__ = [
     "CheckpointError", "CheckpointReader", "DiskBandwidth", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
-    "PINNED_HOST_MARGIN", "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo", "WeightSizes", "WeightsTelemetry",
-    "check_transport", "efficiency", "expected_step", "floor_percent", "host_register_works", "host_to_device_gbps",
-    "measure_disk_bandwidth", "open_checkpoint",
+    "PINNED_HOST_MARGIN", "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
+    "WeightSizes", "WeightsTelemetry", "check_transport", "efficiency", "expected_step", "floor_percent",
+    "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",
 ]
