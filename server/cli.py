@@ -20,9 +20,22 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.ray:
         return _serve_on_ray(ns)
+    from .http_protocol import guarded_protocol
+
     config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=ns.shutdown_grace + 5, limit_concurrency=ns.limit_concurrency,
+                            timeout_keep_alive=ns.timeout_keep_alive,
+                            h11_max_incomplete_event_size=ns.max_header_bytes,
+                            http=guarded_protocol(ns.header_timeout))
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # uvicorn stops listening, then waits for requests in flight; the engine ends the ones
+            # still running at the grace period (an error event + [DONE] for a stream) so none is cut.
+            engine.drain(ns.shutdown_grace)
+            await super().shutdown(sockets)
+
+    server = Server(config)
 
     def on_failed(_e: BaseException) -> None:
         server.should_exit = True  # nothing to serve: stop with a non-zero status

@@ -142,10 +142,19 @@ def test_the_checker_is_not_vacuous():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# Attribute reads with these names that are not the engine's object graph, each with its reason.
+NOT_THE_ENGINE = {
+    ("server/http_protocol.py", "transport"): "asyncio's transport of a client connection",
+    ("tests/test_server_app.py", "runner"): "fault injection: a forward pass that fails on demand",
+}
+
+
 def test_nothing_outside_the_engine_walks_its_object_graph():
     bad = []
     for path in sources("server", "bench", "layerstream", "tests"):
+        rel = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and node.attr in ("runner", "streamer", "transport"):
+            if (isinstance(node, ast.Attribute) and node.attr in ("runner", "streamer", "transport")
+                    and (rel, node.attr) not in NOT_THE_ENGINE):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     assert not bad, "read LLMEngine.telemetry() instead:\n" + "\n".join(bad)
