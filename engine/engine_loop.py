@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import EngineUnhealthyError, LLMEngine, RequestOutput
 from .loader import EngineArgs
 from .sampling_params import SamplingParams
 
@@ -33,9 +33,13 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
-class EngineStepError(RuntimeError):
-    """A step failed (device error, bug); every request in that step fails with this, the engine
-    keeps serving new ones."""
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (its sampling, detokenizing, or a forward pass that
+    failed again when it ran alone); the others in flight went on. Details are in the log."""
+
+
+class EngineUnhealthyStop(EngineDeadError):
+    """Sent to the requests in flight when the engine goes not-ready after a step failure."""
 
 
 class EngineObserver(Protocol):
@@ -52,12 +56,20 @@ class EngineObserver(Protocol):
 
     def on_finished(self, reason: str, prompt_tokens: int) -> None: ...
 
+    def on_health(self, ready: bool, reason: str) -> None: ...
+
 
 @dataclass
 class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class _Failed:
+    request_id: str
+    error: BaseException
 
 
 @dataclass
@@ -106,6 +118,11 @@ class RequestHandle:
         await self.accepted
         while self._unfinished:
             item = await self._queue.get()
+            if isinstance(item, _Failed):
+                # One of this handle's requests failed: the others (n > 1) stay unfinished, so the
+                # caller's abort() frees their slots.
+                self._unfinished.discard(item.request_id)
+                raise item.error
             if isinstance(item, BaseException):
                 self._unfinished.clear()
                 raise item
@@ -124,7 +141,9 @@ class RequestHandle:
 class EngineLoop:
     """Loads the model and runs the engine on a background thread.
 
-    state: "loading" -> "ready", or "failed" (error in `error`); "stopped" after shutdown()."""
+    state: "loading" -> "ready", or "failed" (the load failed); "ready" -> "unhealthy" when a step
+    failure left the engine's state untrustworthy; "stopped" after shutdown(). `error` holds the
+    exception, `reason` a short description safe to show clients (no paths, no internal text)."""
 
     def __init__(self, args: EngineArgs, observer: EngineObserver | None = None,
                  engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
@@ -135,6 +154,7 @@ class EngineLoop:
         self._on_failed = on_failed
         self.state = "loading"
         self.error: BaseException | None = None
+        self.reason = ""
         self.engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
@@ -204,7 +224,7 @@ class EngineLoop:
         if self.state == "loading":
             raise EngineNotReadyError("the model is still loading")
         if self.state != "ready":
-            raise EngineDeadError(f"the engine is not running ({self.state}): {self.error}")
+            raise EngineDeadError(f"the engine is not serving ({self.state}: {self.reason})")
 
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -212,23 +232,43 @@ class EngineLoop:
             self.engine = self._factory(self.args)
         except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
             log.error("loading the model failed: %s", e)
-            self.error, self.state = e, "failed"
+            # /health shows the reason: the exception's class, never its text (paths, sizes).
+            self.error, self.reason, self.state = e, f"the model failed to load ({type(e).__name__})", "failed"
+            self._health(False)
             if self._on_failed:
                 self._on_failed(e)
             return
         self.state = "ready"
+        self._health(True)
         log.info("engine ready: max_model_len %d, max_num_seqs %d", self.engine.max_model_len,
                  self.engine.plan.max_num_seqs)
+        error: BaseException = EngineDeadError("the engine stopped")
         try:
             while self._drain(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
                     self._step()
+        except BaseException as e:  # noqa: BLE001 - a step failure the engine could not contain
+            log.critical("engine step failed; the engine is no longer ready", exc_info=e)
+            reason = str(e) if isinstance(e, EngineUnhealthyError) else f"step failed ({type(e).__name__})"
+            self.error, self.reason, self.state = e, reason, "unhealthy"
+            self._health(False)
+            error = EngineUnhealthyStop(f"the engine stopped serving: {reason}")
         finally:
-            self.state = "stopped"
+            if self.state != "unhealthy":
+                self.state = "stopped"
             for t in list(self._tracked.values()):
-                t.handle._post(EngineDeadError("the engine stopped"))
+                if self.observer:
+                    self.observer.on_finished("error", t.prompt_tokens)
+                t.handle._post(error)
             self._tracked.clear()
-            self.engine.close()
+            try:
+                self.engine.close()
+            except Exception as e:  # noqa: BLE001 - after a fatal device error freeing may fail too
+                log.warning("closing the engine failed: %s", e)
+
+    def _health(self, ready: bool) -> None:
+        if self.observer:
+            self.observer.on_health(ready, self.reason)
 
     def _drain(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once asked to stop."""
@@ -268,26 +308,22 @@ class EngineLoop:
         handle._resolve(None)
 
     def _step(self) -> None:
-        try:
-            outputs: list[RequestOutput] = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving
-            log.exception("engine step failed; failing %d requests", len(self._tracked))
-            error = EngineStepError(f"the engine failed during a step: {type(e).__name__}: {e}")
-            failed = list(self._tracked.items())
-            self._tracked.clear()
-            for rid, t in failed:  # counted before any client hears of it, as finished requests are
-                self.engine.abort(rid)
-                if self.observer:
-                    self.observer.on_finished("error", t.prompt_tokens)
-            for _, t in failed:
-                t.handle._post(error)
-            return
+        # EngineUnhealthyError (or any exception LLMEngine.step did not contain) propagates: the
+        # engine's state is unknown, so _run fails what is in flight and goes not-ready.
+        outputs: list[RequestOutput] = self.engine.step()
         now = time.perf_counter()
         obs = self.observer
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue  # aborted while the step ran
+            if out.finish_reason == "error":
+                del self._tracked[out.request_id]
+                if obs:
+                    obs.on_finished("error", t.prompt_tokens)
+                t.handle._post(_Failed(out.request_id, RequestFailedError(
+                    "the engine failed while generating this request")))
+                continue
             if obs:
                 obs.on_token(t.last is None, now - (t.last if t.last is not None else t.handle.arrival))
             t.last = now

@@ -9,7 +9,7 @@ from .llm_engine import LLMEngine
 from .loader import EngineArgs
 from .planner import MemoryPlan
 from .sampler import TokenLogprobs
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, choice_seed
 
 
 @dataclass
@@ -55,8 +55,7 @@ class LLM:
             results.append(res)
             for i, out in enumerate(res.outputs):
                 # n > 1: each choice samples independently; a fixed seed is offset per choice.
-                seed = None if params.seed is None else params.seed + i
-                rid = self.engine.add_request(ids, dataclasses.replace(params, seed=seed, n=1))
+                rid = self.engine.add_request(ids, dataclasses.replace(params, seed=choice_seed(params.seed, i), n=1))
                 pending[rid] = out
         while pending:
             for o in self.engine.step():

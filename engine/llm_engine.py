@@ -10,16 +10,46 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from .detokenizer import IncrementalDetokenizer
 from .loader import EngineArgs, LoadedModel, load_model
 from .model_source import resolve_model
 from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, Sequence
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .structured_output import GrammarCompiler, Guide
 
 log = logging.getLogger("layerstream")
+
+
+# One-token probe passes tried after a step in which every sequence failed even alone: if all of
+# them fail too, the fault is the engine's (device, weights, disk), not any request's.
+PROBE_TRIES = 3
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine's state can no longer be trusted (a fatal device error such as a CUDA
+    device-side assert, or steps that fail whatever runs in them): stop serving, go not-ready."""
+
+
+def is_fatal_device_error(error: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) leaves the device unusable: after a CUDA
+    device-side assert or illegal access every later CUDA call fails, so nothing can be retried.
+    An out-of-memory error is not fatal."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if accelerator_error is not None and isinstance(e, accelerator_error):
+            return True
+        text = str(e)
+        if "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class PromptTooLongError(ValueError):
@@ -41,7 +71,7 @@ class RequestOutput:
     text: str  # text delta
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (failed alone, see step())
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it (vLLM's name)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -158,12 +188,82 @@ class LLMEngine:
         return len(self.scheduler.running) / self.scheduler.config.max_num_seqs
 
     def step(self) -> list[RequestOutput]:
+        """One batched step. A failure that belongs to one sequence (sampling, detokenizing, stop
+        checks) finishes that sequence alone with finish_reason "error". If the forward pass itself
+        fails, nothing was committed (num_computed advances only after it returns, and a retried
+        pass rewrites the same KV positions), so each chunk is retried alone: the innocent ones
+        proceed and the one that fails again is failed. When none survives, a one-token probe
+        tells a request's fault from the engine's. A fatal device error, or a probe that cannot
+        run, raise EngineUnhealthyError: the engine's state can no longer be trusted and the
+        caller must stop serving."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        try:
+            logits = self._execute(chunks)
+        except EngineUnhealthyError:
+            raise
+        except Exception as e:  # noqa: BLE001 - isolate the sequence that caused it
+            log.warning("engine step over %d sequences failed (%s: %s); retrying each alone",
+                        len(chunks), type(e).__name__, e)
+            return self._step_isolated(chunks)
+        return self._sample(chunks, logits)
+
+    def _execute(self, chunks: list[ScheduledChunk]):
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
-        logits = self.model.runner.execute(chunks).cpu()
+        try:
+            return self.model.runner.execute(chunks).cpu()
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e
+            raise
+
+    def _step_isolated(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        outputs, survived = [], 0
+        for chunk in chunks:
+            try:
+                logits = self._execute([chunk])
+            except EngineUnhealthyError:
+                raise
+            except Exception as e:  # noqa: BLE001 - this sequence fails alone
+                outputs.append(self._fail(chunk.seq, e))
+                continue
+            survived += 1
+            outputs += self._sample([chunk], logits)
+        if not survived:
+            self._probe()
+        return outputs
+
+    def _probe(self) -> None:
+        """Run a one-token pass on a free KV slot (the failed sequences just freed theirs; a slot's
+        next user overwrites it from position 0), so that requests that fail whatever runs with
+        them cannot make the engine give up, and an engine that cannot run anything does."""
+        if not self.scheduler.free_slots:
+            return
+        seq = Sequence("health-probe", [0], 1, status=SeqStatus.RUNNING, slot=self.scheduler.free_slots[-1])
+        error: Exception | None = None
+        for _ in range(PROBE_TRIES):
+            try:
+                self._execute([ScheduledChunk(seq, 0, 1)])
+                return
+            except EngineUnhealthyError:
+                raise
+            except Exception as e:  # noqa: BLE001 - tried again, then reported
+                error = e
+        raise EngineUnhealthyError(f"the engine cannot run a step ({type(error).__name__})") from error
+
+    def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
+        log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error,
+                  exc_info=error)
+        self.scheduler.finish(seq, "error")
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], text="", finished=True,
+                             finish_reason="error", num_prompt_tokens=len(seq.prompt_ids),
+                             num_output_tokens=len(seq.output_ids))
+
+    def _sample(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
+        """logits: (sampling chunks, vocab) fp32 on the CPU, in chunk order."""
         outputs = []
         row = 0
         for chunk in chunks:
@@ -171,41 +271,49 @@ class LLMEngine:
             seq.num_computed += chunk.count
             if not chunk.samples:
                 continue
-            st: _SeqState = seq.state
-            allowed = st.guide.allowed() if st.guide is not None else None
-            token, info = sample_one(logits[row], st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
             row += 1
-            seq.output_ids.append(token)
-            reason = None
-            if token in st.stop_ids:
-                reason = "stop"
-            else:
-                st.detok.add_token(token)
-                if st.guide is not None:
-                    st.guide.accept(token)
-                if st.detok.stopped or (st.guide is not None and st.guide.stopped):
-                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
-                    reason = "stop"
-                elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                    reason = "length"
-            if reason:
-                st.detok.flush()
-                self.scheduler.finish(seq, reason)
-                self._seqs.pop(seq.request_id, None)
-            elif st.guide is not None:
-                st.guide.prefetch()  # overlaps the next forward pass
-            outputs.append(RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=[token],
-                text=st.detok.take_delta(final=reason is not None),
-                logprobs=[info] if info else [],
-                finished=reason is not None,
-                finish_reason=reason,
-                stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
-                num_prompt_tokens=len(seq.prompt_ids),
-                num_output_tokens=len(seq.output_ids),
-            ))
+            try:
+                outputs.append(self._advance(seq, logits[row - 1]))
+            except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
+                outputs.append(self._fail(seq, e))
         return outputs
+
+    def _advance(self, seq: Sequence, logits) -> RequestOutput:
+        st: _SeqState = seq.state
+        allowed = st.guide.allowed() if st.guide is not None else None
+        token, info = sample_one(logits, st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
+        seq.output_ids.append(token)
+        reason = None
+        if token in st.stop_ids:
+            reason = "stop"
+        else:
+            st.detok.add_token(token)
+            if st.guide is not None:
+                st.guide.accept(token)
+            if st.detok.stopped or (st.guide is not None and st.guide.stopped):
+                # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason:
+            st.detok.flush()
+        text = st.detok.take_delta(final=reason is not None)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+        elif st.guide is not None:
+            st.guide.prefetch()  # overlaps the next forward pass
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text=text,
+            logprobs=[info] if info else [],
+            finished=reason is not None,
+            finish_reason=reason,
+            stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+        )
 
     def close(self) -> None:
         self.grammar.close()

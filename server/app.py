@@ -111,7 +111,7 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
     async def health():
         if engine.ready:
             return {"status": "ok"}
-        detail = "loading" if engine.state == "loading" else f"{engine.state}: {engine.error}"
+        detail = "loading" if engine.state == "loading" else f"{engine.state}: {engine.reason}"
         return JSONResponse({"status": detail}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")

@@ -15,12 +15,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.engine_loop import EngineDeadError, EngineNotReadyError, EngineStepError
+from engine.engine_loop import EngineDeadError, EngineNotReadyError, RequestFailedError
 from engine.llm_engine import PromptTooLongError
 from engine.sampling_params import InvalidParameter
 from engine.scheduler import QueueFullError
 
-from .protocol import ErrorInfo, ErrorResponse, sse
+from .protocol import ErrorInfo, ErrorResponse, random_id, sse
 
 log = logging.getLogger("layerstream.server")
 
@@ -125,8 +125,6 @@ def error_for(exc: BaseException) -> MappedError:
         headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
     elif isinstance(exc, EngineDeadError):
         status, message = 503, str(exc)
-    elif isinstance(exc, EngineStepError):
-        status, message = 500, str(exc)
     elif isinstance(exc, StarletteHTTPException):
         status, message = exc.status_code, str(exc.detail)
         headers.update(exc.headers or {})
@@ -134,8 +132,11 @@ def error_for(exc: BaseException) -> MappedError:
         # The engine's own input checks (empty prompt, token id out of range) are user mistakes.
         status, message = 400, str(exc)
     else:
-        log.exception("internal error", exc_info=exc)
-        status, message = 500, f"internal server error: {type(exc).__name__}: {exc}"
+        # A bug, or the engine failing one request: the client gets an id to quote, the log gets
+        # the exception under that id; internal text never reaches the client.
+        error_id = random_id("err")
+        log.error("internal error %s", error_id, exc_info=exc)
+        status, message = 500, f"internal server error (error id {error_id}; the server log has the details)"
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_ or _type_for(status), param=param,
                                          code=status))
     return MappedError(status, body, headers)
@@ -150,5 +151,5 @@ def install(app) -> None:
     # then re-raises (the connection is dropped): so every expected class is registered by name
     # and only a real bug reaches the Exception handler (500, logged with its traceback).
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ValueError, QueueFullError,
-                     EngineNotReadyError, EngineDeadError, EngineStepError, Exception):
+                     EngineNotReadyError, EngineDeadError, RequestFailedError, Exception):
         app.add_exception_handler(exc_type, handle_exception)

@@ -61,6 +61,11 @@ class ServerMetrics:
                            "pass) or wait (the engine thread waiting for a mask before sampling)",
                            labels + ["kind"], registry=r)
         self.vllm = _VLLMNames(r, labels)
+        self.ready = Gauge("layerstream_engine_ready", "1 while the engine serves; 0 while loading, after a "
+                           "failed load, or after a step failure left it unhealthy (see "
+                           "layerstream_engine_not_ready)", labels, registry=r)
+        self.not_ready = Gauge("layerstream_engine_not_ready", "1 for the reason the engine stopped serving",
+                               labels + ["reason"], registry=r)
 
     def set_plan(self, plan) -> None:
         m = self._model
@@ -111,6 +116,11 @@ class ServerMetrics:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.vllm.success.labels(self._model, reason).inc()
         self.vllm.prompt_tokens.labels(self._model).inc(prompt_tokens)
+
+    def on_health(self, ready: bool, reason: str) -> None:
+        self.ready.labels(self._model).set(1 if ready else 0)
+        if not ready:
+            self.not_ready.labels(self._model, reason).set(1)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

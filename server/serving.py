@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from engine.engine_loop import EngineLoop, EngineRequest, RequestHandle
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams, choice_seed
 
 from . import structured, tools
 from .errors import APIError, ModelNotFoundError, error_for
@@ -159,8 +159,7 @@ class OpenAIServing:
         for p, ids in enumerate(prompts):
             for i in range(req.n):
                 rid = f"{response_id}-{p}-{i}"
-                seed = None if params.seed is None else params.seed + i
-                requests.append(EngineRequest(rid, ids, dataclasses.replace(params, seed=seed)))
+                requests.append(EngineRequest(rid, ids, dataclasses.replace(params, seed=choice_seed(params.seed, i))))
                 choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "",
                                        tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None)
         handle = self.engine.submit(requests)
