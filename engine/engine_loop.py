@@ -38,6 +38,10 @@ class RequestFailedError(RuntimeError):
     failed again when it ran alone); the others in flight went on. Details are in the log."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down and the grace period for requests still running has ended."""
+
+
 class EngineUnhealthyStop(EngineDeadError):
     """Sent to the requests in flight when the engine goes not-ready after a step failure."""
 
@@ -155,6 +159,8 @@ class EngineLoop:
         self.state = "loading"
         self.error: BaseException | None = None
         self.reason = ""
+        self.draining = False  # shutting down: admit nothing new
+        self._deadline: float | None = None  # monotonic time after which requests in flight are failed
         self.engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
@@ -178,6 +184,17 @@ class EngineLoop:
     def max_model_len(self) -> int:
         self._check_ready()
         return self.engine.max_model_len
+
+    @property
+    def capacity(self) -> int:
+        """Engine requests (sequences) the engine holds at most: running + waiting."""
+        self._check_ready()
+        return self.engine.scheduler.capacity
+
+    @property
+    def max_num_seqs(self) -> int:
+        self._check_ready()
+        return self.engine.plan.max_num_seqs
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text or ids, checked against the vocabulary). Safe off the engine
@@ -209,6 +226,12 @@ class EngineLoop:
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", list(request_ids)))
 
+    def drain(self, grace: float) -> None:
+        """Graceful shutdown: admit nothing new (503); requests still running after `grace`
+        seconds end with ShuttingDownError, which a stream sends as an error event + [DONE]."""
+        self.draining = True
+        self._commands.put(("deadline", time.monotonic() + grace))
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
         while self.state == "loading" and (end is None or time.monotonic() < end):
@@ -221,6 +244,8 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def _check_ready(self) -> None:
+        if self.draining:
+            raise EngineNotReadyError("the server is shutting down")
         if self.state == "loading":
             raise EngineNotReadyError("the model is still loading")
         if self.state != "ready":
@@ -245,6 +270,8 @@ class EngineLoop:
         error: BaseException = EngineDeadError("the engine stopped")
         try:
             while self._drain(block=not self.engine.has_unfinished()):
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._fail_all(ShuttingDownError("the server shut down before this request finished"))
                 if self.engine.has_unfinished():
                     self._step()
         except BaseException as e:  # noqa: BLE001 - a step failure the engine could not contain
@@ -266,6 +293,14 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - after a fatal device error freeing may fail too
                 log.warning("closing the engine failed: %s", e)
 
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, t in list(self._tracked.items()):
+            self.engine.abort(rid)
+            if self.observer:
+                self.observer.on_finished("abort", t.prompt_tokens)
+            t.handle._post(error)
+        self._tracked.clear()
+
     def _health(self, ready: bool) -> None:
         if self.observer:
             self.observer.on_health(ready, self.reason)
@@ -282,7 +317,9 @@ class EngineLoop:
             block = False
             if kind == "stop":
                 return False
-            if kind == "add":
+            if kind == "deadline":
+                self._deadline = arg
+            elif kind == "add":
                 self._add(arg)
             elif kind == "abort":
                 for rid in arg:

@@ -20,7 +20,7 @@ class SeqStatus(Enum):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queue; the caller should retry later."""
+    """Every slot is taken and --max-queue requests wait for one; the caller should retry later."""
 
 
 @dataclass(eq=False)
@@ -88,9 +88,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
+    @property
+    def capacity(self) -> int:
+        """Sequences held at most: one per KV slot plus --max-queue waiting for a slot. A request
+        arriving at an idle server waits until the next step for its free slot, so free slots
+        count as room, not only the queue."""
+        return self.config.max_num_seqs + self.config.max_queue
+
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFullError(f"{len(self.waiting)} requests are already waiting (--max-queue)")
+        if len(self.running) + len(self.waiting) >= self.capacity:
+            raise QueueFullError(f"all {self.config.max_num_seqs} slots are taken and {self.config.max_queue} "
+                                 "requests are already waiting (--max-queue)")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

@@ -9,7 +9,9 @@ import logging
 import os
 
 from engine.cli import add_engine_arguments, engine_args_from
+from engine.planner import parse_bytes
 
+from .limits import RequestLimits
 from .ray_options import add_ray_arguments, serve_on_ray
 
 log = logging.getLogger("layerstream.server")
@@ -26,7 +28,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name clients send and /v1/models lists (default: the --model value)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot before new ones get 503 + Retry-After")
+                   help="requests waiting for a slot (beyond free slots) before new ones get 503 + Retry-After")
+    limits = p.add_argument_group("limits (see README: Limits)")
+    limits.add_argument("--max-body-bytes", default=None,
+                        help="largest request body, e.g. 8MiB; larger gets 413 before it is read (default: room "
+                             "for one prompt of max_model_len tokens, at least 2 MiB)")
+    limits.add_argument("--max-prompts", type=int, default=RequestLimits.max_prompts,
+                        help="prompts in one /v1/completions request")
+    limits.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="largest n (choices per prompt)")
+    limits.add_argument("--max-stop", type=int, default=RequestLimits.max_stop, help="stop strings per request")
+    limits.add_argument("--max-stop-chars", type=int, default=RequestLimits.max_stop_chars,
+                        help="characters per stop string")
+    limits.add_argument("--limit-concurrency", type=int, default=512,
+                        help="open connections + requests in progress before new ones get 503")
+    limits.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's headers before it is closed")
+    limits.add_argument("--max-header-bytes", type=int, default=16384,
+                        help="request line + headers; larger gets 431")
+    limits.add_argument("--shutdown-grace", type=float, default=30.0,
+                        help="seconds running requests get to finish after SIGTERM before their streams are "
+                             "ended with an error event")
     add_ray_arguments(p)  # --ray and the replica flags; ray itself is imported only with --ray
     p.epilog = (f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG>, e.g. "
                 f"{ENV_PREFIX}MAX_DEVICE_MEMORY=4GiB; a flag given on the command line wins.")
@@ -50,15 +73,29 @@ def apply_env_defaults(p: argparse.ArgumentParser) -> None:
         action.help = f"{action.help or ''} [set by {ENV_PREFIX}{action.dest.upper()}]".strip()
 
 
+def limits_from(ns: argparse.Namespace) -> RequestLimits:
+    for flag in ("limit_concurrency", "max_header_bytes"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"{flag} must be >= 1, got {getattr(ns, flag)}")
+    for flag in ("timeout_keep_alive", "header_timeout", "shutdown_grace"):
+        if not getattr(ns, flag) > 0:
+            raise ValueError(f"{flag} must be > 0, got {getattr(ns, flag)}")
+    return RequestLimits(max_body_bytes=parse_bytes(ns.max_body_bytes), max_prompts=ns.max_prompts, max_n=ns.max_n,
+                         max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars)
+
+
 def build_server(ns: argparse.Namespace, on_failed=None):
     """The app and its engine loop (not started) from parsed flags: what `run` serves with uvicorn
     and what each Ray Serve replica (server.ray_serve) wraps, so both serve the same routes."""
     from engine.engine_loop import EngineLoop
 
-    from .app import build_app
+    from .app import build_app, check_api_key
     from .metrics import ServerMetrics
 
     args = engine_args_from(ns, max_queue=ns.max_queue)  # a bad value: ValueError, one line from main
+    limits = limits_from(ns)
+    if ns.api_key:
+        check_api_key(ns.api_key)
     name = ns.served_model_name or ns.model
     metrics = ServerMetrics(name)
 
@@ -73,7 +110,7 @@ def build_server(ns: argparse.Namespace, on_failed=None):
         return engine
 
     engine = EngineLoop(args, observer=metrics, engine_factory=factory, on_failed=on_failed)
-    return build_app(engine, name, api_key=ns.api_key or None, metrics=metrics), engine
+    return build_app(engine, name, api_key=ns.api_key or None, metrics=metrics, limits=limits), engine
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -81,9 +118,22 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.ray:
         return serve_on_ray(ns)
+    from .http_protocol import guarded_protocol
+
     config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=ns.shutdown_grace + 5, limit_concurrency=ns.limit_concurrency,
+                            timeout_keep_alive=ns.timeout_keep_alive,
+                            h11_max_incomplete_event_size=ns.max_header_bytes,
+                            http=guarded_protocol(ns.header_timeout))
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # uvicorn stops listening, then waits for requests in flight; the engine ends the ones
+            # still running at the grace period (an error event + [DONE] for a stream) so none is cut.
+            engine.drain(ns.shutdown_grace)
+            await super().shutdown(sockets)
+
+    server = Server(config)
 
     def on_failed(_e: BaseException) -> None:
         server.should_exit = True  # nothing to serve: stop with a non-zero status

@@ -188,15 +188,15 @@ def test_a_full_queue_raises_queue_full_and_the_server_answers_503(llama_dir):
     llm = batched_llm(llama_dir, max_num_seqs=1, max_queue=2)
     engine = llm.engine
     try:
-        engine.add_request(PROMPTS["a"], params, "a")
-        engine.add_request(PROMPTS["b"], params, "b")
+        for rid in "abc":  # one slot + a queue of two
+            engine.add_request(PROMPTS[rid], params, rid)
         with pytest.raises(QueueFullError) as info:
-            engine.add_request(PROMPTS["c"], params, "c")
-        assert not engine.abort("c")  # the refused request left nothing behind
+            engine.add_request(PROMPTS["d"], params, "d")
+        assert not engine.abort("d")  # the refused request left nothing behind
         finished = set()
         while engine.has_unfinished():
             finished |= {o.request_id for o in engine.step() if o.finished}
-        assert finished == {"a", "b"}
+        assert finished == {"a", "b", "c"}
     finally:
         llm.close()
     errors = pytest.importorskip("server.errors")

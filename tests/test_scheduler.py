@@ -129,15 +129,21 @@ def test_cancelling_a_waiting_sequence_removes_it_from_the_queue():
 
 
 def test_a_full_queue_raises_and_admits_again_once_there_is_room():
+    """Room is free slots + --max-queue: three requests fit one slot and a queue of two even when
+    they all arrive before the next step (a burst at an idle server); a fourth does not."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, max_queue=2))
-    sched.add(seq("a", 3))
-    sched.add(seq("b", 3))
+    assert sched.capacity == 3
+    for rid in "abc":
+        sched.add(seq(rid, 3))
     with pytest.raises(QueueFullError):
-        sched.add(seq("c", 3))
-    assert [s.request_id for s in sched.waiting] == ["a", "b"]
-    run_step(sched)  # a starts running: one place in the queue frees up
-    sched.add(seq("c", 3))
-    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+        sched.add(seq("d", 3))
+    assert [s.request_id for s in sched.waiting] == ["a", "b", "c"]
+    run_step(sched)  # a takes the slot: still three held, still full
+    with pytest.raises(QueueFullError):
+        sched.add(seq("d", 3))
+    sched.finish(sched.running[0], "stop")  # a finishes: room for one more
+    sched.add(seq("d", 3))
+    assert [s.request_id for s in sched.waiting] == ["b", "c", "d"]
 
 
 def test_new_requests_join_at_the_next_step_while_others_decode():
