@@ -38,6 +38,16 @@ class RequestFailedError(RuntimeError):
     failed again when it ran alone); the others in flight went on. Details are in the log."""
 
 
+class ClientTooSlowError(RuntimeError):
+    """The client stopped reading: MAX_UNREAD_OUTPUTS outputs waited for it, so its requests were
+    cancelled rather than parked in server memory until they finish."""
+
+
+# Outputs (one per token and sequence) a handle may hold unread before its requests are cancelled.
+# A reading client holds a few; one whose socket is full holds everything the engine makes for it.
+MAX_UNREAD_OUTPUTS = 1024
+
+
 class ShuttingDownError(EngineDeadError):
     """The server is shutting down and the grace period for requests still running has ended."""
 
@@ -94,11 +104,26 @@ class RequestHandle:
         self.accepted: asyncio.Future = loop.create_future()  # None, or the exception add_request raised
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished = {r.request_id for r in requests}
+        self.max_unread = MAX_UNREAD_OUTPUTS
+        self._overflowed = False
         self.arrival = time.perf_counter()  # time to first token counts the wait for the engine thread too
 
     # -- called on the engine thread --------------------------------------------------------------
     def _post(self, item) -> None:
-        self._call(self._queue.put_nowait, item)
+        self._call(self._deliver, item)
+
+    def _deliver(self, item) -> None:  # on the event loop
+        if self._overflowed:
+            return
+        if isinstance(item, RequestOutput) and self._queue.qsize() >= self.max_unread:
+            self._overflowed = True
+            # Cancelled in the engine, but still unfinished here: outputs() reads what is queued,
+            # then this error; later deliveries are dropped.
+            self._engine_loop.abort(list(self._unfinished))
+            self._queue.put_nowait(ClientTooSlowError(
+                f"the client left {self.max_unread} outputs unread; its requests were cancelled"))
+            return
+        self._queue.put_nowait(item)
 
     def _call(self, fn, *args) -> None:
         try:

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -205,6 +206,39 @@ def test_a_fatal_device_error_makes_the_engine_not_ready_at_once(llama_dir):
         assert state["passes"] == passes  # nothing runs on a poisoned device
     finally:
         engine.shutdown()
+
+
+def test_a_client_that_stops_reading_is_cancelled_not_buffered(flaky_engine):
+    """Outputs nobody reads are bounded: past max_unread the handle's requests are cancelled in
+    the engine (their slots free) and the reader, if it ever resumes, gets ClientTooSlowError after
+    what was queued."""
+    from engine.engine_loop import ClientTooSlowError, EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    engine, _, metrics = flaky_engine
+    app = build_app(engine, "m", metrics=metrics)
+    aborted = _finished(app, "abort")
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    async def go():
+        handle = engine.submit([EngineRequest("slow-reader", [11, 12, 13], params)])
+        handle.max_unread = 5
+        await handle.accepted
+        while not handle._overflowed:  # the client reads nothing meanwhile
+            await asyncio.sleep(0.01)
+        got = []
+        with pytest.raises(ClientTooSlowError):
+            async for out in handle.outputs():
+                got.append(out)
+        return got
+
+    got = asyncio.run(go())
+    assert len(got) == 5 and not any(o.finished for o in got)
+    deadline = time.monotonic() + 30
+    while _finished(app, "abort") < aborted + 1:
+        assert time.monotonic() < deadline, "the engine never cancelled the unread request"
+        time.sleep(0.05)
+    assert not engine.engine.has_unfinished()
 
 
 def test_fatal_device_errors_are_told_from_others():
