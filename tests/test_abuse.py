@@ -322,6 +322,7 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
     last = json.loads(frames[-2][6:])
     if "error" in last:  # cut by the grace period: an error event, in OpenAI's shape
         assert last["error"]["code"] == 503 and "shut down" in last["error"]["message"]
-    else:  # the machine was fast enough to finish 230 tokens within 2 s
+    else:  # the machine was fast enough to finish 230 tokens within 5 s
         assert last["choices"][0]["finish_reason"] == "length"
-    assert guarded.proc.wait(30) == 0
+    # uvicorn re-raises the signal it handled once shutdown is done, so the status is -SIGTERM.
+    assert guarded.proc.wait(30) in (0, -signal.SIGTERM)
