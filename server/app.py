@@ -210,7 +210,8 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return JSONResponse(tokenization.tokenize(serving, body).model_dump(mode="json"))
+        result = await serving.off_loop(tokenization.tokenize, serving, body)  # tokenizing: off the event loop
+        return JSONResponse(result.model_dump(mode="json"))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

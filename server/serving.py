@@ -122,10 +122,10 @@ class OpenAIServing:
     def body_limit(self) -> int:
         return self.limits.body_limit(self.max_prompt_chars())
 
-    async def _off_loop(self, fn, *args):
+    async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
-    def _check_text(self, req, param: str, texts: list[str]) -> None:
+    def check_text(self, req, param: str, texts: list[str]) -> None:
         """Refuse, before tokenizing, invalid Unicode anywhere in the request and text that could
         never fit the context."""
         path = lone_surrogate(req)
@@ -226,7 +226,7 @@ class OpenAIServing:
 
     def _completion_prompts(self, req: CompletionRequest, prompts: list) -> tuple[list[list[int]], list[str] | None]:
         """On the tokenizer thread: token ids of each prompt, and their text when echo is on."""
-        self._check_text(req, "prompt", [p for p in prompts if isinstance(p, str)])
+        self.check_text(req, "prompt", [p for p in prompts if isinstance(p, str)])
         try:
             ids = [self.engine.encode(p) for p in prompts]
         except ValueError as e:
@@ -248,7 +248,7 @@ class OpenAIServing:
         self.limits.check(req, len(raw), self.engine.capacity)
         so = await self._structured(req)
         params = self._params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, so)
-        prompts, echo = await self._off_loop(self._completion_prompts, req, raw)
+        prompts, echo = await self.off_loop(self._completion_prompts, req, raw)
         job = await self._submit(prompts, req, params, "cmpl", echo)
         if req.stream:
             return _event_stream(job, self._completion_chunks(job, req))
@@ -318,7 +318,7 @@ class OpenAIServing:
             if isinstance(content, list):  # text parts (the only type the request model accepts)
                 content = "".join(p.text for p in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-        self._check_text(req, "messages", [m["content"] for m in messages])
+        self.check_text(req, "messages", [m["content"] for m in messages])
         tools.check_messages(messages)
         # A template that reads `tools` renders them (and calls, results) itself; others get text.
         native = "tools" in tok.chat_template
@@ -359,7 +359,7 @@ class OpenAIServing:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
         self.limits.check(req, 1, self.engine.capacity)
         plan = tools.plan_tools(req)
-        ids = await self._off_loop(self.chat_prompt_ids, req, plan)
+        ids = await self.off_loop(self.chat_prompt_ids, req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - len(ids))
