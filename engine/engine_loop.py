@@ -216,11 +216,6 @@ class EngineLoop:
         self._check_ready()
         return self.engine.scheduler.capacity
 
-    @property
-    def max_num_seqs(self) -> int:
-        self._check_ready()
-        return self.engine.plan.max_num_seqs
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text or ids, checked against the vocabulary). Safe off the engine
         thread: it only reads the tokenizer and the config."""
@@ -244,6 +239,8 @@ class EngineLoop:
         iterate `handle.outputs()`) to learn whether the engine took them: QueueFullError,
         PromptTooLongError and InvalidParameter surface there, and none of the requests runs."""
         self._check_ready()
+        if self.draining:  # only admission stops: requests in flight still read the tokenizer
+            raise EngineNotReadyError("the server is shutting down")
         handle = RequestHandle(asyncio.get_running_loop(), self, requests)
         self._commands.put(("add", handle))
         return handle
@@ -269,8 +266,6 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def _check_ready(self) -> None:
-        if self.draining:
-            raise EngineNotReadyError("the server is shutting down")
         if self.state == "loading":
             raise EngineNotReadyError("the model is still loading")
         if self.state != "ready":
