@@ -52,7 +52,7 @@ def slow_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(slow_model_dir):
     # Replicas import this checkout's engine and server, whatever the venv's install points at.
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "LAYERSTREAM_MAX_NUM_SEQS": "8"}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
