@@ -98,6 +98,13 @@ def replica_states() -> dict:
     return serve.status().applications[APP_NAME].deployments["layerstream"].replica_states
 
 
+def test_replicas_are_ready_once_deployed(cluster):
+    # serve.run returns once every replica's constructor has: each has loaded its model by then.
+    with httpx.Client(base_url=cluster, timeout=30) as c, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: c.get("/health"), range(8)))
+    assert [(r.status_code, r.json()) for r in answers] == [(200, {"status": "ok"})] * 8
+
+
 def test_concurrent_requests_spread_over_both_replicas(cluster):
     jobs = [(16, i % 2 == 0) for i in range(12)]
     with ThreadPoolExecutor(len(jobs)) as pool:
