@@ -65,8 +65,8 @@ def run(ns: argparse.Namespace) -> int:
           f"tokens, {ns.max_tokens} generated tokens each", flush=True)
     # Replicas import this checkout's engine and server, as this process does.
     root = str(Path(__file__).resolve().parents[1])
-    ray.init(num_cpus=ns.cluster_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": root}})
+    ray.init(address="local", num_cpus=ns.cluster_cpus, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tok_s: dict[tuple[int, int], list[float]] = {layout: [] for layout in layouts}

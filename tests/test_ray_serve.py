@@ -51,15 +51,16 @@ def slow_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(slow_model_dir):
-    # Replicas import this checkout's engine and server, whatever the venv's install points at.
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "LAYERSTREAM_MAX_NUM_SEQS": "8"}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    ns = parse_flags({"model": str(slow_model_dir), "num_replicas": "2", "max_model_len": "1024",
-                      "served_model_name": "m", "max_ongoing_requests": "3"})
-    serve.run(build_application(ns), name=APP_NAME, route_prefix="/")
+    # A cluster of its own ("local"), whatever else runs on the machine; replicas import this
+    # checkout's engine and server, whatever the venv's install points at.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        ns = parse_flags({"model": str(slow_model_dir), "num_replicas": "2", "max_model_len": "1024",
+                          "served_model_name": "m", "max_ongoing_requests": "3"})
+        serve.run(build_application(ns), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
