@@ -107,11 +107,16 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(folder)
+    ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or getattr(hf, "dtype", None)
+    return config_from_hf(hf, arch, _torch_dtype(ckpt_dtype))
+
+
+def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
+    """ModelConfig from a transformers config (read from config.json, or from GGUF metadata)."""
     flags = SUPPORTED_ARCHITECTURES[arch]
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or getattr(hf, "dtype", None)
     sliding = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     return ModelConfig(
         architecture=arch,
@@ -125,7 +130,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        checkpoint_dtype=_torch_dtype(ckpt_dtype),
+        checkpoint_dtype=checkpoint_dtype,
         sliding_window=sliding,
         eos_token_ids=eos_ids,
         **_rope(hf, head_dim),

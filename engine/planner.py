@@ -68,6 +68,9 @@ class PlanInputs:
     host_budget: int | None = None  # host memory this process may use; None = not limited
     host_tiering: HostTiering | None = None  # None: every streamed block stays reachable in RAM
     checkpoint_bytes: int = 0  # beyond the host budget, streamed pages are released after use
+    # Bytes one streamed block moves, when that differs from its resident form (block_bytes):
+    # a GGUF block streams its packed GGML bytes and is unpacked by the compute that uses it.
+    streamed_block_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,15 @@ class MemoryPlan:
     disk_blocks: list[int] = field(default_factory=list)
     disk_block_bytes: int = 0  # checkpoint bytes of one block (what a disk read moves)
     release_pages: bool = False  # checkpoint larger than host memory: drop streamed pages after use
+    streamed_block_bytes: int | None = None  # see PlanInputs; None = block_bytes
+
+    @property
+    def stream_block_bytes(self) -> int:
+        return self.block_bytes if self.streamed_block_bytes is None else self.streamed_block_bytes
 
     @property
     def streamed_bytes_per_step(self) -> int:
-        return len(self.streamed_blocks) * self.block_bytes
+        return len(self.streamed_blocks) * self.stream_block_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -125,7 +133,9 @@ class MemoryPlan:
             f"memory plan (budget {budget}, planned {format_bytes(self.device_bytes)}):",
             f"  blocks resident: {len(self.resident_blocks)}/{self.num_layers}"
             f"  streamed: {len(self.streamed_blocks)}/{self.num_layers}"
-            f"  ({format_bytes(self.block_bytes)} per block)",
+            f"  ({format_bytes(self.block_bytes)} per block"
+            + (f", {format_bytes(self.stream_block_bytes)} streamed" if self.streamed_block_bytes is not None else "")
+            + ")",
             f"  bytes streamed per step: {format_bytes(self.streamed_bytes_per_step)}"
             f"  (prefetch depth {self.prefetch_depth}, stream buffers {format_bytes(self.stream_buffer_bytes)})",
             f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
@@ -166,7 +176,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         resident = list(range(p.num_layers))
         return _with_host_tier(p, MemoryPlan(None, p.num_layers, resident, [], p.block_bytes, p.global_bytes,
                                              kv(seqs), p.workspace_bytes, 0, p.max_model_len, seqs,
-                                             p.prefetch_depth, tuple(notes)))
+                                             p.prefetch_depth, tuple(notes),
+                                         streamed_block_bytes=p.streamed_block_bytes))
 
     buffers = (p.prefetch_depth + 1) * p.block_bytes
     fixed = p.global_bytes + p.workspace_bytes
@@ -195,7 +206,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     streamed = [i for i in range(p.num_layers) if i not in set(resident)]
     return _with_host_tier(p, MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes,
                                          kv(seqs), p.workspace_bytes, buffers, p.max_model_len, seqs,
-                                         p.prefetch_depth, tuple(notes)))
+                                         p.prefetch_depth, tuple(notes),
+                                         streamed_block_bytes=p.streamed_block_bytes))
 
 
 def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "bench": ("bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
     "bench-serve": ("bench.serving", "throughput of a running server at several concurrencies"),
     "bench-disk": ("bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
+    "bench-packed": ("bench.packed", "GGUF / int4 / int8 on real SmolLM2: layerstream vs llama.cpp, one thread"),
 }
 
 

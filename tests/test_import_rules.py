@@ -17,9 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "bench", "layerstream")
 # Unit tests of the weights package's parts, and tests that replay its CUDA transport on CPU (they
-# swap CudaRuntime for a recording one).
+# swap CudaRuntime for a recording one); the GGUF reader, dequantizers and packed kernels are unit-tested
+# against gguf-py and transformers (gguf_models.py builds their reference models).
 WEIGHTS_UNIT_TESTS = {"test_streamer.py", "test_disk_tier.py", "test_checkpoint_errors.py", "test_overlap.py",
-                      "test_cuda.py", "test_gpu_check.py"}
+                      "test_cuda.py", "test_gpu_check.py", "test_gguf.py", "test_quantization.py", "gguf_models.py"}
 
 
 def module_name(path: Path) -> str:

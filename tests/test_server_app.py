@@ -121,7 +121,7 @@ def test_a_failing_sequence_fails_alone(flaky_engine):
     r_ok, r_bad, r_stream, r_chat_bad = _run_all(app, [
         ("/v1/completions", INNOCENT), ("/v1/completions", hostile), ("/v1/completions", stream),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                                  "stream": True, "prompt_ids_unused": 1}),
+                                  "stream": True}),
     ])
     assert r_ok.status_code == 200 and r_ok.json()["choices"][0]["text"] == alone
     assert r_ok.json()["usage"]["completion_tokens"] == 20

@@ -29,6 +29,9 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
       prepare time; the measured link speeds, kept in their own record, never in the plan.
   PINNED_HOST_MARGIN, host_register_works(device), host_to_device_gbps(device)
       What a GPU benchmark or probe needs to know about the CUDA path without reaching into it.
+  GGUFCheckpoint(path): a GGUF file opened (config from its metadata); .sizes(dtype), .open_weights(plan, ...)
+      give the loader packed weights behind the same ModelWeights (engine.loader's GGUF branch).
+  quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load.
   weights.close(); checkpoint.close()
       Give back threads, buffers, pinned memory, file descriptors and mappings. A constructor that
       fails releases what it took before raising.
@@ -52,14 +55,19 @@ from .cuda_transport import HOST_MARGIN as PINNED_HOST_MARGIN
 from .cuda_transport import host_register_works
 from .disk_bandwidth import DiskBandwidth
 from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
+from .dequant import dequantize
 from .formats import open_checkpoint
+from .gguf_file import GGUFIndex, find_gguf
+from .gguf_loader import GGUFCheckpoint
+from .gguf_model import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
 from .source import WeightSizes
 from .streamer import StreamStats
 from .tiers import TRANSPORTS, check_transport
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "DiskBandwidth", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
+    "CheckpointError", "CheckpointReader", "DiskBandwidth", "GGUFBlockSource", "GGUFCheckpoint", "GGUFIndex",
+    "GLOBAL_NAMES", "dequantize", "find_gguf", "load_gguf_config", "metadata_folder", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
     "PINNED_HOST_MARGIN", "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
     "WeightSizes", "WeightsTelemetry", "check_transport", "efficiency", "expected_step", "floor_percent",
     "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",

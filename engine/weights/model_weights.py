@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .. import model as M
 from ..arch import ModelConfig
 from ..planner import HostTiering, MemoryPlan
 from .bandwidth import LinkSpeeds
@@ -40,8 +41,18 @@ class ModelCheckpoint:
             self._reader.close()
             raise
 
-    def sizes(self, dtype: torch.dtype) -> WeightSizes:
-        return self.source.sizes(dtype)
+    def sizes(self, dtype: torch.dtype, quantization: str | None = None) -> WeightSizes:
+        """quantization (int8 | int4): blocks and head as quantized at load (quantize.py)."""
+        sizes = self.source.sizes(dtype)
+        if quantization:
+            import dataclasses
+
+            from .quantize import quantized_plan_bytes
+
+            block, glob = quantized_plan_bytes(self.cfg, self.source.global_views()["embed"].nbytes,
+                                               quantization, dtype)
+            sizes = dataclasses.replace(sizes, block_bytes=block, global_bytes=glob)
+        return sizes
 
     def host_tiering(self, transport: str, device: torch.device, dtype: torch.dtype,
                      depth: int) -> HostTiering | None:
@@ -86,14 +97,14 @@ class PlacedGlobals:
     rows are gathered per step, and embed() casts the gathered rows (the same elementwise cast,
     after the lookup instead of before: exact)."""
 
-    embed_table: torch.Tensor  # (vocab, hidden)
+    embed_table: torch.Tensor  # (vocab, hidden), or a packed table (GGUF) that unpacks looked-up rows
     norm: torch.Tensor  # (hidden,)
-    head: torch.Tensor  # (vocab, hidden); the embedding table itself when tied
+    head: torch.Tensor  # (vocab, hidden); the embedding table itself when tied; or a packed weight
     dtype: torch.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(tokens,) int64 -> (tokens, hidden) in the compute dtype."""
-        return torch.nn.functional.embedding(input_ids, self.embed_table).to(self.dtype)
+        return M.embed(input_ids, self.embed_table).to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -115,14 +126,38 @@ class ModelWeights:
 
     def __init__(self, checkpoint: ModelCheckpoint, plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
                  transport: str = "auto", pin_host_memory: bool = False, host_budget: int | None = None,
-                 disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None):
-        self.plan = plan
+                 disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
+                 quantization: str | None = None):
         source = checkpoint.source
-        self._transport: Transport = make_transport(transport, source, dtype, device, plan, pin_host_memory,
-                                                    host_budget, disk_gbps)
+        t: Transport = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps)
+        if quantization:
+            # Weight-only int8/int4 at load: every block quantized once from the compute-dtype
+            # weights (streamed ones up front), then served from memory with their packed bytes.
+            from .quantize import QuantizingTransport
+
+            try:
+                t = QuantizingTransport(t, quantization, plan.streamed_blocks, on_progress=on_progress)
+            except BaseException:
+                t.close()
+                raise
+        self._start(plan, t, lambda: _place_globals(source, dtype, device, quantization), on_progress, disk_gbps)
+
+    @classmethod
+    def from_transport(cls, plan: MemoryPlan, transport: Transport, place_globals: Callable[[], PlacedGlobals],
+                       on_progress: Callable[[int], None] | None = None) -> ModelWeights:
+        """Weights served by a transport built by the caller (the GGUF path: packed blocks, gguf_loader.py).
+        The transport is owned from here on (closed on failure too)."""
+        self = cls.__new__(cls)
+        self._start(plan, transport, place_globals, on_progress, None)
+        return self
+
+    def _start(self, plan: MemoryPlan, transport: Transport, place_globals: Callable[[], PlacedGlobals],
+               on_progress: Callable[[int], None] | None, disk_gbps: float | None) -> None:
+        self.plan = plan
+        self._transport: Transport = transport
         self._streamer: BlockStreamer | None = None
         try:
-            self.globals = _place_globals(source, dtype, device)
+            self.globals = place_globals()
             if on_progress:
                 on_progress(-1)
             self._streamer = BlockStreamer(self._transport, plan.resident_blocks, plan.streamed_blocks,
@@ -167,9 +202,15 @@ class ModelWeights:
         self._transport = None
 
 
-def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device) -> PlacedGlobals:
+def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device,
+                   quantization: str | None = None) -> PlacedGlobals:
     views = source.global_views()
     lazy_embed = device.type == "cpu" and "lm_head" in views
     placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
               for k, v in views.items()}
-    return PlacedGlobals(placed["embed"], placed["norm"], placed.get("lm_head", placed["embed"]), dtype)
+    head = placed.get("lm_head", placed["embed"])
+    if quantization:
+        from .quantize import quantize_head
+
+        head = quantize_head(head, dtype)  # int8 per row, whatever the blocks' mode
+    return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)

@@ -1,0 +1,329 @@
+"""Paged KV bookkeeping: which KV block holds which tokens of which sequence. Pure Python, no torch.
+
+The device KV pool is `num_blocks` blocks of `block_size` token positions. A sequence owns a block
+table (block ids in position order) that grows as it does; a finished sequence hands its blocks back.
+
+Automatic prefix caching: once every token of a block has its K/V computed, the block gets a
+content address, a hash chained over (parent block's hash, the block's token ids), so equal
+prefixes, and only equal prefixes, share addresses. A new sequence whose leading blocks match
+cached addresses takes a reference to those blocks instead of computing them. A freed cached block
+keeps its content and its address while it sits in the free pool; allocation takes never-cached
+blocks first and then evicts cached ones least-recently-used first.
+
+Host tier: with `num_host_blocks` > 0, a cached block evicted from the device pool is copied to a
+bounded host pool (also LRU) instead of being dropped, and a later prefix hit on it copies it back
+instead of recomputing it. The manager only decides; it queues the copies (`take_copies`) for the
+KV cache to perform before the next forward pass, in order, which is what makes them safe: nothing
+writes a device block except the forward pass, so a queued copy always reads what the bookkeeping
+says is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class PagedSequence(Protocol):
+    """What the block manager reads and writes on a sequence (engine.scheduler.Sequence)."""
+
+    block_table: list[int]
+    block_hashes: list[bytes]  # chained hashes of the sequence's full blocks, computed once each
+    num_computed: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_range(self, start: int, count: int) -> list[int]: ...
+
+
+def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Content address of a full block: 128-bit BLAKE2b over the parent's address and the token ids,
+    so a collision (two prefixes sharing KV that is not theirs) is out of reach in practice."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """One queued copy between the pools: "out" device block -> host block, "in" host -> device."""
+
+    direction: str  # "out" | "in"
+    device_block: int
+    host_block: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Leading cached blocks of a sequence, in order: (on_host, block id) each. Device blocks are
+    shared; host blocks are copied into fresh device blocks."""
+
+    blocks: tuple[tuple[bool, int], ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_host_blocks(self) -> int:
+        return sum(on_host for on_host, _ in self.blocks)
+
+
+@dataclass
+class BlockStats:
+    """Counters since start (telemetry)."""
+
+    queried_tokens: int = 0  # tokens of sequences looked up in the prefix cache on admission
+    hit_tokens: int = 0  # of those, tokens whose K/V came from the cache (device or host)
+    host_hit_tokens: int = 0  # of the hits, tokens copied back from the host tier
+    blocks_swapped_out: int = 0  # device -> host copies
+    blocks_swapped_in: int = 0  # host -> device copies
+    evictions: int = 0  # cached device blocks reused for other content
+
+
+@dataclass
+class _HostTier:
+    """A bounded LRU pool of cached blocks in host memory, addressed like the device cache."""
+
+    num_blocks: int
+    by_hash: dict[bytes, int] = field(default_factory=dict)
+    hash_of: dict[int, bytes] = field(default_factory=dict)
+    lru: OrderedDict = field(default_factory=OrderedDict)  # host block -> None, least recent first
+    free: list[int] = field(default_factory=list)
+    # Host blocks an allocation in progress is about to copy in: not to be overwritten before.
+    pinned: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+
+    def touch(self, host_block: int) -> None:
+        self.lru.move_to_end(host_block)
+
+    def take(self) -> int | None:
+        """A host block to overwrite: a never-used one, else the least recently used unpinned one;
+        None when every host block is pinned."""
+        if self.free:
+            hb = self.free.pop()
+        else:
+            hb = next((b for b in self.lru if b not in self.pinned), None)
+            if hb is None:
+                return None
+            del self.lru[hb]
+            del self.by_hash[self.hash_of.pop(hb)]
+        self.lru[hb] = None
+        return hb
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+        # Free blocks without cached content, used as a stack: the most recently freed block is
+        # reused first, so on the CPU (lazily faulted zeros) the pages touched follow peak use.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks that still hold a cached prefix, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.host = _HostTier(num_host_blocks) if enable_prefix_caching and num_host_blocks > 0 else None
+        self._copies: list[BlockCopy] = []
+        self.stats = BlockStats()
+
+    # -- what is free ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence could get now (never-cached ones plus evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Device blocks holding a cached prefix (in use or not)."""
+        return len(self._by_hash)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission: prefix lookup and the first allocation --------------------------------------
+    def _hashes(self, seq: PagedSequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first num_blocks full blocks, extending the sequence's memo."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_range(i * bs, bs)))
+        return hashes[:num_blocks]
+
+    def match(self, seq: PagedSequence) -> PrefixMatch:
+        """The cached leading blocks of a sequence that holds no blocks. At least its last token is
+        left to compute: its logits give the next token."""
+        assert not seq.block_table, "match() is for a sequence without blocks"
+        found: list[tuple[bool, int]] = []
+        if self.enable_prefix_caching:
+            for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+                # The chained address says the whole prefix matches, wherever the parent lives.
+                if h in self._by_hash:
+                    found.append((False, self._by_hash[h]))
+                elif self.host is not None and h in self.host.by_hash:
+                    found.append((True, self.host.by_hash[h]))
+                else:
+                    break
+        return PrefixMatch(tuple(found), self.block_size)
+
+    def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
+        """Whether a sequence with this match can get blocks covering num_tokens positions."""
+        shared = [b for on_host, b in match.blocks if not on_host]
+        # Sharing a free cached block takes it out of the free pool too.
+        shared_free = sum(1 for b in shared if self.ref_count[b] == 0)
+        need = self.blocks_for(num_tokens) - len(shared)
+        return need + shared_free <= self.num_free_blocks
+
+    def allocate(self, seq: PagedSequence, match: PrefixMatch, num_tokens: int) -> None:
+        """Give a sequence without blocks its cached prefix plus fresh blocks up to num_tokens
+        positions; its computed tokens become the matched ones. Check can_allocate first."""
+        assert self.can_allocate(match, num_tokens)
+        # Take the shared blocks before any fresh one: taking could otherwise evict them.
+        for on_host, b in match.blocks:
+            if not on_host:
+                self._share(b)
+            else:
+                self.host.pinned.add(b)
+        for on_host, b in match.blocks:
+            if on_host:
+                hb, b = b, self._take()
+                self._copies.append(BlockCopy("in", b, hb))
+                self.host.touch(hb)
+                self._register(b, self.host.hash_of[hb])
+                self.stats.blocks_swapped_in += 1
+            seq.block_table.append(b)
+        if self.host is not None:
+            self.host.pinned.clear()
+        seq.num_computed = match.num_tokens
+        self.stats.queried_tokens += seq.num_tokens
+        self.stats.hit_tokens += match.num_tokens
+        self.stats.host_hit_tokens += match.num_host_blocks * self.block_size
+        self.grow(seq, num_tokens)
+
+    # -- growth and release ----------------------------------------------------------------------
+    def can_grow(self, seq: PagedSequence, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def grow(self, seq: PagedSequence, num_tokens: int) -> None:
+        """Append fresh blocks until the table covers num_tokens positions."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        assert need <= self.num_free_blocks, "grow() without can_grow()"
+        for _ in range(need):
+            seq.block_table.append(self._take())
+
+    def commit(self, seq: PagedSequence, since: int = 0) -> None:
+        """Publish the sequence's blocks that are full of computed K/V to the prefix cache; `since`
+        (tokens computed before the last step) skips the blocks published before."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        hashes = self._hashes(seq, full)
+        for i in range(since // self.block_size, full):
+            b = seq.block_table[i]
+            if self.hash_of[b] is None and hashes[i] not in self._by_hash:
+                # A block computed twice (two sequences admitted together) keeps the first copy's
+                # address; the second stays private and is freed without cached content.
+                self._register(b, hashes[i])
+
+    def free(self, seq: PagedSequence) -> None:
+        """Release every block of a sequence. Blocks are released tail first, so among equally old
+        cached blocks the tail of a sequence is evicted before the prefix other requests share."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            assert self.ref_count[b] >= 0
+            if self.ref_count[b] == 0:
+                if self.hash_of[b] is None:
+                    self._free.append(b)
+                else:
+                    self._evictable[b] = None
+        seq.block_table.clear()
+
+    def take_copies(self) -> list[BlockCopy]:
+        """The queued pool-to-pool copies, in the order they must run (before the next forward)."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached address (device and host); blocks in use stay with their owners."""
+        for b, h in enumerate(self.hash_of):
+            if h is not None:
+                self.hash_of[b] = None
+        self._by_hash.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        if self.host is not None:
+            self.host = _HostTier(self.host.num_blocks)
+
+    def check(self) -> None:
+        """Internal consistency (tests call it after every step): every block is exactly one of
+        in use, free, or free-with-cached-content; addresses and blocks agree."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not free & evictable
+        for b in range(self.num_blocks):
+            in_use = self.ref_count[b] > 0
+            assert in_use + (b in free) + (b in evictable) == 1, f"block {b} is lost or double-counted"
+            if b in free:
+                assert self.hash_of[b] is None
+            if b in evictable:
+                assert self.hash_of[b] is not None
+        assert all(self.hash_of[b] == h for h, b in self._by_hash.items())
+        assert sum(h is not None for h in self.hash_of) == len(self._by_hash)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _share(self, b: int) -> None:
+        if self.ref_count[b] == 0:
+            del self._evictable[b]
+        self.ref_count[b] += 1
+
+    def _register(self, b: int, h: bytes) -> None:
+        self.hash_of[b] = h
+        self._by_hash[h] = b
+
+    def _take(self) -> int:
+        """A block for new content, owned once: never-cached first, else evict the LRU cached one."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            self._evict(b)
+        self.ref_count[b] = 1
+        return b
+
+    def _evict(self, b: int) -> None:
+        h = self.hash_of[b]
+        self.hash_of[b] = None
+        del self._by_hash[h]
+        self.stats.evictions += 1
+        if self.host is None:
+            return
+        hb = self.host.by_hash.get(h)
+        if hb is not None:  # the host still holds this content (it was swapped in from there)
+            self.host.touch(hb)
+            return
+        hb = self.host.take()
+        if hb is None:
+            return
+        self.host.by_hash[h] = hb
+        self.host.hash_of[hb] = h
+        self._copies.append(BlockCopy("out", b, hb))
+        self.stats.blocks_swapped_out += 1

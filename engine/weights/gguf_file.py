@@ -1,0 +1,327 @@
+"""Memory-mapped GGUF reading: metadata, a validated tensor table, zero-copy byte ranges.
+
+A GGUF file is a header (magic, version, counts), key/value metadata, a table of tensor infos
+(name, dims, ggml type, offset) and, after padding to `general.alignment`, the tensor data. The
+header is parsed here rather than with `gguf.GGUFReader`: that reader turns every metadata string
+(~100k tokenizer entries) into numpy objects (2.6 s for a 98 MB file on this machine) and reports a
+truncated or corrupt file as whatever numpy error it hits. Here every count, length and byte range
+is checked against the file, and an error names the file, the tensor and the type.
+
+Split models (`name-00001-of-00003.gguf`) are one `GGUFIndex` over all their files; metadata comes
+from the first, tensors from all, and a missing or duplicated split is an error.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .safetensors_index import PAGE_SIZE, CheckpointError
+from .dequant import SUPPORTED_TYPES
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+MAX_COUNT = 1 << 24  # tensors / metadata keys / array items: far beyond any real model
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# metadata value type -> struct format (GGUFValueType numbering)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+               GGMLQuantizationType.BF16: torch.bfloat16}
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    path: Path
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: (rows, row_len), the reverse of GGUF's ne[]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def packed(self) -> bool:
+        return self.qtype not in FLOAT_TYPES
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        """Shape of the raw bytes: (rows..., bytes per row)."""
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return (*self.shape[:-1], self.shape[-1] // block * size)
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over the mapped header."""
+
+    def __init__(self, buf: mmap.mmap, path: Path):
+        self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise CheckpointError(f"{self.path}: file ends inside the header while reading {what} "
+                                  f"(at byte {self.pos}, {self.size} bytes in the file); truncated or corrupt")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def count(self, what: str, limit: int = MAX_COUNT) -> int:
+        n = self.scalar("<Q", what)
+        if n > limit:
+            raise CheckpointError(f"{self.path}: {what} is {n}, more than the {limit} allowed; corrupt file")
+        return n
+
+    def string(self, what: str) -> str:
+        raw = self.take(self.count(f"length of {what}", self.size), what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: {what} is not UTF-8 ({e}); corrupt file") from e
+
+    def value(self, vtype: int, what: str):
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            item_type = self.scalar("<I", f"item type of {what}")
+            n = self.count(f"length of {what}")
+            if item_type in _SCALARS:
+                fmt = _SCALARS[item_type]
+                raw = self.take(n * struct.calcsize(fmt), what)
+                return list(struct.unpack(f"<{n}{fmt[1]}", raw))
+            return [self.value(item_type, what) for _ in range(n)]
+        raise CheckpointError(f"{self.path}: {what} has unknown value type {vtype}; corrupt file")
+
+
+class GGUFFile:
+    """One mapped .gguf file with a validated header and tensor table."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open: {e.strerror}") from e
+        try:
+            self.file_size = os.fstat(self._fd).st_size
+            if self.file_size < 24:
+                raise CheckpointError(f"{self.path}: file is {self.file_size} bytes, too short for a GGUF header")
+            # MAP_PRIVATE like the safetensors reader: torch gets a writable buffer, the file is never written.
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            self.metadata, self.tensors, self.data_start = self._parse()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse(self) -> tuple[dict, dict[str, GGUFTensor], int]:
+        cur = _Cursor(self._map, self.path)
+        if cur.take(4, "magic") != GGUF_MAGIC:
+            raise CheckpointError(f"{self.path}: not a GGUF file (magic bytes are {bytes(self._map[:4])!r})")
+        version = cur.scalar("<I", "version")
+        if version not in (2, 3):
+            hint = " (a big-endian file?)" if version > 0xFFFF else ""
+            raise CheckpointError(f"{self.path}: GGUF version {version}{hint} is not supported (2 and 3 are)")
+        n_tensors = cur.count("tensor count")
+        n_kv = cur.count("metadata key count")
+        metadata: dict = {}
+        for _ in range(n_kv):
+            key = cur.string("a metadata key")
+            vtype = cur.scalar("<I", f"type of metadata {key!r}")
+            metadata[key] = cur.value(vtype, f"metadata {key!r}")
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise CheckpointError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string("a tensor name")
+            n_dims = cur.scalar("<I", f"dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            ne = [cur.scalar("<Q", f"dimensions of tensor {name!r}") for _ in range(n_dims)]
+            raw_type = cur.scalar("<I", f"type of tensor {name!r}")
+            offset = cur.scalar("<Q", f"offset of tensor {name!r}")
+            infos.append((name, ne, raw_type, offset))
+        data_start = -(-cur.pos // alignment) * alignment
+        tensors: dict[str, GGUFTensor] = {}
+        for name, ne, raw_type, offset in infos:
+            if name in tensors:
+                raise CheckpointError(f"{self.path}: tensor {name!r} appears twice")
+            tensors[name] = self._tensor(name, ne, raw_type, offset, data_start, alignment)
+        spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.nbytes)
+        for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise CheckpointError(f"{self.path}: tensors {n0!r} and {n1!r} overlap")
+        return metadata, tensors, data_start
+
+    def _tensor(self, name: str, ne: list[int], raw_type: int, offset: int, data_start: int,
+                alignment: int) -> GGUFTensor:
+        where = f"{self.path}: tensor {name!r}"
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise CheckpointError(f"{where}: unknown GGML type {raw_type}; corrupt file or a newer format") from None
+        if qtype not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{where}: type {qtype.name} is not supported "
+                                  f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
+        block, size = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block:
+            raise CheckpointError(f"{where} ({qtype.name}): row length {ne[0]} is not a multiple of the "
+                                  f"{block}-weight block")
+        nbytes = ne[0] // block * size
+        for d in ne[1:]:
+            nbytes *= d
+        if offset % alignment:
+            raise CheckpointError(f"{where} ({qtype.name}): offset {offset} is not {alignment}-byte aligned")
+        start = data_start + offset
+        if start + nbytes > self.file_size:
+            raise CheckpointError(f"{where} ({qtype.name}): data ends at byte {start + nbytes} but the file "
+                                  f"has {self.file_size} bytes (truncated or corrupt file)")
+        return GGUFTensor(name, self.path, qtype, tuple(reversed(ne)), start, start + nbytes)
+
+    def header_sha256(self) -> str:
+        """Digest of everything before the tensor data: metadata and tensor table."""
+        import hashlib
+
+        return hashlib.sha256(self._map[:self.data_start]).hexdigest()
+
+    def raw(self, t: GGUFTensor) -> torch.Tensor:
+        """The tensor's bytes as a zero-copy uint8 view, shape `t.byte_shape` (no disk read here)."""
+        if t.nbytes == 0:
+            return torch.empty(t.byte_shape, dtype=torch.uint8)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.start).view(t.byte_shape)
+
+    def view(self, t: GGUFTensor) -> torch.Tensor:
+        """Float tensors as their dtype (zero copy; GGUF data is aligned), packed ones as raw bytes."""
+        raw = self.raw(t)
+        dtype = FLOAT_TYPES.get(t.qtype)
+        return raw if dtype is None else raw.view(dtype).reshape(t.shape)
+
+    def advise(self, start: int, end: int, advice: int) -> None:
+        """madvise over [start, end) widened to whole pages; advice the kernel refuses is ignored."""
+        if end <= start:
+            return
+        lo = start - start % PAGE_SIZE
+        try:
+            self._map.madvise(advice, lo, end - lo)
+        except (OSError, ValueError):
+            pass
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # tensors still view the mapping; it is unmapped when they are collected
+        os.close(self._fd)
+
+
+def split_paths(path: Path) -> list[Path]:
+    """All files of a split model given any one of them (or [path] for a single file)."""
+    m = _SPLIT_RE.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m.group("count"))
+    paths = [path.with_name(f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise CheckpointError(f"{path}: split model is missing {', '.join(missing)}")
+    return paths
+
+
+def find_gguf(folder: Path) -> Path:
+    """The one GGUF model in a folder (the first split of a split model)."""
+    files = sorted(folder.glob("*.gguf"))
+    firsts = [p for p in files if (m := _SPLIT_RE.match(p.name)) is None or int(m.group("no")) == 1]
+    if len(firsts) != 1:
+        found = ", ".join(p.name for p in firsts) or "none"
+        raise CheckpointError(f"{folder}: expected exactly one GGUF model, found {found}; pass the file itself")
+    return firsts[0]
+
+
+class GGUFIndex:
+    """name -> tensor over every file of a (possibly split) GGUF model, built once and validated."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        self.path = path
+        self.folder = path.parent
+        self.files: dict[Path, GGUFFile] = {}
+        self.entries: dict[str, GGUFTensor] = {}
+        try:
+            for p in split_paths(path):
+                f = GGUFFile(p)
+                self.files[p] = f
+                for name, t in f.tensors.items():
+                    if name in self.entries:
+                        raise CheckpointError(f"{p}: tensor {name!r} is also in {self.entries[name].path.name}")
+                    self.entries[name] = t
+            first = next(iter(self.files.values()))
+            self.metadata = first.metadata
+            count = self.metadata.get("split.count")
+            if count is not None and count != len(self.files):
+                raise CheckpointError(f"{path}: metadata says split.count = {count} but {len(self.files)} "
+                                      "file(s) match its name")
+            expected = self.metadata.get("split.tensors.count")
+            if expected is not None and expected != len(self.entries):
+                raise CheckpointError(f"{path}: split.tensors.count = {expected} but the files hold "
+                                      f"{len(self.entries)} tensors")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def entry(self, name: str) -> GGUFTensor:
+        return self.entries[name]
+
+    def raw(self, name: str) -> torch.Tensor:
+        t = self.entries[name]
+        return self.files[t.path].raw(t)
+
+    def view(self, name: str) -> torch.Tensor:
+        t = self.entries[name]
+        return self.files[t.path].view(t)
+
+    def advise(self, names: list[str], advice: int) -> None:
+        for name in names:
+            t = self.entries[name]
+            self.files[t.path].advise(t.start, t.end, advice)
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.entries.values())
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}

@@ -1,0 +1,45 @@
+"""CPU transport for GGUF blocks: packed bytes move, compute unpacks (or multiplies packed).
+
+prepare() (prefetch thread) faults the block's GGML bytes in from the page cache ahead of use, as
+CpuTransport does for safetensors; the ticket counts those packed bytes. The weights it hands to
+compute are zero-copy `GGUFWeight` views (Q/K rows of llama-family files are gathered into engine
+order: the only copy, of two small tensors), dequantized to the compute dtype by the matmul that
+uses them. Resident blocks are put in their compute form once, at load (`PackedFormat.resident`).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from .safetensors_index import MADV_POPULATE_READ
+from .transport import Ticket, Transport
+from .gguf_model import GGUFBlockSource, PackedFormat
+
+
+class PackedCpuTransport(Transport):
+    def __init__(self, source: GGUFBlockSource, fmt: PackedFormat, release_pages: bool = False):
+        self.source = source
+        self.fmt = fmt
+        self.dtype = fmt.dtype
+        self.device = torch.device("cpu")
+        self.release_pages = release_pages
+        self._mapped: set[int] = set()
+
+    def _weights(self, block: int, make) -> dict[str, object]:
+        return {short: make(t, self.source.raw(short, t.name)) for short, t in self.source.tensors(block).items()}
+
+    def resident(self, block: int) -> dict[str, object]:
+        return self._weights(block, self.fmt.resident)
+
+    def prepare(self, block: int) -> Ticket:
+        if self.release_pages or block not in self._mapped:
+            self.source.advise(block, MADV_POPULATE_READ)
+            self._mapped.add(block)
+        return Ticket(block, self._weights(block, self.fmt.streamed), self.source.nbytes(block))
+
+    def retire(self, ticket: Ticket) -> None:
+        ticket.weights = {}
+        if self.release_pages:
+            self.source.advise(ticket.block, mmap.MADV_DONTNEED)

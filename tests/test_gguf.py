@@ -1,0 +1,276 @@
+"""GGUF straight from the file: dequantizers against gguf-py, tiny GGUF models against transformers'
+GGUF loader (fp32, resident and streamed), fast packed kernels against the exact mode, and clear
+errors for corrupt, truncated or unsupported files."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
+
+from engine import LLM, SamplingParams
+from engine.weights import CheckpointError
+from engine.weights.dequant import SUPPORTED_TYPES, dequantize
+from engine.weights.gguf_file import GGUFIndex
+from engine.weights.packed import int4_from_gguf
+from tests.gguf_models import QUANTIZABLE, hf_gguf_model, random_blocks, write_gguf
+from engine.demo import build_random_model
+from tests.models import _COMMON, build, make_config
+from tests.test_reference import PROMPT, prompt_logits
+
+# transformers dequantizes with gguf-py (numpy) and runs its own fp32 model; we dequantize with the
+# torch port (bit-identical, tested below) and run ours: agreement to fp32 rounding, like safetensors.
+ATOL, RTOL = 1e-4, 1e-4
+
+
+# -- dequantization ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda q: q.name)
+def test_dequantize_equals_gguf_reference(qtype):
+    """Every byte of every block type: random blocks (NaN/inf scales included) and, where gguf-py
+    can quantize, real quantized data; compared bit for bit (NaN where the reference has NaN:
+    arithmetic on a NaN scale may propagate a different payload)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(7, 3 * size), dtype=np.uint8)
+    samples = [raw, random_blocks(qtype, 5, 2 * block, seed=1)] if qtype not in (Q.F32, Q.F16, Q.BF16) else [raw]
+    if qtype in QUANTIZABLE and qtype != Q.F32:
+        data = rng.standard_normal((4, 4 * block)).astype(np.float32)
+        q = quants.quantize(data, qtype)
+        samples.append(q.view(np.uint8).reshape(4, -1))
+    for s in samples:
+        with np.errstate(all="ignore"):
+            ref = quants.dequantize(s, qtype)
+        ours = dequantize(torch.from_numpy(s.copy()), qtype).numpy()
+        assert ours.dtype == np.float32 and ours.shape == ref.shape
+        nan = np.isnan(ref)
+        assert np.array_equal(np.isnan(ours), nan)
+        assert np.array_equal(ours.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_int4_repack_keeps_the_codes(qtype):
+    """The int4 kernel over repacked Q4 blocks multiplies like the exact dequantization: in fp32 to
+    rounding (scale/offset kept in fp32), in bf16 to bf16 rounding of scale, offset and x."""
+    rows, cols = 48, 512
+    raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=3))
+    w = dequantize(raw, qtype, (rows, cols))
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    ref = x @ w.T
+    got32 = int4_from_gguf(raw, qtype, (rows, cols), torch.float32).linear(x)
+    torch.testing.assert_close(got32, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    got16 = int4_from_gguf(raw, qtype, (rows, cols), torch.bfloat16).linear(x.bfloat16()).float()
+    assert (got16 - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+# -- tiny models against transformers' GGUF loader ----------------------------------------------
+
+CASES = [("llama", Q.Q4_0), ("llama", Q.Q8_0), ("mistral", Q.Q5_1), ("qwen2", Q.Q4_K), ("qwen3", Q.Q6_K),
+         ("qwen3", Q.Q5_K), ("qwen2", Q.Q4_1), ("llama", Q.Q5_0), ("qwen3", Q.BF16), ("qwen2", Q.F16)]
+
+
+@pytest.fixture(scope="module")
+def gguf_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def tiny_gguf(root, arch: str, qtype: Q):
+    """A tiny random model of `arch` as GGUF. K-quant rows are 256-weight super-blocks, so those
+    models are wider (hidden 256, MLP 512) and shallower (4 blocks); so are the Qwen3 ones, whose
+    head_dim transformers' GGUF loader does not read (it assumes Qwen3's 128)."""
+    wide = qtype in K_QUANTS or arch == "qwen3"
+    folder = root / (f"{arch}-wide" if wide else arch)
+    if not folder.exists():
+        if wide:
+            base = make_config(arch)
+            heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128) if arch == "qwen3" else {}
+            cfg = type(base)(**{**_COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                                **heads}, tie_word_embeddings=base.tie_word_embeddings,
+                             architectures=base.architectures)
+            build_random_model(folder, cfg, seed=7)
+        else:
+            build(folder, arch)
+    path = root / f"{folder.name}-{qtype.name}.gguf"
+    return path if path.exists() else write_gguf(folder, path, qtype)
+
+
+def reference(path, prompt, n):
+    model = hf_gguf_model(path)
+    ids = list(prompt)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0]
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):], logits
+
+
+@pytest.mark.parametrize("arch,qtype", CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
+def test_matches_transformers_gguf_loader(gguf_root, arch, qtype):
+    path = tiny_gguf(gguf_root, arch, qtype)
+    ref_tokens, ref_logits = reference(path, PROMPT, 16)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2)
+    budget = llm.plan.budget_keeping(1)
+    streamed_bytes = sum(t.nbytes for n, t in llm.engine.model.checkpoint.index.entries.items() if n.startswith("blk.1."))
+    try:
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == ref_tokens
+    finally:
+        llm.close()
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, max_device_memory=budget)
+    try:
+        assert len(llm.plan.resident_blocks) == 1
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == ref_tokens
+        stats = llm.engine.model.weights.stream_stats
+        # What streamed is the packed GGML bytes, and the plan says the same.
+        assert stats.bytes_streamed == stats.blocks_streamed * streamed_bytes
+        assert llm.plan.streamed_bytes_per_step == len(llm.plan.streamed_blocks) * streamed_bytes
+    finally:
+        llm.close()
+
+
+# Fast mode computes in bf16 with int4 (Q4_*) or per-row int8 (others) weights; over the prompt its
+# log-probabilities stay this close to the exact fp32 dequantization (random tiny models; the real
+# SmolLM2 file is compared in test_smollm2.py).
+FAST_LOGPROB_TOL = 0.1
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_fast_mode_close_to_exact(gguf_root, qtype):
+    path = tiny_gguf(gguf_root, "llama", qtype)
+    logprobs = {}
+    for dtype in ("float32", "auto"):
+        llm = LLM(str(path), dtype=dtype, max_model_len=128, max_num_seqs=1)
+        try:
+            logprobs[dtype] = torch.log_softmax(prompt_logits(llm, PROMPT), dim=-1)  # (prompt, vocab)
+            if dtype == "auto":
+                kinds = {type(w).__name__ for w in llm.engine.model.weights.acquire(0).values()}
+                assert ("Int4Weight" if qtype in (Q.Q4_0, Q.Q4_K) else "Int8Weight") in kinds
+        finally:
+            llm.close()
+    diff = (logprobs["float32"] - logprobs["auto"]).abs().max().item()
+    assert 0 < diff < FAST_LOGPROB_TOL
+
+
+def test_split_files_and_folder(gguf_root, tmp_path):
+    folder = gguf_root / "llama"
+    if not folder.exists():
+        build(folder, "llama")
+    split_dir = tmp_path / "split"
+    first = write_gguf(folder, split_dir / "tiny.gguf", Q.Q8_0, split_max_tensors=20)
+    assert first.name == "tiny-00001-of-00003.gguf"
+    single = tiny_gguf(gguf_root, "llama", Q.Q8_0)
+    one_dir = tmp_path / "one"
+    one_dir.mkdir()
+    shutil.copy(single, one_dir / "model.gguf")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    results = []
+    for model in (single, first, split_dir, one_dir):
+        llm = LLM(str(model), dtype="float32", max_model_len=64, max_num_seqs=1)
+        try:
+            results.append(llm.generate([PROMPT], params)[0].outputs[0].token_ids)
+        finally:
+            llm.close()
+    assert results[0] == results[1] == results[2] == results[3]
+    (split_dir / "tiny-00002-of-00003.gguf").unlink()
+    with pytest.raises(CheckpointError, match="missing tiny-00002-of-00003.gguf"):
+        GGUFIndex(first)
+
+
+def test_tokenizer_and_chat_template_from_metadata(gguf_root):
+    path = tiny_gguf(gguf_root, "qwen2", Q.Q8_0)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=1)
+    try:
+        tok = llm.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        assert text == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+        assert tok.decode(tok.encode("Hello world")) == "Hello world"
+        assert tok.eos_token == "<|endoftext|>"
+    finally:
+        llm.close()
+
+
+# -- bad files -----------------------------------------------------------------------------------
+
+def _header_end(path) -> int:
+    idx = GGUFIndex(path)
+    try:
+        return min(t.start for t in idx.entries.values())
+    finally:
+        idx.close()
+
+
+def test_truncated_file(gguf_root, tmp_path):
+    good = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: tensor '.*' \(.*\): data ends at byte .*\(truncated"):
+        GGUFIndex(cut)
+    cut.write_bytes(data[:_header_end(good) // 2])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: file ends inside the header"):
+        GGUFIndex(cut)
+    cut.write_bytes(data[:10])
+    with pytest.raises(CheckpointError, match="too short"):
+        GGUFIndex(cut)
+    with pytest.raises(CheckpointError, match="truncated"):
+        LLM(str(cut))
+
+
+def test_corrupt_headers(gguf_root, tmp_path):
+    data = bytearray(tiny_gguf(gguf_root, "llama", Q.Q4_0).read_bytes())
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + data[4:])
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        GGUFIndex(bad)
+    bad.write_bytes(data[:4] + struct.pack("<I", 7) + data[8:])
+    with pytest.raises(CheckpointError, match="version 7 is not supported"):
+        GGUFIndex(bad)
+    bad.write_bytes(data[:8] + struct.pack("<Q", 1 << 40) + data[16:])
+    with pytest.raises(CheckpointError, match="tensor count is 1099511627776"):
+        GGUFIndex(bad)
+
+
+def _retype(data: bytearray, name: bytes, ggml_type: int) -> bytearray:
+    """Rewrite the type field of tensor `name` in a GGUF header."""
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, ggml_type)
+    return data
+
+
+def test_unsupported_and_unknown_types(gguf_root, tmp_path):
+    data = bytearray(tiny_gguf(gguf_root, "llama", Q.Q4_0).read_bytes())
+    bad = tmp_path / "types.gguf"
+    bad.write_bytes(_retype(bytearray(data), b"blk.2.ffn_up.weight", int(Q.IQ2_XS)))
+    with pytest.raises(CheckpointError, match=r"types\.gguf: tensor 'blk\.2\.ffn_up\.weight': type IQ2_XS is not "
+                                              r"supported \(supported: F32, F16, BF16, Q4_0"):
+        GGUFIndex(bad)
+    bad.write_bytes(_retype(bytearray(data), b"blk.2.ffn_up.weight", 9999))
+    with pytest.raises(CheckpointError, match="unknown GGML type 9999"):
+        GGUFIndex(bad)
+
+
+def test_unsupported_architecture_and_missing_tensor(gguf_root, tmp_path):
+    data = bytearray(tiny_gguf(gguf_root, "llama", Q.Q4_0).read_bytes())
+    bad = tmp_path / "arch.gguf"
+    key = b"general.architecture"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 4 + 8
+    data[at:at + 5] = b"gemma"
+    bad.write_bytes(data)
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma' is not supported"):
+        LLM(str(bad))
+    renamed = bytearray(tiny_gguf(gguf_root, "llama", Q.Q4_0).read_bytes())
+    at = renamed.index(b"blk.3.attn_v.weight")
+    renamed[at:at + 5] = b"blk.9"
+    bad.write_bytes(renamed)
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.3\.attn_v\.weight' is missing"):
+        LLM(str(bad))
