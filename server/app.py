@@ -133,7 +133,14 @@ async def _unless_disconnected(request: Request, coro):
     if the client goes away first."""
     work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_until_disconnect(request))
-    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # The route itself was cancelled from outside (a server or proxy may cancel the handler of a
+        # client that went away rather than deliver http.disconnect): the generation must not run on.
+        work.cancel()
+        watch.cancel()
+        raise
     if work in done:
         watch.cancel()
         return work.result()

@@ -306,7 +306,9 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
             async with c.stream("POST", "/v1/completions", json=long_body) as long_stream:
                 lines = long_stream.aiter_lines()
                 assert (await lines.__anext__()).startswith("data: ")
-                short = asyncio.ensure_future(c.post("/v1/completions", json={**INNOCENT, "max_tokens": 4}))
+                # 24 tokens: long enough to be seen running beside the stream before it ends, short enough
+                # to finish inside the 5 s grace period.
+                short = asyncio.ensure_future(c.post("/v1/completions", json={**INNOCENT, "max_tokens": 24}))
                 deadline = time.monotonic() + 20
                 while guarded.metric("layerstream_num_requests_running") < 2:  # both in the engine
                     assert time.monotonic() < deadline and not short.done()
@@ -316,7 +318,7 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
             return rest, await short
 
     rest, short = asyncio.run(go())
-    assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
+    assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 24
     frames = [ln for ln in rest if ln]
     assert frames[-1] == "data: [DONE]"
     last = json.loads(frames[-2][6:])
