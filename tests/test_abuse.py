@@ -251,7 +251,7 @@ def test_two_authorization_headers_are_refused(guarded):
 
 
 def test_a_non_ascii_api_key_is_refused_at_start_up(capsys):
-    from engine.cli import main
+    from layerstream.cli import main
 
     assert main(["serve", "--api-key", "clé", "--port", "0", "--model", "/nonexistent"]) == 2
     assert "--api-key must be non-empty printable ASCII" in capsys.readouterr().err

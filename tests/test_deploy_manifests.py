@@ -18,7 +18,8 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from server.cli import add_arguments  # noqa: E402
 from server.metrics import ServerMetrics  # noqa: E402
-from server.ray_options import ReplicaOptions, parse_flags  # noqa: E402
+from server.launch import parse_flags  # noqa: E402
+from server.ray_options import ReplicaOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
