@@ -65,14 +65,20 @@ def _plan_memory(host_room: int | None, inputs: PlanInputs) -> MemoryPlan:
                         "--max-num-batched-tokens") from e
 
 
-def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
-             host_room: int) -> MemoryPlan:
-    """The frozen memory plan for this model under args' device budget and `host_room` host bytes."""
-    device = torch.device(args.device)
+def context_length(args: EngineArgs, cfg: ModelConfig) -> int:
+    """--max-model-len, or the model's context capped at 4096; never beyond what the model supports."""
     max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
+    return max_len
+
+
+def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
+             host_room: int) -> MemoryPlan:
+    """The frozen memory plan for this model under args' device budget and `host_room` host bytes."""
+    device = torch.device(args.device)
+    max_len = context_length(args, cfg)
     tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
     sizes = checkpoint.sizes(dtype, args.quantization)
     budget = args.max_device_memory
@@ -182,10 +188,7 @@ def _load_gguf_model(args: EngineArgs, path: Path) -> LoadedModel:
             raise ValueError(f"{path}: transport {args.transport!r} is not available for GGUF models "
                              "(auto, cpu, simulated are)")
         dtype = gguf_dtype(args.dtype)
-        max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
+        max_len = context_length(args, cfg)
         tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
         block_bytes, global_bytes, streamed_block_bytes = checkpoint.sizes(dtype)
         host_room = host_budget(args.max_host_memory)

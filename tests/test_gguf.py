@@ -20,7 +20,7 @@ from engine.weights.packed import int4_from_gguf
 from tests.gguf_models import QUANTIZABLE, hf_gguf_model, random_blocks, write_gguf
 from engine.demo import build_random_model
 from tests.models import _COMMON, build, make_config
-from tests.test_reference import PROMPT, prompt_logits
+from tests.test_reference import PROMPT, greedy_with, prompt_logits
 
 # transformers dequantizes with gguf-py (numpy) and runs its own fp32 model; we dequantize with the
 # torch port (bit-identical, tested below) and run ours: agreement to fp32 rounding, like safetensors.
@@ -102,13 +102,7 @@ def tiny_gguf(root, arch: str, qtype: Q):
 
 
 def reference(path, prompt, n):
-    model = hf_gguf_model(path)
-    ids = list(prompt)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0]
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):], logits
+    return greedy_with(hf_gguf_model(path), prompt, n)
 
 
 @pytest.mark.parametrize("arch,qtype", CASES, ids=[f"{a}-{q.name}" for a, q in CASES])

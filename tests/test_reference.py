@@ -14,7 +14,11 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 128, 64]
 
 
 def reference_greedy(folder, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), prompt, n)
+
+
+def greedy_with(model, prompt, n):
+    """(n greedy tokens after prompt, prompt logits) from a transformers model."""
     ids = list(prompt)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0]
