@@ -15,6 +15,8 @@ ARG DEFAULT_DEVICE=cuda
 # Only for a base without torch (e.g. python:3.11-slim for a small CPU image): where torch comes from.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG LAYERSTREAM_UID=10001
+# Optional extras of the project, e.g. EXTRAS=ray for the image the KubeRay RayService runs (deploy/).
+ARG EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -33,7 +35,7 @@ RUN set -eu; \
     fi; \
     python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/torch-constraint.txt; \
     mkdir engine server bench && touch README.md engine/__init__.py server/__init__.py bench/__init__.py; \
-    python -m pip install --constraint /opt/torch-constraint.txt .; \
+    python -m pip install --constraint /opt/torch-constraint.txt ".${EXTRAS:+[$EXTRAS]}"; \
     rm -rf engine server bench build
 
 COPY README.md ./

@@ -35,22 +35,16 @@ def bench_model_config():
 def cached_random_model(name: str, config, root: Path = BENCH_ROOT, **build_kw) -> Path:
     """Build a random-weight bf16 checkpoint once, outside the repository, and reuse it after."""
     folder = root / f"{name}-v{BENCH_MODEL_VERSION}"
-    marker = folder / "layerstream-bench.json"
-    if marker.exists():
-        return folder
     import torch
 
-    from engine.demo import build_random_model
+    from engine.demo import build_once, build_random_model
 
-    print(f"building the benchmark checkpoint {name} in {folder} (once)", file=sys.stderr)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    build_random_model(tmp, config, dtype=torch.bfloat16, seed=7, **build_kw)
-    (tmp / "layerstream-bench.json").write_text(json.dumps({"version": BENCH_MODEL_VERSION, "random_weights": True}))
-    try:
-        tmp.rename(folder)
-    except OSError:
-        pass  # built concurrently by another run; identical
-    return folder
+    def build(tmp: Path) -> None:
+        print(f"building the benchmark checkpoint {name} in {folder} (once)", file=sys.stderr)
+        build_random_model(tmp, config, dtype=torch.bfloat16, seed=7, **build_kw)
+
+    return build_once(folder, "layerstream-bench.json", {"version": BENCH_MODEL_VERSION, "random_weights": True},
+                      build)
 
 
 def bench_model_path(root: Path = BENCH_ROOT) -> Path:

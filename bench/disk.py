@@ -104,8 +104,7 @@ def _child_transformers(model: str, ids: list[int], n: int) -> dict:
 
 
 def _child_layerstream(model: str, ids: list[int], n: int, depth: int) -> dict:
-    from engine.llm_engine import LLMEngine
-    from engine.loader import EngineArgs
+    from engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -116,43 +115,37 @@ def _child_layerstream(model: str, ids: list[int], n: int, depth: int) -> dict:
     plan = engine.plan
     t0 = time.perf_counter()
     engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), "bench")
-    tokens, first, io0, stall0, busy0 = [], None, 0, 0.0, 0.0
-    streamer = engine.model.runner.streamer
-    reader = getattr(streamer.transport, "reader", None)
-    busy = lambda: reader.stats.seconds if reader else 0.0  # noqa: E731 - prefetch thread inside reads
+    tokens, first, io0, before = [], None, 0, None
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.new_token_ids
             if first is None:
-                first, io0, stall0, busy0 = time.perf_counter(), read_bytes(), streamer.stats.stall_seconds, busy()
+                first, io0, before = time.perf_counter(), read_bytes(), engine.telemetry().total
     end, io1 = time.perf_counter(), read_bytes()
+    stream = engine.telemetry().total.since(before)
     result = dict(tokens=tokens, load_s=load_s, ttft_s=first - t0, decode_s=end - first, decode_read_bytes=io1 - io0,
-                  stall_s=streamer.stats.stall_seconds - stall0, reader_busy_s=busy() - busy0,
+                  stall_s=stream.stall_seconds, reader_busy_s=stream.disk_read_seconds,
                   peak_rss=peak_rss(), resident_blocks=len(plan.resident_blocks),
                   host_blocks=len(plan.host_blocks), disk_blocks=len(plan.disk_blocks),
                   planned_disk_bytes_per_step=plan.disk_bytes_per_step, plan=plan.describe())
-    disk_plans = [streamer.transport.plans[b] for b in plan.disk_blocks] if reader else []
     engine.close()
-    if disk_plans:
-        result.update(zip(("read_only_bytes", "read_only_s"), _read_only_pass(model, disk_plans)))
+    if plan.disk_blocks:
+        result.update(zip(("read_only_bytes", "read_only_s"), _read_only_pass(model, plan.disk_blocks)))
     return result
 
 
-def _read_only_pass(model: str, plans) -> tuple[int, float]:
+def _read_only_pass(model: str, blocks: list[int]) -> tuple[int, float]:
     """One step's disk reads again, same reader, same files, nothing else running in this process:
     the speed the disk gives this access pattern right now, a second measure of the floor taken
     seconds after the decode (the standalone measurements can land in a slower minute)."""
-    from engine.disk_reader import DiskReader, StagingBuffer
+    from engine.arch import load_model_config
+    from engine.weights import ModelCheckpoint
 
-    files = sorted(Path(model).glob("*.safetensors"))
-    reader = DiskReader(files)
+    checkpoint = ModelCheckpoint(model, load_model_config(model))
     try:
-        buf = StagingBuffer(max(p.buffer_bytes for p in plans))
-        t0 = time.perf_counter()
-        n = sum(reader.read(p, buf) for p in plans)
-        return n, time.perf_counter() - t0
+        return checkpoint.time_disk_reads(blocks)
     finally:
-        reader.close()
+        checkpoint.close()
 
 
 def _child(ns: argparse.Namespace) -> int:
@@ -219,7 +212,7 @@ class MemoryCgroup:
 def _run_peer(ns, peer: str, model: Path, ids: list[int], cap: int | None) -> dict:
     drop_page_cache()
     cg = MemoryCgroup(f"layerstream-bench-{os.getpid()}-{peer}", cap)
-    argv = [sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "bench-disk", "--child",
+    argv = [sys.executable, "-m", "layerstream", "--log-level", "WARNING", "bench-disk", "--child",
             "transformers" if peer == "transformers" else "layerstream", "--model", str(model),
             "--ids", ",".join(map(str, ids)), "--decode-tokens", str(ns.decode_tokens),
             "--prefetch-depth", str(ns.prefetch_depth)]
@@ -277,7 +270,7 @@ def run(ns: argparse.Namespace) -> int:
             raise ValueError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
     if ns.decode_tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
-    from engine.disk_bandwidth import disk_bandwidth
+    from engine.weights import measure_disk_bandwidth
     from engine.planner import format_bytes, parse_bytes
 
     model = Path(ns.model) if ns.model else bench_model_path()
@@ -291,7 +284,7 @@ def run(ns: argparse.Namespace) -> int:
     # here (a shared virtual disk), so it is measured right before each peer and once after the last;
     # each peer is held to the faster of the two measurements around it, so "% of floor" errs
     # against the peer, never for it. Each measurement is cached: the layerstream child plans with it.
-    measure = lambda: disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)  # noqa: E731
+    measure = lambda: measure_disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)  # noqa: E731
     print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
           f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens", flush=True)
     load_before = _loadavg()

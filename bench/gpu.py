@@ -52,8 +52,8 @@ def pinned_host_budget(ns, plan) -> int:
     """The pinned row's explicit host budget: --max-host-memory, or its pinned cache plus the
     transport's margin and 1 GiB. MemAvailable on a fresh VM may start small and would otherwise
     decide, silently, that the row runs from staging."""
-    from engine.cuda_transport import HOST_MARGIN
     from engine.planner import parse_bytes
+    from engine.weights import PINNED_HOST_MARGIN as HOST_MARGIN
 
     given = parse_bytes(getattr(ns, "max_host_memory", None))
     return given if given is not None else len(plan.streamed_blocks) * plan.block_bytes + HOST_MARGIN + (1 << 30)
@@ -61,8 +61,7 @@ def pinned_host_budget(ns, plan) -> int:
 
 def _layerstream(ns, folder: Path, budget: int | None, pin: bool, host_memory: int | None = None,
                  transport: str = "auto") -> dict:
-    from engine.llm_engine import LLMEngine
-    from engine.loader import EngineArgs
+    from engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
 
     ids = _prompt(ns.prompt_tokens)
@@ -73,9 +72,7 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool, host_memory: i
     load_s = time.perf_counter() - t0
     try:
         plan = engine.plan
-        runner = engine.model.runner
-        t = runner.streamer.transport
-        pinned = bool(getattr(t, "_pinned", None))
+        pinned = engine.telemetry().pinned_cache
         if pin and plan.streamed_blocks and not pinned:
             print(f"--pin-host-memory FELL BACK to staging: the pinned cache did not fit the host budget "
                   f"({(host_memory or 0) / 2**30:.2f} GiB; see the transport's warning above)", flush=True)
@@ -86,7 +83,7 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool, host_memory: i
             while engine.has_unfinished():
                 for out in engine.step():
                     times += [time.perf_counter()] * len(out.new_token_ids)
-                stalls.append(runner.last_step.stream.stall_seconds)
+                stalls.append(engine.telemetry().last_step.stream.stall_seconds)
             return times, stalls
 
         generate(4)  # warm-up: kernel selection, first-touch of pages
@@ -94,7 +91,7 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool, host_memory: i
         return {"load_s": load_s, "resident_blocks": len(plan.resident_blocks),
                 "streamed_blocks": len(plan.streamed_blocks), "bytes_per_token": plan.streamed_bytes_per_step,
                 "device_budget": budget, "planned_device_bytes": plan.device_bytes,
-                "host_pinned_bytes": getattr(t, "host_bytes", 0), "pinned_cache": pinned,
+                "host_pinned_bytes": engine.telemetry().pinned_host_bytes, "pinned_cache": pinned,
                 "fell_back_to_staging": pin and bool(plan.streamed_blocks) and not pinned,
                 "host_memory_budget": host_memory, "tpot_s": _tpot(times),
                 "stall_ms_per_step": 1e3 * statistics.median(stalls[1:] or stalls)}
@@ -107,13 +104,12 @@ def _layerstream(ns, folder: Path, budget: int | None, pin: bool, host_memory: i
 def device_budget(ns, folder: Path):
     """(budget, plan, blocks kept): a device budget that keeps ns.resident_fraction of the blocks
     resident with this run's KV cache and stream buffers, from the plan's own figures."""
-    from engine.loader import EngineArgs, load_model
+    from engine import EngineArgs, LLMEngine
 
-    probe = load_model(EngineArgs(model=str(folder), dtype=ns.dtype, max_num_seqs=1,
-                                  max_model_len=ns.prompt_tokens + ns.max_tokens + 16, show_progress=False), folder)
+    probe = LLMEngine(EngineArgs(model=str(folder), dtype=ns.dtype, max_num_seqs=1,
+                                 max_model_len=ns.prompt_tokens + ns.max_tokens + 16, show_progress=False))
     p = probe.plan
-    probe.runner.streamer.close()
-    probe.index.close()
+    probe.close()
     keep = int(ns.resident_fraction * p.num_layers)
     return p.budget_keeping(keep), p, keep
 
@@ -133,8 +129,8 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
-    from engine.loader import DTYPE_NAMES
-    from engine.safetensors_index import WeightIndex
+    from engine.args import DTYPE_NAMES
+    from engine.weights import open_checkpoint
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -156,13 +152,13 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
                                                  max_memory={0: budget, "cpu": "512GiB"}).eval()
     load_s = time.perf_counter() - t0
     dmap = getattr(model, "hf_device_map", {})
-    index = WeightIndex(folder)
+    reader = open_checkpoint(folder)
     try:
-        offloaded = sum(e.nbytes for name, e in index.entries.items()
+        offloaded = sum(reader.tensor(name).nbytes for name in reader.names()
                         if any(dev in ("cpu", "disk") and (name == m or name.startswith(m + "."))
                                for m, dev in dmap.items()))
     finally:
-        index.close()
+        reader.close()
     inp = torch.tensor([_prompt(ns.prompt_tokens)], device="cuda")
 
     def generate(n: int) -> list[float]:
@@ -185,7 +181,7 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
 def run(ns: argparse.Namespace) -> int:
     import torch
 
-    from engine import bandwidth
+    from engine import weights
 
     # The transport logs its measured bandwidth and the expected time per step at start-up.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -194,7 +190,7 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     folder = Path(ns.model) if ns.model else bench_model_path()
     gpu = torch.cuda.get_device_name()
-    h2d = bandwidth.host_to_device_gbps(ns.device)
+    h2d = weights.host_to_device_gbps(ns.device)
     print(f"{gpu}; host: {machine_description()}")
     print(f"model: {folder}")
     print(f"host->device (pinned, 256 MiB copies): {h2d:.1f} GB/s")
@@ -222,7 +218,7 @@ def run(ns: argparse.Namespace) -> int:
             name = f"{name} (FELL BACK to staging)"
         nbytes, tpot = r["bytes_per_token"], r["tpot_s"]
         floor = nbytes / (h2d * 1e9) if nbytes else None
-        achieved, pct = bandwidth.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
+        achieved, pct = weights.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
         r.update(h2d_gbps=h2d, floor_s=floor, achieved_gbps=achieved, pct_of_floor=pct)
         rows.append([name, fmt((r.get("device_budget") or 0) / 2**30), f"{nbytes / 2**20:.1f}",
                      fmt(tpot * 1e3 if tpot else None), fmt(floor * 1e3 if floor else None),

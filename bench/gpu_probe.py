@@ -116,21 +116,10 @@ def probe_attention(device, dtype) -> list[str]:
 def probe_host_register(device) -> str:
     if device.type != "cuda":
         return "cudaHostRegister: n/a (no CUDA device)"
-    from engine.cuda_transport import PAGE, CudaRuntime
+    from engine.weights import host_register_works
 
-    rt = CudaRuntime(device)
-    try:
-        buf = rt.pinned_bytes(64 * PAGE)
-        ok = bool(rt._registered) and buf.is_pinned()
-        dev = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
-        dev.copy_(buf.fill_(3), non_blocking=True)
-        torch.cuda.synchronize(device)
-        assert int(dev[-1]) == 3
-        return ("cudaHostRegister: works" if ok else
-                "cudaHostRegister: FAILS here; pinned memory comes from the caching allocator instead")
-    finally:
-        torch.cuda.synchronize(device)
-        rt.release()
+    return ("cudaHostRegister: works" if host_register_works(device) else
+            "cudaHostRegister: FAILS here; pinned memory comes from the caching allocator instead")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,19 +55,17 @@ def prompt_ids(n: int) -> list[int]:
 
 def weight_bytes(folder: Path, dtype_name: str) -> tuple[int, str]:
     """Bytes of the weights in the compute dtype, and that dtype's name."""
-    import torch
-
+    from engine.args import resolve_dtype
     from engine.arch import load_model_config
-    from engine.loader import resolve_dtype
-    from engine.safetensors_index import WeightIndex
+    from engine.weights import open_checkpoint
 
     cfg = load_model_config(folder)
-    dtype = resolve_dtype(dtype_name, cfg, torch.device("cpu"))
-    index = WeightIndex(folder)
+    dtype = resolve_dtype(dtype_name, cfg.checkpoint_dtype)
+    reader = open_checkpoint(folder)
     try:
-        numel = sum(e.nbytes // e.dtype.itemsize for n, e in index.entries.items())
+        numel = sum(reader.tensor(n).numel for n in reader.names())
     finally:
-        index.close()
+        reader.close()
     return numel * dtype.itemsize, str(dtype).replace("torch.", "")
 
 
@@ -90,7 +88,7 @@ def _transformers_peer(ns, ids: list[int]):
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
-    from engine.loader import DTYPE_NAMES
+    from engine.args import DTYPE_NAMES
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -125,8 +123,7 @@ def _transformers_peer(ns, ids: list[int]):
 
 
 def _layerstream_peer(ns, ids: list[int]):
-    from engine.llm_engine import LLMEngine
-    from engine.loader import EngineArgs
+    from engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
 
     budget = ns.budget if ns.peer == "streaming" else None
@@ -136,7 +133,6 @@ def _layerstream_peer(ns, ids: list[int]):
         max_num_seqs=1, max_num_batched_tokens=max(512, len(ids)), show_progress=False))
     load_s = time.perf_counter() - t0
     plan = engine.plan
-    streamer = engine.model.runner.streamer
 
     def generate(n: int) -> dict:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -149,7 +145,7 @@ def _layerstream_peer(ns, ids: list[int]):
         return _trial(start, times)
 
     generate(4)
-    before = streamer.stats.snapshot()
+    before = engine.telemetry().total
     trials = []
 
     def trial() -> dict:
@@ -157,13 +153,13 @@ def _layerstream_peer(ns, ids: list[int]):
         return generate(ns.max_tokens)
 
     def done() -> dict:
-        stats = streamer.stats.since(before)
+        stats = engine.telemetry().total.since(before)
         steps = max(1, len(trials) * ns.max_tokens)
         engine.close()
         return {"stall_ms_per_step": 1e3 * stats.stall_seconds / steps,
                 "prepare_ms_per_step": 1e3 * stats.prepare_seconds / steps}
 
-    info = {"load_s": load_s, "dtype": str(engine.model.dtype).replace("torch.", ""),
+    info = {"load_s": load_s, "dtype": engine.telemetry().dtype,
             "resident_blocks": len(plan.resident_blocks), "streamed_blocks": len(plan.streamed_blocks),
             "planned_bytes": plan.device_bytes}
     return info, trial, done

@@ -53,10 +53,8 @@ def _bf16_safetensors(gguf: Path, folder: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from engine.weights.dequant import dequantize
-    from engine.weights.gguf_file import GGUFIndex
     from engine.arch import BLOCK_TENSORS
-    from engine.weights.gguf_model import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
+    from engine.weights import GLOBAL_NAMES, GGUFBlockSource, GGUFIndex, dequantize, load_gguf_config, metadata_folder
 
     meta = metadata_folder(gguf)
     cfg = AutoConfig.from_pretrained(meta)

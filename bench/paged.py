@@ -123,7 +123,7 @@ def concurrency(folder: Path, budget: int, max_model_len: int) -> dict:
         while engine.has_unfinished():
             engine.step()
             peak = max(peak, engine.num_running())
-        kv = engine.kv_telemetry()
+        kv = engine.telemetry().kv
         return dict(pool_bytes=plan.kv_cache_bytes, blocks=plan.num_kv_blocks, slot=slot_seqs, paged=peak,
                     preemptions=kv.preemptions, seconds=time.perf_counter() - t0, requests=fits + 4)
     finally:

@@ -158,7 +158,7 @@ def launch_server(ns) -> tuple[subprocess.Popen, str, Path]:
         budget = str(int(ns.budget_fraction * weights))
     max_len = ns.max_model_len or -(-(ns.prompt_tokens + ns.max_tokens) // 16) * 16
     port = free_port()
-    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--port", str(port),
+    argv = [sys.executable, "-m", "layerstream", "serve", "--model", str(folder), "--port", str(port),
             "--dtype", ns.dtype, "--max-num-seqs", str(ns.max_num_seqs), "--max-num-batched-tokens",
             str(ns.max_num_batched_tokens), "--max-model-len", str(max_len), *ns.server_arg]
     if budget:

@@ -110,6 +110,7 @@ def main(argv=None) -> None:
                 before = engine.grammar.stats.snapshot()
                 seconds, decoded, steps = decode_run(engine, batch, args.tokens, so if mode == "schema" else None)
                 rates[mode].append(decoded / seconds)
+                print(f"batch {batch} {mode}: {decoded / seconds:.1f} tok/s", file=sys.stderr, flush=True)
                 if mode == "schema":
                     s = engine.grammar.stats
                     mask["compute"] += s.compute_seconds - before.compute_seconds

@@ -1,18 +1,21 @@
-"""Which architectures layerstream runs, and what tensors (names, shapes) each one needs.
+"""Which architectures layerstream runs, and which weights (short names, shapes) each one needs.
 
 The Hugging Face config is read with transformers' own `AutoConfig`, which normalises the 4.x
-(`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`) styles.
+(`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`) styles. Everything
+the model math needs from it, RoPE's frequencies included, is computed here once, so the math never
+reads transformers' config object. What a weight is called in a checkpoint is the weights package's
+business (each format has its own names); here a weight is its short name ("wq", "embed").
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .safetensors_index import CheckpointError, WeightIndex
+from .errors import CheckpointError, UnsupportedModelError
 
 # architecture name in config.json -> family flags
 SUPPORTED_ARCHITECTURES = {
@@ -21,28 +24,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
 }
-
-# short name used by the model math -> suffix under model.layers.{i}.
-BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "wq": "self_attn.q_proj.weight",
-    "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight",
-    "bq": "self_attn.q_proj.bias",
-    "bk": "self_attn.k_proj.bias",
-    "bv": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "mlp_norm": "post_attention_layernorm.weight",
-    "w_gate": "mlp.gate_proj.weight",
-    "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight",
-}
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -62,9 +43,10 @@ class ModelConfig:
     qk_norm: bool
     checkpoint_dtype: torch.dtype
     sliding_window: int | None = None
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hf_config: object = field(default=None, repr=False, compare=False)
+    # RoPE, computed at load from the checkpoint's rope settings (scaling types included).
+    rope_inv_freq: tuple[float, ...] = ()  # (head_dim / 2,) inverse frequencies, fp32 values
+    rope_attention_scaling: float = 1.0
 
     def block_shapes(self) -> dict[str, tuple[int, ...]]:
         h, d = self.hidden_size, self.head_dim
@@ -86,15 +68,13 @@ class ModelConfig:
             shapes.update(q_norm=(d,), k_norm=(d,))
         return shapes
 
-    def block_tensor_names(self, layer: int) -> dict[str, str]:
-        return {k: f"model.layers.{layer}.{BLOCK_TENSORS[k]}" for k in self.block_shapes()}
-
-    def global_tensors(self, index: WeightIndex) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """short name -> (checkpoint name, shape) for embeddings, final norm and head."""
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Embeddings, final norm and (untied) head. A tied model reads its head from the embedding
+        table, unless the checkpoint stores a head anyway (the weights package decides that)."""
         v, h = self.vocab_size, self.hidden_size
-        out = {"embed": ("model.embed_tokens.weight", (v, h)), "norm": ("model.norm.weight", (h,))}
-        if "lm_head.weight" in index or not self.tie_word_embeddings:
-            out["lm_head"] = ("lm_head.weight", (v, h))
+        out = {"embed": (v, h), "norm": (h,)}
+        if not self.tie_word_embeddings:
+            out["lm_head"] = (v, h)
         return out
 
 
@@ -152,27 +132,24 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         checkpoint_dtype=checkpoint_dtype,
         sliding_window=sliding,
-        bos_token_id=hf.bos_token_id,
         eos_token_ids=eos_ids,
-        hf_config=hf,
+        **_rope(hf, head_dim),
         **flags,
     )
 
 
-def validate_checkpoint(cfg: ModelConfig, index: WeightIndex) -> None:
-    """Every tensor the architecture needs is present with its expected shape."""
-    expected: dict[str, tuple[int, ...]] = {}
-    for name, shape in cfg.global_tensors(index).values():
-        expected[name] = shape
-    for layer in range(cfg.num_layers):
-        shapes = cfg.block_shapes()
-        for short, name in cfg.block_tensor_names(layer).items():
-            expected[name] = shapes[short]
-    for name, shape in expected.items():
-        if name not in index:
-            raise CheckpointError(f"{index.folder}: tensor {name!r} is missing from the checkpoint")
-        entry = index.entry(name)
-        if entry.shape != shape:
-            raise CheckpointError(
-                f"{entry.path}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}"
-            )
+def _rope(hf, head_dim: int) -> dict:
+    """RoPE inverse frequencies and attention scaling, with the checkpoint's rope scaling applied."""
+    # transformers 5 normalises both config styles into rope_parameters; 4.x keeps rope_scaling.
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        return dict(rope_inv_freq=tuple(inv_freq.float().tolist()), rope_attention_scaling=float(scaling))
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return dict(rope_inv_freq=tuple(inv_freq.tolist()), rope_attention_scaling=1.0)

@@ -1,65 +1,68 @@
-"""`layerstream` command line: generate, serve, and the benchmarks."""
+"""`layerstream generate`, and the engine flags every command that loads a model shares.
+
+The `layerstream` dispatcher itself is layerstream/cli.py, above the engine, the server and the
+benchmarks; this module is the engine's part of the command line and imports none of them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import logging
 import sys
 import time
 
-# subcommand -> (module, help); each module has add_arguments(parser) and run(args) -> int
-SUBCOMMANDS = {
-    "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
-    "bench": ("bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
-    "bench-serve": ("bench.serving", "throughput of a running server at several concurrencies"),
-    "bench-disk": ("bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
-    "bench-packed": ("bench.packed", "GGUF / int4 / int8 on real SmolLM2: layerstream vs llama.cpp, one thread"),
-}
-
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model."""
+    """Flags shared by every command that loads a model; defaults are EngineArgs' own."""
+    from .args import EngineArgs
+
+    d = EngineArgs.default
     p.add_argument("--model", default="demo", help="model folder, hub id, or 'demo' (default)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    p.add_argument("--max-device-memory", default=None, help="device memory budget, e.g. 4GiB or 512MB")
-    p.add_argument("--max-host-memory", default=None, help="host memory budget (default: what is available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + completion)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (chunked prefill)")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="streamed blocks prepared ahead of compute")
+    p.add_argument("--device", default=d("device"), help="cpu or cuda")
+    p.add_argument("--dtype", default=d("dtype"), help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--max-device-memory", default=d("max_device_memory"),
+                   help="device memory budget, e.g. 4GiB or 512MB")
+    p.add_argument("--max-host-memory", default=d("max_host_memory"),
+                   help="host memory budget (default: what is available)")
+    p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+                   help="context window (prompt + completion)")
+    p.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"), help="sequences decoded together in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
+                   help="tokens per step (chunked prefill)")
+    p.add_argument("--prefetch-depth", type=int, default=d("prefetch_depth"),
+                   help="streamed blocks prepared ahead of compute")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="quantize a bf16/fp16/fp32 checkpoint's block weights at load (weight-only; CPU)")
     p.add_argument("--pin-host-memory", action="store_true",
                    help="cuda: keep all streamed blocks in pinned host memory (if RAM allows) instead of staging")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d("enable_prefix_caching"),
                    help="reuse the KV cache of prompt prefixes seen before (on by default; "
                         "--no-enable-prefix-caching turns it off)")
-    p.add_argument("--block-size", type=int, default=16, help="token positions per paged KV block")
-    p.add_argument("--kv-cache-memory", default=None,
+    p.add_argument("--block-size", type=int, default=d("block_size"), help="token positions per paged KV block")
+    p.add_argument("--kv-cache-memory", default=d("kv_cache_memory"),
                    help="device KV pool size, e.g. 512MiB (default: planned from the budget)")
-    p.add_argument("--kv-host-memory", default=None,
+    p.add_argument("--kv-host-memory", default=d("kv_host_memory"),
                    help="host tier for KV blocks evicted from the pool, e.g. 2GiB (default: min(4GiB, 10%% of host "
                         "memory) on cuda, none on cpu where the pool already is host memory)")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
-    from .loader import EngineArgs
+    from .args import EngineArgs
 
     fields = dict(model=ns.model, device=ns.device, dtype=ns.dtype, max_device_memory=ns.max_device_memory,
                   max_host_memory=ns.max_host_memory, max_model_len=ns.max_model_len,
                   max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                   prefetch_depth=ns.prefetch_depth, pin_host_memory=ns.pin_host_memory,
                   quantization=getattr(ns, "quantization", None),  # Namespaces built elsewhere (Ray) may lack it
-                  enable_prefix_caching=getattr(ns, "enable_prefix_caching", True), block_size=getattr(ns, "block_size", 16),
-                  kv_cache_memory=getattr(ns, "kv_cache_memory", None), kv_host_memory=getattr(ns, "kv_host_memory", None))
+                  enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
+                  kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory)
     fields.update(overrides)
     return EngineArgs(**fields)
 
 
-def _generate_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`layerstream generate`'s flags."""
     add_engine_arguments(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -70,7 +73,8 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print token ids, text and timing as JSON")
 
 
-def _generate(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace) -> int:
+    """`layerstream generate`: one prompt, streamed to stdout (or as JSON)."""
     from .llm_engine import LLMEngine
     from .sampling_params import SamplingParams
 
@@ -102,33 +106,3 @@ def _generate(ns: argparse.Namespace) -> int:
         print()
     engine.close()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="layerstream", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one prompt")
-    _generate_arguments(gen)
-    gen.set_defaults(func=_generate)
-    for name, (module, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_)
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            p.set_defaults(func=lambda _ns, e=e: sys.exit(f"layerstream: {e}"))
-            continue
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
-    ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return ns.func(ns) or 0
-    except (ValueError, FileNotFoundError) as e:
-        # User mistakes (bad checkpoint, bad flag value, budget too small): one clear line.
-        print(f"layerstream: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -132,19 +133,30 @@ def cache_root() -> Path:
     return Path(base) / "layerstream" if not os.environ.get("LAYERSTREAM_CACHE") else Path(base)
 
 
-def demo_model_path() -> Path:
-    """Build the demo model once into the user's cache; later calls reuse it."""
-    folder = cache_root() / f"demo-v{DEMO_VERSION}"
-    marker = folder / "layerstream-demo.json"
-    if marker.exists():
+def build_once(folder: Path, marker: str, info: dict, build: Callable[[Path], None]) -> Path:
+    """`folder`, made by `build(tmp)` the first time only. It is built in a temporary sibling, marked
+    complete (`marker`, holding `info`) and renamed into place, so a half-built folder is never
+    used; when two processes build at once, the second rename fails and both use the first's
+    (identical) folder."""
+    if (folder / marker).exists():
         return folder
-    log.warning("building the built-in demo model (random weights, a smoke-test model: its output is "
-                "gibberish) in %s", folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    build_random_model(tmp, demo_config(), dtype=torch.bfloat16, seed=1234)
-    (tmp / "layerstream-demo.json").write_text(json.dumps({"version": DEMO_VERSION, "random_weights": True}))
+    build(tmp)
+    (tmp / marker).write_text(json.dumps(info))
     try:
         tmp.rename(folder)
     except OSError:
         pass  # another process built it first; theirs is identical
     return folder
+
+
+def demo_model_path() -> Path:
+    """Build the demo model once into the user's cache; later calls reuse it."""
+    folder = cache_root() / f"demo-v{DEMO_VERSION}"
+
+    def build(tmp: Path) -> None:
+        log.warning("building the built-in demo model (random weights, a smoke-test model: its output is "
+                    "gibberish) in %s", folder)
+        build_random_model(tmp, demo_config(), dtype=torch.bfloat16, seed=1234)
+
+    return build_once(folder, "layerstream-demo.json", {"version": DEMO_VERSION, "random_weights": True}, build)

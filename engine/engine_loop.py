@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .llm_engine import LLMEngine, RequestOutput
-from .loader import EngineArgs
+from .args import EngineArgs
+from .llm_engine import EngineUnhealthyError, LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
+from .telemetry import EngineTelemetry
 
 log = logging.getLogger("layerstream")
 
@@ -33,24 +34,45 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
-class EngineStepError(RuntimeError):
-    """A step failed (device error, bug); every request in that step fails with this, the engine
-    keeps serving new ones."""
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (its sampling, detokenizing, or a forward pass that
+    failed again when it ran alone); the others in flight went on. Details are in the log."""
+
+
+class ClientTooSlowError(RuntimeError):
+    """The client stopped reading: MAX_UNREAD_OUTPUTS outputs waited for it, so its requests were
+    cancelled rather than parked in server memory until they finish."""
+
+
+# Outputs (one per token and sequence) a handle may hold unread before its requests are cancelled.
+# A reading client holds a few; one whose socket is full holds everything the engine makes for it.
+MAX_UNREAD_OUTPUTS = 1024
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down and the grace period for requests still running has ended."""
+
+
+class EngineUnhealthyStop(EngineDeadError):
+    """Sent to the requests in flight when the engine goes not-ready after a step failure."""
 
 
 class EngineObserver(Protocol):
     """What the engine thread reports (the server turns it into Prometheus metrics). Called on the
-    engine thread, so implementations must be cheap and thread-safe. on_finished's reason is the
-    request's finish_reason ("stop", "length"), "abort" when cancelled, or "error" when an engine
-    step raised while it was in flight."""
+    engine thread, so implementations must be cheap and thread-safe. on_step gets the telemetry
+    snapshot taken right after the step. on_finished's reason is the request's finish_reason
+    ("stop", "length"), "abort" when cancelled, or "error" when an engine step raised while it was
+    in flight."""
 
     def on_queue(self, engine: LLMEngine) -> None: ...
 
-    def on_step(self, engine: LLMEngine) -> None: ...
+    def on_step(self, telemetry: EngineTelemetry) -> None: ...
 
     def on_token(self, first: bool, seconds: float) -> None: ...
 
     def on_finished(self, reason: str, prompt_tokens: int) -> None: ...
+
+    def on_health(self, ready: bool, reason: str) -> None: ...
 
 
 @dataclass
@@ -58,6 +80,12 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class _Failed:
+    request_id: str
+    error: BaseException
 
 
 @dataclass
@@ -78,11 +106,26 @@ class RequestHandle:
         self.accepted: asyncio.Future = loop.create_future()  # None, or the exception add_request raised
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished = {r.request_id for r in requests}
+        self.max_unread = MAX_UNREAD_OUTPUTS
+        self._overflowed = False
         self.arrival = time.perf_counter()  # time to first token counts the wait for the engine thread too
 
     # -- called on the engine thread --------------------------------------------------------------
     def _post(self, item) -> None:
-        self._call(self._queue.put_nowait, item)
+        self._call(self._deliver, item)
+
+    def _deliver(self, item) -> None:  # on the event loop
+        if self._overflowed:
+            return
+        if isinstance(item, RequestOutput) and self._queue.qsize() >= self.max_unread:
+            self._overflowed = True
+            # Cancelled in the engine, but still unfinished here: outputs() reads what is queued,
+            # then this error; later deliveries are dropped.
+            self._engine_loop.abort(list(self._unfinished))
+            self._queue.put_nowait(ClientTooSlowError(
+                f"the client left {self.max_unread} outputs unread; its requests were cancelled"))
+            return
+        self._queue.put_nowait(item)
 
     def _call(self, fn, *args) -> None:
         try:
@@ -106,6 +149,11 @@ class RequestHandle:
         await self.accepted
         while self._unfinished:
             item = await self._queue.get()
+            if isinstance(item, _Failed):
+                # One of this handle's requests failed: the others (n > 1) stay unfinished, so the
+                # caller's abort() frees their slots.
+                self._unfinished.discard(item.request_id)
+                raise item.error
             if isinstance(item, BaseException):
                 self._unfinished.clear()
                 raise item
@@ -124,7 +172,9 @@ class RequestHandle:
 class EngineLoop:
     """Loads the model and runs the engine on a background thread.
 
-    state: "loading" -> "ready", or "failed" (error in `error`); "stopped" after shutdown()."""
+    state: "loading" -> "ready", or "failed" (the load failed); "ready" -> "unhealthy" when a step
+    failure left the engine's state untrustworthy; "stopped" after shutdown(). `error` holds the
+    exception, `reason` a short description safe to show clients (no paths, no internal text)."""
 
     def __init__(self, args: EngineArgs, observer: EngineObserver | None = None,
                  engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
@@ -135,7 +185,11 @@ class EngineLoop:
         self._on_failed = on_failed
         self.state = "loading"
         self.error: BaseException | None = None
+        self.reason = ""
+        self.draining = False  # shutting down: admit nothing new
+        self._deadline: float | None = None  # monotonic time after which requests in flight are failed
         self.engine: LLMEngine | None = None
+        self._telemetry: EngineTelemetry | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread = threading.Thread(target=self._run, name="layerstream-engine", daemon=True)
@@ -154,10 +208,21 @@ class EngineLoop:
         self._check_ready()
         return self.engine.tokenizer
 
+    def telemetry(self) -> EngineTelemetry | None:
+        """The engine's latest telemetry snapshot (taken after each step on the engine thread, so
+        reading it never races a step); None until the model has loaded."""
+        return self._telemetry
+
     @property
     def max_model_len(self) -> int:
         self._check_ready()
         return self.engine.max_model_len
+
+    @property
+    def capacity(self) -> int:
+        """Engine requests (sequences) the engine holds at most: running + waiting."""
+        self._check_ready()
+        return self.engine.scheduler.capacity
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text or ids, checked against the vocabulary). Safe off the engine
@@ -182,12 +247,20 @@ class EngineLoop:
         iterate `handle.outputs()`) to learn whether the engine took them: QueueFullError,
         PromptTooLongError and InvalidParameter surface there, and none of the requests runs."""
         self._check_ready()
+        if self.draining:  # only admission stops: requests in flight still read the tokenizer
+            raise EngineNotReadyError("the server is shutting down")
         handle = RequestHandle(asyncio.get_running_loop(), self, requests)
         self._commands.put(("add", handle))
         return handle
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", list(request_ids)))
+
+    def drain(self, grace: float) -> None:
+        """Graceful shutdown: admit nothing new (503); requests still running after `grace`
+        seconds end with ShuttingDownError, which a stream sends as an error event + [DONE]."""
+        self.draining = True
+        self._commands.put(("deadline", time.monotonic() + grace))
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -204,7 +277,7 @@ class EngineLoop:
         if self.state == "loading":
             raise EngineNotReadyError("the model is still loading")
         if self.state != "ready":
-            raise EngineDeadError(f"the engine is not running ({self.state}): {self.error}")
+            raise EngineDeadError(f"the engine is not serving ({self.state}: {self.reason})")
 
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -212,23 +285,54 @@ class EngineLoop:
             self.engine = self._factory(self.args)
         except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
             log.error("loading the model failed: %s", e)
-            self.error, self.state = e, "failed"
+            # /health shows the reason: the exception's class, never its text (paths, sizes).
+            self.error, self.reason, self.state = e, f"the model failed to load ({type(e).__name__})", "failed"
+            self._health(False)
             if self._on_failed:
                 self._on_failed(e)
             return
+        self._telemetry = self.engine.telemetry()
         self.state = "ready"
+        self._health(True)
         log.info("engine ready: max_model_len %d, max_num_seqs %d", self.engine.max_model_len,
                  self.engine.plan.max_num_seqs)
+        error: BaseException = EngineDeadError("the engine stopped")
         try:
             while self._drain(block=not self.engine.has_unfinished()):
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._fail_all(ShuttingDownError("the server shut down before this request finished"))
                 if self.engine.has_unfinished():
                     self._step()
+        except BaseException as e:  # noqa: BLE001 - a step failure the engine could not contain
+            log.critical("engine step failed; the engine is no longer ready", exc_info=e)
+            reason = str(e) if isinstance(e, EngineUnhealthyError) else f"step failed ({type(e).__name__})"
+            self.error, self.reason, self.state = e, reason, "unhealthy"
+            self._health(False)
+            error = EngineUnhealthyStop(f"the engine stopped serving: {reason}")
         finally:
-            self.state = "stopped"
+            if self.state != "unhealthy":
+                self.state = "stopped"
             for t in list(self._tracked.values()):
-                t.handle._post(EngineDeadError("the engine stopped"))
+                if self.observer:
+                    self.observer.on_finished("error", t.prompt_tokens)
+                t.handle._post(error)
             self._tracked.clear()
-            self.engine.close()
+            try:
+                self.engine.close()
+            except Exception as e:  # noqa: BLE001 - after a fatal device error freeing may fail too
+                log.warning("closing the engine failed: %s", e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, t in list(self._tracked.items()):
+            self.engine.abort(rid)
+            if self.observer:
+                self.observer.on_finished("abort", t.prompt_tokens)
+            t.handle._post(error)
+        self._tracked.clear()
+
+    def _health(self, ready: bool) -> None:
+        if self.observer:
+            self.observer.on_health(ready, self.reason)
 
     def _drain(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle); False once asked to stop."""
@@ -242,7 +346,9 @@ class EngineLoop:
             block = False
             if kind == "stop":
                 return False
-            if kind == "add":
+            if kind == "deadline":
+                self._deadline = arg
+            elif kind == "add":
                 self._add(arg)
             elif kind == "abort":
                 for rid in arg:
@@ -268,26 +374,26 @@ class EngineLoop:
         handle._resolve(None)
 
     def _step(self) -> None:
-        try:
-            outputs: list[RequestOutput] = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests in this step, keep serving
-            log.exception("engine step failed; failing %d requests", len(self._tracked))
-            error = EngineStepError(f"the engine failed during a step: {type(e).__name__}: {e}")
-            failed = list(self._tracked.items())
-            self._tracked.clear()
-            for rid, t in failed:  # counted before any client hears of it, as finished requests are
-                self.engine.abort(rid)
-                if self.observer:
-                    self.observer.on_finished("error", t.prompt_tokens)
-            for _, t in failed:
-                t.handle._post(error)
-            return
+        # EngineUnhealthyError (or any exception LLMEngine.step did not contain) propagates: the
+        # engine's state is unknown, so _run fails what is in flight and goes not-ready.
+        outputs: list[RequestOutput] = self.engine.step()
         now = time.perf_counter()
+        self._telemetry = self.engine.telemetry()
         obs = self.observer
+        if obs:
+            # Before any output is posted: a client that has its last token sees the step in /metrics too.
+            obs.on_step(self._telemetry)
         for out in outputs:
             t = self._tracked.get(out.request_id)
             if t is None:
                 continue  # aborted while the step ran
+            if out.finish_reason == "error":
+                del self._tracked[out.request_id]
+                if obs:
+                    obs.on_finished("error", t.prompt_tokens)
+                t.handle._post(_Failed(out.request_id, RequestFailedError(
+                    "the engine failed while generating this request")))
+                continue
             if obs:
                 obs.on_token(t.last is None, now - (t.last if t.last is not None else t.handle.arrival))
             t.last = now
@@ -297,5 +403,4 @@ class EngineLoop:
                     obs.on_finished(out.finish_reason or "stop", t.prompt_tokens)
             t.handle._post(out)
         if obs:
-            obs.on_step(self.engine)
             obs.on_queue(self.engine)

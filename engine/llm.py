@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from .llm_engine import LLMEngine
-from .loader import EngineArgs
+from .args import EngineArgs
 from .planner import MemoryPlan
 from .sampler import TokenLogprobs
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, normalize_prompts
 
 
 @dataclass
@@ -29,15 +28,19 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model: str, device: str = "cpu", max_device_memory: int | str | None = None,
-                 dtype: str = "auto", **kwargs):
+    def __init__(self, model: str, **kwargs):
+        """kwargs: any EngineArgs field (device, dtype, max_device_memory, max_num_seqs, ...), with
+        EngineArgs' defaults; only show_progress defaults to False here (a library prints no bars)."""
         kwargs.setdefault("show_progress", False)
-        self.engine = LLMEngine(EngineArgs(model=model, device=device, max_device_memory=max_device_memory,
-                                           dtype=dtype, **kwargs))
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
     @property
     def plan(self) -> MemoryPlan:
         return self.engine.plan
+
+    def telemetry(self):
+        """The engine's telemetry snapshot (engine.telemetry.EngineTelemetry)."""
+        return self.engine.telemetry()
 
     @property
     def tokenizer(self):
@@ -46,18 +49,13 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[GenerationResult]:
         """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
         params = sampling_params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         results, pending = [], {}
-        for p in prompts:
+        for p in normalize_prompts(prompts):
             ids = self.engine.encode(p)
             res = GenerationResult(p, ids, [CompletionOutput(i) for i in range(params.n)])
             results.append(res)
-            for i, out in enumerate(res.outputs):
-                # n > 1: each choice samples independently; a fixed seed is offset per choice.
-                seed = None if params.seed is None else params.seed + i
-                rid = self.engine.add_request(ids, dataclasses.replace(params, seed=seed, n=1))
-                pending[rid] = out
+            for out, choice in zip(res.outputs, params.per_choice()):
+                pending[self.engine.add_request(ids, choice)] = out
         while pending:
             for o in self.engine.step():
                 out = pending[o.request_id]

@@ -10,17 +10,48 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from .block_manager import KVTelemetry
+import torch
+
+from .args import EngineArgs
 from .detokenizer import IncrementalDetokenizer
-from .loader import EngineArgs, LoadedModel, load_model
+from .loader import LoadedModel, load_model
 from .model_source import resolve_model
 from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, Sequence
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .structured_output import GrammarCompiler, Guide
+from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
 log = logging.getLogger("layerstream")
+
+
+# One-token probe passes tried after a step in which every sequence failed even alone: if all of
+# them fail too, the fault is the engine's (device, weights, disk), not any request's.
+PROBE_TRIES = 3
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine's state can no longer be trusted (a fatal device error such as a CUDA
+    device-side assert, or steps that fail whatever runs in them): stop serving, go not-ready."""
+
+
+def is_fatal_device_error(error: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) leaves the device unusable: after a CUDA
+    device-side assert or illegal access every later CUDA call fails, so nothing can be retried.
+    An out-of-memory error is not fatal."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if accelerator_error is not None and isinstance(e, accelerator_error):
+            return True
+        text = str(e)
+        if "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class PromptTooLongError(ValueError):
@@ -42,7 +73,7 @@ class RequestOutput:
     text: str  # text delta
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (failed alone, see step())
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it (vLLM's name)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -64,7 +95,7 @@ def load_tokenizer(path):
 
     path = Path(path)
     if path.suffix == ".gguf":
-        from .weights.gguf_model import metadata_folder
+        from .weights import metadata_folder
 
         # Vocabulary, merges, special tokens and chat template all come from the GGUF metadata.
         return AutoTokenizer.from_pretrained(metadata_folder(path))
@@ -73,24 +104,32 @@ def load_tokenizer(path):
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, tokenizer=None):
-        self.args = args
         path = resolve_model(args.model, show_progress=args.show_progress)
         self.model: LoadedModel = load_model(args, path)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-        plan = self.model.plan
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=plan.max_num_seqs,
-            max_num_batched_tokens=max(args.max_num_batched_tokens, plan.max_num_seqs),
-            max_model_len=plan.max_model_len,
-            max_queue=args.max_queue,
-            block_size=plan.kv_block_size,
-            num_kv_blocks=plan.num_kv_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_host_kv_blocks=plan.num_host_kv_blocks,
-        ))
+        try:
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+            plan = self.model.plan
+            self.scheduler = Scheduler(SchedulerConfig(
+                max_num_seqs=plan.max_num_seqs,  # args.max_num_seqs <= max_num_batched_tokens
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_queue=args.max_queue,
+                max_model_len=plan.max_model_len,
+                block_size=plan.kv_block_size,
+                num_kv_blocks=plan.num_kv_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+                num_host_kv_blocks=plan.num_host_kv_blocks,
+            ))
+        except BaseException:
+            self.model.close()  # a tokenizer that does not load: the weights stream no more
+            raise
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
+        self._steps = 0
+        try:
+            self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
+        except BaseException:
+            self.model.close()
+            raise
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model.cfg.eos_token_ids)
@@ -162,19 +201,99 @@ class LLMEngine:
         """Fraction of the KV pool's blocks held by running sequences (cached free blocks count as free)."""
         return self.scheduler.blocks.num_used_blocks / self.scheduler.blocks.num_blocks
 
-    def kv_telemetry(self) -> KVTelemetry:
-        """The paged KV cache's figures: pool use, prefix-cache hits (tokens), host tier, preemptions."""
-        kv = self.model.runner.kv
-        return self.scheduler.blocks.telemetry(kv.bytes_swapped_out, kv.bytes_swapped_in, self.scheduler.num_preemptions)
-
     def step(self) -> list[RequestOutput]:
+        """One batched step. A failure that belongs to one sequence (sampling, detokenizing, stop
+        checks) finishes that sequence alone with finish_reason "error". If the forward pass itself
+        fails, nothing was committed (num_computed advances only after it returns, and a retried
+        pass rewrites the same KV positions), so each chunk is retried alone: the innocent ones
+        proceed and the one that fails again is failed. When none survives, a one-token probe
+        tells a request's fault from the engine's. A fatal device error, or a probe that cannot
+        run, raise EngineUnhealthyError: the engine's state can no longer be trusted and the
+        caller must stop serving."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        try:
+            logits = self._execute(chunks)
+        except EngineUnhealthyError:
+            raise
+        except Exception as e:  # noqa: BLE001 - isolate the sequence that caused it
+            log.warning("engine step over %d sequences failed (%s: %s); retrying each alone",
+                        len(chunks), type(e).__name__, e)
+            outputs = self._step_isolated(chunks)
+            self._steps += 1  # one step however many passes its retries and probe took (as /metrics counts)
+            return outputs
+        self._steps += 1
+        return self._sample(chunks, logits)
+
+    def _execute(self, chunks: list[ScheduledChunk]):
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
+        self._copy_kv_blocks()
+        try:
+            return self.model.runner.execute(chunks).cpu()
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e
+            raise
+
+    def _copy_kv_blocks(self) -> None:
+        """Run the KV block copies (host tier <-> pool) that scheduling queued, before the pass that
+        reads them. They are taken once: a pass retried alone finds them done. A copy that fails
+        leaves blocks the prefix cache vouches for with unknown content, so the engine stops."""
         copies = self.scheduler.blocks.take_copies()
-        logits = self.model.runner.execute(chunks, copies).cpu()
+        if not copies:
+            return
+        try:
+            self.model.runner.copy_kv_blocks(copies)
+        except Exception as e:
+            raise EngineUnhealthyError(f"KV block copies failed ({type(e).__name__})") from e
+
+    def _step_isolated(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        outputs, survived = [], 0
+        for chunk in chunks:
+            try:
+                logits = self._execute([chunk])
+            except EngineUnhealthyError:
+                raise
+            except Exception as e:  # noqa: BLE001 - this sequence fails alone
+                outputs.append(self._fail(chunk.seq, e))
+                continue
+            survived += 1
+            outputs += self._sample([chunk], logits)
+        if not survived:
+            self._probe()
+        return outputs
+
+    def _probe(self) -> None:
+        """Run a one-token pass on a KV block borrowed from the pool (the failed sequences just
+        freed theirs), so that requests that fail whatever runs with them cannot make the engine
+        give up, and an engine that cannot run anything does."""
+        if not self.scheduler.blocks.num_free_blocks:
+            return
+        seq = Sequence("health-probe", [0], 1, status=SeqStatus.RUNNING)
+        error: Exception | None = None
+        for _ in range(PROBE_TRIES):
+            try:
+                self._borrowed_pass(seq)
+                return
+            except EngineUnhealthyError:
+                raise
+            except Exception as e:  # noqa: BLE001 - tried again, then reported
+                error = e
+        raise EngineUnhealthyError(f"the engine cannot run a step ({type(error).__name__})") from error
+
+    def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
+        log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error,
+                  exc_info=error)
+        self.scheduler.finish(seq, "error")
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], text="", finished=True,
+                             finish_reason="error", num_prompt_tokens=len(seq.prompt_ids),
+                             num_output_tokens=len(seq.output_ids))
+
+    def _sample(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
+        """logits: (sampling chunks, vocab) fp32 on the CPU, in chunk order."""
         outputs = []
         row = 0
         for chunk in chunks:
@@ -182,43 +301,97 @@ class LLMEngine:
             self.scheduler.commit(chunk)
             if not chunk.samples:
                 continue
-            st: _SeqState = seq.state
-            allowed = st.guide.allowed() if st.guide is not None else None
-            token, info = sample_one(logits[row], st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
             row += 1
-            seq.output_ids.append(token)
-            reason = None
-            if token in st.stop_ids:
-                reason = "stop"
-            else:
-                st.detok.add_token(token)
-                if st.guide is not None:
-                    st.guide.accept(token)
-                if st.detok.stopped or (st.guide is not None and st.guide.stopped):
-                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
-                    reason = "stop"
-                elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                    reason = "length"
-            if reason:
-                st.detok.flush()
-                self.scheduler.finish(seq, reason)
-                self._seqs.pop(seq.request_id, None)
-            elif st.guide is not None:
-                st.guide.prefetch()  # overlaps the next forward pass
-            outputs.append(RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=[token],
-                text=st.detok.take_delta(final=reason is not None),
-                logprobs=[info] if info else [],
-                finished=reason is not None,
-                finish_reason=reason,
-                stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
-                num_prompt_tokens=len(seq.prompt_ids),
-                num_output_tokens=len(seq.output_ids),
-            ))
+            try:
+                outputs.append(self._advance(seq, logits[row - 1]))
+            except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
+                outputs.append(self._fail(seq, e))
         return outputs
 
+    def telemetry(self) -> EngineTelemetry:
+        """A snapshot of what the engine is doing: the plan, bytes streamed (last step and in total,
+        by tier), time compute waited for weights, achieved GB/s and % of the measured floor, the paged
+        KV cache (pool use, prefix-cache hits, host tier, preemptions). Cheap; meant to be read after every step (the server's /metrics does)."""
+        weights = self.model.weights.telemetry()
+        last = self.model.runner.last_step
+        plan = self.model.plan
+        swapped_out, swapped_in = self.model.runner.kv_bytes_swapped()
+        return EngineTelemetry(
+            plan=PlanSummary.of(plan, weights.links),
+            links=weights.links,
+            transport_name=weights.transport_name,
+            dtype=str(self.model.dtype).replace("torch.", ""),
+            steps=self._steps,
+            last_step=None if last is None else StepTelemetry.of(last.seconds, last.stream, weights.links),
+            total=weights.stream,
+            kv=self.scheduler.blocks.telemetry(swapped_out, swapped_in, self.scheduler.num_preemptions),
+            pinned_host_bytes=weights.pinned_host_bytes,
+            buffer_sets=weights.buffer_sets,
+            blocks_converted=weights.blocks_converted,
+            structured_output=self.grammar.stats.snapshot(),
+            pinned_cache=weights.pinned_cache,
+        )
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """fp32 logits (vocab,) of the token after `prompt_ids`, from one prefill step on KV blocks
+        borrowed from the pool, outside the scheduler and the prefix cache: for tests and tools
+        comparing against a reference, not while requests run."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
+        seq = Sequence("prompt-logits", list(prompt_ids), 1)
+        if not self.scheduler.blocks.can_grow(seq, seq.num_tokens):
+            raise ValueError(f"{seq.num_tokens} tokens do not fit the KV pool "
+                             f"({self.scheduler.blocks.num_blocks} blocks of {self.scheduler.blocks.block_size})")
+        return self._borrowed_pass(seq)[0]
+
+    def _borrowed_pass(self, seq: Sequence) -> torch.Tensor:
+        """One prefill pass of all of seq's tokens on blocks taken from the pool and given back
+        unpublished (their content is nobody's), outside the scheduler; its logits."""
+        blocks = self.scheduler.blocks
+        blocks.grow(seq, seq.num_tokens)
+        try:
+            return self._execute([ScheduledChunk(seq, 0, seq.num_tokens)])
+        finally:
+            blocks.free(seq)
+
+    def _advance(self, seq: Sequence, logits) -> RequestOutput:
+        st: _SeqState = seq.state
+        allowed = st.guide.allowed() if st.guide is not None else None
+        token, info = sample_one(logits, st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
+        seq.output_ids.append(token)
+        reason = None
+        if token in st.stop_ids:
+            reason = "stop"
+        else:
+            st.detok.add_token(token)
+            if st.guide is not None:
+                st.guide.accept(token)
+            if st.detok.stopped or (st.guide is not None and st.guide.stopped):
+                # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason:
+            st.detok.flush()
+        text = st.detok.take_delta(final=reason is not None)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+        elif st.guide is not None:
+            st.guide.prefetch()  # overlaps the next forward pass
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text=text,
+            logprobs=[info] if info else [],
+            finished=reason is not None,
+            finish_reason=reason,
+            stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+        )
+
     def close(self) -> None:
+        """Stop streaming and release the model's threads, buffers, pinned memory and files."""
         self.grammar.close()
-        self.model.runner.streamer.close()
-        self.model.index.close()
+        self.model.close()

@@ -1,128 +1,33 @@
-"""Loading a model folder: config, validated weight index, memory plan, transport, streamer, KV cache."""
+"""Loading assembles a model: config -> checkpoint -> a frozen memory plan -> weights -> runner.
+
+Each step is another module's job (arch, weights, planner, runner); this one only sizes the plan's
+inputs from the first two and puts the pieces together, giving back whatever it opened if a later
+step fails.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from . import attention_backend
-from .arch import ModelConfig, load_model_config, validate_checkpoint
+from .args import DTYPE_NAMES, EngineArgs, resolve_dtype
+from .arch import ModelConfig, load_model_config
+from .errors import out_of_memory_error
+from .host_memory import host_budget
 from .kv_cache import KVCache
-from .planner import (MemoryPlan, PlanError, PlanInputs, assign_host_tier, format_bytes, parse_bytes, plan_largest_context,
-                      plan_memory)
+from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
-from .safetensors_index import WeightIndex
-from .scheduler import check_at_least_one
-from .streamer import BlockStreamer
-from .transport import BlockSource, CpuTransport, Transport, to_compute
+from .weights import GGUFCheckpoint, ModelCheckpoint, ModelWeights
 
 log = logging.getLogger("layerstream")
-
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-               "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class EngineArgs:
-    model: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_device_memory: int | str | None = None
-    max_host_memory: int | str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_queue: int = 256
-    prefetch_depth: int = 1
-    transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
-    show_progress: bool = True
-    pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
-    quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.quantize)
-    enable_prefix_caching: bool = True
-    block_size: int = 16  # token positions per KV block
-    kv_cache_memory: int | str | None = None  # device KV pool; None = planned from the budget
-    # Host tier for KV blocks evicted from the pool; None = 4 GiB or a tenth of host memory on CUDA,
-    # none on the CPU (there the pool already is host memory: give it more --kv-cache-memory instead).
-    kv_host_memory: int | str | None = None
-
-    def __post_init__(self) -> None:
-        self.max_device_memory = parse_bytes(self.max_device_memory)
-        self.max_host_memory = parse_bytes(self.max_host_memory)
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        self.kv_host_memory = parse_bytes(self.kv_host_memory)
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
-        # Checked here, not only in SchedulerConfig (built after the weights load), so a bad value
-        # fails at once, and `layerstream serve` reports it before it starts listening.
-        check_at_least_one(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                           max_queue=self.max_queue, prefetch_depth=self.prefetch_depth, block_size=self.block_size)
-        if self.max_model_len is not None:
-            check_at_least_one(max_model_len=self.max_model_len)
-        if self.quantization is not None:
-            if self.quantization not in ("int8", "int4"):
-                raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")
-            if self.device != "cpu" or self.transport not in ("auto", "cpu"):
-                raise ValueError("quantization runs with the CPU device and transport for now "
-                                 f"(device {self.device!r}, transport {self.transport!r} asked)")
-
-
-def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPE_NAMES[name]
-    return cfg.checkpoint_dtype if cfg.checkpoint_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-
-
-def _cgroup_room() -> int | None:
-    """Bytes left under the memory cgroup this process is in (v1 or v2), if it has a limit."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2 unified hierarchy
-            limit_f, usage_f = f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"
-        elif "memory" in controllers.split(","):
-            base = f"/sys/fs/cgroup/memory{path}"
-            limit_f, usage_f = f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"
-        else:
-            continue
-        try:
-            raw = Path(limit_f).read_text().strip()
-            if raw != "max" and int(raw) < (1 << 60):
-                return int(raw) - int(Path(usage_f).read_text().strip())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def host_budget(args: EngineArgs) -> int:
-    """--max-host-memory, or what the cgroup/machine still allows minus a margin for the
-    interpreter's own growth, allocator slack and temporaries of the compute."""
-    if args.max_host_memory is not None:
-        return args.max_host_memory
-    room = host_memory_available()
-    return max(0, room - room // 20 - (128 << 20))
-
-
-def host_memory_available() -> int:
-    """Bytes this process may still use: the tighter of its cgroup's room and MemAvailable."""
-    avail = 1 << 62
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    room = _cgroup_room()
-    return avail if room is None else min(avail, room)
 
 
 def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype) -> int:
@@ -148,46 +53,12 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
     return act + attn + logits
 
 
-def make_transport(args: EngineArgs, source: BlockSource, dtype: torch.dtype, plan: MemoryPlan,
-                   release_pages: bool, host_room: int) -> Transport:
-    kind = args.transport
-    if kind == "auto":
-        kind = "cuda" if args.device.startswith("cuda") else "cpu"
-        if kind == "cpu" and plan.disk_blocks:
-            kind = "disk"
-    if kind == "disk":
-        if args.device != "cpu":
-            raise ValueError(f"the disk transport computes on the CPU; got device {args.device!r}")
-        from .disk_transport import DiskTransport
-
-        return DiskTransport(source, dtype, plan.disk_blocks, args.prefetch_depth)
-    if kind == "cpu":
-        return CpuTransport(source, dtype, release_pages=release_pages)
-    if kind == "cuda":
-        from .cuda_transport import CudaTransport
-
-        cuda = CudaTransport(source, dtype, torch.device(args.device), plan, pin_host_memory=args.pin_host_memory,
-                             host_budget=host_room, release_pages=release_pages)
-        if plan.disk_blocks:
-            from .disk_transport import DiskTransport
-
-            # Read in the checkpoint's dtype (views, no conversion): filling pinned staging converts.
-            ckpt_dtype = source.index.entry(source.names(plan.disk_blocks[0])["wq"]).dtype
-            cuda.disk = DiskTransport(source, ckpt_dtype, plan.disk_blocks, depth=0)
-        return cuda
-    if kind == "simulated":
-        from .simulated_transport import SimulatedTransport
-
-        return SimulatedTransport(CpuTransport(source, dtype, release_pages=release_pages))
-    raise ValueError(f"unknown transport {args.transport!r}")
-
-
 # The smallest context worth starting with when the user did not choose one and the budget cannot
 # hold the default: below this, chat templates alone leave no room for a conversation.
 MIN_AUTO_MODEL_LEN = 256
 
 
-def _plan_memory(host_room: int | None, make_plan) -> MemoryPlan:
+def _plan_memory(host_room: int | None, make_plan: Callable[[], MemoryPlan]) -> MemoryPlan:
     """make_plan(), with a message about host memory when the budget came from it (CPU, model larger than RAM)."""
     try:
         return make_plan()
@@ -200,158 +71,197 @@ def _plan_memory(host_room: int | None, make_plan) -> MemoryPlan:
                         "--max-num-batched-tokens") from e
 
 
-def _assign_disk_tier(plan: MemoryPlan, index: WeightIndex, host_room: int, host_fixed: int, block_bytes: int,
-                      force_disk: bool) -> None:
-    assign_host_tier(plan, host_room, host_fixed, block_bytes, force_disk=force_disk)
-    if not plan.disk_blocks:
-        return
-    from .disk_bandwidth import disk_bandwidth
-
-    try:
-        plan.disk_gbps = disk_bandwidth(index.files.keys()).gbps
-    except (OSError, ValueError) as e:
-        plan.notes.append(f"disk bandwidth not measured: {e}")
+def context_length(args: EngineArgs, cfg: ModelConfig) -> int:
+    """--max-model-len, or the model's context capped at 4096; never beyond what the model supports."""
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    return max_len
 
 
-def _plan_kv_host_tier(plan: MemoryPlan, args: EngineArgs, device: torch.device, host_room: int,
-                       kv_per_token: int) -> None:
-    """Size the host tier of the KV cache (blocks evicted from the device pool). It only holds
+def kv_host_bytes(args: EngineArgs, device: torch.device, host_room: int) -> int:
+    """The KV host tier: --kv-host-memory, else min(4 GiB, a tenth of host memory) on CUDA and none
+    on the CPU, where the device pool already is host memory (a second pool there would only copy
+    blocks within the same RAM: give the pool more --kv-cache-memory instead). It holds only
     prefix-cache blocks, so it is off with prefix caching off."""
-    size = args.kv_host_memory
-    if size is None:
-        size = min(4 << 30, host_room // 10) if device.type == "cuda" else 0
     if not args.enable_prefix_caching:
-        size = 0
-    per_block = plan.kv_block_size * kv_per_token
-    plan.num_host_kv_blocks = int(size // per_block)
-    plan.kv_host_bytes = plan.num_host_kv_blocks * per_block
+        return 0
+    if args.kv_host_memory is not None:
+        return args.kv_host_memory
+    return min(4 << 30, host_room // 10) if device.type == "cuda" else 0
+
+
+def _plan_context(args: EngineArgs, cfg: ModelConfig, host_room: int | None,
+                  make_inputs: Callable[[int], PlanInputs]) -> MemoryPlan:
+    """The plan for context_length(); when the user did not choose it and it does not fit, the plan
+    for the largest context that does (MIN_AUTO_MODEL_LEN at least). make_inputs(max_len) builds the
+    inputs (the workspace grows with the context)."""
+    max_len = context_length(args, cfg)
+    if args.max_model_len is not None or max_len <= MIN_AUTO_MODEL_LEN:
+        return _plan_memory(host_room, lambda: plan_memory(make_inputs(max_len)))
+    return _plan_memory(host_room, lambda: plan_largest_context(make_inputs, max_len, MIN_AUTO_MODEL_LEN,
+                                                                args.block_size))
+
+
+def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
+             host_room: int) -> MemoryPlan:
+    """The frozen memory plan for this model under args' device budget and `host_room` host bytes."""
+    device = torch.device(args.device)
+    tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    sizes = checkpoint.sizes(dtype, args.quantization)
+    budget = args.max_device_memory
+    if budget is None and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.9) - (512 << 20)
+    tiering = checkpoint.host_tiering(args.transport, device, dtype, args.prefetch_depth)
+    weights_bytes = cfg.num_layers * sizes.block_bytes + sizes.global_bytes
+    host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
+    if host_sized:
+        # The device is the host: what does not fit streams. Disk-tier staging holds checkpoint bytes;
+        # converted copies are the plan's stream buffers.
+        staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if cfg.checkpoint_dtype != dtype else 0
+        budget = host_room - staging
+    kv_host = kv_host_bytes(args, device, host_room)
+    return _plan_context(args, cfg, host_room if host_sized else None, lambda max_len: PlanInputs(
+        num_layers=cfg.num_layers,
+        block_bytes=sizes.block_bytes,
+        global_bytes=sizes.global_bytes,
+        kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+        workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
+        budget=budget,
+        max_model_len=max_len,
+        max_num_seqs=args.max_num_seqs,
+        prefetch_depth=args.prefetch_depth,
+        host_budget=host_room,
+        host_tiering=tiering,
+        checkpoint_bytes=sizes.checkpoint_bytes,
+        kv_block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_memory,
+        kv_host_bytes=kv_host,
+    ))
 
 
 @dataclass
 class LoadedModel:
     cfg: ModelConfig
-    index: WeightIndex
     plan: MemoryPlan
     runner: ModelRunner
     dtype: torch.dtype
     path: Path
+    checkpoint: ModelCheckpoint | GGUFCheckpoint
+    weights: ModelWeights
+
+    def close(self) -> None:
+        """Stop streaming and give back threads, buffers, pinned memory, file descriptors, mappings."""
+        self.weights.close()
+        self.checkpoint.close()
 
 
 def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
     if path.suffix == ".gguf":
-        from .weights.gguf_loader import load_gguf_model
-
-        return load_gguf_model(args, path)
+        return _load_gguf_model(args, path)
     cfg = load_model_config(path)
-    index = WeightIndex(path)
-    plan = transport = streamer = None
+    checkpoint = ModelCheckpoint(path, cfg)
+    plan = weights = None
     try:
-        validate_checkpoint(cfg, index)
-        device = torch.device(args.device)
-        dtype = resolve_dtype(args.dtype, cfg, device)
-        max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
-        kv_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-        block_numel = sum(index.entry(n).nbytes // index.entry(n).dtype.itemsize
-                          for n in cfg.block_tensor_names(0).values())
-        glob = cfg.global_tensors(index)
-        global_numel = sum(index.entry(n).nbytes // index.entry(n).dtype.itemsize for n, _ in glob.values())
-        block_bytes, global_bytes = block_numel * dtype.itemsize, global_numel * dtype.itemsize
-        if args.quantization:
-            from .weights.quantize import quantized_plan_bytes
-
-            block_bytes, global_bytes = quantized_plan_bytes(cfg, index, args.quantization, dtype)
-        budget = args.max_device_memory
-        if budget is None and device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.9) - (512 << 20)
-        host_room = host_budget(args)
-        ckpt_block_bytes = sum(index.entry(n).nbytes for n in cfg.block_tensor_names(0).values())
-        # Disk-tier staging holds checkpoint bytes; converted copies are the plan's stream buffers.
-        staging = (args.prefetch_depth + 1) * ckpt_block_bytes if cfg.checkpoint_dtype != dtype else 0
-        weights_bytes = cfg.num_layers * block_bytes + global_bytes
-        host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
-        if host_sized:
-            budget = host_room - staging  # the device is the host: what does not fit streams
-
-        def inputs(max_len: int) -> PlanInputs:
-            return PlanInputs(
-                num_layers=cfg.num_layers,
-                block_bytes=block_bytes,
-                global_bytes=global_bytes,
-                kv_bytes_per_token=kv_per_token,
-                workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
-                budget=budget,
-                max_model_len=max_len,
-                max_num_seqs=args.max_num_seqs,
-                prefetch_depth=args.prefetch_depth,
-                kv_block_size=args.block_size,
-                kv_cache_bytes=args.kv_cache_memory,
-            )
-
-        if args.max_model_len is not None or max_len <= MIN_AUTO_MODEL_LEN:
-            plan = _plan_memory(host_room if host_sized else None, lambda: plan_memory(inputs(max_len)))
-        else:  # not the user's choice: start with the largest context that fits rather than refuse
-            plan = _plan_memory(host_room if host_sized else None, lambda: plan_largest_context(
-                inputs, max_len, MIN_AUTO_MODEL_LEN, args.block_size))
-        _plan_kv_host_tier(plan, args, device, host_room, kv_per_token)
-        tier = args.transport if args.transport != "auto" else ("cuda" if device.type == "cuda" else "auto-cpu")
-        if plan.streamed_blocks and tier in ("auto-cpu", "disk", "cuda"):
-            # Host memory holds, besides kept blocks: on the CPU the whole device plan; for a GPU the
-            # pinned staging buffers and one disk read buffer.
-            host_fixed = (plan.device_bytes + plan.kv_host_bytes + staging if tier != "cuda"
-                          else (args.prefetch_depth + 1) * plan.block_bytes + ckpt_block_bytes)
-            _assign_disk_tier(plan, index, host_room, host_fixed, ckpt_block_bytes, force_disk=tier == "disk")
-        release_pages = (bool(plan.streamed_blocks) and not plan.disk_blocks
-                         and index.total_bytes() > host_room - (256 << 20))
-        if release_pages:
-            plan.notes.append(f"checkpoint ({format_bytes(index.total_bytes())}) exceeds host memory "
-                              f"({format_bytes(host_room)}): streamed pages are released after use")
+        dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
+        host_room = host_budget(args.max_host_memory)
+        plan = plan_for(args, cfg, checkpoint, dtype, host_room)
+        disk_gbps = None
+        if plan.disk_blocks:
+            disk_gbps, note = checkpoint.measure_disk()
+            if note:
+                log.warning("%s", note)
         log.info("%s: %s, %d layers, compute dtype %s\n%s", path, cfg.architecture, cfg.num_layers,
-                 str(dtype).replace("torch.", ""), plan.describe())
-
-        source = BlockSource(index, cfg)
-        transport = make_transport(args, source, dtype, plan, release_pages, host_room)
+                 str(dtype).replace("torch.", ""), plan.describe(disk_gbps))
+        device = torch.device(args.device)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
                    disable=not args.show_progress or not plan.resident_blocks, leave=False)
-        if args.quantization:
-            from .weights.quantize import QuantizingTransport
-
+        if args.quantization:  # every block is quantized at load, streamed ones too
             bar.reset(total=cfg.num_layers + 1)
             bar.set_description(f"quantizing to {args.quantization}")
-            transport = QuantizingTransport(transport, args.quantization, plan.streamed_blocks,
-                                            on_progress=lambda _i: bar.update(1))
-        # On CPU with a separate head, the embedding table is only gathered from (a few rows per
-        # step): it stays a zero-copy view of the mapped file and the runner casts the rows it
-        # gathers (the same elementwise cast, after the lookup instead of before: exact).
-        lazy_embed = device.type == "cpu" and "lm_head" in glob
-        globals_ = {k: index.view(n) if k == "embed" and lazy_embed
-                    else to_compute({k: index.view(n)}, dtype, device, copy=True)[k] for k, (n, _) in glob.items()}
-        if args.quantization:
-            from .weights.quantize import quantize_head
-
-            globals_["lm_head"] = quantize_head(globals_.get("lm_head", globals_["embed"]), dtype)
-        bar.update(1)
-        streamer = BlockStreamer(transport, plan.resident_blocks, plan.streamed_blocks, args.prefetch_depth,
-                                 on_progress=lambda _i: bar.update(1))
-        bar.close()
+        try:
+            weights = ModelWeights(checkpoint, plan, dtype, device, transport=args.transport,
+                                   pin_host_memory=args.pin_host_memory, host_budget=host_room,
+                                   disk_gbps=disk_gbps, on_progress=lambda _i: bar.update(1),
+                                   quantization=args.quantization)
+        finally:
+            bar.close()
         kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                      dtype, device, num_host_blocks=plan.num_host_kv_blocks)
-        runner = ModelRunner(cfg, plan, globals_, streamer, kv, device, dtype)
+        runner = ModelRunner(cfg, weights, kv, device, dtype)
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
-        if streamer is not None:
-            streamer.close()  # closes its transport too
-        elif transport is not None:
-            transport.close()
-        index.close()
+        if weights is not None:
+            weights.close()
+        checkpoint.close()
         if isinstance(e, torch.OutOfMemoryError):
-            from .cuda_transport import out_of_memory_error
-
             raise out_of_memory_error(plan, torch.device(args.device), e) from e
         raise
-    return LoadedModel(cfg, index, plan, runner, dtype, path)
+    return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)
+
+
+def gguf_dtype(name: str) -> torch.dtype:
+    """auto -> bfloat16 (packed kernels); float32 -> the exact reference mode."""
+    return torch.bfloat16 if name == "auto" else DTYPE_NAMES[name]
+
+
+def _load_gguf_model(args: EngineArgs, path: Path) -> LoadedModel:
+    """The same steps as load_model, with GGUF's checkpoint: plan in packed bytes, packed weights (CPU)."""
+    checkpoint = GGUFCheckpoint(path)
+    weights = None
+    cfg = checkpoint.cfg
+    try:
+        if args.device != "cpu":
+            raise ValueError(f"{path}: GGUF models run on the CPU for now (device {args.device!r} asked); "
+                             "convert to safetensors for CUDA")
+        if args.transport not in ("auto", "cpu", "simulated"):
+            raise ValueError(f"{path}: transport {args.transport!r} is not available for GGUF models "
+                             "(auto, cpu, simulated are)")
+        dtype = gguf_dtype(args.dtype)
+        tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        block_bytes, global_bytes, streamed_block_bytes = checkpoint.sizes(dtype)
+        host_room = host_budget(args.max_host_memory)
+        budget = args.max_device_memory
+        host_sized = budget is None and cfg.num_layers * block_bytes + global_bytes > host_room
+        if host_sized:
+            budget = host_room
+        kv_host = kv_host_bytes(args, torch.device("cpu"), host_room)
+        plan = _plan_context(args, cfg, host_room if host_sized else None, lambda max_len: PlanInputs(
+            num_layers=cfg.num_layers,
+            block_bytes=block_bytes,
+            global_bytes=global_bytes,
+            kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+            workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
+            budget=budget,
+            max_model_len=max_len,
+            max_num_seqs=args.max_num_seqs,
+            prefetch_depth=args.prefetch_depth,
+            host_budget=host_room,
+            checkpoint_bytes=checkpoint.total_bytes(),
+            streamed_block_bytes=streamed_block_bytes,
+            kv_block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory,
+            kv_host_bytes=kv_host,
+        ))
+        plan = dataclasses.replace(plan, notes=tuple(plan.notes) + (checkpoint.describe(dtype),))
+        log.info("%s: %s (GGUF), %d layers, compute dtype %s\n%s", path, cfg.architecture, cfg.num_layers,
+                 str(dtype).replace("torch.", ""), plan.describe())
+        bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
+                   disable=not args.show_progress, leave=False)
+        try:
+            weights = checkpoint.open_weights(plan, dtype, args.transport, on_progress=lambda _i: bar.update(1))
+        finally:
+            bar.close()
+        device = torch.device("cpu")
+        kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype, device, num_host_blocks=plan.num_host_kv_blocks)
+        runner = ModelRunner(cfg, weights, kv, device, dtype)
+    except BaseException:
+        if weights is not None:
+            weights.close()
+        checkpoint.close()
+        raise
+    return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)

@@ -49,22 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, with the checkpoint's rope scaling applied."""
-    hf = cfg.hf_config
-    # transformers 5 normalises both config styles into rope_parameters; 4.x keeps rope_scaling.
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"rope type {rope_type!r} is not supported")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-        return inv_freq.float(), float(scaling)
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    d = cfg.head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    return inv_freq, 1.0
+    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling, as computed at load (arch)."""
+    return torch.tensor(cfg.rope_inv_freq, dtype=torch.float32), cfg.rope_attention_scaling
 
 
 def rotary_cos_sin(

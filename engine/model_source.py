@@ -28,7 +28,7 @@ def resolve_model(model: str, show_progress: bool = True) -> Path:
         return path
     if path.is_dir():
         if not (path / "config.json").exists() and any(path.glob("*.gguf")):
-            from .weights.gguf_file import find_gguf
+            from .weights import find_gguf
 
             return find_gguf(path)
         return path

@@ -1,12 +1,14 @@
-"""Memory planning: what stays resident on the device, what streams, and how much KV cache fits.
+"""Memory planning: what stays resident on the device, what streams, how much KV cache fits, and
+which streamed blocks host memory keeps (the rest are read from disk each step).
 
-Pure arithmetic over byte counts, so it is cheap to test and to print before anything is loaded.
+Pure arithmetic over byte counts, so it is cheap to test and to print before anything is loaded. The
+plan is made once and frozen; measured link speeds are not part of it (weights.LinkSpeeds).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _UNITS = {
     "": 1, "b": 1,
@@ -40,6 +42,19 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class HostTiering:
+    """How streamed blocks may be split between host memory and disk (transports that read disk)."""
+
+    fixed_bytes: int  # host memory held besides kept blocks (CPU: staging; GPU: pinned staging + a read buffer)
+    holds_device_plan: bool  # CPU compute: host memory also holds everything the device plan holds
+    disk_block_bytes: int  # checkpoint bytes of one block (what a disk read moves)
+    force_disk: bool = False  # every streamed block is read from disk (transport "disk")
+
+
+RELEASE_MARGIN = 256 << 20  # host bytes kept free when deciding whether the checkpoint fits in RAM
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     num_layers: int
     block_bytes: int  # one block's weights in the compute dtype
@@ -50,11 +65,15 @@ class PlanInputs:
     max_model_len: int
     max_num_seqs: int
     prefetch_depth: int = 1
+    host_budget: int | None = None  # host memory this process may use; None = not limited
+    host_tiering: HostTiering | None = None  # None: every streamed block stays reachable in RAM
+    checkpoint_bytes: int = 0  # beyond the host budget, streamed pages are released after use
     # Bytes one streamed block moves, when that differs from its resident form (block_bytes):
     # a GGUF block streams its packed GGML bytes and is unpacked by the compute that uses it.
     streamed_block_bytes: int | None = None
     kv_block_size: int = 16  # token positions per paged KV block
     kv_cache_bytes: int | None = None  # the KV pool the user asked for (--kv-cache-memory); None = planned
+    kv_host_bytes: int = 0  # host tier for KV blocks evicted from the pool (the loader's choice)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -71,7 +90,7 @@ class PlanInputs:
                 + min((self.prefetch_depth + 1) * self.block_bytes, self.num_layers * self.block_bytes))
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryPlan:
     budget: int | None
     num_layers: int
@@ -85,24 +104,24 @@ class MemoryPlan:
     max_model_len: int
     max_num_seqs: int
     prefetch_depth: int
-    notes: list[str] = field(default_factory=list)
-    # Host tiering of the streamed blocks (assign_host_tier): kept in RAM, or read from disk each step.
+    notes: tuple[str, ...] = ()
+    # Host tiering of the streamed blocks: kept in RAM, or read from disk each step.
     host_budget: int | None = None
     host_blocks: list[int] = field(default_factory=list)
     disk_blocks: list[int] = field(default_factory=list)
     disk_block_bytes: int = 0  # checkpoint bytes of one block (what a disk read moves)
-    disk_gbps: float | None = None  # measured sequential read bandwidth
+    release_pages: bool = False  # checkpoint larger than host memory: drop streamed pages after use
     streamed_block_bytes: int | None = None  # see PlanInputs; None = block_bytes
+    # The paged KV pool (kv_cache_bytes = num_kv_blocks x kv_block_size x bytes per token).
+    kv_block_size: int = 16
+    num_kv_blocks: int = 0
+    # Host tier of the KV cache (prefix-cache blocks evicted from the pool).
+    num_host_kv_blocks: int = 0
+    kv_host_bytes: int = 0
 
     @property
     def stream_block_bytes(self) -> int:
         return self.block_bytes if self.streamed_block_bytes is None else self.streamed_block_bytes
-    # The paged KV pool (kv_cache_bytes = num_kv_blocks x kv_block_size x bytes per token).
-    kv_block_size: int = 16
-    num_kv_blocks: int = 0
-    # Host tier of the KV cache (blocks evicted from the pool), sized by the loader.
-    num_host_kv_blocks: int = 0
-    kv_host_bytes: int = 0
 
     @property
     def streamed_bytes_per_step(self) -> int:
@@ -126,12 +145,12 @@ class MemoryPlan:
     def disk_bytes_per_step(self) -> int:
         return len(self.disk_blocks) * self.disk_block_bytes
 
-    @property
-    def disk_seconds_per_step(self) -> float | None:
-        """The disk tier's floor: no step can be faster than reading its disk bytes."""
-        return self.disk_bytes_per_step / (self.disk_gbps * 1e9) if self.disk_gbps else None
+    def disk_seconds_per_step(self, disk_gbps: float | None) -> float | None:
+        """The disk tier's floor: no step can be faster than reading its disk bytes at disk_gbps."""
+        return self.disk_bytes_per_step / (disk_gbps * 1e9) if disk_gbps else None
 
-    def describe(self) -> str:
+    def describe(self, disk_gbps: float | None = None) -> str:
+        """The plan in a few lines; with the disk's measured speed, the disk tier's floor too."""
         budget = "unlimited" if self.budget is None else format_bytes(self.budget)
         lines = [
             f"memory plan (budget {budget}, planned {format_bytes(self.device_bytes)}):",
@@ -157,8 +176,8 @@ class MemoryPlan:
             lines.append(f"  host tier (host budget {format_bytes(self.host_budget)}): streamed blocks kept in RAM: "
                          f"{len(self.host_blocks)}  read from disk each step: {len(self.disk_blocks)}")
         if self.disk_blocks:
-            floor = self.disk_seconds_per_step
-            speed = (f"at {self.disk_gbps:.2f} GB/s measured: expected >= {floor * 1e3:.1f} ms per step"
+            floor = self.disk_seconds_per_step(disk_gbps)
+            speed = (f"at {disk_gbps:.2f} GB/s measured: expected >= {floor * 1e3:.1f} ms per step"
                      if floor is not None else "disk bandwidth not measured")
             lines.append(f"  disk bytes per step: {format_bytes(self.disk_bytes_per_step)} ({speed})")
         lines += [f"  note: {n}" for n in self.notes]
@@ -196,12 +215,15 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
                             f"sequence of max_model_len {p.max_model_len} needs {one_seq} "
                             f"({format_bytes(one_seq * per_block)})")
 
+    host_kv_blocks = p.kv_host_bytes // per_block
+
     def plan(resident: list[int], buffers: int, blocks: int) -> MemoryPlan:
         streamed = [i for i in range(p.num_layers) if i not in set(resident)]
-        return MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes,
-                          blocks * per_block, p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs,
-                          p.prefetch_depth, notes, streamed_block_bytes=p.streamed_block_bytes,
-                          kv_block_size=p.kv_block_size, num_kv_blocks=blocks)
+        return _with_host_tier(p, MemoryPlan(
+            p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes, blocks * per_block,
+            p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs, p.prefetch_depth, tuple(notes),
+            streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=blocks,
+            num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block))
 
     all_blocks = p.num_layers * p.block_bytes
     if p.budget is None:
@@ -255,24 +277,35 @@ def plan_largest_context(make_inputs, max_model_len: int, min_model_len: int, bl
             f"{format_bytes(small.kv_blocks_per_seq * small.kv_block_bytes)}, stream buffers); the full "
             f"context of {max_model_len} needs {format_bytes(full.min_budget())}; raise --max-device-memory"
         )
-    best.notes.append(f"max_model_len lowered from {max_model_len} to {best.max_model_len} so one sequence fits "
-                      "the budget (set --max-model-len to choose, or raise --max-device-memory)")
-    return best
+    return replace(best, notes=best.notes + (
+        f"max_model_len lowered from {max_model_len} to {best.max_model_len} so one sequence fits the budget "
+        "(set --max-model-len to choose, or raise --max-device-memory)",))
 
 
-def assign_host_tier(plan: MemoryPlan, host_budget: int, host_fixed_bytes: int, disk_block_bytes: int,
-                     force_disk: bool = False) -> None:
-    """Split the streamed blocks into kept-in-RAM and read-from-disk-each-step.
+def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
+    """The device plan completed on the host side: which streamed blocks stay in RAM and which are
+    read from disk each step, and whether streamed pages must be released after use.
 
-    host_fixed_bytes is what host memory holds besides the kept blocks (for CPU compute: the whole
-    device plan; for a GPU: its pinned staging buffers). Kept blocks are spread among the disk ones
-    so each disk read overlaps the compute of the kept blocks before it.
+    Kept blocks are spread among the disk ones so each disk read overlaps the compute of the kept
+    blocks before it.
     """
-    plan.host_budget = host_budget
-    plan.disk_block_bytes = disk_block_bytes
-    streamed = plan.streamed_blocks
-    room = host_budget - host_fixed_bytes
-    keep = 0 if force_disk or disk_block_bytes <= 0 else max(0, min(len(streamed), room // disk_block_bytes))
-    kept = {streamed[i] for i in _spread(int(keep), len(streamed))}
-    plan.host_blocks = [b for b in streamed if b in kept]
-    plan.disk_blocks = [b for b in streamed if b not in kept]
+    streamed, tier, notes = plan.streamed_blocks, p.host_tiering, list(plan.notes)
+    host_blocks, disk_blocks, disk_block_bytes = list(streamed), [], 0
+    if tier is not None and streamed and p.host_budget is not None:
+        disk_block_bytes = tier.disk_block_bytes
+        # The KV host tier is host memory whatever computes (pinned on CUDA).
+        room = (p.host_budget - tier.fixed_bytes - plan.kv_host_bytes
+                - (plan.device_bytes if tier.holds_device_plan else 0))
+        keep = (0 if tier.force_disk or disk_block_bytes <= 0
+                else max(0, min(len(streamed), room // disk_block_bytes)))
+        kept = {streamed[i] for i in _spread(int(keep), len(streamed))}
+        host_blocks = [b for b in streamed if b in kept]
+        disk_blocks = [b for b in streamed if b not in kept]
+    release = (bool(streamed) and not disk_blocks and p.host_budget is not None
+               and p.checkpoint_bytes > p.host_budget - RELEASE_MARGIN)
+    if release:
+        notes.append(f"checkpoint ({format_bytes(p.checkpoint_bytes)}) exceeds host memory "
+                     f"({format_bytes(p.host_budget)}): streamed pages are released after use")
+    return replace(plan, notes=tuple(notes), host_budget=p.host_budget if tier is not None else None,
+                   host_blocks=host_blocks if tier is not None else [], disk_blocks=disk_blocks,
+                   disk_block_bytes=disk_block_bytes, release_pages=release)

@@ -1,7 +1,8 @@
-"""The model runner: one batched step = embed -> every block (acquired from the streamer) -> head.
+"""The model runner: one batched step = embed -> every block (acquired from the weights) -> head.
 
-It owns the device-side state (global weights, KV cache, rotary tables) and turns the scheduler's
-chunks into StepInputs once per step, so the per-block loop does nothing but math and streaming.
+It owns the device-side state (KV cache, rotary tables) and turns the scheduler's chunks into
+StepInputs once per step, so the per-block loop does nothing but math and streaming. Where a block's
+weights come from is the weights package's business: the runner only acquires and releases them.
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ from . import model as M
 from .arch import ModelConfig
 from .block_manager import BlockCopy
 from .kv_cache import KVCache
-from .planner import MemoryPlan
 from .scheduler import ScheduledChunk
-from .streamer import BlockStreamer, StreamStats
+from .weights import ModelWeights, StreamStats
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepTiming:
     seconds: float
-    tokens: int
-    stream: StreamStats  # what the streamer did during this step
+    stream: StreamStats  # what streaming did during this step
 
 
 class TokenIdError(ValueError):
@@ -51,17 +50,14 @@ def upload(groups: list[list[int]], device: torch.device) -> list[torch.Tensor]:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, plan: MemoryPlan, globals_: dict[str, torch.Tensor],
-                 streamer: BlockStreamer, kv: KVCache, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: KVCache, device: torch.device,
+                 dtype: torch.dtype):
         self.cfg = cfg
-        self.plan = plan
         self.device = device
         self.dtype = dtype
-        self.streamer = streamer
+        self.weights = weights
         self.kv = kv
-        self.embed_weight = globals_["embed"]
-        self.norm_weight = globals_["norm"]
-        self.head_weight = globals_.get("lm_head", globals_["embed"])
+        self.globals = weights.globals
         self.inv_freq, self.rope_scaling = M.rotary_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         self.last_step: StepTiming | None = None
@@ -119,29 +115,34 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], copies: list[BlockCopy] = ()) -> torch.Tensor:
-        """Run one step, after the KV block copies the scheduling queued; returns fp32 logits
-        (sampling chunks in order, vocab)."""
+    def copy_kv_blocks(self, copies: list[BlockCopy]) -> None:
+        """The KV block copies scheduling queued (host tier <-> pool), before the pass that reads them."""
+        self.kv.copy_blocks(copies)
+
+    def kv_bytes_swapped(self) -> tuple[int, int]:
+        """Bytes copied pool -> host tier and host tier -> pool since start."""
+        return self.kv.bytes_swapped_out, self.kv.bytes_swapped_in
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; returns fp32 logits (sampling chunks in order, vocab)."""
         t0 = time.perf_counter()
-        before = self.streamer.stats.snapshot()
-        if copies:
-            self.kv.copy_blocks(copies)
+        before = self.weights.stream_stats
         step = self._step_inputs(chunks)
-        x = M.embed(step.input_ids, self.embed_weight).to(self.dtype)  # (tokens, hidden)
+        x = self.globals.embed(step.input_ids)  # (tokens, hidden)
         try:
             for block in range(self.cfg.num_layers):
-                w = self.streamer.acquire(block)
+                w = self.weights.acquire(block)
                 k_cache, v_cache = self.kv.layer(block)
                 x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
-                self.streamer.release(block)
+                self.weights.release(block)
         except BaseException:
             # A half-finished pass leaves the prefetcher ahead of where the next step starts.
-            self.streamer.reset()
+            self.weights.reset()
             raise
-        logits = M.final_logits(x, self.norm_weight, self.head_weight, step, self.cfg.rms_norm_eps)
+        logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg.rms_norm_eps)
         if logits.device.type == "cuda":
             # The step's device: the thread's current device defaults to cuda:0 whatever the model's.
             torch.cuda.current_stream(logits.device).synchronize()
-        self.last_step = StepTiming(time.perf_counter() - t0, int(step.input_ids.shape[0]),
-                                    self.streamer.stats.since(before))
+        self.last_step = StepTiming(time.perf_counter() - t0, self.weights.stream_stats.since(before))
         return logits

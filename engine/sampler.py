@@ -56,6 +56,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False  # top_p = 0 (or one that rounds to 0 in fp32) keeps the best token, not none
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0:
         probs = logits.softmax(-1)
@@ -70,6 +71,11 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits
 
 
+def _argmax(logits: torch.Tensor) -> int:
+    """argmax that a NaN cannot capture (torch.argmax returns the index of a NaN)."""
+    return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprobs | None]:
     """logits: (vocab,) fp32 raw model output for one sequence. allowed: (vocab,) bool, the tokens a
@@ -81,10 +87,16 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[in
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     if params.greedy:
-        token = int(torch.argmax(logits))
+        token = _argmax(logits)
     else:
         probs = filter_logits(logits, params).softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        else:
+            # Penalties and temperature inside their ranges keep logits finite; if a model still
+            # produced inf/NaN logits, this sequence gets its most likely token rather than an
+            # exception from multinomial that would fail the whole step.
+            token = _argmax(logits)
     info = None
     if params.logprobs is not None:
         # Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports.

@@ -1,7 +1,15 @@
-"""Per-request sampling parameters, validated at construction (the names vLLM uses)."""
+"""Per-request sampling parameters, validated at construction (the names vLLM uses).
+
+`RANGES` is the one table of what each numeric field accepts: SamplingParams checks it for every
+entry point (offline API, CLI, server), and the server's request models put the same bounds in
+their OpenAPI schema. The ranges are OpenAI's documented ones where OpenAI has the field; the
+lower bounds of the others keep the arithmetic finite (a tiny repetition penalty divides logits).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -9,6 +17,47 @@ if TYPE_CHECKING:
     from .structured_output import StructuredOutput
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 forces it
+
+# Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: dividing logits by 1e-30
+# overflows fp32 to inf, and softmax of inf is NaN.
+SAMPLING_EPS = 1e-5
+
+# Completions' `logprobs` and chat's `top_logprobs`: OpenAI allows 5 and 20; we allow 20 for both.
+MAX_LOGPROBS = 20
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+
+# name -> (lowest, highest), both inclusive; None = unbounded on that side.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "max_tokens": (1, None),
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.01, 100.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "logprobs": (0, MAX_LOGPROBS),
+    "n": (1, None),
+    "seed": (SEED_MIN, SEED_MAX),
+}
+
+
+def check_range(name: str, value) -> None:
+    """InvalidParameter naming `name` unless value is a finite number inside RANGES[name]."""
+    lo, hi = RANGES[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidParameter(name, f"{name} must be a finite number, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        where = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidParameter(name, f"{name} must be {where}, got {value!r}")
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request (n > 1): seed + index, wrapped inside the 64-bit
+    range so a seed near the top does not overflow the generator."""
+    if seed is None:
+        return None
+    return (seed - SEED_MIN + index) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
 
 @dataclass
@@ -37,21 +86,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
-        checks = [
-            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1"),
-            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (self.n >= 1, "n", "must be at least 1"),
-        ]
-        for ok, name, why in checks:
-            if not ok:
-                raise InvalidParameter(name, f"{name} {why}, got {getattr(self, name)!r}")
+        for name in RANGES:
+            value = getattr(self, name)
+            if value is not None:
+                check_range(name, value)
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise InvalidParameter("top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         for token, bias in (self.logit_bias or {}).items():
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise InvalidParameter("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} "
@@ -67,7 +107,22 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+    def per_choice(self) -> list["SamplingParams"]:
+        """One single-choice SamplingParams per choice of an n > 1 request: each choice samples
+        independently, and a fixed seed is offset per choice (seed + i), so choice i of a seeded
+        request is reproducible. The offline API and the server both use this."""
+        return [dataclasses.replace(self, n=1, seed=choice_seed(self.seed, i))
+                for i in range(self.n)]
+
+
+def normalize_prompts(prompts) -> list:
+    """One prompt or a batch, as a list of prompts: a string, a list of strings, a list of token
+    ids, or a list of token-id lists (what both the offline API and /v1/completions accept)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 class InvalidParameter(ValueError):

@@ -20,7 +20,7 @@ class SeqStatus(Enum):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queue; the caller should retry later."""
+    """max_num_seqs sequences run and --max-queue requests wait; the caller should retry later."""
 
 
 @dataclass(eq=False)
@@ -59,41 +59,34 @@ class ScheduledChunk:
         return self.start + self.count == self.seq.num_tokens
 
 
-def check_at_least_one(**limits: int) -> None:
-    """ValueError naming the first of these limits that is below 1 (a count of sequences, tokens,
-    queued requests... where 0 would serve nothing)."""
-    for name, value in limits.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    """The scheduler's share of the engine limits, which EngineArgs validated and the plan sized
+    (the KV pool, the context when the user chose none)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int  # >= max_num_seqs, so every running sequence can decode each step
+    max_queue: int
     max_model_len: int = 2048  # per request (prompt + completion); not a reservation
-    max_queue: int = 256
     block_size: int = 16
     # KV pool size in blocks; None = as many as max_num_seqs sequences of max_model_len would need.
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     num_host_kv_blocks: int = 0  # host tier for evicted cached blocks (0 = none)
 
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.max_num_seqs * self.blocks_per_seq if self.num_kv_blocks is None else self.num_kv_blocks
+
     def __post_init__(self) -> None:
-        check_at_least_one(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-                           max_queue=self.max_queue, block_size=self.block_size)
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running sequence can decode each step"
-            )
-        one_seq = -(-self.max_model_len // self.block_size)
-        if self.num_kv_blocks is None:
-            self.num_kv_blocks = self.max_num_seqs * one_seq
-        elif self.num_kv_blocks < one_seq:
+        if self.kv_blocks < self.blocks_per_seq:
             # With fewer, a lone sequence at max_model_len could never finish (nothing to preempt).
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
-                             f"{self.max_model_len} ({one_seq} blocks of {self.block_size} tokens)")
+                             f"{self.max_model_len} ({self.blocks_per_seq} blocks of {self.block_size} tokens)")
 
 
 class Scheduler:
@@ -113,13 +106,22 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+        self.blocks = BlockManager(config.kv_blocks, config.block_size, config.enable_prefix_caching,
                                    config.num_host_kv_blocks)
         self.num_preemptions = 0
 
+    @property
+    def capacity(self) -> int:
+        """Sequences held at most: max_num_seqs running plus --max-queue waiting. A request arriving
+        at an idle server waits until the next step to be admitted, so room to run counts as room,
+        not only the queue."""
+        return self.config.max_num_seqs + self.config.max_queue
+
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFullError(f"{len(self.waiting)} requests are already waiting (--max-queue)")
+        if len(self.running) + len(self.waiting) >= self.capacity:
+            raise QueueFullError(f"{len(self.running)} sequences run (at most {self.config.max_num_seqs}) and "
+                                 f"{len(self.waiting)} requests are already waiting (--max-queue "
+                                 f"{self.config.max_queue})")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

@@ -1,7 +1,8 @@
 """HTTP routes: thin. Each one checks nothing itself, calls `OpenAIServing`, and returns JSON or an
-SSE stream; errors from anywhere go through `errors.error_for`. Auth, compact request logging and
-the per-route request counter are one ASGI middleware, which (unlike BaseHTTPMiddleware) leaves
-streaming and disconnect detection alone.
+SSE stream; errors from anywhere go through `errors.error_for`. Auth, the body size limit, compact
+request logging and the per-route request counter are one ASGI middleware, which (unlike
+BaseHTTPMiddleware) leaves streaming and disconnect detection alone. /openapi.json describes what
+is sent: errors in OpenAI's shape with 400 (never FastAPI's 422) for invalid requests.
 """
 
 from __future__ import annotations
@@ -12,21 +13,25 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.engine_loop import EngineLoop
 
 from . import errors, tokenization
 from .anthropic import AnthropicServing, MessagesRequest
+from .limits import RequestLimits
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       ErrorResponse, ModelList)
 from .serving import OpenAIServing
 from .tokenization import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("layerstream.server")
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-           "/detokenize", "/v1/messages"}
+           "/detokenize", "/v1/messages", "/openapi.json"}
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in logs and metrics only
 
 
@@ -34,19 +39,54 @@ class ClientDisconnected(Exception):
     pass
 
 
+def check_api_key(key: str) -> None:
+    """A key clients can send: HTTP header values are ASCII in practice (httpx and the openai
+    client refuse anything else), so a non-ASCII key could never match; refuse it at start-up."""
+    if not key or not all(33 <= ord(c) <= 126 for c in key):
+        raise ValueError("--api-key must be non-empty printable ASCII without spaces")
+
+
 class _Gate:
-    """ASGI middleware: API key check on /v1, one log line and one counter per request."""
+    """ASGI middleware: API key check on /v1, the body size limit, one log line and one counter per
+    request. body_limit() is asked per request: it follows the model's context once loaded."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, body_limit=lambda: None):
+        if api_key:
+            check_api_key(api_key)
+        self.app, self.metrics, self.body_limit = app, metrics, body_limit
+        self.api_key = api_key.encode("ascii") if api_key else None
 
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            token = headers.get(b"x-api-key", b"").decode("latin-1")  # how Anthropic's clients send it
-        return bool(token) and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+    def _auth_error(self, scope) -> errors.APIError | None:
+        headers = scope.get("headers") or []
+        values = [v for k, v in headers if k == b"authorization"]
+        keys = [v for k, v in headers if k == b"x-api-key"]  # how Anthropic's clients send it
+        if len(values) > 1 or len(keys) > 1:
+            # Proxies and frameworks disagree on which of two wins; refusing is the only answer
+            # that cannot be read differently by the proxy in front and by us.
+            return errors.APIError(400, "send one Authorization (or x-api-key) header, not several", param=None)
+        scheme, _, token = (values[0] if values else b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = keys[0] if keys else b""
+        if token.strip() and hmac.compare_digest(token.strip(), self.api_key):
+            return None
+        return errors.AuthError("missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    def _limited(self, scope, receive):
+        """receive, failing with 413 once the body passes the limit (for a body sent without a
+        Content-Length, or one longer than it said)."""
+        limit = self.body_limit()
+        seen = [0]
+
+        async def limited_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if limit is not None and seen[0] > limit:
+                    raise StarletteHTTPException(413, f"request body larger than {limit} bytes (--max-body-bytes)",
+                                                 headers={"Connection": "close"})
+            return message
+
+        return limit, limited_receive
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -61,9 +101,19 @@ class _Gate:
             await send(message)
 
         try:
-            if self.api_key and path.startswith("/v1") and not self._authorized(scope):
-                msg = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-                await errors.error_for(errors.AuthError(msg)).response_for(path)(scope, receive, send_status)
+            refusal = None
+            if self.api_key and path.startswith("/v1"):
+                refusal = self._auth_error(scope)
+            limit, receive = self._limited(scope, receive)
+            declared = dict(scope.get("headers") or []).get(b"content-length")
+            if refusal is None and limit is not None and declared and declared.isdigit() and int(declared) > limit:
+                # Refused from the header alone: the body is never read.
+                # Connection: close, or the unread body would be read as the next request.
+                refusal = StarletteHTTPException(413, f"request body of {int(declared)} bytes is larger than the "
+                                                      f"limit of {limit} bytes (--max-body-bytes)",
+                                                 headers={"Connection": "close"})
+            if refusal is not None:
+                await errors.error_for(refusal).response_for(path)(scope, receive, send_status)
             else:
                 await self.app(scope, receive, send_status)
         finally:
@@ -83,7 +133,14 @@ async def _unless_disconnected(request: Request, coro):
     if the client goes away first."""
     work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_until_disconnect(request))
-    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # The route itself was cancelled from outside (a server or proxy may cancel the handler of a
+        # client that went away rather than deliver http.disconnect): the generation must not run on.
+        work.cancel()
+        watch.cancel()
+        raise
     if work in done:
         watch.cancel()
         return work.result()
@@ -91,14 +148,43 @@ async def _unless_disconnected(request: Request, coro):
     raise ClientDisconnected()
 
 
+# What the generation routes may answer besides 200; every error body is OpenAI's ErrorResponse.
+_ERRORS = {400: "invalid request (param names the field)", 401: "missing or invalid API key",
+           404: "unknown model", 413: "request body too large", 500: "internal error (message has an error id)",
+           503: "loading, overloaded (Retry-After), or not ready"}
+
+
+def _generation_responses(model) -> dict:
+    return {200: {"model": model, "description": "the result, or with stream: true server-sent events",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **{code: {"model": ErrorResponse, "description": why} for code, why in _ERRORS.items()}}
+
+
+def _openapi_without_422(app: FastAPI):
+    """FastAPI documents 422 + HTTPValidationError for every body; this server answers 400 with
+    ErrorResponse instead (errors.install), so the schema says that."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
+
+
 def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, limits: RequestLimits | None = None) -> FastAPI:
     metrics = metrics or ServerMetrics(served_model_name)
-    serving = OpenAIServing(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, limits)
     anthropic = AnthropicServing(serving)
-    app = FastAPI(title="layerstream", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="layerstream", version="0.1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = _openapi_without_422(app)
     errors.install(app)
-    app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
+    app.add_middleware(_Gate, api_key=api_key, metrics=metrics, body_limit=serving.body_limit)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
     def respond(result):
@@ -109,16 +195,19 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
 
     @app.get("/health")
     async def health():
-        if engine.ready:
+        if engine.ready and not engine.draining:
             return {"status": "ok"}
-        detail = "loading" if engine.state == "loading" else f"{engine.state}: {engine.error}"
+        if engine.draining:
+            detail = "shutting down"
+        else:
+            detail = "loading" if engine.state == "loading" else f"{engine.state}: {engine.reason}"
         return JSONResponse({"status": detail}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return JSONResponse(serving.models().model_dump(mode="json"))
 
@@ -128,7 +217,8 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return JSONResponse(tokenization.tokenize(serving, body).model_dump(mode="json"))
+        result = await serving.off_loop(tokenization.tokenize, serving, body)  # tokenizing: off the event loop
+        return JSONResponse(result.model_dump(mode="json"))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -140,11 +230,11 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await generate(request, serving.completions(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request):
         return await generate(request, serving.chat(body))
 

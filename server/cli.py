@@ -1,89 +1,41 @@
 """`layerstream serve`: uvicorn first (so /health answers 503 at once), the model loads on the
-engine thread meanwhile. Every flag can also come from a LAYERSTREAM_<FLAG> environment variable
-(e.g. LAYERSTREAM_MAX_DEVICE_MEMORY=4GiB); a flag on the command line wins."""
+engine thread meanwhile; with --ray, replicas of the same server on Ray Serve. The server itself
+(flags, LAYERSTREAM_<FLAG> variables, app and engine loop) is built by server.launch."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 
-from engine.cli import add_engine_arguments, engine_args_from
+from .launch import add_arguments, build_server
+from .ray_options import ReplicaOptions
 
-from .ray_options import add_ray_arguments, serve_on_ray
+__all__ = ["add_arguments", "run"]
 
 log = logging.getLogger("layerstream.server")
-
-ENV_PREFIX = "LAYERSTREAM_"
-_TRUE = ("1", "true", "yes", "on")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients send and /v1/models lists (default: the --model value)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot before new ones get 503 + Retry-After")
-    add_ray_arguments(p)  # --ray and the replica flags; ray itself is imported only with --ray
-    p.epilog = (f"Every flag can also be set as an environment variable {ENV_PREFIX}<FLAG>, e.g. "
-                f"{ENV_PREFIX}MAX_DEVICE_MEMORY=4GiB; a flag given on the command line wins.")
-    apply_env_defaults(p)
-
-
-def apply_env_defaults(p: argparse.ArgumentParser) -> None:
-    """Turn LAYERSTREAM_<DEST> environment variables into defaults. argparse applies `type` to a
-    string default, so the variable is parsed and checked exactly like the flag would be."""
-    for action in p._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        value = os.environ.get(ENV_PREFIX + action.dest.upper())
-        if value is None:
-            continue
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
-            action.default = value.strip().lower() in _TRUE
-        else:
-            action.default = value
-        # The value is not echoed: it may be a secret (LAYERSTREAM_API_KEY).
-        action.help = f"{action.help or ''} [set by {ENV_PREFIX}{action.dest.upper()}]".strip()
-
-
-def build_server(ns: argparse.Namespace, on_failed=None):
-    """The app and its engine loop (not started) from parsed flags: what `run` serves with uvicorn
-    and what each Ray Serve replica (server.ray_serve) wraps, so both serve the same routes."""
-    from engine.engine_loop import EngineLoop
-
-    from .app import build_app
-    from .metrics import ServerMetrics
-
-    args = engine_args_from(ns, max_queue=ns.max_queue)  # a bad value: ValueError, one line from main
-    name = ns.served_model_name or ns.model
-    metrics = ServerMetrics(name)
-
-    def factory(engine_args):
-        from engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(engine_args)
-        metrics.set_plan(engine.plan)
-        if ns.model == "demo" and engine.model.path.suffix != ".gguf":
-            log.warning("serving the built-in DEMO model as %r: random weights, output is gibberish; "
-                        "it exists for smoke tests. Pass --model DIR|HUB_ID to serve a real model.", name)
-        return engine
-
-    engine = EngineLoop(args, observer=metrics, engine_factory=factory, on_failed=on_failed)
-    return build_app(engine, name, api_key=ns.api_key or None, metrics=metrics), engine
 
 
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     if ns.ray:
-        return serve_on_ray(ns)
+        return _serve_on_ray(ns)
+    from .http_protocol import guarded_protocol
+
     config = uvicorn.Config(None, host=ns.host, port=ns.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=ns.shutdown_grace + 5, limit_concurrency=ns.limit_concurrency,
+                            timeout_keep_alive=ns.timeout_keep_alive,
+                            h11_max_incomplete_event_size=ns.max_header_bytes,
+                            http=guarded_protocol(ns.header_timeout))
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # uvicorn stops listening, then waits for requests in flight; the engine ends the ones
+            # still running at the grace period (an error event + [DONE] for a stream) so none is cut.
+            engine.drain(ns.shutdown_grace)
+            await super().shutdown(sockets)
+
+    server = Server(config)
 
     def on_failed(_e: BaseException) -> None:
         server.should_exit = True  # nothing to serve: stop with a non-zero status
@@ -97,3 +49,13 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 1 if engine.state == "failed" else 0
+
+
+def _serve_on_ray(ns: argparse.Namespace) -> int:
+    """`layerstream serve --ray`: bad options and a missing Ray fail here, in one line each."""
+    ReplicaOptions.from_namespace(ns)
+    try:
+        from .ray_serve import run as run_on_ray
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Serve, which is not installed ({e}): pip install 'layerstream[ray]'") from e
+    return run_on_ray(ns)

@@ -15,12 +15,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.engine_loop import EngineDeadError, EngineNotReadyError, EngineStepError
+from engine.engine_loop import EngineDeadError, EngineNotReadyError, RequestFailedError
 from engine.llm_engine import PromptTooLongError
 from engine.sampling_params import InvalidParameter
 from engine.scheduler import QueueFullError
 
-from .protocol import ErrorInfo, ErrorResponse, sse
+from .protocol import ErrorInfo, ErrorResponse, random_id, sse
 
 log = logging.getLogger("layerstream.server")
 
@@ -83,23 +83,46 @@ def _type_for(status: int) -> str:
         status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _field_path(loc) -> list[str]:
+    """A validation error's location without "body" and without the tags pydantic adds for union
+    branches ("str", "list[int]", "TextPart", "function-after[...]"): "messages.0.content.1.text"."""
+    out = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(str(part))
+        elif part != "body" and part not in _TYPE_TAGS and "[" not in part and not part[:1].isupper():
+            out.append(part)
+    return out
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('msg')}", None
-    param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return f"malformed JSON body: {errors[0].get('msg')}", None
+    # A value that matches no branch of a union gets one error per branch; the deepest one is the
+    # branch the client meant (a content part whose text is not a string, not "content is not a
+    # string").
+    # Among equally deep ones, the branch with the fewest errors came closest: [1, true] as a
+    # prompt is one wrong element of a token-id list, not two of a list of strings.
+    paths = [_field_path(e.get("loc", ())) for e in errors]
+    branches = [tuple(p for p in e.get("loc", ()) if isinstance(p, str) and p not in paths[i])
+                for i, e in enumerate(errors)]
+    size = {b: branches.count(b) for b in branches}
+    best = max(range(len(errors)), key=lambda i: (len(paths[i]), -size[branches[i]]))
+    param = ".".join(paths[best]) or None
+    if errors[best].get("type") == "extra_forbidden":
         # OpenAI's wording: a field this server would not honour is refused, never ignored.
         return f"Unrecognized request argument supplied: {param}", param
     parts = []
-    for e in errors[:5]:
-        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-    return "; ".join(parts), param
+    for i in [best] + [i for i in range(len(errors)) if i != best][:2]:
+        where = ".".join(paths[i])
+        parts.append(f"{where}: {errors[i].get('msg')}" if where else str(errors[i].get("msg")))
+    return "; ".join(dict.fromkeys(parts)), param
 
 
 def error_for(exc: BaseException) -> MappedError:
@@ -125,8 +148,6 @@ def error_for(exc: BaseException) -> MappedError:
         headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
     elif isinstance(exc, EngineDeadError):
         status, message = 503, str(exc)
-    elif isinstance(exc, EngineStepError):
-        status, message = 500, str(exc)
     elif isinstance(exc, StarletteHTTPException):
         status, message = exc.status_code, str(exc.detail)
         headers.update(exc.headers or {})
@@ -134,8 +155,11 @@ def error_for(exc: BaseException) -> MappedError:
         # The engine's own input checks (empty prompt, token id out of range) are user mistakes.
         status, message = 400, str(exc)
     else:
-        log.exception("internal error", exc_info=exc)
-        status, message = 500, f"internal server error: {type(exc).__name__}: {exc}"
+        # A bug, or the engine failing one request: the client gets an id to quote, the log gets
+        # the exception under that id; internal text never reaches the client.
+        error_id = random_id("err")
+        log.error("internal error %s", error_id, exc_info=exc)
+        status, message = 500, f"internal server error (error id {error_id}; the server log has the details)"
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_ or _type_for(status), param=param,
                                          code=status))
     return MappedError(status, body, headers)
@@ -150,5 +174,5 @@ def install(app) -> None:
     # then re-raises (the connection is dropped): so every expected class is registered by name
     # and only a real bug reaches the Exception handler (500, logged with its traceback).
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ValueError, QueueFullError,
-                     EngineNotReadyError, EngineDeadError, EngineStepError, Exception):
+                     EngineNotReadyError, EngineDeadError, RequestFailedError, Exception):
         app.add_exception_handler(exc_type, handle_exception)

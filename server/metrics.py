@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
 
-from engine.bandwidth import efficiency, stream_link_gbps
+from engine.telemetry import EngineTelemetry, PlanSummary
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -56,6 +56,9 @@ class ServerMetrics:
         self.step_seconds = Histogram("layerstream_step_seconds", "wall time of one engine step", labels,
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.steps = Counter("layerstream_steps", "engine steps", labels, registry=r)
+        self.tier_bytes = Counter("layerstream_streamed_tier_bytes", "bytes streamed in all steps by the tier "
+                                  "the blocks came from (host memory, or read from disk each step)",
+                                  labels + ["tier"], registry=r)
         self.masks = Gauge("layerstream_structured_output_mask_seconds", "seconds spent on structured-output "
                            "token masks since start: kind=compute (worker thread, overlapped with the forward "
                            "pass) or wait (the engine thread waiting for a mask before sampling)",
@@ -82,12 +85,17 @@ class ServerMetrics:
                                    "pool was full (recomputed on readmission, minus prefix-cache hits)",
                                    labels, registry=r)
         self._kv_seen = None  # the last KVTelemetry, to turn its totals into counter increments
+        self.ready = Gauge("layerstream_engine_ready", "1 while the engine serves; 0 while loading, after a "
+                           "failed load, or after a step failure left it unhealthy (see "
+                           "layerstream_engine_not_ready)", labels, registry=r)
+        self.not_ready = Gauge("layerstream_engine_not_ready", "1 for the reason the engine stopped serving",
+                               labels + ["reason"], registry=r)
 
-    def set_plan(self, plan) -> None:
+    def set_plan(self, plan: PlanSummary) -> None:
         m = self._model
-        self.blocks_resident.labels(m).set(len(plan.resident_blocks))
-        self.blocks_streamed.labels(m).set(len(plan.streamed_blocks))
-        self.plan_bytes_per_step.labels(m).set(plan.streamed_bytes_per_step)
+        self.blocks_resident.labels(m).set(plan.blocks_resident)
+        self.blocks_streamed.labels(m).set(plan.blocks_streamed)
+        self.plan_bytes_per_step.labels(m).set(plan.planned_bytes_per_step)
 
     # -- EngineObserver ---------------------------------------------------------------------------
     def on_queue(self, engine) -> None:
@@ -100,30 +108,29 @@ class ServerMetrics:
         self.vllm.kv_usage.labels(m).set(usage)
         self.vllm.gpu_cache_usage.labels(m).set(usage)
 
-    def on_step(self, engine) -> None:
+    def on_step(self, telemetry: EngineTelemetry) -> None:
         m = self._model
-        timing = engine.model.runner.last_step
-        if timing is None:
+        step = telemetry.last_step
+        if step is None:
             return
         self.steps.labels(m).inc()
-        self.step_seconds.labels(m).observe(timing.seconds)
-        s = timing.stream
+        self.step_seconds.labels(m).observe(step.seconds)
+        s = step.stream
         self.step_bytes.labels(m).set(s.bytes_streamed)
         self.bytes_total.labels(m).inc(s.bytes_streamed)
         self.stall.labels(m).observe(max(0.0, s.stall_seconds))
-        runner = engine.model.runner
-        gbps, floor = efficiency(s.bytes_streamed, timing.seconds,
-                                 stream_link_gbps(runner.streamer.transport, engine.plan))
-        self.gbps.labels(m).set(gbps)
-        if floor is not None:
-            self.floor_pct.labels(m).set(floor)
-        stats = engine.grammar.stats
-        self.masks.labels(m, "compute").set(stats.compute_seconds)
-        self.masks.labels(m, "wait").set(stats.wait_seconds)
-        self.observe_kv(engine.kv_telemetry())
+        self.tier_bytes.labels(m, "host").inc(s.host_tier_bytes)
+        self.tier_bytes.labels(m, "disk").inc(s.disk_tier_bytes)
+        self.gbps.labels(m).set(step.gbps)
+        if step.floor_percent is not None:
+            self.floor_pct.labels(m).set(step.floor_percent)
+        masks = telemetry.structured_output
+        self.masks.labels(m, "compute").set(masks.compute_seconds)
+        self.masks.labels(m, "wait").set(masks.wait_seconds)
+        self.observe_kv(telemetry.kv)
 
     def observe_kv(self, t) -> None:
-        """Publish a KVTelemetry snapshot (engine.kv_telemetry())."""
+        """Publish the paged KV cache's snapshot (EngineTelemetry.kv)."""
         m, prev = self._model, self._kv_seen
         self.kv_usage.labels(m).set(t.usage)
         self.kv_blocks.labels(m, "total").set(t.blocks_total)
@@ -158,6 +165,11 @@ class ServerMetrics:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.vllm.success.labels(self._model, reason).inc()
         self.vllm.prompt_tokens.labels(self._model).inc(prompt_tokens)
+
+    def on_health(self, ready: bool, reason: str) -> None:
+        self.ready.labels(self._model).set(1 if ready else 0)
+        if not ready:
+            self.not_ready.labels(self._model, reason).set(1)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -2,16 +2,21 @@
 
 A request field this server does not know is refused (400 naming it), as the OpenAI API refuses an
 unrecognized argument: a field accepted is a field honoured. `user` is the one field accepted
-without effect on the output; it is metadata in OpenAI's API too.
+without effect on the output; it is metadata in OpenAI's API too. Fields are typed as strictly as
+OpenAI types them: no "3" for an integer, no true for a token id, no Infinity for a float, and the
+numeric ranges of engine.sampling_params.RANGES, which the OpenAPI schema shows too.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from engine.sampling_params import MAX_LOGPROBS, RANGES
 
 
 def random_id(prefix: str) -> str:
@@ -26,7 +31,38 @@ def sse(payload: BaseModel | str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
+
+
+def _range(name: str, **kw) -> Any:
+    """A Field with RANGES[name]'s bounds (the engine checks them too, for every entry point)."""
+    lo, hi = RANGES[name]
+    return Field(ge=lo, le=hi, **kw)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path ("messages.0.content") of the first string in a request that holds a lone UTF-16
+    surrogate (JSON allows "\\ud800"; no tokenizer can encode it), or None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, BaseModel):
+        items = [*((k, getattr(value, k)) for k in type(value).model_fields), *(value.model_extra or {}).items()]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return f"{path}.{key}".lstrip(".")
+        found = lone_surrogate(item, f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(_Request):
@@ -59,20 +95,20 @@ class _SamplingFields(_Request):
     """Sampling fields shared by both endpoints; the last four are vLLM's extensions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = _range("max_tokens", default=None)
+    temperature: float | None = _range("temperature", default=None)
+    top_p: float | None = _range("top_p", default=None)
+    n: int = _range("n", default=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = _range("seed", default=None)
+    presence_penalty: float = _range("presence_penalty", default=0.0)
+    frequency_penalty: float = _range("frequency_penalty", default=0.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = _range("min_p", default=None)
+    repetition_penalty: float | None = _range("repetition_penalty", default=None)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
@@ -92,16 +128,23 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: int | None = _range("logprobs", default=None)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+
+class TextPart(_Request):
+    """A content part; only text parts are supported (no images, audio or files)."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Request):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
 
 class FunctionDefinition(_Request):
@@ -127,9 +170,9 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _range("max_tokens", default=None)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -15,7 +15,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve: each replica is this server with its own engine and model")
     g.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (e.g. auto, ray://head:10001; default: start a local one)")
+                   help="Ray cluster to join, e.g. ray://head:10001 (default: $RAY_ADDRESS, or the cluster "
+                        "`ray start` runs on this machine, or else a new local one)")
     g.add_argument("--num-replicas", type=int, default=1, help="fixed number of replicas (without autoscaling)")
     g.add_argument("--min-replicas", type=int, default=None,
                    help="autoscale between --min-replicas and --max-replicas (both needed)")
@@ -81,40 +82,3 @@ class ReplicaOptions:
                  if self.autoscaling else {"num_replicas": self.num_replicas})
         return {**scale, "max_ongoing_requests": self.max_ongoing_requests,
                 "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
-
-
-def parse_flags(args: dict) -> argparse.Namespace:
-    """`serve run` / serveConfigV2 arguments ({"model": "demo", "num_replicas": "2"}) parsed by the
-    `layerstream serve` parser, so they are checked (and LAYERSTREAM_* defaults applied) alike."""
-    from .cli import _TRUE, add_arguments  # server.cli imports this module: import at call time
-
-    parser = argparse.ArgumentParser(prog="server.ray_serve:app_builder")
-    add_arguments(parser)
-    flags = {a.dest: a for a in parser._actions if a.option_strings}
-    argv, switches = [], {}
-    for key, value in args.items():
-        action = flags.get(key.replace("-", "_"))
-        if action is None or action.dest == "help":
-            raise ValueError(f"unknown argument {key!r}: use a `layerstream serve` flag without its dashes, "
-                             "e.g. model=demo num_replicas=2")
-        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-            switches[action.dest] = str(value).strip().lower() in _TRUE  # false must beat a LAYERSTREAM_ default
-        else:
-            argv += [action.option_strings[0], str(value)]
-    try:
-        ns = parser.parse_args(argv)
-    except SystemExit as e:  # argparse has printed why
-        raise ValueError(f"bad arguments {args}") from e
-    for dest, on in switches.items():
-        setattr(ns, dest, on)
-    return ns
-
-
-def serve_on_ray(ns: argparse.Namespace) -> int:
-    """`layerstream serve --ray`: bad options and a missing Ray fail here, in one line each."""
-    ReplicaOptions.from_namespace(ns)
-    try:
-        from .ray_serve import run
-    except ImportError as e:
-        raise ValueError(f"--ray needs Ray Serve, which is not installed ({e}): pip install 'layerstream[ray]'") from e
-    return run(ns)

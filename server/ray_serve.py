@@ -1,6 +1,6 @@
 """Replicas of the layerstream server on Ray Serve, behind Serve's one HTTP endpoint.
 
-Each replica runs exactly the app `layerstream serve` runs (`server.cli.build_server`: same routes,
+Each replica runs exactly the app `layerstream serve` runs (`server.launch.build_server`: same routes,
 same flags, same `LAYERSTREAM_*` variables) through `serve.ingress`, with its own engine loop and
 model. The replica's constructor returns only once its model has loaded, so Serve counts it ready
 (and routes to it) only then; its health check fails once the engine is not ready, and Serve
@@ -26,8 +26,8 @@ import time
 
 from ray import serve
 
-from .cli import build_server
-from .ray_options import ReplicaOptions, parse_flags
+from .launch import build_server, parse_flags
+from .ray_options import ReplicaOptions
 
 log = logging.getLogger("layerstream.server")
 

@@ -1,6 +1,11 @@
 """Translation between OpenAI requests and engine requests, and engine outputs back to OpenAI
 responses (whole, or as SSE chunks). No HTTP here and no engine logic: prompts become token ids,
 fields become SamplingParams, and RequestOutput deltas become choices.
+
+CPU work that grows with the request (lone-surrogate scan, chat template, tokenizing, echo
+decoding) runs on one tokenizer thread, never on the event loop, so /health and every stream keep
+answering while a large prompt is prepared; the request-shape caps (limits.RequestLimits) are
+checked before any of it.
 """
 
 from __future__ import annotations
@@ -10,24 +15,25 @@ import contextlib
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from engine.engine_loop import EngineLoop, EngineRequest, RequestHandle
 from engine.llm_engine import RequestOutput
 from engine.sampler import TokenLogprobs
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams, normalize_prompts
 
 from . import structured, tools
 from .errors import APIError, ModelNotFoundError, error_for
+from .limits import RequestLimits
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
                        CompletionRequest, CompletionResponse, DeltaMessage, DeltaToolCall, ModelCard, ModelList,
-                       ToolCallInfo, TopLogprob, UsageInfo, random_id, sse)
+                       ToolCallInfo, TopLogprob, UsageInfo, lone_surrogate, random_id, sse)
 
 log = logging.getLogger("layerstream.server")
 
-MAX_N = 64  # choices per request: each one is a sequence in the engine
 DONE = sse("[DONE]")
 
 
@@ -96,9 +102,42 @@ async def _event_stream(job: _Job, chunks: AsyncIterator[str]) -> AsyncIterator[
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineLoop, served_model_name: str):
+    def __init__(self, engine: EngineLoop, served_model_name: str, limits: RequestLimits | None = None):
         self.engine = engine
         self.model_name = served_model_name
+        self.limits = limits or RequestLimits()
+        # One thread: the tokenizer is one object, and HF fast tokenizers are not safe to share
+        # between threads that may change its settings; the event loop only awaits it.
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-tokenize")
+        self._max_prompt_chars: int | None = None
+
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a text prompt can never fit the context: max_model_len tokens of
+        the vocabulary's longest token (special tokens included). None while loading."""
+        if self._max_prompt_chars is None and self.engine.ready:
+            longest = max((len(t) for t in self.engine.tokenizer.get_vocab()), default=1)
+            self._max_prompt_chars = self.engine.max_model_len * max(1, longest)
+        return self._max_prompt_chars
+
+    def body_limit(self) -> int:
+        return self.limits.body_limit(self.max_prompt_chars())
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def check_text(self, req, param: str, texts: list[str]) -> None:
+        """Refuse, before tokenizing, invalid Unicode anywhere in the request and text that could
+        never fit the context."""
+        path = lone_surrogate(req)
+        if path is not None:
+            raise InvalidParameter(path, f"{path} holds a lone UTF-16 surrogate (invalid Unicode); send valid "
+                                         "UTF-8 text")
+        limit = self.max_prompt_chars()
+        chars = sum(len(t) for t in texts)
+        if limit is not None and chars > limit:
+            raise InvalidParameter(param, f"the {param} has {chars} characters: more than this model's maximum "
+                                          f"context length of {self.engine.max_model_len} tokens could hold, "
+                                          f"however it were tokenized (at most {limit} characters)")
 
     # -- shared ------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -127,8 +166,6 @@ class OpenAIServing:
         return so
 
     def _params(self, req, max_tokens: int, logprobs: int | None, structured_output=None) -> SamplingParams:
-        if not 1 <= req.n <= MAX_N:
-            raise InvalidParameter("n", f"n must be in [1, {MAX_N}], got {req.n}")
         best_of = getattr(req, "best_of", None)
         if best_of is not None and best_of > req.n:
             raise InvalidParameter("best_of", f"best_of > n is not supported (got best_of {best_of}, n {req.n})")
@@ -157,10 +194,9 @@ class OpenAIServing:
         response_id = random_id(prefix)
         requests, choices = [], {}
         for p, ids in enumerate(prompts):
-            for i in range(req.n):
+            for i, choice in enumerate(dataclasses.replace(params, n=req.n).per_choice()):
                 rid = f"{response_id}-{p}-{i}"
-                seed = None if params.seed is None else params.seed + i
-                requests.append(EngineRequest(rid, ids, dataclasses.replace(params, seed=seed)))
+                requests.append(EngineRequest(rid, ids, choice))
                 choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "",
                                        tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None)
         handle = self.engine.submit(requests)
@@ -182,22 +218,16 @@ class OpenAIServing:
         return self.engine.tokenizer.decode([token_id])
 
     # -- /v1/completions --------------------------------------------------------------------------
-    def _completion_prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        if not prompts:
-            raise InvalidParameter("prompt", "prompt must not be empty")
+    def _completion_prompts(self, req: CompletionRequest, prompts: list) -> tuple[list[list[int]], list[str] | None]:
+        """On the tokenizer thread: token ids of each prompt, and their text when echo is on."""
+        self.check_text(req, "prompt", [p for p in prompts if isinstance(p, str)])
         try:
             ids = [self.engine.encode(p) for p in prompts]
         except ValueError as e:
             raise InvalidParameter("prompt", str(e)) from e
         if any(not x for x in ids):
             raise InvalidParameter("prompt", "prompt must not be empty")
-        return ids
+        return ids, self._echo_texts(req.prompt, ids) if req.echo else None
 
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
@@ -206,10 +236,13 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise InvalidParameter("echo", "echo together with logprobs needs prompt logprobs, which this server "
                                            "does not compute; send echo or logprobs, not both")
-        prompts = self._completion_prompts(req.prompt)
+        raw = normalize_prompts(req.prompt)
+        if not raw:
+            raise InvalidParameter("prompt", "prompt must not be empty")
+        self.limits.check(req, len(raw), self.engine.capacity)
         so = await self._structured(req)
         params = self._params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, so)
-        echo = self._echo_texts(req.prompt, prompts) if req.echo else None
+        prompts, echo = await self.off_loop(self._completion_prompts, req, raw)
         job = await self._submit(prompts, req, params, "cmpl", echo)
         if req.stream:
             return _event_stream(job, self._completion_chunks(job, req))
@@ -276,11 +309,10 @@ class OpenAIServing:
         messages = []
         for m in req.messages:
             content = m.content
-            if isinstance(content, list):  # content parts: only text is supported
-                if any(p.get("type") != "text" for p in content):
-                    raise InvalidParameter("messages", "only text content parts are supported")
-                content = "".join(p.get("text", "") for p in content)
+            if isinstance(content, list):  # text parts (the only type the request model accepts)
+                content = "".join(p.text for p in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        self.check_text(req, "messages", [m["content"] for m in messages])
         tools.check_messages(messages)
         # A template that reads `tools` renders them (and calls, results) itself; others get text.
         native = "tools" in tok.chat_template
@@ -295,6 +327,10 @@ class OpenAIServing:
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
             raise InvalidParameter("messages", "the rendered chat prompt is empty")
+        try:
+            self.engine.encode(ids)  # the token-id range check (added tokens beyond the embedding table)
+        except ValueError as e:
+            raise InvalidParameter("messages", str(e)) from e
         return ids
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -315,8 +351,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        self.limits.check(req, 1, self.engine.capacity)
         plan = tools.plan_tools(req)
-        ids = self.chat_prompt_ids(req, plan)
+        ids = await self.off_loop(self.chat_prompt_ids, req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - len(ids))

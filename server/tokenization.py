@@ -45,6 +45,7 @@ def tokenize(serving, req: TokenizeRequest) -> TokenizeResponse:
         raise InvalidParameter("prompt", "send exactly one of prompt and messages")
     tok = serving.engine.tokenizer
     if req.prompt is not None:
+        serving.check_text(req, "prompt", [req.prompt])  # a lone surrogate, a text that can never fit: 400
         if req.tools:
             raise InvalidParameter("tools", "tools go with messages, not with a prompt")
         ids = tok.encode(req.prompt, add_special_tokens=True if req.add_special_tokens is None

@@ -117,10 +117,13 @@ def test_mixed_step_peak_within_the_planned_workspace(llama_dir, monkeypatch, ch
     if chunk_bytes is not None:
         monkeypatch.setattr(attention_backend, "CHUNK_BYTES", chunk_bytes)
     seqs, tokens, max_len = 4, 64, 128
-    llm = LLM(str(llama_dir), max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    from tests.test_step_inputs import capture_runners
+
+    with capture_runners() as runners:
+        llm = LLM(str(llama_dir), max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=tokens)
     try:
-        model = llm.engine.model
-        cfg, runner = model.cfg, model.runner
+        runner = runners[0]  # the real runner, fed a hand-made worst-case step
+        cfg = runner.cfg
         chunks = []
         for slot in range(seqs - 1):  # decodes that attend to the whole context
             s = Sequence(f"d{slot}", [3] * (max_len - 1), 4)
@@ -133,7 +136,7 @@ def test_mixed_step_peak_within_the_planned_workspace(llama_dir, monkeypatch, ch
         with torch.inference_mode(), sdpa_kernel([SDPBackend.MATH]):
             runner.execute(chunks)  # warm-up: lazily made buffers are not the step's
             measured = peak_bytes(lambda: runner.execute(chunks))
-        planned = model.plan.workspace_bytes
+        planned = llm.plan.workspace_bytes
         assert planned == workspace_bytes(cfg, tokens, seqs, max_len, torch.float32)
         assert measured <= planned <= 2.5 * measured, (measured, planned)
         if chunk_bytes is None:

@@ -114,10 +114,9 @@ def test_batched_greedy_equals_each_sequence_alone(llama_dir, alone, streaming):
     llm = batched_llm(llama_dir, streaming)
     blocks_per_step = []
     try:
-        streamer = llm.engine.model.runner.streamer
-        on_step = lambda _s, eng: blocks_per_step.append(eng.model.runner.last_step.stream.blocks_streamed)  # noqa: E731
+        on_step = lambda _s, eng: blocks_per_step.append(eng.telemetry().last_step.stream.blocks_streamed)  # noqa: E731
         got = drive(llm.engine, {0: [(rid, PROMPTS[rid], params[rid]) for rid in PROMPTS]}, on_step=on_step)
-        assert streamer.stats.blocks_streamed == sum(blocks_per_step)
+        assert llm.telemetry().total.blocks_streamed == sum(blocks_per_step)
     finally:
         llm.close()
     for rid in PROMPTS:
@@ -193,15 +192,15 @@ def test_a_full_queue_raises_queue_full_and_the_server_answers_503(llama_dir):
     llm = batched_llm(llama_dir, max_num_seqs=1, max_queue=2)
     engine = llm.engine
     try:
-        engine.add_request(PROMPTS["a"], params, "a")
-        engine.add_request(PROMPTS["b"], params, "b")
+        for rid in "abc":  # one slot + a queue of two
+            engine.add_request(PROMPTS[rid], params, rid)
         with pytest.raises(QueueFullError) as info:
-            engine.add_request(PROMPTS["c"], params, "c")
-        assert not engine.abort("c")  # the refused request left nothing behind
+            engine.add_request(PROMPTS["d"], params, "d")
+        assert not engine.abort("d")  # the refused request left nothing behind
         finished = set()
         while engine.has_unfinished():
             finished |= {o.request_id for o in engine.step() if o.finished}
-        assert finished == {"a", "b"}
+        assert finished == {"a", "b", "c"}
     finally:
         llm.close()
     errors = pytest.importorskip("server.errors")
@@ -260,14 +259,11 @@ def test_streaming_with_dtype_conversion_reuses_its_buffers(tmp_path):
               max_device_memory=budget)
     try:
         assert len(llm.plan.resident_blocks) == 0
-        transport = llm.engine.model.runner.streamer.transport
-        handed_out = []  # every buffer set prepare() used, kept alive so ids stay distinct
-        take = transport._take_buffers
-        transport._take_buffers = lambda like: handed_out.append(take(like)) or handed_out[-1]  # noqa: E731
         got = drive(llm.engine, arrivals)
+        telemetry = llm.telemetry()
     finally:
         llm.close()
     for rid in PROMPTS:
         assert_same(got[rid], want[rid])
-    assert len(handed_out) > 10 * llm.engine.model.cfg.num_layers  # converted every step
-    assert len({id(b) for b in handed_out}) <= llm.plan.prefetch_depth + 1
+    assert telemetry.blocks_converted > 10 * len(llm.plan.resident_blocks + llm.plan.streamed_blocks)  # every step
+    assert telemetry.buffer_sets <= llm.plan.prefetch_depth + 1  # distinct buffer sets ever made

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM
 from engine.arch import UnsupportedModelError
-from engine.safetensors_index import CheckpointError, SafetensorsFile
+from engine.weights.safetensors_index import CheckpointError, SafetensorsFile
 
 
 @pytest.fixture
@@ -170,8 +170,34 @@ def test_entries_are_zero_copy_views(llama_dir):
 def test_cli_reports_one_clear_line(bad_copy):
     f = bad_copy / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--model", str(bad_copy), "--prompt", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "layerstream", "generate", "--model", str(bad_copy), "--prompt", "hi"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "layerstream: error:" in proc.stderr and "truncated" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_shard_leaves_no_file_open(tmp_path):
+    """The shards opened before a corrupt one are closed again (descriptors and mappings) when the
+    checkpoint is refused: a server that retries a bad path must not leak a descriptor per try."""
+    import os
+
+    from engine.weights import open_checkpoint
+    from tests.models import build
+
+    folder = build(tmp_path / "sharded", "qwen2", max_shard_size="100KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[-1].write_bytes(shards[-1].read_bytes()[:100])  # the last shard, cut inside its header
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(CheckpointError, match=shards[-1].name):
+            open_checkpoint(folder)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_close_twice_is_harmless(llama_dir):
+    """LLM.close() and the engine thread's own close may both run: the second finds nothing open."""
+    llm = LLM(str(llama_dir), max_model_len=32, max_num_seqs=1)
+    llm.close()
+    llm.close()

@@ -20,7 +20,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.models import ARCHS
-from tests.test_overlap import budget_for
+from tests.test_overlap import budget_for, capture_cuda_transports
 from tests.test_reference import PROMPT, prompt_logits
 
 pytestmark = pytest.mark.cuda
@@ -96,20 +96,22 @@ def test_matches_transformers_on_gpu(model_dirs, arch, dtype, streaming):
         out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0]
         check_greedy_close(out.token_ids, ref_tokens, ref_steps, dtype)
         if streaming:
-            t = llm.engine.model.runner.streamer.transport
-            assert type(t).__name__ == "CudaTransport" and t.h2d_gbps and t.h2d_gbps > 0.1
-            assert llm.engine.model.runner.streamer.stats.blocks_streamed >= 24 * len(llm.plan.streamed_blocks)
+            telemetry = llm.telemetry()
+            h2d = telemetry.links.h2d_gbps
+            assert telemetry.transport_name == "CudaTransport" and h2d and h2d > 0.1
+            assert telemetry.total.blocks_streamed >= 24 * len(llm.plan.streamed_blocks)
     finally:
         llm.close()
 
 
-def test_pinned_cache_equals_staging(llama_dir):
+def test_pinned_cache_equals_staging(llama_dir, monkeypatch):
+    built = capture_cuda_transports(monkeypatch)
     budget = budget_for(llama_dir, resident=1, dtype="bfloat16")
     kw = dict(device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=2, max_device_memory=budget)
     staged, pinned = LLM(str(llama_dir), **kw), None
     try:
         pinned = LLM(str(llama_dir), pin_host_memory=True, max_host_memory=HOST, **kw)
-        t = pinned.engine.model.runner.streamer.transport
+        t = built[-1]
         assert t._pinned and not t._stage, "the tiny model's pinned cache must fit host memory"
         # Same kernels on the same values; the tolerance only allows for algorithm choice by address.
         torch.testing.assert_close(prompt_logits(staged, PROMPT), prompt_logits(pinned, PROMPT), atol=1e-2, rtol=1e-2)
@@ -132,25 +134,25 @@ def mid_model(tmp_path_factory):
     return build_random_model(tmp_path_factory.mktemp("mid") / "llama", cfg, dtype=torch.bfloat16, seed=3)
 
 
-def test_copies_overlap_compute(mid_model):
+def test_copies_overlap_compute(mid_model, monkeypatch):
     """CUDA events around every copy (copy stream) and every block's kernels (compute stream): the
     copy of the next block runs while the current one computes, a step takes well under
     copy + compute, and the overlapped step's logits are the all-resident model's."""
-    from engine.cuda_transport import CudaTransport
+    from engine.weights.cuda_transport import CudaTransport
 
     budget = budget_for(mid_model, resident=0, dtype="bfloat16")
     resident = LLM(str(mid_model), device="cuda", max_model_len=128, max_num_seqs=2)
     try:
-        want = prompt_logits_step(resident.engine.model.runner).cpu()
+        want = resident.engine.prompt_logits(list(PROMPT)).cpu()
     finally:
         resident.close()
+    built = capture_cuda_transports(monkeypatch)
     # Pinned cache: prepare() only issues the DMA, so the copy engine (not the host filling staging
     # buffers) paces the copies and the timeline shows the device-side overlap.
     llm = LLM(str(mid_model), device="cuda", max_model_len=128, max_num_seqs=2, max_device_memory=budget,
               pin_host_memory=True, max_host_memory=HOST)
     try:
-        runner = llm.engine.model.runner
-        t = runner.streamer.transport
+        t = built[0]
         assert isinstance(t, CudaTransport) and not llm.plan.resident_blocks and t._pinned
         t.trace = True
         # ~0.4 ms of extra kernel time per block, so compute is comparable to the copy of a block.
@@ -162,9 +164,9 @@ def test_copies_overlap_compute(mid_model):
             return w
         t.activate = slow_activate
         for _ in range(4):
-            prompt_logits_step(runner)
+            llm.engine.prompt_logits(list(PROMPT))
         t.traces.clear()
-        got = prompt_logits_step(runner).cpu()
+        got = llm.engine.prompt_logits(list(PROMPT)).cpu()
         iv = t.trace_intervals()
         # Same kernels on the same values; the tolerance only allows for algorithm choice by address.
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
@@ -182,14 +184,6 @@ def test_copies_overlap_compute(mid_model):
         llm.close()
 
 
-def prompt_logits_step(runner):
-    from engine.scheduler import ScheduledChunk, Sequence
-
-    s = Sequence("probe", list(PROMPT), 1)
-    s.block_table = list(range(runner.kv.num_blocks))  # blocks 0.. in order: any will do
-    return runner.execute([ScheduledChunk(s, 0, len(PROMPT))])
-
-
 @pytest.fixture(scope="module")
 def resident_refs(llama_dir):
     """dtype -> the all-resident model on the GPU, the stress test's reference (one per dtype)."""
@@ -202,18 +196,19 @@ def resident_refs(llama_dir):
 
 @pytest.mark.parametrize("pin,depth,dtype", STRESS_CASES,
                          ids=[f"{'pinned' if p else 'staging'}-depth{d}-{t}" for p, d, t in STRESS_CASES])
-def test_no_buffer_reuse_hazard_under_stress(llama_dir, resident_refs, pin, depth, dtype):
+def test_no_buffer_reuse_hazard_under_stress(llama_dir, resident_refs, monkeypatch, pin, depth, dtype):
     """Random extra kernel time on both streams lets the host race far ahead of the device; any
     buffer overwritten while a kernel still reads it, or read before its copy lands, would give
     another block's weights and visibly wrong logits (compared with the all-resident model's)."""
     budget = budget_for(llama_dir, resident=0, depth=depth, dtype=dtype)
     ref = resident_refs(dtype)
+    built = capture_cuda_transports(monkeypatch)
     llm = LLM(str(llama_dir), device="cuda", dtype=dtype, max_model_len=128, max_num_seqs=2,
               max_device_memory=budget, prefetch_depth=depth, pin_host_memory=pin, max_host_memory=HOST)
     # Same kernels on the same values: fp32 to rounding; bf16 allows for algorithm choice by address.
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=2e-2, rtol=2e-2)
     try:
-        t = llm.engine.model.runner.streamer.transport
+        t = built[0]
         assert not llm.plan.resident_blocks and t.num_buffers == depth + 1
         assert bool(t._pinned) == pin and bool(t._stage) != pin, "pinned cache must fit the stated host memory"
         rng_copy, rng_compute = random.Random(1), random.Random(2)
@@ -245,7 +240,7 @@ def test_no_buffer_reuse_hazard_under_stress(llama_dir, resident_refs, pin, dept
 
 def test_startup_oom_names_the_plan(llama_dir):
     """A plan that claims more than the GPU has (budget given by hand) fails with the plan in the message."""
-    from engine.cuda_transport import DeviceMemoryError
+    from engine.errors import DeviceMemoryError
 
     _free, total = torch.cuda.mem_get_info()
     seqs = int(2 * total / (128 * 1280)) + 1  # KV cache of the tiny llama: 1280 bytes per token per sequence
@@ -266,7 +261,7 @@ def test_failed_host_register_falls_back_cleanly(monkeypatch):
     """A cudaHostRegister that fails (here: registering pages already registered, the way a sandbox
     without it would) leaves its error pending in the runtime; pinned_bytes must fall back to the
     pinned allocator and leave nothing for the next kernel launch to raise."""
-    from engine.cuda_transport import PAGE, CudaRuntime
+    from engine.weights.cuda_transport import PAGE, CudaRuntime
 
     rt = CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
     first = rt.pinned_bytes(PAGE)
@@ -314,14 +309,15 @@ def test_attention_runs_the_chosen_kernel(dtype):
 def test_step_inputs_through_one_pinned_copy_equal_the_cpu_ones(llama_dir):
     """The step's integer inputs go to the GPU in one pinned non_blocking copy; what arrives (and
     the mask and rotary tables built from it) equals the same step built on the CPU."""
-    from tests.test_step_inputs import fields, mixed_chunks
+    from tests.test_step_inputs import capture_runners, fields, mixed_chunks
 
-    gpu = LLM(str(llama_dir), device="cuda", max_model_len=64, max_num_seqs=4)
-    cpu = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4)
+    with capture_runners() as runners:
+        gpu = LLM(str(llama_dir), device="cuda", max_model_len=64, max_num_seqs=4)
+        cpu = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4)
     try:
         with torch.inference_mode():
-            got = fields(gpu.engine.model.runner._step_inputs(mixed_chunks()))
-            want = fields(cpu.engine.model.runner._step_inputs(mixed_chunks()))
+            got = fields(runners[0]._step_inputs(mixed_chunks()))
+            want = fields(runners[1]._step_inputs(mixed_chunks()))
         for name, w in want.items():
             if isinstance(w, torch.Tensor):
                 assert got[name].is_cuda, name

@@ -9,11 +9,12 @@ import os
 import pytest
 import torch
 
-from engine import disk_bandwidth as dbw
-from engine.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
+from engine.weights import disk_bandwidth as dbw
+from engine.weights.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
 from engine.llm import LLM
-from engine.planner import PlanInputs, assign_host_tier, plan_memory
-from engine.safetensors_index import WeightIndex
+from engine.planner import HostTiering, PlanInputs, plan_memory
+from engine.weights.safetensors_index import WeightIndex
+from engine.weights.source import BlockSource
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["The quick brown fox", "Hello world! How are", "def main():"]
@@ -38,14 +39,14 @@ def _generate(model_dir, **kw):
     llm = LLM(str(model_dir), **kw)
     try:
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        return [o.outputs[0].token_ids for o in out], llm.plan
+        return [o.outputs[0].token_ids for o in out], llm.plan, llm.telemetry()
     finally:
         llm.close()
 
 
 @pytest.fixture(scope="module")
 def resident_tokens(llama_dir):
-    tokens, plan = _generate(llama_dir)
+    tokens, plan, _ = _generate(llama_dir)
     assert not plan.streamed_blocks
     return tokens
 
@@ -80,7 +81,7 @@ def _refuse_o_direct(monkeypatch, at: str) -> list[int]:
 @pytest.mark.parametrize("refuse", [None, "open", "read"])
 def test_disk_tier_tokens_identical_to_resident(llama_dir, resident_tokens, monkeypatch, refuse):
     refused = _refuse_o_direct(monkeypatch, refuse) if refuse else []
-    tokens, plan = _generate(llama_dir, max_device_memory=_budget(llama_dir), transport="disk", **SMALL)
+    tokens, plan, _ = _generate(llama_dir, max_device_memory=_budget(llama_dir), transport="disk", **SMALL)
     assert plan.disk_blocks and plan.disk_blocks == plan.streamed_blocks
     assert tokens == resident_tokens
     assert bool(refused) == bool(refuse)
@@ -90,17 +91,17 @@ def test_disk_tier_chosen_when_host_memory_is_short(llama_dir, resident_tokens):
     """Auto transport on CPU: a host budget below the weights puts the blocks that do not fit on disk.
     Steps of 8 tokens: a workspace small enough that one resident block fits below the weights."""
     limits = dict(SMALL, max_num_batched_tokens=8)
-    tokens, plan = _generate(llama_dir, max_host_memory=_budget(llama_dir, limits=limits), **limits)
+    tokens, plan, telemetry = _generate(llama_dir, max_host_memory=_budget(llama_dir, limits=limits), **limits)
     assert plan.disk_blocks and plan.resident_blocks
-    assert plan.disk_gbps and plan.disk_gbps > 0
+    assert telemetry.links.disk_gbps and telemetry.links.disk_gbps > 0
     assert "read from disk each step" in plan.describe()
     assert tokens == resident_tokens
 
 
 def test_disk_tier_converts_dtype(llama_dir):
     """fp32 checkpoint, bf16 compute: converted on the prefetch thread, same tokens as resident bf16."""
-    ref, _ = _generate(llama_dir, dtype="bfloat16")
-    tokens, plan = _generate(llama_dir, dtype="bfloat16", max_device_memory=_budget(llama_dir, 1, 2, "bfloat16"),
+    ref, _, _ = _generate(llama_dir, dtype="bfloat16")
+    tokens, plan, _ = _generate(llama_dir, dtype="bfloat16", max_device_memory=_budget(llama_dir, 1, 2, "bfloat16"),
                              transport="disk",
                              prefetch_depth=2, **SMALL)
     assert plan.disk_blocks
@@ -110,9 +111,9 @@ def test_disk_tier_converts_dtype(llama_dir):
 @pytest.mark.parametrize("direct", [True, False])
 def test_reader_returns_the_file_bytes(llama_dir, direct):
     index = WeightIndex(llama_dir)
-    reader = DiskReader(index.files.keys(), direct=direct, chunk_bytes=ALIGN * 2, in_flight=3)
+    reader = DiskReader(index.files, direct=direct, chunk_bytes=ALIGN * 2, in_flight=3)
     try:
-        names = {n: index.entry(n) for n in list(index.entries)[:7]}
+        names = {n: index.tensor(n) for n in index.names()[:7]}
         plan = plan_reads(names)
         buf = StagingBuffer(plan.buffer_bytes)
         assert buf.tensor.data_ptr() % ALIGN == 0
@@ -129,9 +130,9 @@ def test_reader_returns_the_file_bytes(llama_dir, direct):
 def test_reader_falls_back_mid_read(llama_dir, monkeypatch):
     refused = _refuse_o_direct(monkeypatch, "read")
     index = WeightIndex(llama_dir)
-    reader = DiskReader(index.files.keys(), chunk_bytes=ALIGN, in_flight=4)
+    reader = DiskReader(index.files, chunk_bytes=ALIGN, in_flight=4)
     try:
-        entries = {n: index.entry(n) for n in index.entries}
+        entries = {n: index.tensor(n) for n in index.names()}
         plan = plan_reads(entries)
         buf = StagingBuffer(plan.buffer_bytes)
         reader.read(plan, buf)
@@ -150,7 +151,7 @@ def test_plan_reads_coalesces_a_block_into_one_span(llama_dir):
     cfg = load_model_config(llama_dir)
     index = WeightIndex(llama_dir)
     try:
-        plan = plan_reads({s: index.entry(n) for s, n in cfg.block_tensor_names(2).items()})
+        plan = plan_reads(BlockSource(index, cfg).tensors(2))
         assert len(plan.spans) == 1
         span = plan.spans[0]
         assert span.start % ALIGN == 0 and span.end % ALIGN == 0
@@ -160,18 +161,19 @@ def test_plan_reads_coalesces_a_block_into_one_span(llama_dir):
 
 
 def test_host_tier_arithmetic():
-    plan = plan_memory(PlanInputs(num_layers=10, block_bytes=100, global_bytes=50, kv_bytes_per_token=1,
-                                  workspace_bytes=10, budget=50 + 10 + 16 + 200 + 300, max_model_len=16,
-                                  max_num_seqs=1))
+    device = dict(num_layers=10, block_bytes=100, global_bytes=50, kv_bytes_per_token=1, workspace_bytes=10,
+                  budget=50 + 10 + 16 + 200 + 300, max_model_len=16, max_num_seqs=1)
+    device_bytes = plan_memory(PlanInputs(**device)).device_bytes
+    plan = plan_memory(PlanInputs(**device, host_budget=device_bytes + 250,
+                                  host_tiering=HostTiering(0, holds_device_plan=True, disk_block_bytes=100)))
     assert len(plan.resident_blocks) == 3 and len(plan.streamed_blocks) == 7
-    assign_host_tier(plan, host_budget=plan.device_bytes + 250, host_fixed_bytes=plan.device_bytes,
-                     disk_block_bytes=100)
     assert len(plan.host_blocks) == 2 and len(plan.disk_blocks) == 5
     assert sorted(plan.host_blocks + plan.disk_blocks) == plan.streamed_blocks
-    plan.disk_gbps = 1e-6  # 1000 bytes/s
+    disk_gbps = 1e-6  # 1000 bytes/s
     assert plan.disk_bytes_per_step == 500
-    assert plan.disk_seconds_per_step == pytest.approx(0.5)
-    assign_host_tier(plan, host_budget=10**9, host_fixed_bytes=0, disk_block_bytes=100, force_disk=True)
+    assert plan.disk_seconds_per_step(disk_gbps) == pytest.approx(0.5)
+    plan = plan_memory(PlanInputs(**device, host_budget=10**9,
+                                  host_tiering=HostTiering(0, False, disk_block_bytes=100, force_disk=True)))
     assert plan.disk_blocks == plan.streamed_blocks
 
 
@@ -190,22 +192,22 @@ def test_disk_block_is_viewed_in_place_and_buffers_recycle(llama_dir):
     """Same dtype: a disk block's tensors are views into a staging buffer (no copy), and depth + 1
     buffers serve any number of blocks because retire() hands each back."""
     from engine.arch import load_model_config
-    from engine.disk_transport import DiskTransport
-    from engine.transport import BlockSource
+    from engine.weights.disk_transport import DiskTransport
 
     cfg = load_model_config(llama_dir)
     index = WeightIndex(llama_dir)
-    transport = DiskTransport(BlockSource(index, cfg), torch.float32, disk_blocks=range(cfg.num_layers), depth=1)
+    source = BlockSource(index, cfg)
+    transport = DiskTransport(source, torch.float32, disk_blocks=range(cfg.num_layers), depth=1)
     try:
         buffers = set()
         for block in list(range(cfg.num_layers)) * 2:
             ticket = transport.prepare(block)
-            buf = ticket.extra["buffer"]
+            buf = ticket.staging
             buffers.add(id(buf))
             lo = buf.tensor.data_ptr()
             for short, w in ticket.weights.items():
                 assert lo <= w.data_ptr() < lo + buf.nbytes, short
-                torch.testing.assert_close(w, index.view(cfg.block_tensor_names(block)[short]), rtol=0, atol=0)
+                torch.testing.assert_close(w, source.views(block)[short], rtol=0, atol=0)
             transport.retire(ticket)
         assert len(buffers) <= 2
         assert transport._free.qsize() == 2  # every retired ticket gave its staging buffer back
@@ -218,9 +220,9 @@ def test_disk_block_is_viewed_in_place_and_buffers_recycle(llama_dir):
 def test_pinned_staging_feeds_a_device_copy(llama_dir):
     """The GPU path: disk -> pinned staging (O_DIRECT into page-locked memory) -> device."""
     index = WeightIndex(llama_dir)
-    reader = DiskReader(index.files.keys())
+    reader = DiskReader(index.files)
     try:
-        names = {n: index.entry(n) for n in index.entries}
+        names = {n: index.tensor(n) for n in index.names()}
         plan = plan_reads(names)
         buf = StagingBuffer(plan.buffer_bytes, pin_memory=True)
         assert buf.tensor.is_pinned() and buf.tensor.data_ptr() % ALIGN == 0
@@ -241,7 +243,7 @@ def test_bench_disk_skips_without_writable_cgroups(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(disk, "CGROUP_ROOT", tmp_path / "no-cgroup-here")
     assert "no cgroup v1 memory controller" in disk.cgroups_unavailable()
-    from engine.cli import main
+    from layerstream.cli import main
 
     assert main(["bench-disk", "--model", str(tmp_path)]) == 0
     assert "bench-disk: skipped: no cgroup v1 memory controller" in capsys.readouterr().out
@@ -253,7 +255,7 @@ def test_disk_tier_on_a_sharded_checkpoint(tmp_path, resident_tokens):
 
     folder = build(tmp_path / "sharded", "llama", max_shard_size="100KB")
     assert len(list(folder.glob("*.safetensors"))) > 3
-    tokens, plan = _generate(folder, max_device_memory=_budget(folder), transport="disk", **SMALL)
+    tokens, plan, _ = _generate(folder, max_device_memory=_budget(folder), transport="disk", **SMALL)
     assert plan.disk_blocks
     assert tokens == resident_tokens
 
@@ -269,20 +271,21 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
     """The GPU path on CPU: CudaTransport replayed with the recording runtime of test_overlap; the
     blocks the host tier leaves on disk go disk -> aligned buffer -> staging -> device buffer, with
     the event protocol intact and the tokens of the resident run."""
-    import engine.cuda_transport as ct
-    from tests.test_overlap import RecordingRuntime, check_protocol
+    import engine.weights.cuda_transport as ct
+    from tests.test_overlap import RecordingRuntime, capture_cuda_transports, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    built = capture_cuda_transports(monkeypatch)
     llm = LLM(str(llama_dir), transport="cuda", max_device_memory=_budget(llama_dir), max_host_memory=650_000,
               **SMALL)
     try:
         plan = llm.plan
         assert plan.disk_blocks and plan.host_blocks, plan.describe()
-        t = llm.engine.model.runner.streamer.transport
+        t = built[0]
         assert t.disk is not None and t.disk.disk_blocks == set(plan.disk_blocks)
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in out] == resident_tokens
-        assert t.disk.reader.stats.bytes_read >= len(plan.disk_blocks) * plan.disk_block_bytes
+        assert llm.telemetry().total.disk_bytes_read >= len(plan.disk_blocks) * plan.disk_block_bytes
         assert check_protocol(t, t.rt.log) > 0
     finally:
         llm.close()
@@ -290,7 +293,7 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
 
 def test_cpu_plan_with_blocks_kept_in_ram_and_blocks_on_disk(llama_dir, resident_tokens):
     budget = _budget(llama_dir)  # host memory: the device plan (CPU compute) and room for two of the blocks
-    tokens, plan = _generate(llama_dir, max_device_memory=budget, max_host_memory=budget + 300_000, **SMALL)
+    tokens, plan, _ = _generate(llama_dir, max_device_memory=budget, max_host_memory=budget + 300_000, **SMALL)
     assert plan.resident_blocks and plan.host_blocks and plan.disk_blocks, plan.describe()
     assert sorted(plan.host_blocks + plan.disk_blocks) == plan.streamed_blocks
     assert tokens == resident_tokens

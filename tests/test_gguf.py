@@ -13,14 +13,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
 
 from engine import LLM, SamplingParams
-from engine.safetensors_index import CheckpointError
+from engine.weights import CheckpointError
 from engine.weights.dequant import SUPPORTED_TYPES, dequantize
 from engine.weights.gguf_file import GGUFIndex
 from engine.weights.packed import int4_from_gguf
 from tests.gguf_models import QUANTIZABLE, hf_gguf_model, random_blocks, write_gguf
 from engine.demo import build_random_model
 from tests.models import _COMMON, build, make_config
-from tests.test_reference import PROMPT, prompt_logits
+from tests.test_reference import PROMPT, greedy_with, prompt_logits
 
 # transformers dequantizes with gguf-py (numpy) and runs its own fp32 model; we dequantize with the
 # torch port (bit-identical, tested below) and run ours: agreement to fp32 rounding, like safetensors.
@@ -102,13 +102,7 @@ def tiny_gguf(root, arch: str, qtype: Q):
 
 
 def reference(path, prompt, n):
-    model = hf_gguf_model(path)
-    ids = list(prompt)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0]
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):], logits
+    return greedy_with(hf_gguf_model(path), prompt, n)
 
 
 @pytest.mark.parametrize("arch,qtype", CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
@@ -117,7 +111,7 @@ def test_matches_transformers_gguf_loader(gguf_root, arch, qtype):
     ref_tokens, ref_logits = reference(path, PROMPT, 16)
     llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2)
     budget = llm.plan.budget_keeping(1)
-    streamed_bytes = sum(t.nbytes for n, t in llm.engine.model.index.entries.items() if n.startswith("blk.1."))
+    streamed_bytes = sum(t.nbytes for n, t in llm.engine.model.checkpoint.index.entries.items() if n.startswith("blk.1."))
     try:
         torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
         out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
@@ -129,7 +123,7 @@ def test_matches_transformers_gguf_loader(gguf_root, arch, qtype):
         assert len(llm.plan.resident_blocks) == 1
         out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
         assert out.token_ids == ref_tokens
-        stats = llm.engine.model.runner.streamer.stats
+        stats = llm.engine.model.weights.stream_stats
         # What streamed is the packed GGML bytes, and the plan says the same.
         assert stats.bytes_streamed == stats.blocks_streamed * streamed_bytes
         assert llm.plan.streamed_bytes_per_step == len(llm.plan.streamed_blocks) * streamed_bytes
@@ -152,7 +146,7 @@ def test_fast_mode_close_to_exact(gguf_root, qtype):
         try:
             logprobs[dtype] = torch.log_softmax(prompt_logits(llm, PROMPT), dim=-1)  # (prompt, vocab)
             if dtype == "auto":
-                kinds = {type(w).__name__ for w in llm.engine.model.runner.streamer.acquire(0).values()}
+                kinds = {type(w).__name__ for w in llm.engine.model.weights.acquire(0).values()}
                 assert ("Int4Weight" if qtype in (Q.Q4_0, Q.Q4_K) else "Int8Weight") in kinds
         finally:
             llm.close()

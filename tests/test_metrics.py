@@ -4,10 +4,10 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.block_manager import KVTelemetry
-from engine.runner import StepTiming
-from engine.streamer import StreamStats
+from engine.planner import PlanInputs, plan_memory
 from engine.structured_output import MaskStats
+from engine.telemetry import EngineTelemetry, KVTelemetry, PlanSummary, StepTelemetry
+from engine.weights import LinkSpeeds, StreamStats
 from server.metrics import ServerMetrics
 
 
@@ -19,14 +19,16 @@ def kv_snapshot(**kw) -> KVTelemetry:
     return KVTelemetry(**(base | kw))
 
 
-def fake_engine(link_gbps, bytes_streamed=400_000_000, seconds=0.5, kv=None):
-    timing = StepTiming(seconds=seconds, tokens=4, stream=StreamStats(bytes_streamed, 10, 0.01, 0.4))
-    transport = SimpleNamespace(h2d_gbps=link_gbps)
-    runner = SimpleNamespace(last_step=timing, streamer=SimpleNamespace(transport=transport))
-    plan = SimpleNamespace(disk_gbps=None)
-    kv = kv or kv_snapshot()
-    return SimpleNamespace(model=SimpleNamespace(runner=runner), plan=plan, kv_telemetry=lambda: kv,
-                           grammar=SimpleNamespace(stats=MaskStats(masks=3, compute_seconds=0.25, wait_seconds=0.5)))
+def snapshot(link_gbps, bytes_streamed=400_000_000, seconds=0.5, kv: KVTelemetry | None = None) -> EngineTelemetry:
+    """The telemetry an engine would report after one step that streamed `bytes_streamed` in `seconds`."""
+    links = LinkSpeeds(h2d_gbps=link_gbps)
+    stream = StreamStats(host_tier_bytes=bytes_streamed, blocks_streamed=10, stall_seconds=0.01, prepare_seconds=0.4)
+    plan = plan_memory(PlanInputs(num_layers=4, block_bytes=100, global_bytes=10, kv_bytes_per_token=1,
+                                  workspace_bytes=1, budget=None, max_model_len=8, max_num_seqs=1))
+    return EngineTelemetry(plan=PlanSummary.of(plan, links), links=links, transport_name="CudaTransport",
+                           dtype="float32", steps=1, last_step=StepTelemetry.of(seconds, stream, links), total=stream,
+                           kv=kv or kv_snapshot(), pinned_host_bytes=0, buffer_sets=0, blocks_converted=0,
+                           structured_output=MaskStats(masks=3, compute_seconds=0.25, wait_seconds=0.5))
 
 
 def samples(m: ServerMetrics) -> dict[str, float]:
@@ -39,7 +41,7 @@ def samples(m: ServerMetrics) -> dict[str, float]:
 
 def test_achieved_rate_and_percent_of_floor():
     m = ServerMetrics("x")
-    m.on_step(fake_engine(link_gbps=1.6))
+    m.on_step(snapshot(link_gbps=1.6))
     got = samples(m)
     assert got["layerstream_streaming_gbps"] == 0.8  # 0.4 GB in 0.5 s
     assert got["layerstream_streaming_floor_percent"] == 50.0  # 0.8 of a 1.6 GB/s link
@@ -48,7 +50,7 @@ def test_achieved_rate_and_percent_of_floor():
 
 def test_no_floor_without_a_measured_link():
     m = ServerMetrics("x")
-    m.on_step(fake_engine(link_gbps=None))
+    m.on_step(snapshot(link_gbps=None))
     got = samples(m)
     assert got["layerstream_streaming_gbps"] == 0.8  # the step was recorded: only the floor is absent
     assert "layerstream_streaming_floor_percent" not in got
@@ -56,7 +58,7 @@ def test_no_floor_without_a_measured_link():
 
 def test_structured_output_mask_seconds():
     m = ServerMetrics("x")
-    m.on_step(fake_engine(link_gbps=None))
+    m.on_step(snapshot(link_gbps=None))
     text = m.render().decode()
     assert 'layerstream_structured_output_mask_seconds{kind="compute",model_name="x"} 0.25' in text
     assert 'layerstream_structured_output_mask_seconds{kind="wait",model_name="x"} 0.5' in text
@@ -75,8 +77,8 @@ def test_vllm_metric_names():
 
 def test_kv_pool_prefix_hits_host_tier_and_preemptions():
     m = ServerMetrics("x")
-    m.on_step(fake_engine(link_gbps=None))
-    m.on_step(fake_engine(link_gbps=None, kv=kv_snapshot(blocks_used=50, queried_tokens=1500, hit_tokens=800,
+    m.on_step(snapshot(link_gbps=None))
+    m.on_step(snapshot(link_gbps=None, kv=kv_snapshot(blocks_used=50, queried_tokens=1500, hit_tokens=800,
                                                           blocks_swapped_in=5, bytes_swapped_in=5 * 4096,
                                                           preemptions=4)))
     got = {}

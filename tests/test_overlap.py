@@ -18,10 +18,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.bandwidth import efficiency, stream_link_gbps
-from engine.loader import EngineArgs, load_model
-from engine.scheduler import ScheduledChunk, Sequence
-from engine.simulated_transport import SimulatedTransport
+from engine.weights import efficiency
+from engine.weights.simulated_transport import SimulatedTransport
 from tests.test_reference import PROMPT, prompt_logits, reference_greedy
 
 
@@ -29,17 +27,14 @@ def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto", *
     """A device budget with room for exactly `resident` blocks besides depth + 1 stream buffers, under
     `limits` (EngineArgs fields; max_model_len=128, max_num_seqs=2 unless given)."""
     limits = {"max_model_len": 128, "max_num_seqs": 2, **limits}
-    m = load_model(EngineArgs(model=str(folder), dtype=dtype, show_progress=False, **limits), folder)
-    m.runner.streamer.close()
-    m.index.close()
-    return m.plan.budget_keeping(resident, depth)
+    llm = LLM(str(folder), dtype=dtype, **limits)
+    llm.close()
+    return llm.plan.budget_keeping(resident, depth)
 
 
-def one_step(runner, tokens: int = 1) -> float:
-    s = Sequence("probe", list(PROMPT[:tokens]), 1)
-    s.block_table = list(range(runner.kv.num_blocks))  # blocks 0.. in order: any will do
-    runner.execute([ScheduledChunk(s, 0, tokens)])
-    return runner.last_step.seconds
+def one_step(llm, tokens: int = 1) -> float:
+    llm.engine.prompt_logits(list(PROMPT[:tokens]))
+    return llm.telemetry().last_step.seconds
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +52,22 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def load_simulated(folder, budget, depth=1):
-    args = EngineArgs(model=str(folder), max_model_len=128, max_num_seqs=2, max_device_memory=budget,
-                      prefetch_depth=depth, transport="simulated", show_progress=False)
-    m = load_model(args, folder)
+def load_simulated(folder, budget, depth=1, monkeypatch=None, gbps=None, compute_ms=None):
+    """An engine streaming every block through the simulated link; its rates are the transport's
+    public knobs, LAYERSTREAM_SIM_GBPS and LAYERSTREAM_SIM_COMPUTE_MS."""
+    if gbps is not None:
+        monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", repr(gbps))
+        monkeypatch.setenv("LAYERSTREAM_SIM_COMPUTE_MS", repr(compute_ms))
+    m = LLM(str(folder), max_model_len=128, max_num_seqs=2, max_device_memory=budget, prefetch_depth=depth,
+            transport="simulated")
     assert m.plan.resident_blocks == [], m.plan.describe()
-    assert isinstance(m.runner.streamer.transport, SimulatedTransport)
+    assert m.telemetry().transport_name == SimulatedTransport.__name__
     return m
 
 
 @pytest.mark.parametrize("copy_ms,compute_ms,depth", [(40, 40, 1), (50, 20, 1), (20, 50, 1), (40, 40, 2), (40, 0, 1)])
-def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, copy_ms, compute_ms, depth):
+def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, monkeypatch, copy_ms, compute_ms,
+                                  depth):
     """N streamed blocks, S = 6 steps run back to back; copy = N * copy_ms, compute = N * compute_ms.
 
     Not slower than max(copy, compute): the best step <= 1.1 * max + base + 5 ms, where base is the
@@ -83,23 +83,25 @@ def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, 
     legitimately beat N * copy_ms, by as much as the prefetcher got ahead during the previous
     step's tail (head, sampling), and a loaded CPU stretches that tail (seen: a 197 ms step for
     a 200 ms copy). As a rate, the window's is <= S * N / (S * N - depth - 1) of the link."""
-    m = load_simulated(llama_dir, streamed_budget, depth)
+    free = load_simulated(llama_dir, streamed_budget, depth, monkeypatch, gbps=0.0, compute_ms=0.0)
     try:
-        t = m.runner.streamer.transport
-        t.seconds_per_byte = t.compute_seconds_per_block = 0.0
-        base = min(one_step(m.runner) for _ in range(3))
-        t.seconds_per_byte = copy_ms / 1000 / m.plan.block_bytes
-        t.compute_seconds_per_block = compute_ms / 1000
+        base = min(one_step(free) for _ in range(3))
+    finally:
+        free.close()
+    block_bytes = free.plan.block_bytes
+    m = load_simulated(llama_dir, streamed_budget, depth, monkeypatch, gbps=block_bytes / (copy_ms / 1000) / 1e9,
+                       compute_ms=float(compute_ms))
+    try:
         n = len(m.plan.streamed_blocks)
-        # Two warm-up steps: the prefetcher may hold blocks prepared at the previous rate.
-        one_step(m.runner)
-        one_step(m.runner)
+        # Two warm-up steps: the first ones also fault the weights in.
+        one_step(m)
+        one_step(m)
         steps, stalls, nbytes = [], [], 0
         start = time.perf_counter()
         for _ in range(6):
-            steps.append(one_step(m.runner))
-            stalls.append(m.runner.last_step.stream.stall_seconds)
-            nbytes += m.runner.last_step.stream.bytes_streamed
+            steps.append(one_step(m))
+            stalls.append(m.telemetry().last_step.stream.stall_seconds)
+            nbytes += m.telemetry().last_step.stream.bytes_streamed
         window = time.perf_counter() - start
         copy_total, compute_total = n * copy_ms / 1000, n * compute_ms / 1000
         bound = max(copy_total, compute_total)
@@ -113,8 +115,8 @@ def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, 
             assert statistics.median(steps) < 0.8 * (copy_total + compute_total), why
         if compute_ms == 0:
             # Copy-bound: the step runs at the (simulated) link's speed, i.e. near 100% of the floor.
-            link = stream_link_gbps(t, m.plan)
-            achieved, pct = efficiency(m.runner.last_step.stream.bytes_streamed, min(steps), link)
+            link = m.telemetry().links.h2d_gbps
+            achieved, pct = efficiency(m.telemetry().last_step.stream.bytes_streamed, min(steps), link)
             assert pct >= 80, f"{achieved:.4f} GB/s = {pct:.0f}% of floor; {why}"
             cap = 100 * len(steps) * n / (len(steps) * n - depth - 1)
             achieved, pct = efficiency(nbytes, window, link)
@@ -123,8 +125,7 @@ def test_step_time_is_max_not_sum(llama_dir, streamed_budget, one_torch_thread, 
             # Copies are hidden entirely: the compute thread (almost) never waits for a block.
             assert min(stalls) < 0.1 * copy_total + 0.005, f"stalls {stalls}; {why}"
     finally:
-        m.runner.streamer.close()
-        m.index.close()
+        m.close()
 
 
 def test_simulated_outputs_equal_reference_and_resident(llama_dir, streamed_budget):
@@ -150,7 +151,7 @@ def test_simulated_outputs_equal_reference_and_resident(llama_dir, streamed_budg
 
 
 def test_simulated_transport_rejects_bad_rates(monkeypatch):
-    from engine.transport import CpuTransport
+    from engine.weights.transport import CpuTransport
 
     inner = CpuTransport.__new__(CpuTransport)
     inner.device, inner.dtype = torch.device("cpu"), torch.float32
@@ -280,11 +281,29 @@ def check_protocol(t, log) -> int:
     return copies
 
 
+def capture_cuda_transports(monkeypatch) -> list:
+    """Every CudaTransport the engine builds from now on, in order: the protocol checks below read a
+    transport's own buffers and events, which no public interface shows (nor should)."""
+    import engine.weights.cuda_transport as ct
+
+    made = []
+
+    class Captured(ct.CudaTransport):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(ct, "CudaTransport", Captured)
+    return made
+
+
 @pytest.fixture
 def recording_cuda(monkeypatch):
-    import engine.cuda_transport as ct
+    """CudaTransport on CPU with the recording runtime; yields the transports built meanwhile."""
+    import engine.weights.cuda_transport as ct
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    return capture_cuda_transports(monkeypatch)
 
 
 # The GPU stress test's matrix (tests/test_cuda.py STRESS_CASES: pinned/staging x depth 1/2 x bf16/fp32),
@@ -301,8 +320,8 @@ def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cu
                                         parallel):
     """CudaTransport's packing, staging (serial, and in 4 KiB pieces on 4 threads), pinned cache,
     views and event order, run for real on CPU, with outputs compared against the resident model."""
-    import engine.cuda_transport as ct
-    from engine.cuda_transport import CudaTransport
+    import engine.weights.cuda_transport as ct
+    from engine.weights.cuda_transport import CudaTransport
 
     if parallel:
         monkeypatch.setattr(ct, "FILL_CHUNK", 4096)
@@ -315,7 +334,7 @@ def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cu
               pin_host_memory=pin, max_host_memory="8GiB", **kw)
     ref = LLM(str(llama_dir), **kw)
     try:
-        t = llm.engine.model.runner.streamer.transport
+        t = recording_cuda[0]
         assert isinstance(t, CudaTransport) and len(llm.plan.resident_blocks) == 1, llm.plan.describe()
         assert t.num_buffers == depth + 1 and (len(t._stage) == 0) == pin
         assert (t._fill_pool is not None) == parallel
@@ -337,7 +356,7 @@ def test_protocol_check_catches_a_missing_free_event(llama_dir, streamed_budget,
     """The checker is not vacuous: a transport that forgets to wait for compute is caught."""
     llm = LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_model_len=128, max_num_seqs=2)
     try:
-        t = llm.engine.model.runner.streamer.transport
+        t = recording_cuda[0]
         freed = {id(e) for e in t._freed}
         t.rt.skip_record = lambda e: id(e) in freed
         llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -348,7 +367,7 @@ def test_protocol_check_catches_a_missing_free_event(llama_dir, streamed_budget,
 
 
 def test_expected_step_and_efficiency_arithmetic():
-    from engine.bandwidth import StepEstimate, decode_compute_seconds, expected_step
+    from engine.weights.bandwidth import StepEstimate, decode_compute_seconds, expected_step
     from engine.planner import PlanInputs, plan_memory
 
     plan = plan_memory(PlanInputs(num_layers=10, block_bytes=100_000_000, global_bytes=50_000_000,
@@ -372,8 +391,7 @@ def test_cuda_transport_recovers_from_a_failed_prepare(llama_dir, streamed_budge
     steps run (and match) as before."""
     llm = LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_model_len=128, max_num_seqs=2)
     try:
-        runner = llm.engine.model.runner
-        t = runner.streamer.transport
+        t = recording_cuda[0]
         good = prompt_logits(llm, PROMPT[:3])
         views, calls = t.source.views, {"n": 0}
 
@@ -382,12 +400,12 @@ def test_cuda_transport_recovers_from_a_failed_prepare(llama_dir, streamed_budge
             if calls["n"] == 3:
                 raise OSError("simulated read error")
             return views(block)
-        t.source.views = flaky
-        runner.streamer.reset()  # restart the cycle so the flaky read hits a block of the next step
+        t.source.views = flaky  # the third block prepared from now on fails, within the next steps
         with pytest.raises(RuntimeError, match="simulated read error"):
             for _ in range(3):
                 prompt_logits(llm, PROMPT[:3])
-        assert len(t._free) + len(runner.streamer._in_use) <= t.num_buffers
+        # The failed step reset the streamer (nothing in use): every buffer is back in the ring, no more.
+        assert len(t._free) <= t.num_buffers
         for _ in range(3):
             torch.testing.assert_close(prompt_logits(llm, PROMPT[:3]), good, atol=1e-6, rtol=1e-6)
         check_protocol(t, t.rt.log)
@@ -401,10 +419,74 @@ def test_cuda_transport_releases_pages_when_the_checkpoint_exceeds_host_memory(l
     llm = LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_host_memory="100MB", **kw)
     ref = LLM(str(llama_dir), **kw)
     try:
-        assert llm.engine.model.runner.streamer.transport.release_pages
+        assert llm.telemetry().plan.release_pages  # the plan's decision, which the transport follows
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         ours, theirs = llm.generate([PROMPT], params), ref.generate([PROMPT], params)
         assert ours[0].outputs[0].token_ids == theirs[0].outputs[0].token_ids
     finally:
         llm.close()
         ref.close()
+
+
+def test_failed_cuda_transport_construction_unregisters_pinned_memory(llama_dir, streamed_budget, monkeypatch):
+    """#18 item 6a: CudaTransport's constructor fails after it registered pinned host memory (here the
+    staging fill threads cannot start); before the error reaches the caller every registered buffer
+    is unregistered, and the load fails with that error."""
+    import engine.weights.cuda_transport as ct
+
+    runtimes = []
+
+    class TrackingRuntime(RecordingRuntime):
+        def __init__(self, device):
+            super().__init__(device)
+            self.registered = self.ever_registered = 0
+            runtimes.append(self)
+
+        def pinned_bytes(self, n):
+            self.registered += 1
+            self.ever_registered += 1
+            return super().pinned_bytes(n)
+
+        def release(self):
+            self.registered = 0
+
+    def no_threads(*_a, **_kw):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(ct, "CudaRuntime", TrackingRuntime)
+    monkeypatch.setattr(ct.os, "cpu_count", lambda: 16)  # more than one fill thread: a pool is made
+    monkeypatch.setattr(ct, "ThreadPoolExecutor", no_threads)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        LLM(str(llama_dir), transport="cuda", max_device_memory=streamed_budget, max_model_len=128, max_num_seqs=2)
+    assert len(runtimes) == 1 and runtimes[0].ever_registered == 2  # both staging buffers were pinned...
+    assert runtimes[0].registered == 0  # ...and are unregistered again
+
+
+@pytest.mark.parametrize("transport", ["cuda", "simulated", "cpu", "disk"],
+                         ids=["cuda-replayed", "simulated", "cpu", "disk"])  # a bare "cuda" id marks it GPU-only
+def test_bytes_streamed_are_counted_where_they_cross_the_link(llama_dir, recording_cuda, monkeypatch, transport):
+    """#18 item 5: an fp32 checkpoint served in bf16 moves bf16 bytes over the link, so a step's
+    bytes_streamed is the plan's streamed bytes in the compute dtype (half the checkpoint's bytes),
+    by tier; the disk tier also counts what it read from disk, in the checkpoint's dtype."""
+    monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "0")  # the simulated link without its sleeps
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(llama_dir.parent / "cache"))  # the disk-speed cache
+    budget = budget_for(llama_dir, resident=1, dtype="bfloat16")
+    llm = LLM(str(llama_dir), dtype="bfloat16", transport=transport, max_device_memory=budget, max_model_len=128,
+              max_num_seqs=2)
+    try:
+        plan = llm.plan
+        assert plan.streamed_blocks
+        if transport == "disk":
+            assert plan.disk_block_bytes == 2 * plan.block_bytes  # fp32 on disk, bf16 for compute
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        t = llm.telemetry()
+        step = t.last_step.stream
+        assert step.bytes_streamed == plan.streamed_bytes_per_step == len(plan.streamed_blocks) * plan.block_bytes
+        assert t.total.bytes_streamed == t.total.blocks_streamed * plan.block_bytes
+        if transport == "disk":
+            assert step.disk_tier_bytes == step.bytes_streamed and step.host_tier_bytes == 0
+            assert step.disk_bytes_read >= len(plan.disk_blocks) * plan.disk_block_bytes  # fp32 off the disk
+        else:
+            assert step.host_tier_bytes == step.bytes_streamed and step.disk_bytes_read == 0
+    finally:
+        llm.close()

@@ -75,7 +75,7 @@ def test_shared_prefixes_give_the_same_tokens_and_logprobs_as_each_request_alone
         if prefix_caching:
             # y, y2, z and x-turn2 found whole blocks of what x (and y) computed before them.
             assert stats.hit_tokens >= 32 * 4
-            t = llm.engine.kv_telemetry()
+            t = llm.engine.telemetry().kv
             assert (t.hit_tokens, t.queried_tokens, t.blocks_used) == (stats.hit_tokens, stats.queried_tokens, 0)
             assert 0 < t.hit_rate < 1 and t.blocks_cached > 0
         else:
@@ -107,8 +107,9 @@ def test_preemption_and_host_swaps_leave_outputs_unchanged(llama_dir, reference,
         stats = llm.engine.scheduler.blocks.stats
         if host_blocks:
             assert stats.blocks_swapped_out > 0 and stats.blocks_swapped_in > 0 and stats.host_hit_tokens > 0
-            kv = llm.engine.model.runner.kv
+            kv = llm.engine.telemetry().kv
             assert kv.bytes_swapped_in == stats.blocks_swapped_in * block
+            assert kv.bytes_swapped_out == stats.blocks_swapped_out * block
         assert_no_leaks(llm.engine)
     finally:
         llm.close()

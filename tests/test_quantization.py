@@ -43,10 +43,10 @@ def test_quantized_close_to_bf16(bf16_llama, mode):
     llm = LLM(str(bf16_llama), max_model_len=64, max_num_seqs=1, quantization=mode)
     try:
         got = torch.log_softmax(prompt_logits(llm, PROMPT), -1)
-        w = llm.engine.model.runner.streamer.acquire(0)
+        w = llm.engine.model.weights.acquire(0)
         assert isinstance(w["w_up"], Int4Weight if mode == "int4" else Int8Weight)
         assert isinstance(w["attn_norm"], torch.Tensor)
-        assert isinstance(llm.engine.model.runner.head_weight, Int8Weight)
+        assert isinstance(llm.engine.model.weights.globals.head, Int8Weight)
         # The plan holds the packed bytes: about 1/2 (int8) or 1/4 (int4) of bf16's.
         ratio = llm.plan.block_bytes / base_block
         assert (0.45 < ratio < 0.55) if mode == "int8" else (0.25 < ratio < 0.35)
@@ -66,7 +66,7 @@ def test_quantized_streaming_counts_packed_bytes(bf16_llama):
     try:
         assert len(llm.plan.resident_blocks) == 1
         torch.testing.assert_close(prompt_logits(llm, PROMPT), resident, atol=0, rtol=0)
-        stats = llm.engine.model.runner.streamer.stats
+        stats = llm.engine.model.weights.stream_stats
         assert stats.bytes_streamed == stats.blocks_streamed * llm.plan.block_bytes
     finally:
         llm.close()

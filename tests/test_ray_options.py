@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from server.cli import add_arguments, run
-from server.ray_options import ReplicaOptions, parse_flags
+from server.launch import parse_flags
+from server.ray_options import ReplicaOptions
 
 
 def test_fixed_replicas_on_cpu():

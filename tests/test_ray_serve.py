@@ -51,15 +51,16 @@ def slow_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(slow_model_dir):
-    # Replicas import this checkout's engine and server, whatever the venv's install points at.
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "LAYERSTREAM_MAX_NUM_SEQS": "8"}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    ns = parse_flags({"model": str(slow_model_dir), "num_replicas": "2", "max_model_len": "1024",
-                      "served_model_name": "m", "max_ongoing_requests": "3"})
-    serve.run(build_application(ns), name=APP_NAME, route_prefix="/")
+    # A cluster of its own ("local"), whatever else runs on the machine; replicas import this
+    # checkout's engine and server, whatever the venv's install points at.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        ns = parse_flags({"model": str(slow_model_dir), "num_replicas": "2", "max_model_len": "1024",
+                          "served_model_name": "m", "max_ongoing_requests": "3"})
+        serve.run(build_application(ns), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -96,6 +97,13 @@ def complete(url: str, max_tokens: int, stream: bool, on_first_chunk=None):
 
 def replica_states() -> dict:
     return serve.status().applications[APP_NAME].deployments["layerstream"].replica_states
+
+
+def test_replicas_are_ready_once_deployed(cluster):
+    # serve.run returns once every replica's constructor has: each has loaded its model by then.
+    with httpx.Client(base_url=cluster, timeout=30) as c, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: c.get("/health"), range(8)))
+    assert [(r.status_code, r.json()) for r in answers] == [(200, {"status": "ok"})] * 8
 
 
 def test_concurrent_requests_spread_over_both_replicas(cluster):

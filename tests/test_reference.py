@@ -14,7 +14,11 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 128, 64]
 
 
 def reference_greedy(folder, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), prompt, n)
+
+
+def greedy_with(model, prompt, n):
+    """(n greedy tokens after prompt, prompt logits) from a transformers model."""
     ids = list(prompt)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0]
@@ -34,14 +38,9 @@ def stream_all_but_one_budget(llm_resident) -> int:
 
 def prompt_logits(llm, prompt):
     """Logits for every prompt position, through the engine's own runner (one prefill chunk)."""
-    from engine.scheduler import ScheduledChunk, Sequence
-
-    runner = llm.engine.model.runner
     rows = []
     for end in range(1, len(prompt) + 1):  # prefill the prefix, sample its last token
-        s = Sequence("probe", list(prompt[:end]), 1)
-        s.block_table = list(range(runner.kv.num_blocks))  # blocks 0.. in order: any will do
-        rows.append(runner.execute([ScheduledChunk(s, 0, end)])[0])
+        rows.append(llm.engine.prompt_logits(list(prompt[:end])))
     return torch.stack(rows)
 
 
@@ -63,7 +62,7 @@ def test_matches_transformers(model_dirs, arch, streaming):
         assert out.token_ids == ref_tokens
         assert out.finish_reason == "length"
         if streaming:
-            stats = llm.engine.model.runner.streamer.stats
+            stats = llm.telemetry().total
             assert stats.blocks_streamed >= 32 * len(llm.plan.streamed_blocks)
     finally:
         llm.close()

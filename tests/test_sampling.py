@@ -80,11 +80,55 @@ def test_logprobs_are_the_model_distribution(logits):
 
 
 def test_invalid_parameters_name_the_parameter():
-    with pytest.raises(InvalidParameter, match="top_p must be in"):
-        SamplingParams(top_p=0)
-    with pytest.raises(InvalidParameter) as e:
-        SamplingParams(max_tokens=0)
-    assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidParameter, match=r"top_p must be in \[0.0, 1.0\]"):
+        SamplingParams(top_p=1.5)
+    for field, value in [("max_tokens", 0), ("temperature", 2.5), ("temperature", -0.1), ("top_p", -1e-9),
+                         ("presence_penalty", 2.01), ("frequency_penalty", -3), ("logprobs", 21), ("n", 0),
+                         ("repetition_penalty", 1e-30), ("repetition_penalty", 0), ("min_p", 1.5),
+                         ("temperature", float("nan")), ("top_p", float("inf")), ("seed", 1 << 64),
+                         ("seed", -(1 << 63) - 1), ("top_k", -2)]:
+        with pytest.raises(InvalidParameter) as e:
+            SamplingParams(**{field: value})
+        assert e.value.param == field and field in str(e.value)
+
+
+def test_degenerate_values_inside_the_ranges_sample_sanely(logits):
+    """Values a client may send that used to underflow to inf/NaN probabilities and fail the step:
+    a temperature below SAMPLING_EPS is greedy, a top_p of 0 (or one that rounds to 0 in fp32)
+    keeps the best token, the smallest repetition penalty keeps logits finite."""
+    best = int(logits.argmax())
+    g = make_generator(0)
+    for params in [SamplingParams(temperature=1e-30), SamplingParams(temperature=5e-324),
+                   SamplingParams(top_p=0.0), SamplingParams(top_p=1e-50), SamplingParams(temperature=2.0, top_p=0)]:
+        assert sample_one(logits.clone(), params, [], [], g)[0] == best
+    p = SamplingParams(repetition_penalty=0.01, temperature=1e-5)  # at the epsilon: sampled, not greedy
+    assert not p.greedy and SamplingParams(temperature=9.9e-6).greedy
+    for _ in range(20):
+        assert 0 <= sample_one(logits.clone(), p, list(range(VOCAB)), [], g)[0] < VOCAB
+
+
+def test_non_finite_logits_fall_back_to_the_best_finite_token(logits):
+    """A model that produced NaN/inf logits must not make multinomial raise (which failed every
+    sequence in the step): that sequence gets its most likely finite token."""
+    bad = logits.clone()
+    bad[3] = float("nan")
+    best = int(torch.nan_to_num(bad, nan=float("-inf")).argmax())
+    assert sample_one(bad.clone(), SamplingParams(temperature=1.0), [], [], make_generator(0))[0] == best
+    assert sample_one(bad.clone(), SamplingParams(temperature=0), [], [], make_generator(0))[0] == best
+    inf = logits.clone()
+    inf[9] = float("inf")
+    assert sample_one(inf, SamplingParams(temperature=0.7), [], [], make_generator(0))[0] == 9
+
+
+def test_choice_seeds_wrap_inside_64_bits():
+    from engine.sampling_params import SEED_MAX, SEED_MIN, choice_seed
+
+    assert choice_seed(None, 3) is None
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert choice_seed(SEED_MAX, 1) == SEED_MIN
+    assert all(SEED_MIN <= choice_seed(SEED_MAX - 1, i) <= SEED_MAX for i in range(64))
+    make_generator(choice_seed(SEED_MAX, 0))  # torch takes both ends
+    make_generator(choice_seed(SEED_MAX, 1))
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def shape(chunks: list[ScheduledChunk]) -> list[tuple[str, int, int]]:
 
 
 def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_queue=256))
     a = seq("a", 20)
     sched.add(a)
     steps, samples = [], []
@@ -49,7 +49,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
 
 
 def test_decodes_come_first_and_prefill_gets_what_is_left_of_the_budget():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_queue=256))
     a, b = seq("a", 3), seq("b", 2)
     sched.add(a)
     sched.add(b)
@@ -66,7 +66,7 @@ def test_decodes_come_first_and_prefill_gets_what_is_left_of_the_budget():
 
 @pytest.mark.parametrize("budget", [4, 5, 16])
 def test_no_step_exceeds_the_token_budget(budget):
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_queue=256))
     for i, n in enumerate([9, 1, 13, 4, 6, 2]):
         sched.add(seq(f"s{i}", n, max_tokens=3))
     steps = 0
@@ -80,7 +80,7 @@ def test_no_step_exceeds_the_token_budget(budget):
 
 
 def test_max_num_seqs_bounds_running_and_a_finished_sequence_frees_its_blocks_at_once():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_queue=256, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64))
     a, b, c = seq("a", 4, max_tokens=2), seq("b", 4, max_tokens=5), seq("c", 4)
     for s in (a, b, c):
         sched.add(s)
@@ -109,7 +109,7 @@ def assert_blocks_consistent(sched: Scheduler) -> None:
 
 
 def test_blocks_are_owned_once_unless_shared_through_the_cache():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, block_size=4))
+    sched = Scheduler(SchedulerConfig(max_queue=256, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, block_size=4))
     for i in range(7):
         sched.add(seq(f"s{i}", 2 + i, max_tokens=1 + i % 3))
     while sched.has_work():
@@ -119,7 +119,7 @@ def test_blocks_are_owned_once_unless_shared_through_the_cache():
 
 
 def test_cancelling_a_running_sequence_leaves_the_others_positions_alone():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_queue=256))
     a, b, c = seq("a", 3), seq("b", 3), seq("c", 3)
     for s in (a, b, c):
         sched.add(s)
@@ -131,7 +131,7 @@ def test_cancelling_a_running_sequence_leaves_the_others_positions_alone():
 
 
 def test_cancelling_a_waiting_sequence_removes_it_from_the_queue():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_queue=256))
     a, b = seq("a", 3), seq("b", 3)
     sched.add(a)
     sched.add(b)
@@ -143,19 +143,25 @@ def test_cancelling_a_waiting_sequence_removes_it_from_the_queue():
 
 
 def test_a_full_queue_raises_and_admits_again_once_there_is_room():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, max_queue=2))
-    sched.add(seq("a", 3))
-    sched.add(seq("b", 3))
+    """Room is free slots + --max-queue: three requests fit one slot and a queue of two even when
+    they all arrive before the next step (a burst at an idle server); a fourth does not."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_queue=2))
+    assert sched.capacity == 3
+    for rid in "abc":
+        sched.add(seq(rid, 3))
     with pytest.raises(QueueFullError):
-        sched.add(seq("c", 3))
-    assert [s.request_id for s in sched.waiting] == ["a", "b"]
-    run_step(sched)  # a starts running: one place in the queue frees up
-    sched.add(seq("c", 3))
-    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+        sched.add(seq("d", 3))
+    assert [s.request_id for s in sched.waiting] == ["a", "b", "c"]
+    run_step(sched)  # a takes the slot: still three held, still full
+    with pytest.raises(QueueFullError):
+        sched.add(seq("d", 3))
+    sched.finish(sched.running[0], "stop")  # a finishes: room for one more
+    sched.add(seq("d", 3))
+    assert [s.request_id for s in sched.waiting] == ["b", "c", "d"]
 
 
 def test_new_requests_join_at_the_next_step_while_others_decode():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_queue=256))
     a = seq("a", 4, max_tokens=10)
     sched.add(a)
     run_step(sched)
@@ -169,14 +175,18 @@ def test_new_requests_join_at_the_next_step_while_others_decode():
 @pytest.mark.parametrize("kwargs", [dict(max_num_seqs=0), dict(max_num_seqs=8, max_num_batched_tokens=4),
                                     dict(max_queue=0), dict(max_queue=-3), dict(max_model_len=0)])
 def test_invalid_config_is_rejected_with_the_value(kwargs):
+    """The limits are validated once, by EngineArgs, for every entry point (SchedulerConfig is built
+    from validated values)."""
+    from engine import EngineArgs
+
     with pytest.raises(ValueError, match=str(list(kwargs.values())[-1])):
-        SchedulerConfig(**kwargs)
+        EngineArgs(model="unused", **kwargs)
 
 
 def test_max_model_len_is_a_limit_not_a_reservation():
     # A pool of 8 blocks of 16 tokens: a slot cache of max_model_len 64 would hold 2 sequences;
     # short ones take one block each, so 8 run at once.
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_kv_blocks=8))
+    sched = Scheduler(SchedulerConfig(max_queue=256, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_kv_blocks=8))
     for i in range(8):
         sched.add(Sequence(f"s{i}", [100 + i] * 6, 4))
     run_step(sched)
@@ -186,11 +196,11 @@ def test_max_model_len_is_a_limit_not_a_reservation():
 
 def test_a_pool_smaller_than_one_full_sequence_is_refused():
     with pytest.raises(ValueError, match="num_kv_blocks \\(3\\) cannot hold one sequence"):
-        SchedulerConfig(max_model_len=64, num_kv_blocks=3)
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_queue=256, max_model_len=64, num_kv_blocks=3)
 
 
 def test_a_full_pool_preempts_the_newest_sequence_which_resumes_with_its_tokens():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32,
+    sched = Scheduler(SchedulerConfig(max_queue=256, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32,
                                       block_size=4, num_kv_blocks=8))
     seqs = [Sequence(f"s{i}", [10 * i + j for j in range(5)], 10) for i in range(3)]
     for s in seqs:
@@ -219,7 +229,7 @@ def test_a_full_pool_preempts_the_newest_sequence_which_resumes_with_its_tokens(
 
 
 def test_a_cached_prefix_is_not_prefilled_again():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64))
+    sched = Scheduler(SchedulerConfig(max_queue=256, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64))
     prompt = list(range(40))
     a = Sequence("a", prompt, 1)
     sched.add(a)
@@ -234,7 +244,7 @@ def test_a_cached_prefix_is_not_prefilled_again():
 
 
 def test_prefix_caching_off_prefills_everything():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+    sched = Scheduler(SchedulerConfig(max_queue=256, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
                                       enable_prefix_caching=False))
     prompt = list(range(40))
     sched.add(Sequence("a", prompt, 1))

@@ -55,7 +55,7 @@ def _start(tmp: Path, name: str, argv: list[str], env: dict[str, str]) -> Server
     port = free_port()
     log = tmp / f"{name}.log"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LAYERSTREAM_") or k == "LAYERSTREAM_CACHE"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *argv],
+    proc = subprocess.Popen([sys.executable, "-m", "layerstream", "serve", "--port", str(port), *argv],
                             cwd=ROOT, env={**clean, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, url, log, timeout=180)
@@ -412,7 +412,7 @@ def test_errors_raw(server):
                  param="max_tokens")
     assert_error(post("/v1/completions", json={"model": "tiny", "prompt": "a", "temperature": -1}), 400,
                  param="temperature")
-    assert_error(post("/v1/completions", json={"model": "tiny", "prompt": "a", "top_p": 0}), 400, param="top_p")
+    assert_error(post("/v1/completions", json={"model": "tiny", "prompt": "a", "top_p": 1.5}), 400, param="top_p")
     assert_error(post("/v1/completions", json={"model": "tiny", "prompt": "a", "n": 0}), 400, param="n")
     assert_error(post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 0}), 400,
                  param="max_tokens")
@@ -486,3 +486,44 @@ def test_overload_503_with_retry_after(auth_server):
     # both streams were dropped: the server recovers
     r = auth_server.client().completions.create(model="tiny-auth", prompt="a", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+
+
+# -- one request never hurts another --------------------------------------------------------------
+
+def _together(server: Server, bodies: list[tuple[str, dict]]) -> list[httpx.Response]:
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post(path, json=body) for path, body in bodies))
+
+    return asyncio.run(go())
+
+
+def test_degenerate_sampling_values_hurt_nobody(server):
+    """Values that used to underflow to NaN probabilities and fail every sequence in the step: in
+    range they are served (a temperature under the epsilon is greedy), out of range refused with a
+    400 naming the field; concurrent innocent requests get exactly what they get alone."""
+    innocent = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(server.url + "/v1/completions", json=innocent, timeout=60).json()["choices"][0]["text"]
+    hostile = [
+        ({**innocent, "temperature": 1e-30}, 200),
+        ({**innocent, "temperature": 1.0, "top_p": 1e-50}, 200),  # keeps only the best token: greedy
+        ({**innocent, "temperature": 1.0, "top_p": 0}, 200),
+        ({**innocent, "repetition_penalty": 1e-30}, 400),
+        ({**innocent, "temperature": 2.5}, 400),
+        ({**innocent, "top_p": 1.5}, 400),
+        ({**innocent, "presence_penalty": -2.5}, 400),
+        ({**innocent, "frequency_penalty": 3}, 400),
+        ({**innocent, "min_p": -0.5}, 400),
+    ]
+    bodies = [("/v1/completions", innocent), ("/v1/completions", {**innocent, "stream": True})]
+    bodies += [("/v1/completions", body) for body, _ in hostile]
+    responses = _together(server, bodies)
+    assert responses[0].status_code == 200 and responses[0].json()["choices"][0]["text"] == alone
+    streamed = "".join(e["choices"][0]["text"] for e in sse_events(responses[1])[:-1])
+    assert streamed == alone
+    for (body, status), r in zip(hostile, responses[2:]):
+        if status == 200:
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone, body
+        else:
+            field = next(k for k in body if body[k] != innocent.get(k))
+            assert_error(r, 400, param=field)

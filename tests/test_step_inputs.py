@@ -3,6 +3,7 @@ through a single host->device copy, and token ids checked on the host before any
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -76,11 +77,41 @@ class CountTransfers(TorchFunctionMode):
         return out
 
 
+@contextlib.contextmanager
+def capture_runners():
+    """The ModelRunners loads build meanwhile, captured as they are made: these are unit tests of the
+    runner's step inputs, which no public interface shows (nor should)."""
+    import engine.loader as loader
+
+    made = []
+
+    class Captured(loader.ModelRunner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "ModelRunner", Captured)
+        yield made
+
+
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    out = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4, block_size=4)
-    yield out
+def loaded(llama_dir):
+    """The engine, and the ModelRunner its load built."""
+    with capture_runners() as made:
+        out = LLM(str(llama_dir), max_model_len=64, max_num_seqs=4, block_size=4)
+    yield out, made[0]
     out.close()
+
+
+@pytest.fixture
+def llm(loaded):
+    return loaded[0]
+
+
+@pytest.fixture
+def runner(loaded):
+    return loaded[1]
 
 
 def mixed_chunks() -> list[ScheduledChunk]:
@@ -98,8 +129,7 @@ def fields(step: M.StepInputs) -> dict:
 
 
 @pytest.mark.parametrize("chunks", [mixed_chunks(), mixed_chunks()[1:2]], ids=["mixed", "one-decode"])
-def test_step_inputs_equal_the_per_field_construction(llm, chunks):
-    runner = llm.engine.model.runner
+def test_step_inputs_equal_the_per_field_construction(runner, chunks):
     with torch.inference_mode():
         ours, ref = fields(runner._step_inputs(chunks)), fields(reference_step_inputs(runner, chunks))
     assert ours.keys() == ref.keys()
@@ -112,10 +142,10 @@ def test_step_inputs_equal_the_per_field_construction(llm, chunks):
             assert got == want, name
 
 
-def test_step_inputs_take_one_host_to_device_copy(llm):
+def test_step_inputs_take_one_host_to_device_copy(runner):
     """On the meta device every host->device transfer is visible: ours makes one per step, the
     per-field construction (which the counter must catch) eight."""
-    runner = copy.copy(llm.engine.model.runner)
+    runner = copy.copy(runner)
     runner.device = torch.device("meta")
     runner.inv_freq = runner.inv_freq.to("meta")
     chunks = mixed_chunks()
@@ -130,10 +160,9 @@ def test_step_inputs_take_one_host_to_device_copy(llm):
 
 
 @pytest.mark.parametrize("bad", [-1, 512, 10**9])
-def test_out_of_range_token_id_stops_on_the_host(llm, bad):
+def test_out_of_range_token_id_stops_on_the_host(runner, bad):
     """An id outside [0, vocab) never reaches the embedding lookup (a device-side assert on a GPU);
     the step raises before any block runs, and the next step is unaffected."""
-    runner = llm.engine.model.runner
     s = Sequence("bad", [5, bad, 7], 1)
     s.block_table = [0]
     with pytest.raises(TokenIdError, match=f"token id {bad} is outside the vocabulary \\[0, 512\\)"):

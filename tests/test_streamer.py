@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from engine.streamer import BlockStreamer
-from engine.transport import Ticket, Transport
+from engine.weights.streamer import BlockStreamer
+from engine.weights.transport import Ticket, Transport
 
 
 class CountingTransport(Transport):

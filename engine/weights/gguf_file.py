@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..safetensors_index import PAGE_SIZE, CheckpointError
+from .safetensors_index import PAGE_SIZE, CheckpointError
 from .dequant import SUPPORTED_TYPES
 
 GGUF_MAGIC = b"GGUF"

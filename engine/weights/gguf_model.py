@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from ..arch import ModelConfig, UnsupportedModelError, config_from_hf
-from ..safetensors_index import CheckpointError
+from ..errors import CheckpointError
 from .dequant import dequantize
 from .gguf_file import FLOAT_TYPES, GGUFIndex, GGUFTensor
 from .packed import INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight

@@ -13,8 +13,8 @@ import mmap
 
 import torch
 
-from ..safetensors_index import MADV_POPULATE_READ
-from ..transport import Ticket, Transport
+from .safetensors_index import MADV_POPULATE_READ
+from .transport import Ticket, Transport
 from .gguf_model import GGUFBlockSource, PackedFormat
 
 

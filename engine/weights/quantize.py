@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..transport import Ticket, Transport
+from .transport import Ticket, Transport
 from .packed import GROUP, Int4Weight, Int8Weight
 
 QUANTIZATIONS = ("int8", "int4")
@@ -59,14 +59,14 @@ def quantize_head(w: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
     return Int8Weight.quantize(w, dtype)
 
 
-def quantized_plan_bytes(cfg, index, mode: str, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of one quantized block, bytes of embeddings + norm + int8 head) for the memory plan."""
+def quantized_plan_bytes(cfg, embed_bytes: int, mode: str, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one quantized block, bytes of embeddings + norm + int8 head) for the memory plan;
+    embed_bytes: the embedding table as stored (kept as the checkpoint's view)."""
     shapes = cfg.block_shapes()
     block = sum(quantized_bytes(shapes[k], mode, dtype) if k in PROJECTIONS
                 else _numel(shapes[k]) * dtype.itemsize for k in shapes)
     v, h = cfg.vocab_size, cfg.hidden_size
-    embed = index.entry(cfg.global_tensors(index)["embed"][0]).nbytes  # kept as the checkpoint's view
-    return block, embed + h * dtype.itemsize + quantized_bytes((v, h), "int8", dtype)
+    return block, embed_bytes + h * dtype.itemsize + quantized_bytes((v, h), "int8", dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

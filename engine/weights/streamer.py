@@ -1,4 +1,4 @@
-"""The block streamer: the one place that decides where a block's weights come from.
+"""The block streamer: decides when each streamed block is prepared (the transport decides how).
 
 Resident blocks are materialised once. Streamed blocks are prepared by a background thread in the
 order every step visits them (cyclically, step after step), at most `depth` blocks ahead of the one
@@ -12,30 +12,47 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .transport import Ticket, Transport
+from .transport import DISK, Ticket, Transport
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamStats:
-    bytes_streamed: int = 0
+    """Counters of what the streamer moved; the telemetry snapshot carries them per step and in total.
+
+    Bytes are counted as they reach compute's memory, in the compute dtype (what crossed the link
+    after any conversion), by the tier the block came from; disk_bytes_read counts the bytes the disk
+    tier read (in the checkpoint's dtype, aligned), the disk link's own figure."""
+
+    host_tier_bytes: int = 0
+    disk_tier_bytes: int = 0
+    disk_bytes_read: int = 0
     blocks_streamed: int = 0
     stall_seconds: float = 0.0  # compute thread waiting for a block
     prepare_seconds: float = 0.0  # prefetch thread busy preparing blocks
+    disk_read_seconds: float = 0.0  # of which reading disk-tier blocks
 
-    def snapshot(self) -> "StreamStats":
-        return StreamStats(self.bytes_streamed, self.blocks_streamed, self.stall_seconds, self.prepare_seconds)
+    @property
+    def bytes_streamed(self) -> int:
+        return self.host_tier_bytes + self.disk_tier_bytes
+
+    def add(self, ticket: Ticket, stall_seconds: float) -> "StreamStats":
+        disk = ticket.tier == DISK
+        return StreamStats(
+            self.host_tier_bytes + (0 if disk else ticket.nbytes),
+            self.disk_tier_bytes + (ticket.nbytes if disk else 0),
+            self.disk_bytes_read + ticket.disk_bytes,
+            self.blocks_streamed + 1,
+            self.stall_seconds + stall_seconds,
+            self.prepare_seconds + ticket.prepare_seconds,
+            self.disk_read_seconds + ticket.disk_seconds,
+        )
 
     def since(self, before: "StreamStats") -> "StreamStats":
-        return StreamStats(
-            self.bytes_streamed - before.bytes_streamed,
-            self.blocks_streamed - before.blocks_streamed,
-            self.stall_seconds - before.stall_seconds,
-            self.prepare_seconds - before.prepare_seconds,
-        )
+        return StreamStats(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
 
 
 class _Failure:
@@ -94,16 +111,17 @@ class BlockStreamer:
             return w
         t0 = time.perf_counter()
         ticket = self._ready.get()
-        self.stats.stall_seconds += time.perf_counter() - t0
+        stall = time.perf_counter() - t0
         if isinstance(ticket, _Failure):
+            self.stats = replace(self.stats, stall_seconds=self.stats.stall_seconds + stall)
             raise RuntimeError(f"streaming block {ticket.block} failed: {ticket.error}") from ticket.error
         if ticket.block != block:
             # Blocks are visited in a fixed cyclic order; anything else is a runner bug.
             raise RuntimeError(f"streamer out of order: asked for block {block}, next is {ticket.block}")
         self._in_use[block] = ticket
-        self.stats.bytes_streamed += ticket.nbytes
-        self.stats.blocks_streamed += 1
-        self.stats.prepare_seconds += ticket.prepare_seconds
+        # A new immutable record each time: a reader on another thread sees one step or the next,
+        # never a half-updated mix.
+        self.stats = self.stats.add(ticket, stall)
         return self.transport.activate(ticket)
 
     def release(self, block: int) -> None:

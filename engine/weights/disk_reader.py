@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_index import TensorEntry
+from .checkpoint import TensorInfo
+from .views import typed_view
 
 # O_DIRECT wants file offset, length and memory address aligned to the logical block size
 # (512 or 4096 bytes); 4096 satisfies both and is the page size, so buffers are page aligned too.
@@ -95,16 +96,11 @@ class ReadPlan:
         out = {}
         for name, t in self.tensors.items():
             raw = buf.tensor[t.offset:t.offset + t.nbytes]  # (nbytes,) uint8
-            if t.nbytes == 0:
-                out[name] = torch.empty(t.shape, dtype=t.dtype)
-            elif t.offset % t.dtype.itemsize:
-                out[name] = raw.clone().view(t.dtype).reshape(t.shape)
-            else:
-                out[name] = raw.view(t.dtype).reshape(t.shape)
+            out[name] = typed_view(raw, t.offset, t.dtype, t.shape)
         return out
 
 
-def plan_reads(entries: dict[str, TensorEntry], merge_gap: int = MERGE_GAP) -> ReadPlan:
+def plan_reads(entries: dict[str, TensorInfo], merge_gap: int = MERGE_GAP) -> ReadPlan:
     """Coalesce tensors into few large aligned spans (a block's tensors are usually contiguous in
     its shard, so one span per block is the common case)."""
     runs: list[list] = []  # [path, start, end, [(name, entry)]]

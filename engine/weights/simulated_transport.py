@@ -51,14 +51,13 @@ class SimulatedTransport(Transport):
         self.inner = inner
         self.device = inner.device
         self.dtype = inner.dtype
+        self.pool = inner.pool
         self.seconds_per_byte = seconds_per_byte
         self.seconds_per_block = seconds_per_block
         self.compute_seconds_per_block = compute_seconds_per_block
 
-    @property
-    def h2d_gbps(self) -> float | None:
-        """The simulated link's speed, named like CudaTransport's measured one so that "% of floor"
-        metrics work the same on CPU."""
+    def link_gbps(self) -> float | None:
+        """The simulated link's speed, so that "% of floor" works the same on CPU as on a GPU."""
         return 1 / (self.seconds_per_byte * 1e9) if self.seconds_per_byte else None
 
     def copy_seconds(self, nbytes: int) -> float:

@@ -5,19 +5,55 @@ the slowest link they cross (disk -> host -> device), nor faster than its comput
 measures the host->device link and turns a MemoryPlan into that floor, so start-up can print the
 expected time per step and the metrics can report achieved GB/s as a "% of floor".
 
-Function names are the contract with other tiers: a disk tier passes its measured read bandwidth
-as `disk_gbps` to `expected_step`; metrics call `efficiency(bytes, seconds, stream_link_gbps(...))`.
+Measured speeds are kept in their own record, `LinkSpeeds` (never patched into the plan); the
+telemetry snapshot turns a step's bytes into achieved GB/s and "% of floor" with `floor_percent`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .planner import MemoryPlan, format_bytes
+from ..planner import MemoryPlan, format_bytes
+
+if TYPE_CHECKING:
+    from .streamer import StreamStats
 
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class LinkSpeeds:
+    """Measured speeds of the links streamed bytes cross, in GB/s (1e9 bytes/s); None = not measured.
+
+    h2d_gbps: host -> device (the CUDA transport measures it at start-up; the simulated transport's
+    rate stands in for it on CPU); disk_gbps: sequential reads of the checkpoint's disk (measured when
+    the plan has a disk tier); device_gbps: device memory reads (for the compute estimate)."""
+
+    h2d_gbps: float | None = None
+    disk_gbps: float | None = None
+    device_gbps: float | None = None
+
+    def floor_seconds(self, stats: "StreamStats") -> float | None:
+        """The least time these bytes need: each measured link carries its own bytes (every streamed
+        byte crosses host->device; the disk tier's reads cross the disk), and links work in parallel."""
+        parts = []
+        if self.h2d_gbps:
+            parts.append(stats.bytes_streamed / (self.h2d_gbps * GB))
+        if self.disk_gbps:
+            parts.append(stats.disk_bytes_read / (self.disk_gbps * GB))
+        return max(parts) if parts else None
+
+
+def floor_percent(stats: "StreamStats", seconds: float, links: LinkSpeeds) -> float | None:
+    """% of floor of one step: the time its bytes need at the measured link speeds / the time it
+    took. 100% means the step ran exactly as fast as streaming allows; None without a measured link."""
+    floor = links.floor_seconds(stats)
+    if floor is None or seconds <= 0:
+        return None
+    return 100.0 * floor / seconds
 
 
 def measure_copy_gbps(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = 256 << 20, max_repeats: int = 64) -> float:
@@ -110,10 +146,3 @@ def efficiency(nbytes: int, seconds: float, gbps: float | None) -> tuple[float, 
         return 0.0, None
     achieved = nbytes / seconds / GB
     return achieved, (100.0 * achieved / gbps if gbps else None)
-
-
-def stream_link_gbps(transport, plan: MemoryPlan) -> float | None:
-    """The measured speed of the slowest link streamed bytes cross: host->device for the CUDA (or
-    simulated) transport, the disk for the disk tier; None when nothing was measured."""
-    links = [g for g in (getattr(transport, "h2d_gbps", None), getattr(plan, "disk_gbps", None)) if g]
-    return min(links) if links else None

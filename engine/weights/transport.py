@@ -13,44 +13,36 @@ The streamer decides which block to prepare when; a transport never looks ahead 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import mmap
-import queue
 
 import torch
 
-from .arch import ModelConfig
-from .safetensors_index import MADV_POPULATE_READ, WeightIndex
+from .buffers import BufferPool
+from .safetensors_index import MADV_POPULATE_READ
+from .source import BlockSource
 
-
-class BlockSource:
-    """The checkpoint's view of one block: names, zero-copy tensors, bytes."""
-
-    def __init__(self, index: WeightIndex, cfg: ModelConfig):
-        self.index = index
-        self.cfg = cfg
-        self._names = [cfg.block_tensor_names(i) for i in range(cfg.num_layers)]
-
-    def names(self, block: int) -> dict[str, str]:
-        return self._names[block]
-
-    def views(self, block: int) -> dict[str, torch.Tensor]:
-        return {short: self.index.view(name) for short, name in self._names[block].items()}
-
-    def nbytes(self, block: int) -> int:
-        return sum(self.index.entry(n).nbytes for n in self._names[block].values())
-
-    def advise(self, block: int, advice: int) -> None:
-        self.index.advise(list(self._names[block].values()), advice)
+HOST, DISK = "host", "disk"  # tiers a streamed block comes from (telemetry counts bytes by tier)
 
 
 @dataclass
 class Ticket:
+    """One streamed block between prepare() and retire(), with the state each transport keeps for it."""
+
     block: int
     weights: dict[str, torch.Tensor]
-    nbytes: int  # bytes this block moved (checkpoint bytes read)
+    # Bytes this block moved over the link into compute's memory, in the compute dtype (what a
+    # host->device copy carries after conversion), not checkpoint bytes: GB/s and % of the link's
+    # floor are computed from it.
+    nbytes: int
+    tier: str = HOST
+    disk_bytes: int = 0  # bytes read from disk for it (disk tier)
+    disk_seconds: float = 0.0  # wall time of those reads
     prepare_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)  # transport-private state (buffer index, events, ...)
+    converted: dict[str, torch.Tensor] | None = None  # a BufferPool set (host conversion)
+    staging: object = None  # a disk_reader.StagingBuffer the weights view (disk tier)
+    device_buffer: int | None = None  # slot of the CUDA transport's device ring
+    trace: object = None  # cuda_transport.TraceRecord when tracing
 
 
 class Transport(ABC):
@@ -58,6 +50,10 @@ class Transport(ABC):
 
     device: torch.device
     dtype: torch.dtype
+    pool: BufferPool | None = None  # host conversion buffers, when this transport converts on the host
+    host_bytes: int = 0  # page-locked host memory held
+    device_gbps: float | None = None  # measured device memory read speed, when there is a device
+    pinned_cache: bool = False  # streamed blocks kept pinned in host memory (CUDA --pin-host-memory)
 
     @abstractmethod
     def resident(self, block: int) -> dict[str, torch.Tensor]:
@@ -71,6 +67,10 @@ class Transport(ABC):
 
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}
+
+    def link_gbps(self) -> float | None:
+        """The measured speed of the link this transport copies over (host->device), if it has one."""
+        return None
 
     def close(self) -> None:
         pass
@@ -88,27 +88,28 @@ def to_compute(views: dict[str, torch.Tensor], dtype: torch.dtype, device: torch
     return out
 
 
+def nbytes_of(weights: dict[str, torch.Tensor]) -> int:
+    return sum(w.numel() * w.element_size() for w in weights.values())
+
+
 class CpuTransport(Transport):
     """CPU compute straight from the page cache.
 
     When the checkpoint dtype is the compute dtype, a streamed block is the mmap view itself
     (zero copy); prepare() only faults its pages in ahead of use. Otherwise prepare() converts into
-    a set of buffers that retire() hands back for the next block: the streamer keeps at most
-    depth + 1 blocks in flight, so at most that many sets ever exist (the planner's stream buffers).
-    Reusing them matters: a fresh tensor per block per step costs page faults to zero it, and once
-    glibc raises its mmap threshold past a freed buffer's size the freed memory stays in the heap,
-    fragmented, so RssAnon grew far past depth + 1 blocks.
+    a buffer set from a BufferPool that retire() hands back for the next block (see buffers.py).
     With release_pages, retire() also drops the block's pages from this process (MADV_DONTNEED)
     so a model larger than RAM keeps a bounded resident set.
     """
 
-    def __init__(self, source: BlockSource, dtype: torch.dtype, release_pages: bool = False):
+    def __init__(self, source: BlockSource, dtype: torch.dtype, release_pages: bool = False,
+                 pool: BufferPool | None = None):
         self.source = source
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.release_pages = release_pages
+        self.pool = pool or BufferPool(dtype)
         self._mapped: set[int] = set()  # streamed blocks whose pages this process has faulted in
-        self._free: queue.SimpleQueue = queue.SimpleQueue()  # conversion buffer sets not in use
 
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         return to_compute(self.source.views(block), self.dtype, self.device, copy=True)
@@ -123,25 +124,17 @@ class CpuTransport(Transport):
             self._mapped.add(block)
         convert = {k: v for k, v in views.items() if v.dtype != self.dtype}
         if not convert:
-            return Ticket(block, views, self.source.nbytes(block))
-        buffers = self._take_buffers(convert)
+            return Ticket(block, views, nbytes_of(views))
+        buffers = self.pool.take(convert)
         for k, v in convert.items():
             buffers[k].copy_(v)
-        return Ticket(block, {**views, **buffers}, self.source.nbytes(block), extra={"buffers": buffers})
-
-    def _take_buffers(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        try:
-            buffers = self._free.get_nowait()
-            if all(k in buffers and buffers[k].shape == v.shape for k, v in like.items()):
-                return buffers
-        except queue.Empty:
-            pass
-        return {k: torch.empty(v.shape, dtype=self.dtype) for k, v in like.items()}
+        weights = {**views, **buffers}
+        return Ticket(block, weights, nbytes_of(weights), converted=buffers)
 
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}
-        buffers = ticket.extra.pop("buffers", None)
-        if buffers is not None:
-            self._free.put(buffers)
+        if ticket.converted is not None:
+            self.pool.give(ticket.converted)
+            ticket.converted = None
         if self.release_pages:
             self.source.advise(ticket.block, mmap.MADV_DONTNEED)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import mmap
 import os
 import time
@@ -40,9 +41,13 @@ from dataclasses import dataclass
 import torch
 
 from . import bandwidth
-from .planner import MemoryPlan, format_bytes
+from ..planner import MemoryPlan, format_bytes
+from ..errors import DeviceMemoryError, out_of_memory_error
+from ..host_memory import host_memory_available
+from .disk_transport import DiskTransport
 from .safetensors_index import MADV_POPULATE_READ
-from .transport import BlockSource, Ticket, Transport
+from .source import BlockSource
+from .transport import DISK, HOST, Ticket, Transport
 
 log = logging.getLogger("layerstream")
 
@@ -51,26 +56,6 @@ HOST_MARGIN = 2 << 30  # host memory left free when deciding whether a pinned ca
 FILL_CHUNK = 8 << 20  # bytes per piece of a staging fill; pieces are copied in parallel
 PAGE = mmap.PAGESIZE  # the granularity at which cudaHostRegister pins host memory
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not the caller's
-
-
-class DeviceMemoryError(ValueError):
-    """The device could not hold what the memory plan placed on it."""
-
-
-def out_of_memory_error(plan: MemoryPlan | None, device: torch.device, err: BaseException) -> DeviceMemoryError:
-    """A start-up OOM turned into one message that shows the plan that did not fit."""
-    where = ""
-    if device.type == "cuda":
-        try:
-            free, total = torch.cuda.mem_get_info(device)
-            where = f" ({format_bytes(free)} free of {format_bytes(total)} now)"
-        except Exception:  # noqa: BLE001 - the context may be unusable after an OOM; the plan matters more
-            pass
-    plan_text = plan.describe() if plan is not None else "(no plan was made yet)"
-    return DeviceMemoryError(
-        f"{device} ran out of memory while loading{where}: {str(err).splitlines()[0] if str(err) else err!r}\n"
-        f"{plan_text}\nlower --max-device-memory (other processes or the CUDA context use part of the "
-        "device), --max-model-len or --max-num-seqs")
 
 
 @dataclass(frozen=True)
@@ -85,19 +70,13 @@ class Layout:
         entries, off = [], 0
         for name, shape in shapes.items():
             entries.append((name, off, tuple(shape)))
-            numel = 1
-            for d in shape:
-                numel *= d
-            off += -(-numel * dtype.itemsize // ALIGN) * ALIGN
+            off += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
         return Layout(tuple(entries), off)
 
     def views(self, buf: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out = {}
         for name, off, shape in self.entries:
-            numel = 1
-            for d in shape:
-                numel *= d
-            out[name] = buf[off:off + numel * dtype.itemsize].view(dtype).view(shape)
+            out[name] = buf[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
         return out
 
 
@@ -106,9 +85,7 @@ def _pieces(layout: Layout, dtype: torch.dtype) -> list[tuple[str, int, int]]:
     step = max(1, FILL_CHUNK // dtype.itemsize)
     out = []
     for name, _off, shape in layout.entries:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         out += [(name, a, min(a + step, numel)) for a in range(0, numel, step)]
     return out
 
@@ -208,6 +185,24 @@ def clear_pending_error(device: torch.device) -> None:
         log.debug("cleared a pending CUDA error: %s", str(e).splitlines()[0] if str(e) else e)
 
 
+def host_register_works(device: torch.device) -> bool:
+    """Whether cudaHostRegister pins memory here (else pinned buffers come from torch's caching
+    allocator, rounded up to a power of two): registers 64 pages, copies them to the device, checks
+    what arrived, and unregisters them."""
+    rt = CudaRuntime(device)
+    try:
+        buf = rt.pinned_bytes(64 * PAGE)
+        ok = bool(rt._registered) and buf.is_pinned()
+        dev = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
+        dev.copy_(buf.fill_(3), non_blocking=True)
+        torch.cuda.synchronize(device)
+        assert int(dev[-1]) == 3, "a host->device copy from registered memory delivered the wrong bytes"
+        return ok
+    finally:
+        torch.cuda.synchronize(device)
+        rt.release()
+
+
 @dataclass
 class TraceRecord:
     """CUDA timing events around one streamed block (trace=True only; for tests and benchmarks)."""
@@ -221,39 +216,58 @@ class TraceRecord:
 
 
 class CudaTransport(Transport):
+    """See the module docstring. Everything the constructor takes (device buffers, pinned host memory,
+    threads, the disk tier's reader) is given back by close(), and by the constructor itself when it
+    fails half-way."""
+
     def __init__(self, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
-                 pin_host_memory: bool = False, host_budget: int | None = None, measure: bool = True,
-                 trace: bool = False, runtime: CudaRuntime | None = None, fill_threads: int | None = None,
-                 release_pages: bool = False):
+                 pin_host_memory: bool = False, host_budget: int | None = None, release_pages: bool = False,
+                 disk_gbps: float | None = None):
         self.source = source
         self.dtype = dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
-        self.rt = runtime or CudaRuntime(self.device)
-        self.trace = trace
+        self.rt = CudaRuntime(self.device)
+        self.trace = False  # tests and benchmarks set it: timing events around every streamed block
         self.traces: list[TraceRecord] = []
         # Checkpoint larger than host memory: drop a block's pages from this process once staged.
         self.release_pages = release_pages
-        # The plan's disk-tier blocks are read by a DiskTransport (O_DIRECT, set by the loader):
-        # disk -> aligned host buffer -> pinned staging -> device.
-        self.disk = None
+        # The plan's disk-tier blocks are read by a DiskTransport (O_DIRECT) in the checkpoint's
+        # dtype: disk -> aligned host buffer -> pinned staging (converting) -> device.
+        self.disk: DiskTransport | None = None
         self.h2d_gbps: float | None = None
         self.device_gbps: float | None = None
         self.host_bytes = 0  # pinned host memory held: staging buffers + pinned cache
+        self.num_buffers = 0
+        self._dev: list[torch.Tensor] = []
+        self._dev_views, self._dev_flat = [], []
+        self._pinned: dict[int, torch.Tensor] = {}
+        self._stage: list[torch.Tensor] = []
+        self._stage_views, self._stage_flat = [], []
+        self._free: collections.deque = collections.deque()
+        self._fill_pool: ThreadPoolExecutor | None = None
+        try:
+            self._build(plan, pin_host_memory, host_budget, disk_gbps)
+        except BaseException:
+            self.close()  # unregister pinned memory, stop threads, close the disk reader
+            raise
+
+    def _build(self, plan: MemoryPlan, pin_host_memory: bool, host_budget: int | None,
+               disk_gbps: float | None) -> None:
+        source, dtype = self.source, self.dtype
         streamed = list(plan.streamed_blocks)
         # Blocks of one architecture share a layout; views into every buffer are made once per layout.
-        self._layout: dict[int, Layout] = {}
-        for b in streamed:
-            shapes = {short: source.index.entry(name).shape for short, name in source.names(b).items()}
-            self._layout[b] = Layout.of(shapes, dtype)
+        self._layout: dict[int, Layout] = {b: Layout.of(source.shapes(b), dtype) for b in streamed}
         layouts = sorted(set(self._layout.values()), key=lambda lay: lay.nbytes)
         self._lid = {b: layouts.index(lay) for b, lay in self._layout.items()}
-        self._nbytes = {b: source.nbytes(b) for b in streamed}
+        # What crosses the link per block: its tensors in the compute dtype (staging converts first).
+        self._nbytes = {b: source.compute_bytes(b, dtype) for b in streamed}
         self.buffer_bytes = max((lay.nbytes for lay in layouts), default=0)
         self.num_buffers = plan.prefetch_depth + 1 if streamed else 0
-        self._pinned: dict[int, torch.Tensor] = {}
+        if plan.disk_blocks:
+            self.disk = DiskTransport(source, None, plan.disk_blocks, depth=0)
         try:
             self._dev = [self.rt.device_bytes(self.buffer_bytes) for _ in range(self.num_buffers)]  # (bytes,) u8
         except torch.OutOfMemoryError as e:
@@ -279,19 +293,16 @@ class CudaTransport(Transport):
         self._next_stage = 0
         # One thread's memcpy out of the page cache (~10 GB/s) is far below a PCIe 4/5 link, so the
         # staging fill is split into pieces copied by a few threads (copy_ releases the GIL).
-        if fill_threads is None:
-            fill_threads = min(4, max(1, (os.cpu_count() or 1) // 4))
+        fill_threads = min(4, max(1, (os.cpu_count() or 1) // 4))
         self._pieces = [_pieces(lay, dtype) for lay in layouts]
         self._fill_pool = (ThreadPoolExecutor(fill_threads, thread_name_prefix="layerstream-fill")
                            if n_stage and fill_threads > 1 else None)
         if streamed:
-            self._report(measure)
+            self._report(disk_gbps)
 
     # -- load time ---------------------------------------------------------------------------
     def _pin_all(self, streamed: list[int], host_budget: int | None) -> None:
         """Convert and pin every streamed block once; prepare() then only issues DMAs."""
-        from .loader import host_memory_available
-
         need = sum(self._layout[b].nbytes for b in streamed)
         room = (host_budget or host_memory_available()) - HOST_MARGIN
         if need > room:
@@ -318,24 +329,29 @@ class CudaTransport(Transport):
         log.info("pinned %d streamed blocks (%s of host memory) in %.1f s", len(streamed), format_bytes(need),
                  time.perf_counter() - t0)
 
-    def _report(self, measure: bool) -> None:
+    def _report(self, disk_gbps: float | None) -> None:
         mode = (f"pinned cache {format_bytes(self.host_bytes)}" if self._pinned else
                 f"{len(self._stage)} pinned staging buffers ({format_bytes(self.host_bytes)} host)")
         log.info("cuda transport: %d device buffers of %s, %s", self.num_buffers, format_bytes(self.buffer_bytes), mode)
-        if not measure:
-            return
         src = self._stage[0] if self._stage else next(iter(self._pinned.values()))
         self.h2d_gbps = self.rt.copy_gbps(self._dev[0][:src.numel()], src)
         if self.num_buffers >= 2:
             # A device-to-device copy reads and writes every byte: reads alone run about twice as fast.
             d2d = self.rt.copy_gbps(self._dev[1], self._dev[0])
             self.device_gbps = 2 * d2d if d2d else None
-        est = bandwidth.expected_step(self.plan, self.h2d_gbps, getattr(self.plan, "disk_gbps", None),
+        est = bandwidth.expected_step(self.plan, self.h2d_gbps, disk_gbps,
                                       compute_seconds=bandwidth.decode_compute_seconds(self.plan, self.device_gbps))
         if self.h2d_gbps:
             log.info("host->device %.1f GB/s measured; %s", self.h2d_gbps, est.describe())
 
     # -- Transport ---------------------------------------------------------------------------
+    def link_gbps(self) -> float | None:
+        return self.h2d_gbps
+
+    @property
+    def pinned_cache(self) -> bool:
+        return bool(self._pinned)
+
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         # Load time only: a pageable synchronous copy is fine, and converting on the device is faster.
         # Each tensor travels in its own checkpoint dtype (a block may mix, e.g. fp32 norms in bf16).
@@ -355,6 +371,7 @@ class CudaTransport(Transport):
         rt = self.rt
         src = self._pinned.get(block)
         s = None
+        tier, disk_bytes, disk_seconds = HOST, 0, 0.0
         if src is None:
             s = self._next_stage
             self._next_stage = (s + 1) % len(self._stage)
@@ -362,6 +379,7 @@ class CudaTransport(Transport):
             from_disk = self.disk.prepare(block) if self.disk is not None and block in self.disk.disk_blocks else None
             rt.host_wait(self._staged[s])  # the DMA still reading staging s must finish first
             if from_disk is not None:
+                tier, disk_bytes, disk_seconds = DISK, from_disk.disk_bytes, from_disk.disk_seconds
                 try:
                     self._fill_staging(self._stage_views[s][lid], from_disk.weights, self._pieces[lid])
                 finally:
@@ -385,7 +403,8 @@ class CudaTransport(Transport):
             rt.record(self._staged[s], self._copy_stream)
         if rec is not None:
             rt.record(rec.copy_end, self._copy_stream)
-        return Ticket(block, self._dev_views[b][lid], self._nbytes[block], extra={"buffer": b, "trace": rec})
+        return Ticket(block, self._dev_views[b][lid], self._nbytes[block], tier=tier, disk_bytes=disk_bytes,
+                      disk_seconds=disk_seconds, device_buffer=b, trace=rec)
 
     def _fill_staging(self, staging: dict[str, torch.Tensor], views: dict[str, torch.Tensor],
                       pieces: list[tuple[str, int, int]]) -> None:
@@ -399,27 +418,27 @@ class CudaTransport(Transport):
         list(self._fill_pool.map(lambda p: flat_dst[p[0]][p[1]:p[2]].copy_(flat_src[p[0]][p[1]:p[2]]), pieces))
 
     def activate(self, ticket: Ticket) -> dict[str, torch.Tensor]:
-        b = ticket.extra["buffer"]
+        b = ticket.device_buffer
         stream = self.rt.current_stream()
         self.rt.wait(stream, self._ready[b])
-        rec = ticket.extra["trace"]
+        rec = ticket.trace
         if rec is not None:
             rec.compute_start = self.rt.event(timing=True)
             self.rt.record(rec.compute_start, stream)
         return ticket.weights
 
     def retire(self, ticket: Ticket) -> None:
-        b = ticket.extra.get("buffer")
+        b = ticket.device_buffer
         if b is None:
             return  # retired twice (a reset after a failed step)
         stream = self.rt.current_stream()
         self.rt.record(self._freed[b], stream)
-        rec = ticket.extra["trace"]
+        rec = ticket.trace
         if rec is not None and rec.compute_start is not None:
             rec.compute_end = self.rt.event(timing=True)
             self.rt.record(rec.compute_end, stream)
             self.traces.append(rec)
-        ticket.extra["buffer"] = None
+        ticket.device_buffer = None
         ticket.weights = {}
         self._free.append(b)
 

@@ -1,5 +1,7 @@
 """Memory-mapped safetensors reading: one validated index of every tensor in a checkpoint.
 
+`WeightIndex` is the safetensors CheckpointReader (see checkpoint.py) with Hugging Face's tensor names.
+
 Each file's header is parsed once; a tensor is then a (file, byte range, dtype, shape) entry and a
 zero-copy view into a private mapping of the file. Nothing is read from disk until a view's pages
 are touched, which is what lets the streamer decide when (and whether) bytes come in.
@@ -8,13 +10,16 @@ are touched, which is what lets the streamer decide when (and whether) bytes com
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .checkpoint import CheckpointError, CheckpointReader, TensorInfo
+from .views import typed_view
 
 # The largest header we accept: real checkpoints stay well under a few MB; anything bigger is a
 # corrupt length field, and reading it would allocate whatever garbage it says.
@@ -30,22 +35,24 @@ PAGE_SIZE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is; the message names the file and the tensor."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+# Hugging Face's names: the model math's short name of a block tensor -> suffix under model.layers.{i}.
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
 class SafetensorsFile:
@@ -57,13 +64,18 @@ class SafetensorsFile:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open: {e.strerror}") from e
-        self.file_size = os.fstat(self._fd).st_size
-        self.entries = self._read_header()
-        # MAP_PRIVATE (ACCESS_COPY) gives torch a writable buffer without ever writing the file;
-        # pages stay shared with the page cache unless someone writes to them.
-        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self.file_size else None
+        self._map = None
+        try:
+            self.file_size = os.fstat(self._fd).st_size
+            self.entries = self._read_header()
+            # MAP_PRIVATE (ACCESS_COPY) gives torch a writable buffer without ever writing the file;
+            # pages stay shared with the page cache unless someone writes to them.
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self.file_size else None
+        except BaseException:
+            self.close()  # a bad header: release the descriptor before the error propagates
+            raise
 
-    def _read_header(self) -> dict[str, TensorEntry]:
+    def _read_header(self) -> dict[str, TensorInfo]:
         if self.file_size < 8:
             raise CheckpointError(f"{self.path}: file is {self.file_size} bytes, too short for a safetensors header")
         (header_len,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
@@ -82,7 +94,7 @@ class SafetensorsFile:
         header.pop("__metadata__", None)
         data_start = 8 + header_len
         data_len = self.file_size - data_start
-        entries: dict[str, TensorEntry] = {}
+        entries: dict[str, TensorInfo] = {}
         for name, info in header.items():
             entries[name] = self._entry(name, info, data_start, data_len)
         spans = sorted((e.start, e.end, e.name) for e in entries.values() if e.nbytes)
@@ -91,7 +103,7 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: tensors {n0!r} and {n1!r} overlap")
         return entries
 
-    def _entry(self, name: str, info: object, data_start: int, data_len: int) -> TensorEntry:
+    def _entry(self, name: str, info: object, data_start: int, data_len: int) -> TensorInfo:
         where = f"{self.path}: tensor {name!r}"
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
             raise CheckpointError(f"{where}: header entry lacks dtype/shape/data_offsets")
@@ -113,27 +125,22 @@ class SafetensorsFile:
                 f"{where}: data ends at byte {end} but the file holds only {data_len} data bytes "
                 "(truncated or corrupt file)"
             )
-        numel = 1
-        for d in shape:
-            numel *= d
-        expected = numel * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if end - begin != expected:
             raise CheckpointError(
                 f"{where}: holds {end - begin} bytes but shape {shape} x {info['dtype']} needs {expected}"
             )
-        return TensorEntry(name, self.path, dtype, tuple(shape), data_start + begin, data_start + end)
+        return TensorInfo(name, self.path, dtype, tuple(shape), data_start + begin, data_start + end)
 
-    def view(self, entry: TensorEntry) -> torch.Tensor:
+    def raw(self, entry: TensorInfo) -> torch.Tensor:
+        """The entry's bytes, zero-copy: (nbytes,) uint8 over the mapping (no disk read happens here)."""
+        if entry.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
+
+    def view(self, entry: TensorInfo) -> torch.Tensor:
         """A zero-copy tensor over the mapped bytes (no disk read happens here)."""
-        numel = entry.nbytes // entry.dtype.itemsize
-        if numel == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        if entry.start % entry.dtype.itemsize:
-            # Misaligned data cannot be viewed as the dtype; copying is the only correct option.
-            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
-            return raw.clone().view(entry.dtype).reshape(entry.shape)
-        t = torch.frombuffer(self._map, dtype=entry.dtype, count=numel, offset=entry.start)
-        return t.reshape(entry.shape)
+        return typed_view(self.raw(entry), entry.start, entry.dtype, entry.shape)
 
     def advise(self, start: int, end: int, advice: int) -> None:
         """madvise over [start, end) widened to whole pages; advice the kernel refuses is ignored."""
@@ -145,26 +152,26 @@ class SafetensorsFile:
         except (OSError, ValueError):
             pass  # an older kernel without POPULATE_READ: prefetch degrades to on-demand faults
 
-    @property
-    def fd(self) -> int:
-        return self._fd
-
     def close(self) -> None:
+        """Unmap and close the file; closing again does nothing."""
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:
                 pass  # tensors still view the mapping; it is unmapped when they are collected
-        os.close(self._fd)
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
-class WeightIndex:
+class WeightIndex(CheckpointReader):
     """name -> entry over every shard of a model folder, built once and validated."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
-        self.files: dict[Path, SafetensorsFile] = {}
-        self.entries: dict[str, TensorEntry] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
+        self.entries: dict[str, TensorInfo] = {}
         index_path = self.folder / "model.safetensors.index.json"
         if index_path.exists():
             try:
@@ -176,41 +183,66 @@ class WeightIndex:
             weight_map, shard_names = None, ["model.safetensors"]
         else:
             raise CheckpointError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
-        for shard in shard_names:
-            path = self.folder / shard
-            if not path.exists():
-                raise CheckpointError(f"{path}: shard named in the index is missing")
-            f = SafetensorsFile(path)
-            self.files[path] = f
-            for name, entry in f.entries.items():
-                if name in self.entries:
-                    raise CheckpointError(
-                        f"{path}: tensor {name!r} is also in {self.entries[name].path.name}"
-                    )
-                self.entries[name] = entry
-        if weight_map is not None:
-            for name, shard in weight_map.items():
-                if name not in self.entries:
-                    raise CheckpointError(f"{self.folder / shard}: tensor {name!r} listed in the index is missing")
+        try:
+            for shard in shard_names:
+                path = self.folder / shard
+                if not path.exists():
+                    raise CheckpointError(f"{path}: shard named in the index is missing")
+                f = SafetensorsFile(path)
+                self._files[path] = f
+                for name, entry in f.entries.items():
+                    if name in self.entries:
+                        raise CheckpointError(
+                            f"{path}: tensor {name!r} is also in {self.entries[name].path.name}"
+                        )
+                    self.entries[name] = entry
+            if weight_map is not None:
+                for name, shard in weight_map.items():
+                    if name not in self.entries:
+                        raise CheckpointError(f"{self.folder / shard}: tensor {name!r} listed in the index is missing")
+        except BaseException:
+            self.close()  # shards opened before the bad one: their descriptors and mappings
+            raise
+
+    @property
+    def files(self) -> list[Path]:
+        return list(self._files)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
-    def entry(self, name: str) -> TensorEntry:
-        return self.entries[name]
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint") from None
 
     def view(self, name: str) -> torch.Tensor:
-        e = self.entries[name]
-        return self.files[e.path].view(e)
+        e = self.tensor(name)
+        return self._files[e.path].view(e)
+
+    def raw(self, name: str) -> torch.Tensor:
+        e = self.tensor(name)
+        return self._files[e.path].raw(e)
 
     def advise(self, names: list[str], advice: int) -> None:
         for name in names:
             e = self.entries[name]
-            self.files[e.path].advise(e.start, e.end, advice)
+            self._files[e.path].advise(e.start, e.end, advice)
+
+    def block_tensor_name(self, layer: int, short: str) -> str:
+        return f"model.layers.{layer}.{BLOCK_TENSORS[short]}"
+
+    def global_tensor_name(self, short: str) -> str:
+        return GLOBAL_TENSORS[short]
 
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
     def close(self) -> None:
-        for f in self.files.values():
+        """Close every shard; closing again does nothing."""
+        for f in self._files.values():
             f.close()

@@ -1,0 +1,85 @@
+"""Engine arguments: the one place engine limits are defined, defaulted and validated.
+
+The Python API (`LLM(...)`, `LLMEngine(EngineArgs(...))`), `layerstream generate` and `layerstream
+serve` all build an EngineArgs; the command lines take their flag defaults from the fields below, so
+every entry point has the same defaults and the same error for a bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .planner import parse_bytes
+from .weights import check_transport
+
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+               "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_device_memory: int | str | None = None
+    max_host_memory: int | str | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_queue: int = 256
+    prefetch_depth: int = 1
+    transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
+    show_progress: bool = True
+    pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
+    quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.quantize)
+    enable_prefix_caching: bool = True
+    block_size: int = 16  # token positions per KV block
+    kv_cache_memory: int | str | None = None  # device KV pool; None = planned from the budget
+    # Host tier for KV blocks evicted from the pool; None = 4 GiB or a tenth of host memory on CUDA,
+    # none on the CPU (there the pool already is host memory: give it more --kv-cache-memory instead).
+    kv_host_memory: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.max_device_memory = parse_bytes(self.max_device_memory)
+        self.max_host_memory = parse_bytes(self.max_host_memory)
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.kv_host_memory = parse_bytes(self.kv_host_memory)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        # Checked here, before anything loads, so a bad value fails at once, and `layerstream serve`
+        # reports it before it starts listening.
+        limits = dict(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                      max_queue=self.max_queue, prefetch_depth=self.prefetch_depth, block_size=self.block_size)
+        if self.max_model_len is not None:
+            limits["max_model_len"] = self.max_model_len
+        for name, value in limits.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step")
+        check_transport(self.transport, self.device)
+        if self.quantization is not None:
+            if self.quantization not in ("int8", "int4"):
+                raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")
+            if self.device != "cpu" or self.transport not in ("auto", "cpu"):
+                raise ValueError("quantization runs with the CPU device and transport for now "
+                                 f"(device {self.device!r}, transport {self.transport!r} asked)")
+
+    @staticmethod
+    def default(name: str):
+        """The default of a field: the command lines use these, so every entry point has the same."""
+        return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype: the named one, or for "auto" the checkpoint's (fp32 if it is none of fp32/16, bf16)."""
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    return checkpoint_dtype if checkpoint_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32

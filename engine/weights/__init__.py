@@ -1,0 +1,74 @@
+"""The weights package: the only code that knows where a model's weights live, in what format, and how
+they reach compute (and the only code that touches copy streams and events).
+
+Public interface (everything else in engine/weights is internal; tests/test_import_rules.py enforces it):
+
+  checkpoint = ModelCheckpoint(path, cfg)
+      Open the checkpoint through its format's reader (`open_checkpoint`, the one place formats are told
+      apart) and check every tensor the architecture needs (present, expected shape). CheckpointError
+      names the file and tensor otherwise.
+  checkpoint.sizes(dtype) -> WeightSizes
+      Bytes of a block and of the globals in the compute dtype, and as stored: the planner's inputs.
+  checkpoint.host_tiering(transport, device, dtype, depth) -> HostTiering | None
+      How planning may split streamed blocks between host memory and disk for that transport.
+  checkpoint.measure_disk() -> (GB/s | None, note | None)
+      The disk's sequential read speed, for a plan with a disk tier (cached per file system);
+      measure_disk_bandwidth(files, ...) is the measurement itself, for benchmarks.
+  checkpoint.time_disk_reads(blocks) -> (bytes, seconds)
+      Read blocks once the way the disk tier does (benchmarks).
+  weights = ModelWeights(checkpoint, plan, dtype, device, transport=..., pin_host_memory=...,
+                         host_budget=..., disk_gbps=...)
+      Open the weights for a frozen MemoryPlan: the transport serving the plan's tiers is chosen in one
+      place (tiers.make_transport), resident blocks are materialised, streaming starts.
+  weights.globals -> PlacedGlobals
+      Embeddings, final norm and head placed on the device; .embed(ids) gathers rows in the compute dtype.
+  weights.acquire(i) -> {short name: tensor}; weights.release(i); weights.reset()
+      Block i's weights for the math, then give its buffer back (compute thread only, blocks in order).
+  weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
+      Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
+      prepare time; the measured link speeds, kept in their own record, never in the plan.
+  PINNED_HOST_MARGIN, host_register_works(device), host_to_device_gbps(device)
+      What a GPU benchmark or probe needs to know about the CUDA path without reaching into it.
+  GGUFCheckpoint(path): a GGUF file opened (config from its metadata); .sizes(dtype), .open_weights(plan, ...)
+      give the loader packed weights behind the same ModelWeights (engine.loader's GGUF branch).
+  quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load.
+  weights.close(); checkpoint.close()
+      Give back threads, buffers, pinned memory, file descriptors and mappings. A constructor that
+      fails releases what it took before raising.
+
+Readers (checkpoint.py): a CheckpointReader is named tensors with byte ranges, a storage dtype OR a quant
+type (e.g. "Q4_K"), a logical shape, zero-copy typed views of plain tensors and raw-byte views of packed
+ones, and the format's tensor names. safetensors_index.WeightIndex is the safetensors reader; a GGUF
+reader is one more class and one more branch in formats.open_checkpoint. The unit a transport moves is
+a block's set of named tensors (BlockSource.tensors(i)); per-expert units for MoE are a finer key of the
+same source, acquired the same way, without changes outside this package.
+
+Inside (may change freely): source.BlockSource (a block's tensors by short name), streamer.BlockStreamer
+(prefetch thread), transport (Transport, Ticket, CpuTransport), cuda_transport, disk_transport,
+simulated_transport, disk_reader, buffers.BufferPool, bandwidth, disk_bandwidth, views.
+"""
+
+from ..errors import CheckpointError
+from .bandwidth import LinkSpeeds, StepEstimate, efficiency, expected_step, floor_percent, host_to_device_gbps
+from .checkpoint import CheckpointReader, TensorInfo
+from .cuda_transport import HOST_MARGIN as PINNED_HOST_MARGIN
+from .cuda_transport import host_register_works
+from .disk_bandwidth import DiskBandwidth
+from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
+from .dequant import dequantize
+from .formats import open_checkpoint
+from .gguf_file import GGUFIndex, find_gguf
+from .gguf_loader import GGUFCheckpoint
+from .gguf_model import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
+from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
+from .source import WeightSizes
+from .streamer import StreamStats
+from .tiers import TRANSPORTS, check_transport
+
+__all__ = [
+    "CheckpointError", "CheckpointReader", "DiskBandwidth", "GGUFBlockSource", "GGUFCheckpoint", "GGUFIndex",
+    "GLOBAL_NAMES", "dequantize", "find_gguf", "load_gguf_config", "metadata_folder", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
+    "PINNED_HOST_MARGIN", "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
+    "WeightSizes", "WeightsTelemetry", "check_transport", "efficiency", "expected_step", "floor_percent",
+    "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",
+]

@@ -1,0 +1,102 @@
+"""The disk tier: blocks that cannot stay in host memory are read from disk every step.
+
+prepare() runs on the streamer's prefetch thread, so the reads of block i+1..i+depth overlap the
+compute of block i. A disk-tier block is read (DiskReader: large aligned reads, several in flight)
+into one of depth + 1 staging buffers, which is exactly how many tickets the streamer lets exist,
+and its tensors are views into that buffer; retire() hands the buffer back. When the compute
+dtype differs from the checkpoint's, prepare() converts into reused buffer sets (shared with the
+host tier below) and the staging buffer is free again at once.
+
+Streamed blocks the plan keeps in host memory (the host tier) are handed to a CpuTransport: their
+pages are faulted in once and never released. Both tiers convert into one shared BufferPool.
+With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filling pinned staging converts.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import torch
+
+from .buffers import BufferPool
+from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
+from .source import BlockSource
+from .transport import DISK, CpuTransport, Ticket, Transport, nbytes_of, to_compute
+
+
+class DiskTransport(Transport):
+    def __init__(self, source: BlockSource, dtype: torch.dtype | None, disk_blocks, depth: int = 1,
+                 direct: bool = True):
+        self.source = source
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+        self.disk_blocks = set(disk_blocks)
+        self.pool = BufferPool(dtype) if dtype is not None else None
+        self._host = CpuTransport(source, dtype, pool=self.pool) if dtype is not None else None
+        self.plans: list[ReadPlan] = [plan_reads(source.tensors(b)) for b in range(source.num_blocks)]
+        self.staging_bytes = max(p.buffer_bytes for p in self.plans)
+        self.reader = DiskReader(source.files, direct=direct)
+        # Buffers are allocated lazily (untouched pages cost nothing anyway) and recycled through
+        # a queue: retire() runs on the compute thread, prepare() on the prefetch thread.
+        self._free: queue.Queue[StagingBuffer] = queue.Queue()
+        try:
+            for _ in range(depth + 1 if self.disk_blocks else 0):
+                self._free.put(StagingBuffer(self.staging_bytes))
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def _read(self, block: int, buf: StagingBuffer) -> tuple[dict[str, torch.Tensor], int, float]:
+        plan = self.plans[block]
+        t0 = time.perf_counter()
+        nbytes = self.reader.read(plan, buf)
+        return plan.views(buf), nbytes, time.perf_counter() - t0
+
+    def _converts(self, views: dict[str, torch.Tensor]) -> bool:
+        return self.dtype is not None and any(v.dtype != self.dtype for v in views.values())
+
+    def resident(self, block: int) -> dict[str, torch.Tensor]:
+        # Read through the reader too: loading resident blocks must not fill the page cache that a
+        # memory cgroup charges to us.
+        buf = StagingBuffer(self.plans[block].buffer_bytes)
+        views, _, _ = self._read(block, buf)
+        if not self._converts(views):
+            return views  # a buffer of its own, kept alive by the views: no copy needed
+        return to_compute(views, self.dtype, self.device, copy=True)
+
+    def prepare(self, block: int) -> Ticket:
+        if block not in self.disk_blocks:
+            return self._host.prepare(block)
+        buf = self._free.get()
+        try:
+            views, nbytes, seconds = self._read(block, buf)
+        except BaseException:
+            self._free.put(buf)
+            raise
+        if not self._converts(views):
+            return Ticket(block, views, nbytes_of(views), tier=DISK, disk_bytes=nbytes, disk_seconds=seconds,
+                          staging=buf)
+        # Every tensor is copied out, even one already in the compute dtype: the staging buffer is
+        # recycled at once. The copies go to the pool the host tier shares, so disk and host blocks
+        # together never hold more than depth + 1 converted blocks (the plan's stream buffers).
+        converted = self.pool.take(views)
+        for k, v in views.items():
+            converted[k].copy_(v)
+        self._free.put(buf)
+        return Ticket(block, converted, nbytes_of(converted), tier=DISK, disk_bytes=nbytes, disk_seconds=seconds,
+                      converted=converted)
+
+    def retire(self, ticket: Ticket) -> None:
+        ticket.weights = {}
+        if ticket.staging is not None:
+            self._free.put(ticket.staging)
+            ticket.staging = None
+        if ticket.converted is not None:
+            self.pool.give(ticket.converted)
+            ticket.converted = None
+        if self._host is not None:
+            self._host.retire(ticket)  # host-tier pages (release_pages is off for the host tier)
+
+    def close(self) -> None:
+        self.reader.close()

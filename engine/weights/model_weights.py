@@ -1,0 +1,216 @@
+"""A model's weights as the rest of the engine sees them: a validated checkpoint before planning, and
+the weights opened for a frozen plan afterwards (globals placed, blocks acquired and released).
+
+This is the package's facade; engine code outside engine/weights uses nothing else (see __init__).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import model as M
+from ..arch import ModelConfig
+from ..planner import HostTiering, MemoryPlan
+from .bandwidth import LinkSpeeds
+from .checkpoint import CheckpointReader
+from .formats import open_checkpoint
+from .source import BlockSource, WeightSizes
+from .streamer import BlockStreamer, StreamStats
+from .tiers import host_tiering, make_transport
+from .transport import Transport, to_compute
+
+log = logging.getLogger("layerstream")
+
+
+class ModelCheckpoint:
+    """A checkpoint opened and checked against a model config: every tensor the architecture needs
+    is present with its shape. Owns the reader (file descriptors, mappings) until close()."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig):
+        self.path = Path(path)
+        self.cfg = cfg
+        self._reader: CheckpointReader = open_checkpoint(self.path)
+        try:
+            self.source = BlockSource(self._reader, cfg)
+        except BaseException:
+            self._reader.close()
+            raise
+
+    def sizes(self, dtype: torch.dtype, quantization: str | None = None) -> WeightSizes:
+        """quantization (int8 | int4): blocks and head as quantized at load (quantize.py)."""
+        sizes = self.source.sizes(dtype)
+        if quantization:
+            import dataclasses
+
+            from .quantize import quantized_plan_bytes
+
+            block, glob = quantized_plan_bytes(self.cfg, self.source.global_views()["embed"].nbytes,
+                                               quantization, dtype)
+            sizes = dataclasses.replace(sizes, block_bytes=block, global_bytes=glob)
+        return sizes
+
+    def host_tiering(self, transport: str, device: torch.device, dtype: torch.dtype,
+                     depth: int) -> HostTiering | None:
+        """How planning may split streamed blocks between host memory and disk for this transport."""
+        return host_tiering(transport, device, self.sizes(dtype), depth, converts=self.cfg.checkpoint_dtype != dtype)
+
+    def measure_disk(self) -> tuple[float | None, str | None]:
+        """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);
+        cached per file system, so only the first start on a machine pays for the read."""
+        from .disk_bandwidth import disk_bandwidth
+
+        try:
+            return disk_bandwidth(self._reader.files).gbps, None
+        except (OSError, ValueError) as e:
+            return None, f"disk bandwidth not measured: {e}"
+
+    def time_disk_reads(self, blocks: list[int]) -> tuple[int, float]:
+        """Read these blocks once the way the disk tier does (O_DIRECT, same request size and depth):
+        (bytes read, seconds). For benchmarks: the disk's speed for this access pattern right now."""
+        import time
+
+        from .disk_reader import DiskReader, StagingBuffer, plan_reads
+
+        plans = [plan_reads(self.source.tensors(b)) for b in blocks]
+        reader = DiskReader(self._reader.files)
+        try:
+            buf = StagingBuffer(max(p.buffer_bytes for p in plans))
+            t0 = time.perf_counter()
+            n = sum(reader.read(p, buf) for p in plans)
+            return n, time.perf_counter() - t0
+        finally:
+            reader.close()
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+@dataclass(frozen=True)
+class PlacedGlobals:
+    """Embeddings, final norm and head on the compute device. The embedding table may stay a
+    zero-copy view of the mapped file in the checkpoint's dtype (CPU, separate head): only a few
+    rows are gathered per step, and embed() casts the gathered rows (the same elementwise cast,
+    after the lookup instead of before: exact)."""
+
+    embed_table: torch.Tensor  # (vocab, hidden), or a packed table (GGUF) that unpacks looked-up rows
+    norm: torch.Tensor  # (hidden,)
+    head: torch.Tensor  # (vocab, hidden); the embedding table itself when tied; or a packed weight
+    dtype: torch.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) int64 -> (tokens, hidden) in the compute dtype."""
+        return M.embed(input_ids, self.embed_table).to(self.dtype)
+
+
+@dataclass(frozen=True)
+class WeightsTelemetry:
+    """What the weights did so far, for the engine's telemetry snapshot."""
+
+    transport_name: str  # the transport's class, e.g. "CpuTransport"
+    stream: StreamStats  # cumulative since load
+    links: LinkSpeeds
+    pinned_host_bytes: int  # page-locked host memory held (CUDA staging / pinned cache)
+    buffer_sets: int  # host conversion buffer sets allocated (stays <= prefetch depth + 1)
+    blocks_converted: int  # streamed blocks converted to the compute dtype on the host
+    pinned_cache: bool  # CUDA: streamed blocks pinned once in host memory instead of staged per step
+
+
+class ModelWeights:
+    """The weights opened for a frozen plan: resident blocks materialised, globals placed, streamed
+    blocks flowing through one transport chosen for the plan's tiers (tiers.make_transport)."""
+
+    def __init__(self, checkpoint: ModelCheckpoint, plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
+                 transport: str = "auto", pin_host_memory: bool = False, host_budget: int | None = None,
+                 disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
+                 quantization: str | None = None):
+        source = checkpoint.source
+        t: Transport = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps)
+        if quantization:
+            # Weight-only int8/int4 at load: every block quantized once from the compute-dtype
+            # weights (streamed ones up front), then served from memory with their packed bytes.
+            from .quantize import QuantizingTransport
+
+            try:
+                t = QuantizingTransport(t, quantization, plan.streamed_blocks, on_progress=on_progress)
+            except BaseException:
+                t.close()
+                raise
+        self._start(plan, t, lambda: _place_globals(source, dtype, device, quantization), on_progress, disk_gbps)
+
+    @classmethod
+    def from_transport(cls, plan: MemoryPlan, transport: Transport, place_globals: Callable[[], PlacedGlobals],
+                       on_progress: Callable[[int], None] | None = None) -> ModelWeights:
+        """Weights served by a transport built by the caller (the GGUF path: packed blocks, gguf_loader.py).
+        The transport is owned from here on (closed on failure too)."""
+        self = cls.__new__(cls)
+        self._start(plan, transport, place_globals, on_progress, None)
+        return self
+
+    def _start(self, plan: MemoryPlan, transport: Transport, place_globals: Callable[[], PlacedGlobals],
+               on_progress: Callable[[int], None] | None, disk_gbps: float | None) -> None:
+        self.plan = plan
+        self._transport: Transport = transport
+        self._streamer: BlockStreamer | None = None
+        try:
+            self.globals = place_globals()
+            if on_progress:
+                on_progress(-1)
+            self._streamer = BlockStreamer(self._transport, plan.resident_blocks, plan.streamed_blocks,
+                                           plan.prefetch_depth, on_progress=on_progress)
+        except BaseException:
+            self.close()  # the prefetch thread, reader threads, pinned memory
+            raise
+        t = self._transport
+        self.links = LinkSpeeds(h2d_gbps=t.link_gbps(), disk_gbps=disk_gbps, device_gbps=t.device_gbps)
+
+    # -- the compute thread's side --------------------------------------------------------------
+    def acquire(self, block: int) -> dict[str, torch.Tensor]:
+        """Block `block`'s weights on the compute device (waits if the prefetcher is behind)."""
+        return self._streamer.acquire(block)
+
+    def release(self, block: int) -> None:
+        """The block's kernels were issued: its buffer may take the next streamed block."""
+        self._streamer.release(block)
+
+    def reset(self) -> None:
+        """After a step failed half-way: drop what is in flight, restart at the first streamed block."""
+        self._streamer.reset()
+
+    @property
+    def stream_stats(self) -> StreamStats:
+        """Cumulative counters (an immutable record: subtract two with since())."""
+        return self._streamer.stats
+
+    def telemetry(self) -> WeightsTelemetry:
+        t = self._transport
+        pool = t.pool
+        return WeightsTelemetry(type(t).__name__, self._streamer.stats, self.links, t.host_bytes,
+                                pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and give back buffers, pinned memory and threads (idempotent)."""
+        if self._streamer is not None:
+            self._streamer.close()  # closes the transport too
+            self._streamer = None
+        elif self._transport is not None:
+            self._transport.close()
+        self._transport = None
+
+
+def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device,
+                   quantization: str | None = None) -> PlacedGlobals:
+    views = source.global_views()
+    lazy_embed = device.type == "cpu" and "lm_head" in views
+    placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
+              for k, v in views.items()}
+    head = placed.get("lm_head", placed["embed"])
+    if quantization:
+        from .quantize import quantize_head
+
+        head = quantize_head(head, dtype)  # int8 per row, whatever the blocks' mode
+    return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)

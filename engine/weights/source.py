@@ -1,0 +1,90 @@
+"""The checkpoint as the model math sees it: block i's tensors and the globals, by short name.
+
+Built once per load over any CheckpointReader: every name is resolved through the reader's naming and
+every tensor checked (present, the shape the architecture expects) before anything else happens, so a
+damaged checkpoint fails at start-up with the file and tensor named. Transports read blocks only
+through this class, never through the reader or the model config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..arch import ModelConfig
+from ..errors import CheckpointError
+from .checkpoint import CheckpointReader, TensorInfo
+
+
+@dataclass(frozen=True)
+class WeightSizes:
+    """Byte counts the planner needs, for one compute dtype."""
+
+    block_bytes: int  # one block in the compute dtype (what a device buffer holds)
+    global_bytes: int  # embeddings + final norm + head in the compute dtype
+    checkpoint_block_bytes: int  # one block as stored (what a disk read moves)
+    checkpoint_bytes: int  # every tensor of the checkpoint as stored
+
+
+class BlockSource:
+    def __init__(self, reader: CheckpointReader, cfg: ModelConfig):
+        self._reader = reader
+        self.num_blocks = cfg.num_layers
+        shapes = cfg.block_shapes()
+        self._names = [{short: reader.block_tensor_name(i, short) for short in shapes}
+                       for i in range(cfg.num_layers)]
+        glob = cfg.global_shapes()
+        if "lm_head" not in glob and reader.global_tensor_name("lm_head") in reader:
+            glob["lm_head"] = glob["embed"]  # tied, but the checkpoint stores a head anyway: use it
+        self._global_names = {short: reader.global_tensor_name(short) for short in glob}
+        expected = {self._global_names[s]: shape for s, shape in glob.items()}
+        for names in self._names:
+            expected.update({names[s]: shape for s, shape in shapes.items()})
+        for name, shape in expected.items():
+            if name not in reader:
+                raise CheckpointError(f"{reader.folder}: tensor {name!r} is missing from the checkpoint")
+            info = reader.tensor(name)
+            if info.shape != shape:
+                raise CheckpointError(
+                    f"{info.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}")
+        self._tensors = [{s: reader.tensor(n) for s, n in names.items()} for names in self._names]
+
+    @property
+    def files(self) -> list[Path]:
+        return self._reader.files
+
+    def tensors(self, block: int) -> dict[str, TensorInfo]:
+        return self._tensors[block]
+
+    def shapes(self, block: int) -> dict[str, tuple[int, ...]]:
+        return {short: info.shape for short, info in self._tensors[block].items()}
+
+    def views(self, block: int) -> dict[str, torch.Tensor]:
+        """Zero-copy views of the block's tensors in their storage dtype."""
+        return {short: self._reader.view(name) for short, name in self._names[block].items()}
+
+    def nbytes(self, block: int) -> int:
+        """The block's bytes as stored in the checkpoint."""
+        return sum(info.nbytes for info in self._tensors[block].values())
+
+    def compute_bytes(self, block: int, dtype: torch.dtype) -> int:
+        """The block's bytes once converted to `dtype`: what a transport hands to compute."""
+        return sum(info.numel for info in self._tensors[block].values()) * dtype.itemsize
+
+    def advise(self, block: int, advice: int) -> None:
+        self._reader.advise(list(self._names[block].values()), advice)
+
+    def global_views(self) -> dict[str, torch.Tensor]:
+        """"embed", "norm" and, when the checkpoint has one, "lm_head": zero-copy views."""
+        return {short: self._reader.view(name) for short, name in self._global_names.items()}
+
+    def sizes(self, dtype: torch.dtype) -> WeightSizes:
+        glob = [self._reader.tensor(n) for n in self._global_names.values()]
+        return WeightSizes(
+            block_bytes=max((self.compute_bytes(b, dtype) for b in range(self.num_blocks)), default=0),
+            global_bytes=sum(i.numel for i in glob) * dtype.itemsize,
+            checkpoint_block_bytes=max((self.nbytes(b) for b in range(self.num_blocks)), default=0),
+            checkpoint_bytes=self._reader.total_bytes(),
+        )

@@ -1,0 +1,50 @@
+"""`layerstream` command line: generate, serve, and the benchmarks.
+
+The dispatcher lives here, above `engine`, `server` and `bench`, so the engine is a library that
+imports neither the server nor the benchmarks. Each subcommand is a module with
+add_arguments(parser) and run(namespace) -> exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, help)
+SUBCOMMANDS = {
+    "generate": ("engine.cli", "generate text for one prompt"),
+    "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
+    "bench": ("bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
+    "bench-serve": ("bench.serving", "throughput of a running server at several concurrencies"),
+    "bench-disk": ("bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
+    "bench-packed": ("bench.packed", "GGUF / int4 / int8 on real SmolLM2: layerstream vs llama.cpp, one thread"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="layerstream", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # a benchmark's optional dependency is missing: say so when it is asked for
+            p.set_defaults(func=lambda _ns, e=e: sys.exit(f"layerstream: {e}"))
+            continue
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns) or 0
+    except (ValueError, FileNotFoundError) as e:
+        # User mistakes (bad checkpoint, bad flag value, budget too small): one clear line.
+        print(f"layerstream: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

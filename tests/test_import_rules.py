@@ -1,0 +1,161 @@
+"""The layering the architecture doc promises, checked on the source (docs/ARCHITECTURE.md):
+
+- nothing outside engine/weights imports its internals: only the package itself (`engine.weights`);
+- `engine` imports nothing from `server`, `bench` or the `layerstream` dispatcher;
+- no import circles between modules (imports inside functions count: a lazy import is still a circle);
+- no code outside `engine` walks the engine's object graph (`.runner`, `.streamer`, `.transport`).
+
+Tests that unit-test the weights package's own parts (its streamer, transports, readers) may import
+them; they are listed below, every other test goes through public interfaces.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "server", "bench", "layerstream")
+# Unit tests of the weights package's parts, and tests that replay its CUDA transport on CPU (they
+# swap CudaRuntime for a recording one); the GGUF reader, dequantizers and packed kernels are unit-tested
+# against gguf-py and transformers (gguf_models.py builds their reference models).
+WEIGHTS_UNIT_TESTS = {"test_streamer.py", "test_disk_tier.py", "test_checkpoint_errors.py", "test_overlap.py",
+                      "test_cuda.py", "test_gpu_check.py", "test_gguf.py", "test_quantization.py", "gguf_models.py"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in the file, as absolute dotted names. `from a import b`
+    counts as importing a.b when a.b is a module of the project, else as importing a."""
+    tree = ast.parse(path.read_text(), str(path))
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                out.add(sub if _is_module(sub) else mod)
+    return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (annotations only: never imported at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_module(name: str) -> bool:
+    p = ROOT.joinpath(*name.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def sources(*dirs: str) -> list[Path]:
+    return [p for d in dirs if (ROOT / d).exists() for p in sorted((ROOT / d).rglob("*.py"))]
+
+
+def project(names: set[str]) -> set[str]:
+    return {n for n in names if n.split(".")[0] in PACKAGES}
+
+
+def test_nothing_outside_weights_imports_its_internals():
+    bad = []
+    for path in sources(*PACKAGES, "tests"):
+        me = module_name(path)
+        if me.startswith("engine.weights") or (path.parent.name == "tests" and path.name in WEIGHTS_UNIT_TESTS):
+            continue
+        bad += [f"{me} imports {n}" for n in imports(path) if n.startswith("engine.weights.")]
+    assert not bad, "use the public interface in engine/weights/__init__.py:\n" + "\n".join(bad)
+
+
+def test_engine_imports_no_server_bench_or_dispatcher():
+    bad = [f"{module_name(p)} imports {n}" for p in sources("engine") for n in imports(p)
+           if n.split(".")[0] in ("server", "bench", "layerstream")]
+    assert not bad, "\n".join(bad)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module: the import circles."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    graph = {module_name(p): project(imports(p)) - {module_name(p)} for p in sources(*PACKAGES)}
+    assert not circles(graph), f"import circles: {circles(graph)}"
+
+
+def test_the_checker_is_not_vacuous():
+    """Relative and lazy imports resolve to the modules they name, and a circle is found."""
+    pkg = ROOT / "engine"
+    assert "engine.weights.streamer" in imports(pkg / "weights" / "model_weights.py")
+    assert "engine.weights.disk_reader" in imports(pkg / "weights" / "model_weights.py")  # inside a method
+    assert {"engine.planner", "engine.weights"} <= imports(pkg / "loader.py")
+    assert "engine.weights.streamer" not in imports(pkg / "weights" / "bandwidth.py")  # under TYPE_CHECKING
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Attribute reads with these names that are not the engine's object graph, each with its reason.
+NOT_THE_ENGINE = {
+    ("server/http_protocol.py", "transport"): "asyncio's transport of a client connection",
+    ("tests/test_server_app.py", "runner"): "fault injection: a forward pass that fails on demand",
+}
+
+
+def test_nothing_outside_the_engine_walks_its_object_graph():
+    bad = []
+    for path in sources("server", "bench", "layerstream", "tests"):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ("runner", "streamer", "transport")
+                    and (rel, node.attr) not in NOT_THE_ENGINE):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not bad, "read LLMEngine.telemetry() instead:\n" + "\n".join(bad)
