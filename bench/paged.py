@@ -45,7 +45,7 @@ def _turn_tokens(turn: int) -> list[int]:
 
 def launch(folder: Path, budget: int, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--port", str(port),
+    argv = [sys.executable, "-m", "layerstream", "serve", "--model", str(folder), "--port", str(port),
             "--max-device-memory", str(budget), *extra]
     print(f"launching: {' '.join(argv)}\n  (log: {log_path})", flush=True)
     proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
