@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from . import attention_backend
 from .args import DTYPE_NAMES, EngineArgs, resolve_dtype
 from .arch import ModelConfig, load_model_config
 from .errors import out_of_memory_error
@@ -25,32 +24,10 @@ from .host_memory import host_budget
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
+from .workspace import workspace_bytes
 from .weights import GGUFCheckpoint, ModelCheckpoint, ModelWeights
 
 log = logging.getLogger("layerstream")
-
-
-def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype) -> int:
-    """Peak activations of the largest step the scheduler may form (`tokens` tokens over up to
-    `seqs` sequences, contexts up to max_len): hidden states and MLP intermediates, logits, and
-    attention in its padded layout. A step of s sequences pads every query to the longest chunk, and
-    a step of s - 1 decodes and one prefill chunk of tokens - s + 1 gives s * (tokens - s + 1) padded
-    rows, far more than `tokens`. Attention holds: the padded query and its output (a few copies),
-    the boolean mask and its GQA-folded copy, K and V gathered for each sequence, and the
-    temporaries of the largest attend() call (bounded by attention_backend's chunking)."""
-    isz = dtype.itemsize
-    act = tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * isz
-    logits = seqs * cfg.vocab_size * 4 * 3
-    group = cfg.num_heads // cfg.num_kv_heads
-    attn = 0
-    for s in range(1, min(seqs, tokens) + 1):
-        mq = min(tokens - s + 1, max_len)
-        padded = s * mq * cfg.num_heads * cfg.head_dim * isz * 4
-        masks = s * mq * max_len * (1 + group)
-        gathered = 2 * s * cfg.num_kv_heads * max_len * cfg.head_dim * isz
-        call = attention_backend.workspace_bytes(s, group * mq, max_len, cfg.num_kv_heads, cfg.head_dim, isz)
-        attn = max(attn, padded + masks + gathered + call)
-    return act + attn + logits
 
 
 # The smallest context worth starting with when the user did not choose one and the budget cannot

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM, attention_backend
 from engine.attention_backend import attend, call_bytes, split
-from engine.loader import workspace_bytes
+from engine.workspace import workspace_bytes
 from engine.scheduler import ScheduledChunk, Sequence
 
 

@@ -261,7 +261,7 @@ def test_failed_host_register_falls_back_cleanly(monkeypatch):
     """A cudaHostRegister that fails (here: registering pages already registered, the way a sandbox
     without it would) leaves its error pending in the runtime; pinned_bytes must fall back to the
     pinned allocator and leave nothing for the next kernel launch to raise."""
-    from engine.weights.cuda_transport import PAGE, CudaRuntime
+    from engine.weights.cuda_runtime import PAGE, CudaRuntime
 
     rt = CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
     first = rt.pinned_bytes(PAGE)

@@ -52,7 +52,7 @@ from ..errors import CheckpointError
 from .bandwidth import LinkSpeeds, StepEstimate, efficiency, expected_step, floor_percent, host_to_device_gbps
 from .checkpoint import CheckpointReader, TensorInfo
 from .cuda_transport import HOST_MARGIN as PINNED_HOST_MARGIN
-from .cuda_transport import host_register_works
+from .cuda_runtime import host_register_works
 from .disk_bandwidth import DiskBandwidth
 from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
 from .dequant import dequantize

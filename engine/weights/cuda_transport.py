@@ -23,20 +23,19 @@ issued in order on one stream, so a buffer never receives two copies at once.
 With pin_host_memory, every streamed block is converted and kept in pinned memory once at load
 (when host memory allows), and prepare() only issues the copy: no staging, no page faults.
 
-All CUDA calls go through CudaRuntime, so tests can replay the transport on CPU with a runtime that
-records the order of events instead of running them.
+All CUDA calls go through CudaRuntime (cuda_runtime.py), so tests can replay the transport on CPU with
+a runtime that records the order of events instead of running them. Buffers are packed by layout.py;
+trace=True timing lives in cuda_trace.py; the out-of-memory message is engine.errors'.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import math
 import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -44,175 +43,18 @@ from . import bandwidth
 from ..planner import MemoryPlan, format_bytes
 from ..errors import DeviceMemoryError, out_of_memory_error
 from ..host_memory import host_memory_available
+from .cuda_runtime import CudaRuntime
+from .cuda_trace import TraceRecord, intervals
 from .disk_transport import DiskTransport
+from .layout import Layout
 from .safetensors_index import MADV_POPULATE_READ
 from .source import BlockSource
 from .transport import DISK, HOST, Ticket, Transport
 
 log = logging.getLogger("layerstream")
 
-ALIGN = 256  # bytes; every tensor in a packed buffer starts at a cuBLAS-friendly address
 HOST_MARGIN = 2 << 30  # host memory left free when deciding whether a pinned cache fits
 FILL_CHUNK = 8 << 20  # bytes per piece of a staging fill; pieces are copied in parallel
-PAGE = mmap.PAGESIZE  # the granularity at which cudaHostRegister pins host memory
-HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not the caller's
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each tensor of a block lies in a packed byte buffer."""
-
-    entries: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, byte offset, shape)
-    nbytes: int
-
-    @staticmethod
-    def of(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> "Layout":
-        entries, off = [], 0
-        for name, shape in shapes.items():
-            entries.append((name, off, tuple(shape)))
-            off += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
-        return Layout(tuple(entries), off)
-
-    def views(self, buf: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, off, shape in self.entries:
-            out[name] = buf[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        return out
-
-
-def _pieces(layout: Layout, dtype: torch.dtype) -> list[tuple[str, int, int]]:
-    """(tensor, first element, end element) pieces of about FILL_CHUNK bytes covering a layout."""
-    step = max(1, FILL_CHUNK // dtype.itemsize)
-    out = []
-    for name, _off, shape in layout.entries:
-        numel = math.prod(shape)
-        out += [(name, a, min(a + step, numel)) for a in range(0, numel, step)]
-    return out
-
-
-class CudaRuntime:
-    """The CUDA calls the transport makes, in one place (tests substitute a recording fake)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._registered: list[tuple[torch.Tensor, int]] = []  # (allocation, registered address)
-
-    def stream(self):
-        return torch.cuda.Stream(device=self.device)
-
-    def event(self, timing: bool = False):
-        # blocking: the prefetch thread's host_wait sleeps instead of spinning a core the compute
-        # thread's kernel launches (and, on small hosts, the staging memcpy) need.
-        return torch.cuda.Event(enable_timing=timing, blocking=True)
-
-    def current_stream(self):
-        return torch.cuda.current_stream(self.device)
-
-    def device_bytes(self, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.uint8, device=self.device)
-
-    def pinned_bytes(self, n: int) -> torch.Tensor:
-        """Exactly n page-locked bytes. pin_memory=True goes through the caching host allocator,
-        which rounds every block up to a power of two (a 22 MiB block would pin 32 MiB), so
-        register a plain allocation instead and fall back to the allocator if that fails.
-
-        The driver pins whole pages, and registering a page that is already registered fails
-        (cudaErrorHostMemoryAlreadyRegistered). Two small CPU tensors can share a page, so the
-        registered range is page-aligned, page-rounded and lies inside an allocation of its own.
-        A failed cudaHostRegister (already registered, or a sandbox without it) also leaves the
-        runtime's last error pending, and torch's next kernel-launch check would raise it as that
-        kernel's failure: clear_pending_error() takes it before falling back."""
-        raw = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        size = max(PAGE, -(-n // PAGE) * PAGE)
-        try:
-            # On the model's device, and portable: memory pinned for one context only is pageable
-            # (driver-staged, slower) to the others, and the calling thread may be on GPU 0.
-            with torch.cuda.device(self.device):
-                err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, HOST_REGISTER_PORTABLE)
-            ok = _succeeded(err)
-        except (AttributeError, RuntimeError, TypeError):
-            ok = False
-        if not ok:
-            clear_pending_error(self.device)
-            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        self._registered.append((raw, raw.data_ptr() + start))
-        return raw[start:start + n]
-
-    def release(self) -> None:
-        """Unregister what pinned_bytes registered (after a synchronize: no DMA reads it any more)."""
-        for _raw, ptr in self._registered:
-            if not _succeeded(torch.cuda.cudart().cudaHostUnregister(ptr)):
-                log.warning("cudaHostUnregister failed for a pinned buffer at %#x", ptr)
-                clear_pending_error(self.device)
-        self._registered.clear()
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-        # The prefetch thread's current device is cuda:0 whatever the model's. torch.cuda.stream()
-        # alone switches to the stream's device and, on exit, back with cudaSetDevice(0), which
-        # creates a context on GPU 0 for a model on cuda:1; torch.cuda.device restores lazily.
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def wait(self, stream, event) -> None:
-        stream.wait_event(event)  # a never-recorded event is a no-op: a fresh buffer is free
-
-    def record(self, event, stream) -> None:
-        event.record(stream)
-
-    def host_wait(self, event) -> None:
-        event.synchronize()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def copy_gbps(self, dst: torch.Tensor, src: torch.Tensor) -> float | None:
-        return bandwidth.measure_copy_gbps(dst, src)
-
-
-def _succeeded(err) -> bool:
-    """A cudaError_t from torch.cuda.cudart() (a pybind enum, or an int) is cudaSuccess."""
-    return int(getattr(err, "value", err)) == 0
-
-
-def clear_pending_error(device: torch.device) -> None:
-    """Take the error a failed runtime call left pending in this thread. torch exposes no
-    cudaGetLastError, but its check after every kernel launch calls it: launch one and drop what
-    it raises (nothing, when no error was pending)."""
-    try:
-        torch.empty(1, device=device).fill_(1)
-    except RuntimeError as e:
-        log.debug("cleared a pending CUDA error: %s", str(e).splitlines()[0] if str(e) else e)
-
-
-def host_register_works(device: torch.device) -> bool:
-    """Whether cudaHostRegister pins memory here (else pinned buffers come from torch's caching
-    allocator, rounded up to a power of two): registers 64 pages, copies them to the device, checks
-    what arrived, and unregisters them."""
-    rt = CudaRuntime(device)
-    try:
-        buf = rt.pinned_bytes(64 * PAGE)
-        ok = bool(rt._registered) and buf.is_pinned()
-        dev = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
-        dev.copy_(buf.fill_(3), non_blocking=True)
-        torch.cuda.synchronize(device)
-        assert int(dev[-1]) == 3, "a host->device copy from registered memory delivered the wrong bytes"
-        return ok
-    finally:
-        torch.cuda.synchronize(device)
-        rt.release()
-
-
-@dataclass
-class TraceRecord:
-    """CUDA timing events around one streamed block (trace=True only; for tests and benchmarks)."""
-
-    block: int
-    buffer: int
-    copy_start: object
-    copy_end: object
-    compute_start: object = None
-    compute_end: object = None
 
 
 class CudaTransport(Transport):
@@ -259,7 +101,8 @@ class CudaTransport(Transport):
         source, dtype = self.source, self.dtype
         streamed = list(plan.streamed_blocks)
         # Blocks of one architecture share a layout; views into every buffer are made once per layout.
-        self._layout: dict[int, Layout] = {b: Layout.of(source.shapes(b), dtype) for b in streamed}
+        self._layout: dict[int, Layout] = {b: Layout.of({k: (s, dtype) for k, s in source.shapes(b).items()})
+                                           for b in streamed}
         layouts = sorted(set(self._layout.values()), key=lambda lay: lay.nbytes)
         self._lid = {b: layouts.index(lay) for b, lay in self._layout.items()}
         # What crosses the link per block: its tensors in the compute dtype (staging converts first).
@@ -272,7 +115,7 @@ class CudaTransport(Transport):
             self._dev = [self.rt.device_bytes(self.buffer_bytes) for _ in range(self.num_buffers)]  # (bytes,) u8
         except torch.OutOfMemoryError as e:
             raise out_of_memory_error(plan, self.device, e) from e
-        self._dev_views = [[lay.views(buf, dtype) for lay in layouts] for buf in self._dev]
+        self._dev_views = [[lay.views(buf) for lay in layouts] for buf in self._dev]
         self._dev_flat = [[buf[:lay.nbytes] for lay in layouts] for buf in self._dev]
         self._free = collections.deque(range(self.num_buffers))
         self._copy_stream = self.rt.stream() if streamed else None
@@ -287,14 +130,14 @@ class CudaTransport(Transport):
             raise DeviceMemoryError(f"could not pin {n_stage} x {format_bytes(self.buffer_bytes)} of host memory "
                                     f"for staging: {e}") from e
         self.host_bytes += n_stage * self.buffer_bytes
-        self._stage_views = [[lay.views(buf, dtype) for lay in layouts] for buf in self._stage]
+        self._stage_views = [[lay.views(buf) for lay in layouts] for buf in self._stage]
         self._stage_flat = [[buf[:lay.nbytes] for lay in layouts] for buf in self._stage]
         self._staged = [self.rt.event() for _ in range(n_stage)]
         self._next_stage = 0
         # One thread's memcpy out of the page cache (~10 GB/s) is far below a PCIe 4/5 link, so the
         # staging fill is split into pieces copied by a few threads (copy_ releases the GIL).
         fill_threads = min(4, max(1, (os.cpu_count() or 1) // 4))
-        self._pieces = [_pieces(lay, dtype) for lay in layouts]
+        self._pieces = [lay.pieces(FILL_CHUNK) for lay in layouts]
         self._fill_pool = (ThreadPoolExecutor(fill_threads, thread_name_prefix="layerstream-fill")
                            if n_stage and fill_threads > 1 else None)
         if streamed:
@@ -315,7 +158,7 @@ class CudaTransport(Transport):
             for b in streamed:
                 lay = self._layout[b]
                 buf = self.rt.pinned_bytes(lay.nbytes)
-                views = lay.views(buf, self.dtype)
+                views = lay.views(buf)
                 for name, v in self.source.views(b).items():
                     views[name].copy_(v)
                 self._pinned[b] = buf
@@ -461,10 +304,4 @@ class CudaTransport(Transport):
     def trace_intervals(self) -> list[tuple[int, tuple[float, float], tuple[float, float]]]:
         """(block, (copy start, end), (compute start, end)) in ms from the first traced copy."""
         self.rt.synchronize()
-        recs = [r for r in self.traces if r.compute_end is not None]
-        if not recs:
-            return []
-        t0 = recs[0].copy_start
-        ms = lambda e: t0.elapsed_time(e)  # noqa: E731
-        return [(r.block, (ms(r.copy_start), ms(r.copy_end)), (ms(r.compute_start), ms(r.compute_end)))
-                for r in recs]
+        return intervals(self.traces)

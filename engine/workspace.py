@@ -1,0 +1,33 @@
+"""The step workspace estimate: peak activation memory of the largest step the scheduler may form,
+one of the memory plan's inputs. Its attention part is attention_backend's own bound, so the plan and
+the kernel agree."""
+
+from __future__ import annotations
+
+import torch
+
+from . import attention_backend
+from .arch import ModelConfig
+
+
+def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype) -> int:
+    """Peak activations of the largest step the scheduler may form (`tokens` tokens over up to
+    `seqs` sequences, contexts up to max_len): hidden states and MLP intermediates, logits, and
+    attention in its padded layout. A step of s sequences pads every query to the longest chunk, and
+    a step of s - 1 decodes and one prefill chunk of tokens - s + 1 gives s * (tokens - s + 1) padded
+    rows, far more than `tokens`. Attention holds: the padded query and its output (a few copies),
+    the boolean mask and its GQA-folded copy, K and V gathered for each sequence, and the
+    temporaries of the largest attend() call (bounded by attention_backend's chunking)."""
+    isz = dtype.itemsize
+    act = tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * isz
+    logits = seqs * cfg.vocab_size * 4 * 3
+    group = cfg.num_heads // cfg.num_kv_heads
+    attn = 0
+    for s in range(1, min(seqs, tokens) + 1):
+        mq = min(tokens - s + 1, max_len)
+        padded = s * mq * cfg.num_heads * cfg.head_dim * isz * 4
+        masks = s * mq * max_len * (1 + group)
+        gathered = 2 * s * cfg.num_kv_heads * max_len * cfg.head_dim * isz
+        call = attention_backend.workspace_bytes(s, group * mq, max_len, cfg.num_kv_heads, cfg.head_dim, isz)
+        attn = max(attn, padded + masks + gathered + call)
+    return act + attn + logits
