@@ -59,7 +59,7 @@ from .dequant import dequantize
 from .formats import open_checkpoint
 from .gguf_file import GGUFIndex, find_gguf
 from .gguf_loader import GGUFCheckpoint
-from .gguf_model import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
+from .gguf_config import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
 from .source import WeightSizes
 from .streamer import StreamStats

@@ -19,7 +19,7 @@ import torch
 
 from ..planner import MemoryPlan
 from .gguf_file import GGUFIndex
-from .gguf_model import GLOBAL_NAMES, GGUFBlockSource, PackedFormat, load_gguf_config, validate_gguf
+from .gguf_config import GLOBAL_NAMES, GGUFBlockSource, PackedFormat, load_gguf_config, validate_gguf
 from .model_weights import ModelWeights, PlacedGlobals
 from .packed_transport import PackedCpuTransport
 

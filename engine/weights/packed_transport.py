@@ -15,7 +15,7 @@ import torch
 
 from .safetensors_index import MADV_POPULATE_READ
 from .transport import Ticket, Transport
-from .gguf_model import GGUFBlockSource, PackedFormat
+from .gguf_config import GGUFBlockSource, PackedFormat
 
 
 class PackedCpuTransport(Transport):
