@@ -37,7 +37,8 @@ def cached_random_model(name: str, config, root: Path = BENCH_ROOT, **build_kw) 
     folder = root / f"{name}-v{BENCH_MODEL_VERSION}"
     import torch
 
-    from engine.demo import build_once, build_random_model
+    from engine.cache import build_once
+    from engine.demo import build_random_model
 
     def build(tmp: Path) -> None:
         print(f"building the benchmark checkpoint {name} in {folder} (once)", file=sys.stderr)

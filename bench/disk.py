@@ -138,10 +138,9 @@ def _read_only_pass(model: str, blocks: list[int]) -> tuple[int, float]:
     """One step's disk reads again, same reader, same files, nothing else running in this process:
     the speed the disk gives this access pattern right now, a second measure of the floor taken
     seconds after the decode (the standalone measurements can land in a slower minute)."""
-    from engine.arch import load_model_config
     from engine.weights import ModelCheckpoint
 
-    checkpoint = ModelCheckpoint(model, load_model_config(model))
+    checkpoint = ModelCheckpoint(model)
     try:
         return checkpoint.time_disk_reads(blocks)
     finally:

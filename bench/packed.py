@@ -46,33 +46,31 @@ def _quantize_with_llama_cpp(src: Path, dst: Path, ftype_name: str) -> Path:
 
 
 def _bf16_safetensors(gguf: Path, folder: Path) -> Path:
-    """The GGUF's weights, dequantized exactly (engine.weights.dequant) and saved as bf16 safetensors
-    with transformers' config and tokenizer from the GGUF metadata."""
+    """The GGUF's weights, dequantized by gguf-py's reference (Q/K rows un-permuted by transformers' own
+    function) and saved as bf16 safetensors with transformers' config and tokenizer from the GGUF
+    metadata. Independent of layerstream's reader: a peer of the same weights, not a copy of our view."""
     if (folder / "model.safetensors").exists():
         return folder
+    import numpy as np
     import torch
+    from gguf import GGUFReader, quants
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from engine.arch import BLOCK_TENSORS
-    from engine.weights import GLOBAL_NAMES, GGUFBlockSource, GGUFIndex, dequantize, load_gguf_config, metadata_folder
+    from engine.weights import config_folder
 
-    meta = metadata_folder(gguf)
+    meta = config_folder(gguf)
     cfg = AutoConfig.from_pretrained(meta)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    index = GGUFIndex(gguf)
-    source = GGUFBlockSource(index, load_gguf_config(index))
+    processor = TENSOR_PROCESSORS.get(cfg.model_type, TensorProcessor)(config=cfg.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> transformers' name
     sd = {}
-    for i in range(cfg.num_hidden_layers):
-        for short, t in source.tensors(i).items():
-            w = dequantize(source.raw(short, t.name), t.qtype, t.shape)
-            sd[f"model.layers.{i}.{BLOCK_TENSORS[short]}"] = w.to(torch.bfloat16)
-    hf_global = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-    for short, name in GLOBAL_NAMES.items():
-        if name in index:
-            t = index.entry(name)
-            sd[hf_global[short]] = dequantize(index.raw(name), t.qtype, t.shape).to(torch.bfloat16)
-    index.close()
-    model.load_state_dict(sd, strict=False)
+    for t in GGUFReader(gguf).tensors:
+        r = processor.process(weights=quants.dequantize(t.data, t.tensor_type), name=t.name,
+                              tensor_key_mapping=names, parsed_parameters={})
+        sd[names[r.name]] = torch.from_numpy(np.array(r.weights, dtype=np.float32)).to(torch.bfloat16)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)

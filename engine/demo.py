@@ -6,13 +6,13 @@ Everything is deterministic (fixed seeds, fixed corpus), so the same folder come
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+from .cache import build_once, cache_root
 
 log = logging.getLogger("layerstream")
 
@@ -126,28 +126,6 @@ def demo_gguf_path() -> Path | None:
         log.warning("%s: sha256 %s is not the expected %s; not serving it", path, h.hexdigest(), DEMO_GGUF_SHA256)
         return None
     return path
-
-
-def cache_root() -> Path:
-    base = os.environ.get("LAYERSTREAM_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "layerstream" if not os.environ.get("LAYERSTREAM_CACHE") else Path(base)
-
-
-def build_once(folder: Path, marker: str, info: dict, build: Callable[[Path], None]) -> Path:
-    """`folder`, made by `build(tmp)` the first time only. It is built in a temporary sibling, marked
-    complete (`marker`, holding `info`) and renamed into place, so a half-built folder is never
-    used; when two processes build at once, the second rename fails and both use the first's
-    (identical) folder."""
-    if (folder / marker).exists():
-        return folder
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    build(tmp)
-    (tmp / marker).write_text(json.dumps(info))
-    try:
-        tmp.rename(folder)
-    except OSError:
-        pass  # another process built it first; theirs is identical
-    return folder
 
 
 def demo_model_path() -> Path:

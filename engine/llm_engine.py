@@ -89,17 +89,13 @@ class _SeqState:
 
 
 def load_tokenizer(path):
-    from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from .weights import metadata_folder
+    from .weights import config_folder
 
-        # Vocabulary, merges, special tokens and chat template all come from the GGUF metadata.
-        return AutoTokenizer.from_pretrained(metadata_folder(path))
-    return AutoTokenizer.from_pretrained(path)
+    # A GGUF file's vocabulary, merges, special tokens and chat template come from its metadata.
+    return AutoTokenizer.from_pretrained(config_folder(path))
 
 
 class LLMEngine:

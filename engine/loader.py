@@ -7,7 +7,6 @@ step fails.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -17,15 +16,15 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .args import DTYPE_NAMES, EngineArgs, resolve_dtype
-from .arch import ModelConfig, load_model_config
+from .args import EngineArgs, resolve_dtype
+from .arch import ModelConfig
 from .errors import out_of_memory_error
 from .host_memory import host_budget
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
 from .workspace import workspace_bytes
-from .weights import GGUFCheckpoint, ModelCheckpoint, ModelWeights
+from .weights import ModelCheckpoint, ModelWeights
 
 log = logging.getLogger("layerstream")
 
@@ -97,7 +96,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     if host_sized:
         # The device is the host: what does not fit streams. Disk-tier staging holds checkpoint bytes;
         # converted copies are the plan's stream buffers.
-        staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if cfg.checkpoint_dtype != dtype else 0
+        staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if checkpoint.converts(dtype) else 0
         budget = host_room - staging
     kv_host = kv_host_bytes(args, device, host_room)
     return _plan_context(args, cfg, host_room if host_sized else None, lambda max_len: PlanInputs(
@@ -113,6 +112,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         host_budget=host_room,
         host_tiering=tiering,
         checkpoint_bytes=sizes.checkpoint_bytes,
+        streamed_block_bytes=sizes.streamed_block_bytes,
         kv_block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
@@ -126,7 +126,7 @@ class LoadedModel:
     runner: ModelRunner
     dtype: torch.dtype
     path: Path
-    checkpoint: ModelCheckpoint | GGUFCheckpoint
+    checkpoint: ModelCheckpoint
     weights: ModelWeights
 
     def close(self) -> None:
@@ -137,10 +137,8 @@ class LoadedModel:
 
 def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
-    if path.suffix == ".gguf":
-        return _load_gguf_model(args, path)
-    cfg = load_model_config(path)
-    checkpoint = ModelCheckpoint(path, cfg)
+    checkpoint = ModelCheckpoint(path)  # a safetensors folder or a GGUF file; the config its format records
+    cfg = checkpoint.cfg
     plan = weights = None
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
@@ -153,6 +151,8 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
                 log.warning("%s", note)
         log.info("%s: %s, %d layers, compute dtype %s\n%s", path, cfg.architecture, cfg.num_layers,
                  str(dtype).replace("torch.", ""), plan.describe(disk_gbps))
+        if checkpoint.describe(dtype):
+            log.info("%s", checkpoint.describe(dtype))
         device = torch.device(args.device)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
                    disable=not args.show_progress or not plan.resident_blocks, leave=False)
@@ -176,69 +176,5 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
         checkpoint.close()
         if isinstance(e, torch.OutOfMemoryError):
             raise out_of_memory_error(plan, torch.device(args.device), e) from e
-        raise
-    return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)
-
-
-def gguf_dtype(name: str) -> torch.dtype:
-    """auto -> bfloat16 (packed kernels); float32 -> the exact reference mode."""
-    return torch.bfloat16 if name == "auto" else DTYPE_NAMES[name]
-
-
-def _load_gguf_model(args: EngineArgs, path: Path) -> LoadedModel:
-    """The same steps as load_model, with GGUF's checkpoint: plan in packed bytes, packed weights (CPU)."""
-    checkpoint = GGUFCheckpoint(path)
-    weights = None
-    cfg = checkpoint.cfg
-    try:
-        if args.device != "cpu":
-            raise ValueError(f"{path}: GGUF models run on the CPU for now (device {args.device!r} asked); "
-                             "convert to safetensors for CUDA")
-        if args.transport not in ("auto", "cpu", "simulated"):
-            raise ValueError(f"{path}: transport {args.transport!r} is not available for GGUF models "
-                             "(auto, cpu, simulated are)")
-        dtype = gguf_dtype(args.dtype)
-        tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-        block_bytes, global_bytes, streamed_block_bytes = checkpoint.sizes(dtype)
-        host_room = host_budget(args.max_host_memory)
-        budget = args.max_device_memory
-        host_sized = budget is None and cfg.num_layers * block_bytes + global_bytes > host_room
-        if host_sized:
-            budget = host_room
-        kv_host = kv_host_bytes(args, torch.device("cpu"), host_room)
-        plan = _plan_context(args, cfg, host_room if host_sized else None, lambda max_len: PlanInputs(
-            num_layers=cfg.num_layers,
-            block_bytes=block_bytes,
-            global_bytes=global_bytes,
-            kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
-            workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
-            budget=budget,
-            max_model_len=max_len,
-            max_num_seqs=args.max_num_seqs,
-            prefetch_depth=args.prefetch_depth,
-            host_budget=host_room,
-            checkpoint_bytes=checkpoint.total_bytes(),
-            streamed_block_bytes=streamed_block_bytes,
-            kv_block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_memory,
-            kv_host_bytes=kv_host,
-        ))
-        plan = dataclasses.replace(plan, notes=tuple(plan.notes) + (checkpoint.describe(dtype),))
-        log.info("%s: %s (GGUF), %d layers, compute dtype %s\n%s", path, cfg.architecture, cfg.num_layers,
-                 str(dtype).replace("torch.", ""), plan.describe())
-        bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
-                   disable=not args.show_progress, leave=False)
-        try:
-            weights = checkpoint.open_weights(plan, dtype, args.transport, on_progress=lambda _i: bar.update(1))
-        finally:
-            bar.close()
-        device = torch.device("cpu")
-        kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
-                     dtype, device, num_host_blocks=plan.num_host_kv_blocks)
-        runner = ModelRunner(cfg, weights, kv, device, dtype)
-    except BaseException:
-        if weights is not None:
-            weights.close()
-        checkpoint.close()
         raise
     return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)

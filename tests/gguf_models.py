@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, quants
 
-from engine.weights.gguf_config import BLOCK_NAMES, GLOBAL_NAMES
+from engine.weights.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
 
 QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -147,10 +147,10 @@ def reference_from_gguf_tensors(path: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    from engine.weights.gguf_file import GGUFIndex
-    from engine.weights.gguf_config import metadata_folder
+    from engine.weights import config_folder
+    from engine.weights.gguf_file import GGUFIndex, ggml_type
 
-    cfg = AutoConfig.from_pretrained(metadata_folder(path))
+    cfg = AutoConfig.from_pretrained(config_folder(path))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     hf_names = {f"blk.{i}.{v}": f"model.layers.{i}.{_HF_BLOCK[k]}"
                 for i in range(cfg.num_hidden_layers) for k, v in BLOCK_NAMES.items()}
@@ -162,7 +162,8 @@ def reference_from_gguf_tensors(path: Path):
     sd = {}
     try:
         for name, t in index.entries.items():
-            w = quants.dequantize(index.raw(name).numpy(), t.qtype).reshape(t.shape)
+            rows = index.raw(name).numpy().reshape(*t.shape[:-1], -1)  # (rows..., bytes per row)
+            w = quants.dequantize(rows, ggml_type(t)).reshape(t.shape)
             if index.architecture == "llama":
                 w = permute.process(w, name).weights
             # A copy: F32 tensors come back as views of the mapping, which close() unmaps.

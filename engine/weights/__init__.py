@@ -3,10 +3,10 @@ they reach compute (and the only code that touches copy streams and events).
 
 Public interface (everything else in engine/weights is internal; tests/test_import_rules.py enforces it):
 
-  checkpoint = ModelCheckpoint(path, cfg)
+  checkpoint = ModelCheckpoint(path)   (checkpoint.cfg: the ModelConfig its format records)
       Open the checkpoint through its format's reader (`open_checkpoint`, the one place formats are told
-      apart) and check every tensor the architecture needs (present, expected shape). CheckpointError
-      names the file and tensor otherwise.
+      apart: a safetensors folder or a GGUF file) and check every tensor the architecture needs (present,
+      expected shape). CheckpointError names the file and tensor otherwise. checkpoint.packed: GGUF.
   checkpoint.sizes(dtype) -> WeightSizes
       Bytes of a block and of the globals in the compute dtype, and as stored: the planner's inputs.
   checkpoint.host_tiering(transport, device, dtype, depth) -> HostTiering | None
@@ -29,8 +29,9 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
       prepare time; the measured link speeds, kept in their own record, never in the plan.
   PINNED_HOST_MARGIN, host_register_works(device), host_to_device_gbps(device)
       What a GPU benchmark or probe needs to know about the CUDA path without reaching into it.
-  GGUFCheckpoint(path): a GGUF file opened (config from its metadata); .sizes(dtype), .open_weights(plan, ...)
-      give the loader packed weights behind the same ModelWeights (engine.loader's GGUF branch).
+  config_folder(path) -> Path; find_gguf(folder) -> Path
+      Where transformers reads the tokenizer and chat template (a GGUF file's are its metadata, cached);
+      the one GGUF model in a folder.
   quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load.
   weights.close(); checkpoint.close()
       Give back threads, buffers, pinned memory, file descriptors and mappings. A constructor that
@@ -38,14 +39,16 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
 
 Readers (checkpoint.py): a CheckpointReader is named tensors with byte ranges, a storage dtype OR a quant
 type (e.g. "Q4_K"), a logical shape, zero-copy typed views of plain tensors and raw-byte views of packed
-ones, and the format's tensor names. safetensors_index.WeightIndex is the safetensors reader; a GGUF
-reader is one more class and one more branch in formats.open_checkpoint. The unit a transport moves is
+ones, the format's tensor names, its row order and its model config. safetensors_index.WeightIndex and
+gguf_file.GGUFIndex are the readers, told apart in formats.open_checkpoint. The unit a transport moves is
 a block's set of named tensors (BlockSource.tensors(i)); per-expert units for MoE are a finer key of the
 same source, acquired the same way, without changes outside this package.
 
 Inside (may change freely): source.BlockSource (a block's tensors by short name), streamer.BlockStreamer
-(prefetch thread), transport (Transport, Ticket, CpuTransport), cuda_transport, disk_transport,
-simulated_transport, disk_reader, buffers.BufferPool, bandwidth, disk_bandwidth, views.
+(prefetch thread), transport (Transport, Ticket, CpuTransport), tiers (which transport), cuda_transport
+(with cuda_runtime, layout, cuda_trace), disk_transport, packed_transport, simulated_transport,
+disk_reader, buffers.BufferPool, bandwidth, disk_bandwidth, views, packed / packed_format / dequant /
+quantize (packed weights and their compute forms), gguf_file / gguf_config (the GGUF reader).
 """
 
 from ..errors import CheckpointError
@@ -55,19 +58,16 @@ from .cuda_transport import HOST_MARGIN as PINNED_HOST_MARGIN
 from .cuda_runtime import host_register_works
 from .disk_bandwidth import DiskBandwidth
 from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
-from .dequant import dequantize
-from .formats import open_checkpoint
-from .gguf_file import GGUFIndex, find_gguf
-from .gguf_loader import GGUFCheckpoint
-from .gguf_config import GLOBAL_NAMES, GGUFBlockSource, load_gguf_config, metadata_folder
+from .formats import config_folder, open_checkpoint
+from .gguf_file import find_gguf
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
 from .source import WeightSizes
 from .streamer import StreamStats
 from .tiers import TRANSPORTS, check_transport
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "DiskBandwidth", "GGUFBlockSource", "GGUFCheckpoint", "GGUFIndex",
-    "GLOBAL_NAMES", "dequantize", "find_gguf", "load_gguf_config", "metadata_folder", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
+    "CheckpointError", "CheckpointReader", "DiskBandwidth", "config_folder", "find_gguf", "LinkSpeeds",
+    "ModelCheckpoint", "ModelWeights",
     "PINNED_HOST_MARGIN", "PlacedGlobals", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
     "WeightSizes", "WeightsTelemetry", "check_transport", "efficiency", "expected_step", "floor_percent",
     "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",

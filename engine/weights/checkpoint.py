@@ -7,8 +7,9 @@ views in their storage dtype; any tensor's bytes as a zero-copy uint8 view. A re
 format's tensor names (which tensor is block i's "wq", which the embedding table), so nothing outside
 this package ever spells a checkpoint tensor name.
 
-Adding a format (GGUF next; per-expert units for MoE later) is one class implementing CheckpointReader
-and one branch in `formats.open_checkpoint`.
+Adding a format is one class implementing CheckpointReader and one branch in `formats.open_checkpoint`
+(safetensors_index.WeightIndex and gguf_file.GGUFIndex are the two today). A reader also reads its
+format's model config (config.json beside safetensors, the metadata of a GGUF file).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ..arch import ModelConfig
 
 __all__ = ["CheckpointError", "CheckpointReader", "TensorInfo"]
 
@@ -83,6 +88,15 @@ class CheckpointReader(ABC):
     @abstractmethod
     def global_tensor_name(self, short: str) -> str:
         """This format's name for "embed", "norm" or "lm_head"."""
+
+    @abstractmethod
+    def model_config(self) -> "ModelConfig":
+        """The architecture and shapes this checkpoint's format records for it."""
+
+    def row_order(self, name: str) -> torch.Tensor | None:
+        """Rows to gather from the stored tensor to get the engine's row order, (rows,) int64, or None
+        when it is stored in that order (every format but llama-family GGUF's Q and K)."""
+        return None
 
     def total_bytes(self) -> int:
         """Bytes of every tensor in the checkpoint."""

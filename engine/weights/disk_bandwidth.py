@@ -50,7 +50,7 @@ def filesystem_key(path: str | os.PathLike) -> str:
 
 
 def _cache_path() -> Path:
-    from ..demo import cache_root
+    from ..cache import cache_root
 
     return cache_root() / CACHE_FILE
 

@@ -9,6 +9,13 @@ is checked against the file, and an error names the file, the tensor and the typ
 
 Split models (`name-00001-of-00003.gguf`) are one `GGUFIndex` over all their files; metadata comes
 from the first, tensors from all, and a missing or duplicated split is an error.
+
+`GGUFIndex` is the GGUF CheckpointReader (checkpoint.py): tensors are `TensorInfo` records whose quant
+type is the GGML type's name ("Q4_K"), or whose dtype is set for F32/F16/BF16 tensors. It also knows
+llama.cpp's tensor names (`blk.{i}.attn_q.weight` ...) and that its converter permutes the rows of Q
+and K for llama-family files (rotary pairs interleaved instead of split in halves): `row_order`
+gives the rows that undo it. Rows of a GGML tensor are independent runs of blocks, so the
+permutation is undone on the packed rows, by whoever hands them to compute.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .safetensors_index import PAGE_SIZE, CheckpointError
+from ..arch import ModelConfig
+from .checkpoint import CheckpointError, CheckpointReader, TensorInfo
 from .dequant import SUPPORTED_TYPES
+from .safetensors_index import PAGE_SIZE
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -39,35 +48,29 @@ FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-@dataclass(frozen=True)
-class GGUFTensor:
-    name: str
-    path: Path
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order: (rows, row_len), the reverse of GGUF's ne[]
-    start: int  # absolute byte offset in the file
-    end: int
+# GGUF architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses)
+PERMUTED_ARCHITECTURES = {"llama", "mistral"}
+# llama.cpp's tensor names: the model math's short name -> suffix under blk.{i}, and the globals
+BLOCK_NAMES = {
+    "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+    "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+}
+GLOBAL_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+def ggml_type(t: TensorInfo) -> GGMLQuantizationType:
+    """The GGML type a GGUF tensor is stored in (its quant type, or F32/F16/BF16 for a plain one)."""
+    if t.quant is not None:
+        return GGMLQuantizationType[t.quant]
+    return next(q for q, d in FLOAT_TYPES.items() if d == t.dtype)
 
-    @property
-    def packed(self) -> bool:
-        return self.qtype not in FLOAT_TYPES
 
-    @property
-    def byte_shape(self) -> tuple[int, ...]:
-        """Shape of the raw bytes: (rows..., bytes per row)."""
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return (*self.shape[:-1], self.shape[-1] // block * size)
+def unpermute_rows(heads: int, rows: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's `permute(w, n_head)`: (rows,) int64."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
 
 
 class _Cursor:
@@ -136,7 +139,7 @@ class GGUFFile:
             os.close(self._fd)
             raise
 
-    def _parse(self) -> tuple[dict, dict[str, GGUFTensor], int]:
+    def _parse(self) -> tuple[dict, dict[str, TensorInfo], int]:
         cur = _Cursor(self._map, self.path)
         if cur.take(4, "magic") != GGUF_MAGIC:
             raise CheckpointError(f"{self.path}: not a GGUF file (magic bytes are {bytes(self._map[:4])!r})")
@@ -165,7 +168,7 @@ class GGUFFile:
             offset = cur.scalar("<Q", f"offset of tensor {name!r}")
             infos.append((name, ne, raw_type, offset))
         data_start = -(-cur.pos // alignment) * alignment
-        tensors: dict[str, GGUFTensor] = {}
+        tensors: dict[str, TensorInfo] = {}
         for name, ne, raw_type, offset in infos:
             if name in tensors:
                 raise CheckpointError(f"{self.path}: tensor {name!r} appears twice")
@@ -177,7 +180,7 @@ class GGUFFile:
         return metadata, tensors, data_start
 
     def _tensor(self, name: str, ne: list[int], raw_type: int, offset: int, data_start: int,
-                alignment: int) -> GGUFTensor:
+                alignment: int) -> TensorInfo:
         where = f"{self.path}: tensor {name!r}"
         try:
             qtype = GGMLQuantizationType(raw_type)
@@ -199,7 +202,9 @@ class GGUFFile:
         if start + nbytes > self.file_size:
             raise CheckpointError(f"{where} ({qtype.name}): data ends at byte {start + nbytes} but the file "
                                   f"has {self.file_size} bytes (truncated or corrupt file)")
-        return GGUFTensor(name, self.path, qtype, tuple(reversed(ne)), start, start + nbytes)
+        dtype = FLOAT_TYPES.get(qtype)
+        return TensorInfo(name, self.path, dtype, tuple(reversed(ne)), start, start + nbytes,
+                          quant=None if dtype is not None else qtype.name)
 
     def header_sha256(self) -> str:
         """Digest of everything before the tensor data: metadata and tensor table."""
@@ -207,17 +212,11 @@ class GGUFFile:
 
         return hashlib.sha256(self._map[:self.data_start]).hexdigest()
 
-    def raw(self, t: GGUFTensor) -> torch.Tensor:
-        """The tensor's bytes as a zero-copy uint8 view, shape `t.byte_shape` (no disk read here)."""
+    def raw(self, t: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes as a zero-copy (nbytes,) uint8 view (no disk read here)."""
         if t.nbytes == 0:
-            return torch.empty(t.byte_shape, dtype=torch.uint8)
-        return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.start).view(t.byte_shape)
-
-    def view(self, t: GGUFTensor) -> torch.Tensor:
-        """Float tensors as their dtype (zero copy; GGUF data is aligned), packed ones as raw bytes."""
-        raw = self.raw(t)
-        dtype = FLOAT_TYPES.get(t.qtype)
-        return raw if dtype is None else raw.view(dtype).reshape(t.shape)
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=t.nbytes, offset=t.start)
 
     def advise(self, start: int, end: int, advice: int) -> None:
         """madvise over [start, end) widened to whole pages; advice the kernel refuses is ignored."""
@@ -228,10 +227,6 @@ class GGUFFile:
             self._map.madvise(advice, lo, end - lo)
         except (OSError, ValueError):
             pass
-
-    @property
-    def fd(self) -> int:
-        return self._fd
 
     def close(self) -> None:
         try:
@@ -264,33 +259,34 @@ def find_gguf(folder: Path) -> Path:
     return firsts[0]
 
 
-class GGUFIndex:
+class GGUFIndex(CheckpointReader):
     """name -> tensor over every file of a (possibly split) GGUF model, built once and validated."""
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         self.path = path
-        self.folder = path.parent
-        self.files: dict[Path, GGUFFile] = {}
-        self.entries: dict[str, GGUFTensor] = {}
+        self.folder = path
+        self._files: dict[Path, GGUFFile] = {}
+        self.entries: dict[str, TensorInfo] = {}
         try:
             for p in split_paths(path):
                 f = GGUFFile(p)
-                self.files[p] = f
+                self._files[p] = f
                 for name, t in f.tensors.items():
                     if name in self.entries:
                         raise CheckpointError(f"{p}: tensor {name!r} is also in {self.entries[name].path.name}")
                     self.entries[name] = t
-            first = next(iter(self.files.values()))
+            first = next(iter(self._files.values()))
             self.metadata = first.metadata
             count = self.metadata.get("split.count")
-            if count is not None and count != len(self.files):
-                raise CheckpointError(f"{path}: metadata says split.count = {count} but {len(self.files)} "
+            if count is not None and count != len(self._files):
+                raise CheckpointError(f"{path}: metadata says split.count = {count} but {len(self._files)} "
                                       "file(s) match its name")
             expected = self.metadata.get("split.tensors.count")
             if expected is not None and expected != len(self.entries):
                 raise CheckpointError(f"{path}: split.tensors.count = {expected} but the files hold "
                                       f"{len(self.entries)} tensors")
+            self.header_digest = first.header_sha256()
         except BaseException:
             self.close()
             raise
@@ -299,29 +295,66 @@ class GGUFIndex:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
+    @property
+    def files(self) -> list[Path]:
+        return list(self._files)
+
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
-    def entry(self, name: str) -> GGUFTensor:
-        return self.entries[name]
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the GGUF file") from None
 
     def raw(self, name: str) -> torch.Tensor:
-        t = self.entries[name]
-        return self.files[t.path].raw(t)
+        t = self.tensor(name)
+        return self._files[t.path].raw(t)
 
     def view(self, name: str) -> torch.Tensor:
-        t = self.entries[name]
-        return self.files[t.path].view(t)
+        t = self.tensor(name)
+        if t.dtype is None:
+            raise CheckpointError(f"{t.path}: tensor {name!r} is packed ({t.quant}); read it with raw()")
+        return self.raw(name).view(t.dtype).reshape(t.shape)  # GGUF data is aligned: zero copy
 
     def advise(self, names: list[str], advice: int) -> None:
         for name in names:
             t = self.entries[name]
-            self.files[t.path].advise(t.start, t.end, advice)
+            self._files[t.path].advise(t.start, t.end, advice)
+
+    def block_tensor_name(self, layer: int, short: str) -> str:
+        return f"blk.{layer}.{BLOCK_NAMES[short]}"
+
+    def global_tensor_name(self, short: str) -> str:
+        return GLOBAL_NAMES[short]
+
+    def row_order(self, name: str) -> torch.Tensor | None:
+        if self.architecture not in PERMUTED_ARCHITECTURES:
+            return None
+        key = {BLOCK_NAMES["wq"]: "head_count", BLOCK_NAMES["wk"]: "head_count_kv"}.get(name.split(".", 2)[-1])
+        if key is None or not name.startswith("blk."):
+            return None
+        heads = self.metadata.get(f"{self.architecture}.attention.{key}")
+        if key == "head_count_kv" and heads is None:
+            heads = self.metadata.get(f"{self.architecture}.attention.head_count")
+        if not isinstance(heads, int) or heads <= 0:
+            raise CheckpointError(f"{self.path}: metadata {self.architecture}.attention.{key} is {heads!r}; "
+                                  "needed to undo the Q/K row permutation")
+        return unpermute_rows(heads, self.tensor(name).shape[0])
+
+    def model_config(self) -> ModelConfig:
+        from .gguf_config import load_gguf_config
+
+        return load_gguf_config(self.path, self.architecture, self.header_digest)
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.entries.values())
 
     def close(self) -> None:
-        for f in self.files.values():
+        for f in self._files.values():
             f.close()
-        self.files = {}
+        self._files = {}

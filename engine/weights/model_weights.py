@@ -6,6 +6,7 @@ This is the package's facade; engine code outside engine/weights uses nothing el
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,32 +22,45 @@ from .checkpoint import CheckpointReader
 from .formats import open_checkpoint
 from .source import BlockSource, WeightSizes
 from .streamer import BlockStreamer, StreamStats
-from .tiers import host_tiering, make_transport
+from .packed_format import PackedFormat
+from .tiers import check_packed, host_tiering, make_transport
 from .transport import Transport, to_compute
 
 log = logging.getLogger("layerstream")
 
 
 class ModelCheckpoint:
-    """A checkpoint opened and checked against a model config: every tensor the architecture needs
-    is present with its shape. Owns the reader (file descriptors, mappings) until close()."""
+    """A checkpoint opened through its format's reader and checked against the model config: every
+    tensor the architecture needs is present with its shape. The config is the one the checkpoint's
+    format records (config.json, GGUF metadata) unless given. Owns the reader (file descriptors,
+    mappings) until close()."""
 
-    def __init__(self, path: str | Path, cfg: ModelConfig):
+    def __init__(self, path: str | Path, cfg: ModelConfig | None = None):
         self.path = Path(path)
-        self.cfg = cfg
         self._reader: CheckpointReader = open_checkpoint(self.path)
         try:
-            self.source = BlockSource(self._reader, cfg)
+            self.cfg = cfg if cfg is not None else self._reader.model_config()
+            self.source = BlockSource(self._reader, self.cfg)
         except BaseException:
             self._reader.close()
             raise
 
+    @property
+    def packed(self) -> bool:
+        """The checkpoint stores packed (quantized) tensors: blocks stream as packed bytes."""
+        return self.source.packed
+
     def sizes(self, dtype: torch.dtype, quantization: str | None = None) -> WeightSizes:
-        """quantization (int8 | int4): blocks and head as quantized at load (quantize.py)."""
+        """Bytes the planner needs in compute dtype `dtype`. A packed checkpoint's blocks count in their
+        resident compute form and stream as stored; quantization (int8 | int4): blocks and head as
+        quantized at load (quantize.py)."""
+        if self.packed:
+            if quantization:
+                raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
+                                 "checkpoints; this one is already quantized")
+            return self._packed_sizes(dtype)
         sizes = self.source.sizes(dtype)
         if quantization:
-            import dataclasses
-
             from .quantize import quantized_plan_bytes
 
             block, glob = quantized_plan_bytes(self.cfg, self.source.global_views()["embed"].nbytes,
@@ -54,10 +68,41 @@ class ModelCheckpoint:
             sizes = dataclasses.replace(sizes, block_bytes=block, global_bytes=glob)
         return sizes
 
+    def _packed_sizes(self, dtype: torch.dtype) -> WeightSizes:
+        fmt = PackedFormat(dtype)
+        src = self.source
+        glob = src.global_infos()
+        head = glob.get("lm_head", glob["embed"])
+        return WeightSizes(
+            block_bytes=max((sum(fmt.resident_bytes(t) for t in src.tensors(b).values())
+                             for b in range(src.num_blocks)), default=0),
+            # The token table stays packed (only looked-up rows are unpacked); the head is resident.
+            global_bytes=glob["embed"].nbytes + fmt.resident_bytes(glob["norm"]) + fmt.resident_bytes(head),
+            checkpoint_block_bytes=max((src.nbytes(b) for b in range(src.num_blocks)), default=0),
+            checkpoint_bytes=self._reader.total_bytes(),
+            streamed_block_bytes=max((src.nbytes(b) for b in range(src.num_blocks)), default=0),
+        )
+
+    def converts(self, dtype: torch.dtype) -> bool:
+        """Streamed blocks are converted to `dtype` on the host (buffers beyond the mapped file)."""
+        return not self.packed and self.cfg.checkpoint_dtype != dtype
+
+    def describe(self, dtype: torch.dtype) -> str | None:
+        """A line on how the stored tensors are computed, for packed checkpoints."""
+        if not self.packed:
+            return None
+        types = sorted({t.quant or str(t.dtype).replace("torch.", "")
+                        for b in range(self.source.num_blocks) for t in self.source.tensors(b).values()})
+        return (f"stored tensor types {', '.join(types)}; compute "
+                + ("exact fp32 dequantization" if PackedFormat(dtype).exact else f"packed kernels in {dtype}"))
+
     def host_tiering(self, transport: str, device: torch.device, dtype: torch.dtype,
                      depth: int) -> HostTiering | None:
         """How planning may split streamed blocks between host memory and disk for this transport."""
-        return host_tiering(transport, device, self.sizes(dtype), depth, converts=self.cfg.checkpoint_dtype != dtype)
+        if self.packed:
+            check_packed(transport, device, self.path)
+        return host_tiering(transport, device, self.sizes(dtype), depth, converts=self.converts(dtype),
+                            packed=self.packed)
 
     def measure_disk(self) -> tuple[float | None, str | None]:
         """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);
@@ -129,35 +174,13 @@ class ModelWeights:
                  disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
                  quantization: str | None = None):
         source = checkpoint.source
-        t: Transport = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps)
-        if quantization:
-            # Weight-only int8/int4 at load: every block quantized once from the compute-dtype
-            # weights (streamed ones up front), then served from memory with their packed bytes.
-            from .quantize import QuantizingTransport
-
-            try:
-                t = QuantizingTransport(t, quantization, plan.streamed_blocks, on_progress=on_progress)
-            except BaseException:
-                t.close()
-                raise
-        self._start(plan, t, lambda: _place_globals(source, dtype, device, quantization), on_progress, disk_gbps)
-
-    @classmethod
-    def from_transport(cls, plan: MemoryPlan, transport: Transport, place_globals: Callable[[], PlacedGlobals],
-                       on_progress: Callable[[int], None] | None = None) -> ModelWeights:
-        """Weights served by a transport built by the caller (the GGUF path: packed blocks, gguf_loader.py).
-        The transport is owned from here on (closed on failure too)."""
-        self = cls.__new__(cls)
-        self._start(plan, transport, place_globals, on_progress, None)
-        return self
-
-    def _start(self, plan: MemoryPlan, transport: Transport, place_globals: Callable[[], PlacedGlobals],
-               on_progress: Callable[[int], None] | None, disk_gbps: float | None) -> None:
+        t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
+                           quantization=quantization, on_progress=on_progress)
         self.plan = plan
-        self._transport: Transport = transport
+        self._transport: Transport = t
         self._streamer: BlockStreamer | None = None
         try:
-            self.globals = place_globals()
+            self.globals = _place_globals(source, dtype, device, quantization)
             if on_progress:
                 on_progress(-1)
             self._streamer = BlockStreamer(self._transport, plan.resident_blocks, plan.streamed_blocks,
@@ -204,6 +227,8 @@ class ModelWeights:
 
 def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device,
                    quantization: str | None = None) -> PlacedGlobals:
+    if source.packed:
+        return _place_packed_globals(source, dtype)
     views = source.global_views()
     lazy_embed = device.type == "cpu" and "lm_head" in views
     placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
@@ -214,3 +239,13 @@ def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device
 
         head = quantize_head(head, dtype)  # int8 per row, whatever the blocks' mode
     return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)
+
+
+def _place_packed_globals(source: BlockSource, dtype: torch.dtype) -> PlacedGlobals:
+    """The token table stays packed (rows unpacked on lookup); norm and head in their compute form."""
+    fmt = PackedFormat(dtype)
+    infos = source.global_infos()
+    head = "lm_head" if "lm_head" in infos else "embed"
+    return PlacedGlobals(fmt.embedding(infos["embed"], source.global_rows("embed")),
+                         fmt.resident(infos["norm"], source.global_rows("norm")),
+                         fmt.resident(infos[head], source.global_rows(head)), dtype)

@@ -1,4 +1,4 @@
-"""CPU transport for GGUF blocks: packed bytes move, compute unpacks (or multiplies packed).
+"""CPU transport for packed (GGUF) blocks: packed bytes move, compute unpacks (or multiplies packed).
 
 prepare() (prefetch thread) faults the block's GGML bytes in from the page cache ahead of use, as
 CpuTransport does for safetensors; the ticket counts those packed bytes. The weights it hands to
@@ -13,13 +13,14 @@ import mmap
 
 import torch
 
+from .packed_format import PackedFormat
 from .safetensors_index import MADV_POPULATE_READ
+from .source import BlockSource
 from .transport import Ticket, Transport
-from .gguf_config import GGUFBlockSource, PackedFormat
 
 
 class PackedCpuTransport(Transport):
-    def __init__(self, source: GGUFBlockSource, fmt: PackedFormat, release_pages: bool = False):
+    def __init__(self, source: BlockSource, fmt: PackedFormat, release_pages: bool = False):
         self.source = source
         self.fmt = fmt
         self.dtype = fmt.dtype
@@ -28,7 +29,7 @@ class PackedCpuTransport(Transport):
         self._mapped: set[int] = set()
 
     def _weights(self, block: int, make) -> dict[str, object]:
-        return {short: make(t, self.source.raw(short, t.name)) for short, t in self.source.tensors(block).items()}
+        return {short: make(t, self.source.rows(block, short)) for short, t in self.source.tensors(block).items()}
 
     def resident(self, block: int) -> dict[str, object]:
         return self._weights(block, self.fmt.resident)

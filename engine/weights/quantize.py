@@ -14,6 +14,8 @@ weights to compute; the streamer's counters and the plan count their packed byte
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .transport import Ticket, Transport
@@ -64,16 +66,9 @@ def quantized_plan_bytes(cfg, embed_bytes: int, mode: str, dtype: torch.dtype) -
     embed_bytes: the embedding table as stored (kept as the checkpoint's view)."""
     shapes = cfg.block_shapes()
     block = sum(quantized_bytes(shapes[k], mode, dtype) if k in PROJECTIONS
-                else _numel(shapes[k]) * dtype.itemsize for k in shapes)
+                else math.prod(shapes[k]) * dtype.itemsize for k in shapes)
     v, h = cfg.vocab_size, cfg.hidden_size
     return block, embed_bytes + h * dtype.itemsize + quantized_bytes((v, h), "int8", dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def nbytes(w) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..arch import ModelConfig, load_model_config
 from .checkpoint import CheckpointError, CheckpointReader, TensorInfo
 from .views import typed_view
 
@@ -56,10 +57,12 @@ GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weig
 
 
 class SafetensorsFile:
-    """One mapped .safetensors file with a validated header."""
+    """One mapped .safetensors file with a validated header. `dtypes`: the storage dtypes accepted
+    (a model's floating-point ones by default; the quantization cache adds its integer codes)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, dtypes: dict[str, torch.dtype] | None = None):
         self.path = Path(path)
+        self.dtypes = DTYPES if dtypes is None else dtypes
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
@@ -107,10 +110,10 @@ class SafetensorsFile:
         where = f"{self.path}: tensor {name!r}"
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
             raise CheckpointError(f"{where}: header entry lacks dtype/shape/data_offsets")
-        dtype = DTYPES.get(info["dtype"])
+        dtype = self.dtypes.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(
-                f"{where}: dtype {info['dtype']!r} is not supported (supported: {', '.join(DTYPES)})"
+                f"{where}: dtype {info['dtype']!r} is not supported (supported: {', '.join(self.dtypes)})"
             )
         shape, offsets = info["shape"], info["data_offsets"]
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
@@ -232,6 +235,9 @@ class WeightIndex(CheckpointReader):
         for name in names:
             e = self.entries[name]
             self._files[e.path].advise(e.start, e.end, advice)
+
+    def model_config(self) -> ModelConfig:
+        return load_model_config(self.folder)
 
     def block_tensor_name(self, layer: int, short: str) -> str:
         return f"model.layers.{layer}.{BLOCK_TENSORS[short]}"

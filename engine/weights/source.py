@@ -16,6 +16,7 @@ import torch
 from ..arch import ModelConfig
 from ..errors import CheckpointError
 from .checkpoint import CheckpointReader, TensorInfo
+from .views import byte_rows
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class WeightSizes:
     global_bytes: int  # embeddings + final norm + head in the compute dtype
     checkpoint_block_bytes: int  # one block as stored (what a disk read moves)
     checkpoint_bytes: int  # every tensor of the checkpoint as stored
+    # What one streamed block moves when that differs from block_bytes: a packed block (GGUF)
+    # streams its stored bytes and is unpacked by the compute that uses it.
+    streamed_block_bytes: int | None = None
 
 
 class BlockSource:
@@ -50,6 +54,10 @@ class BlockSource:
                 raise CheckpointError(
                     f"{info.path}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}")
         self._tensors = [{s: reader.tensor(n) for s, n in names.items()} for names in self._names]
+        self._globals = {short: reader.tensor(n) for short, n in self._global_names.items()}
+        # Row orders depend on the tensor's role, not its block: found once, from block 0.
+        self._row_orders = {s: reader.row_order(n) for s, n in self._names[0].items()} if self._names else {}
+        self.packed = any(i.quant is not None for t in self._tensors + [self._globals] for i in t.values())
 
     @property
     def files(self) -> list[Path]:
@@ -73,6 +81,25 @@ class BlockSource:
         """The block's bytes once converted to `dtype`: what a transport hands to compute."""
         return sum(info.numel for info in self._tensors[block].values()) * dtype.itemsize
 
+    def rows(self, block: int, short: str) -> torch.Tensor:
+        """A tensor's stored bytes as (rows..., bytes per row) uint8 in the engine's row order: a
+        zero-copy view, unless the format stores the rows permuted (then a gather, of Q and K only)."""
+        info = self._tensors[block][short]
+        return self.reorder(short, byte_rows(self._reader.raw(info.name), info.shape))
+
+    def reorder(self, short: str, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows of a block tensor (from the mapping or a disk read) in the engine's row order."""
+        order = self._row_orders.get(short)
+        return rows if order is None else rows[order]
+
+    def global_infos(self) -> dict[str, TensorInfo]:
+        """"embed", "norm" and, when the checkpoint has one, "lm_head"."""
+        return dict(self._globals)
+
+    def global_rows(self, short: str) -> torch.Tensor:
+        info = self._globals[short]
+        return byte_rows(self._reader.raw(info.name), info.shape)
+
     def advise(self, block: int, advice: int) -> None:
         self._reader.advise(list(self._names[block].values()), advice)
 
@@ -81,7 +108,7 @@ class BlockSource:
         return {short: self._reader.view(name) for short, name in self._global_names.items()}
 
     def sizes(self, dtype: torch.dtype) -> WeightSizes:
-        glob = [self._reader.tensor(n) for n in self._global_names.values()]
+        glob = list(self._globals.values())
         return WeightSizes(
             block_bytes=max((self.compute_bytes(b, dtype) for b in range(self.num_blocks)), default=0),
             global_bytes=sum(i.numel for i in glob) * dtype.itemsize,

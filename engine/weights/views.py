@@ -14,3 +14,9 @@ def typed_view(raw: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[
     if offset % dtype.itemsize:
         return raw.clone().view(dtype).reshape(shape)
     return raw.view(dtype).reshape(shape)
+
+
+def byte_rows(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's (nbytes,) uint8 bytes as (rows..., bytes per row) for its logical `shape`, zero-copy
+    (a packed GGML row is a run of whole blocks, so rows stay independent)."""
+    return raw.view(*shape[:-1], -1) if len(shape) > 1 and raw.numel() else raw

@@ -1,0 +1,65 @@
+"""What each stored tensor of a packed checkpoint (GGUF) becomes for compute.
+
+  exact (float32): dense fp32, dequantized bit-exactly (once at load for resident blocks, at each use
+                   for streamed ones) - the reference mode;
+  fast (bf16/fp16): Q4_0/Q4_1/Q4_K repacked at load for aten's int4 kernel (codes kept), other
+                   quantized types requantized at load to per-row int8 for aten's int8 kernel;
+                   streamed blocks keep their GGML bytes and are dequantized to the compute dtype on use.
+Norms and other 1-D tensors are dequantized to the compute dtype; F32/F16/BF16 tensors are cast.
+
+Every method takes the tensor's `TensorInfo` and its bytes as rows, `(rows..., bytes per row)` uint8
+(views.byte_rows), already in engine row order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import TensorInfo
+from .dequant import dequantize
+from .gguf_file import ggml_type
+from .packed import GROUP, INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    dtype: torch.dtype  # the compute dtype
+
+    @property
+    def exact(self) -> bool:
+        return self.dtype == torch.float32
+
+    def resident(self, t: TensorInfo, rows: torch.Tensor):
+        if t.quant is None:
+            return rows.view(t.dtype).reshape(t.shape).to(self.dtype, copy=True)
+        q = ggml_type(t)
+        if self.exact or len(t.shape) == 1:
+            return dequantize(rows, q, t.shape).to(self.dtype)
+        if q in INT4_TYPES:
+            return int4_from_gguf(rows, q, t.shape, self.dtype)
+        return Int8Weight.quantize(dequantize(rows, q, t.shape), self.dtype)
+
+    def resident_bytes(self, t: TensorInfo) -> int:
+        numel = t.numel
+        if t.quant is None or self.exact or len(t.shape) == 1:
+            return numel * self.dtype.itemsize
+        scale = self.dtype.itemsize
+        if ggml_type(t) in INT4_TYPES:
+            return numel // 2 + numel // GROUP * 2 * scale
+        return numel + t.shape[0] * scale
+
+    def streamed(self, t: TensorInfo, rows: torch.Tensor):
+        if t.quant is None:
+            v = rows.view(t.dtype).reshape(t.shape)
+            return v if v.dtype == self.dtype else v.to(self.dtype)
+        if len(t.shape) == 1:
+            return dequantize(rows, ggml_type(t), t.shape).to(self.dtype)
+        return GGUFWeight(rows, ggml_type(t), t.shape, self.dtype)
+
+    def embedding(self, t: TensorInfo, rows: torch.Tensor):
+        """The token table is only gathered from: it stays packed (or a view) and rows are unpacked on lookup."""
+        if t.quant is None:
+            return rows.view(t.dtype).reshape(t.shape)
+        return GGUFWeight(rows, ggml_type(t), t.shape, self.dtype)
