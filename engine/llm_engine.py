@@ -302,6 +302,9 @@ class LLMEngine:
                 outputs.append(self._advance(seq, logits[row - 1]))
             except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
                 outputs.append(self._fail(seq, e))
+        # The next step's grammar masks, computed while its forward pass runs.
+        self.grammar.prefetch([c.seq.state.guide for c in chunks
+                               if c.seq.state.guide is not None and c.seq.status == SeqStatus.RUNNING])
         return outputs
 
     def telemetry(self) -> EngineTelemetry:
@@ -373,8 +376,6 @@ class LLMEngine:
         if reason:
             self.scheduler.finish(seq, reason)
             self._seqs.pop(seq.request_id, None)
-        elif st.guide is not None:
-            st.guide.prefetch()  # overlaps the next forward pass
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],

@@ -6,6 +6,7 @@ logits, never on which other requests share the step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,27 +77,41 @@ def _argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
+    """One token drawn from probs (vocab,) by inverting its CDF with one uniform number; None when
+    the probabilities are not finite. torch.multinomial draws the same distribution but took
+    ~1 ms per call over a 49k vocabulary on a 2-core CPU (a quarter of a batch-16 decode step),
+    this ~0.05 ms. The CDF is summed in fp64 so the tail of a large vocabulary keeps its mass."""
+    cdf = probs.cumsum(0, dtype=torch.float64)  # (vocab,)
+    total = float(cdf[-1])
+    if not (math.isfinite(total) and total > 0):
+        return None
+    u = torch.rand((), generator=generator, dtype=torch.float64) * total
+    # The first token whose CDF exceeds u: a token of probability 0 never is.
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprobs | None]:
-    """logits: (vocab,) fp32 raw model output for one sequence. allowed: (vocab,) bool, the tokens a
-    grammar admits (structured output); the others cannot be sampled whatever their bias."""
+    """logits: (vocab,) fp32 raw model output for one sequence. allowed: (k,) int64, the token ids a
+    grammar admits (structured output), ascending; the others cannot be sampled whatever their bias."""
     raw = logits
     logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     if params.logit_bias:
         logits = apply_logit_bias(logits, params.logit_bias)
     if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    if params.greedy:
+        # Sampling over the admitted tokens only: the same distribution as setting the others to
+        # -inf (top-k/top-p/min-p never keep a -inf token), and a JSON grammar usually admits a
+        # few hundred of 50k tokens, so every op after this gather is that much smaller.
+        logits = logits[allowed]  # (k,)
+    token = _argmax(logits) if params.greedy else _draw(filter_logits(logits, params).softmax(-1), generator)
+    if token is None:
+        # Penalties and temperature inside their ranges keep logits finite; if a model still
+        # produced inf/NaN logits, this sequence gets its most likely token rather than an
+        # exception that would fail the whole step.
         token = _argmax(logits)
-    else:
-        probs = filter_logits(logits, params).softmax(-1)
-        if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
-            token = int(torch.multinomial(probs, 1, generator=generator))
-        else:
-            # Penalties and temperature inside their ranges keep logits finite; if a model still
-            # produced inf/NaN logits, this sequence gets its most likely token rather than an
-            # exception from multinomial that would fail the whole step.
-            token = _argmax(logits)
+    if allowed is not None:
+        token = int(allowed[token])
     info = None
     if params.logprobs is not None:
         # Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports.
