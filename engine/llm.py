@@ -25,6 +25,8 @@ class GenerationResult:
     prompt: str | list[int]
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -49,19 +51,22 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[GenerationResult]:
         """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
         params = sampling_params or SamplingParams()
-        results, pending = [], {}
+        results, pending, owner = [], {}, {}
         for p in normalize_prompts(prompts):
             ids = self.engine.encode(p)
             res = GenerationResult(p, ids, [CompletionOutput(i) for i in range(params.n)])
             results.append(res)
             for out, choice in zip(res.outputs, params.per_choice()):
-                pending[self.engine.add_request(ids, choice)] = out
+                rid = self.engine.add_request(ids, choice)
+                pending[rid], owner[rid] = out, len(results) - 1
         while pending:
             for o in self.engine.step():
                 out = pending[o.request_id]
                 out.token_ids += o.new_token_ids
                 out.text += o.text
                 out.logprobs += o.logprobs
+                if o.prompt_logprobs is not None:
+                    results[owner[o.request_id]].prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     out.finish_reason = o.finish_reason
                     del pending[o.request_id]

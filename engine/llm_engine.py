@@ -17,7 +17,7 @@ from .detokenizer import IncrementalDetokenizer
 from .loader import LoadedModel, load_model
 from .model_source import resolve_model
 from .runner import check_token_ids
-from .sampler import TokenLogprobs, make_generator, sample_one
+from .sampler import TokenLogprobs, make_generator, sample_one, score_tokens
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .structured_output import GrammarCompiler, Guide
@@ -77,6 +77,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it (vLLM's name)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, on a request's first output: one entry per prompt
+    # token, None for the first (nothing precedes it to score it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -86,6 +89,7 @@ class _SeqState:
     detok: IncrementalDetokenizer
     stop_ids: set[int]
     guide: Guide | None = None  # structured output: the grammar this sequence follows
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
 
 
 def load_tokenizer(path):
@@ -168,9 +172,10 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= set(self._eos_ids())
         guide = self.grammar.guide(params.structured) if params.structured is not None else None
-        seq = Sequence(rid, ids, params.max_tokens)
+        seq = Sequence(rid, ids, params.max_tokens, prompt_logits=params.prompt_logprobs is not None)
         seq.state = _SeqState(params, make_generator(params.seed),
-                              IncrementalDetokenizer(self.tokenizer, ids, params.stop), stop_ids, guide)
+                              IncrementalDetokenizer(self.tokenizer, ids, params.stop), stop_ids, guide,
+                              [None] * len(ids) if seq.prompt_logits else None)
         if guide is not None:
             guide.prefetch()  # the first mask is computed while the prompt is prefilled
         self.scheduler.add(seq)  # may raise QueueFullError: nothing registered yet
@@ -289,15 +294,28 @@ class LLMEngine:
                              num_output_tokens=len(seq.output_ids))
 
     def _sample(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
-        """logits: (sampling chunks, vocab) fp32 on the CPU, in chunk order."""
+        """logits: (rows, vocab) fp32 on the CPU, in the runner's order: a row per sampling chunk,
+        then the prompt-logit rows of the chunks that have them."""
         outputs = []
-        row = 0
+        row, prompt_row = 0, sum(c.samples for c in chunks)
         for chunk in chunks:
             seq = chunk.seq
             self.scheduler.commit(chunk)
+            positions = chunk.prompt_logit_positions
+            prompt_row += len(positions)
+            if positions and seq.status == SeqStatus.RUNNING:
+                st = seq.state
+                try:
+                    scored = score_tokens(logits[prompt_row - len(positions):prompt_row],
+                                          [seq.prompt_ids[p + 1] for p in positions], st.params.prompt_logprobs)
+                    st.prompt_logprobs[positions.start + 1:positions.stop + 1] = scored
+                except Exception as e:  # noqa: BLE001 - this sequence fails alone
+                    outputs.append(self._fail(seq, e))
             if not chunk.samples:
                 continue
             row += 1
+            if seq.status != SeqStatus.RUNNING:
+                continue  # failed while scoring its prompt
             try:
                 outputs.append(self._advance(seq, logits[row - 1]))
             except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
@@ -355,6 +373,12 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, logits) -> RequestOutput:
         st: _SeqState = seq.state
+        prompt_logprobs = None
+        if st.prompt_logprobs is not None and not seq.output_ids:  # the first output carries them
+            prompt_logprobs = st.prompt_logprobs
+            if any(p is None for p in prompt_logprobs[1:]):
+                # Positions whose logits were never computed (say, a prompt prefix taken from a cache).
+                raise RuntimeError("prompt logprobs are missing for part of the prompt")
         allowed = st.guide.allowed() if st.guide is not None else None
         token, info = sample_one(logits, st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
         seq.output_ids.append(token)
@@ -386,6 +410,7 @@ class LLMEngine:
             stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ class StepInputs:
     max_query: int
     context_len: int  # keys attended to: max over sequences of (last position + 1)
     attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
-    logits_index: torch.Tensor  # (sampled_seqs,) flat index of the token whose logits are needed
+    logits_index: torch.Tensor  # (rows,) flat index of each token whose logits are needed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,6 +150,6 @@ def block_forward(
 def final_logits(
     x: torch.Tensor, norm_weight: torch.Tensor, head_weight, step: StepInputs, eps: float
 ) -> torch.Tensor:
-    """Logits only for the tokens that are sampled: (sampled_seqs, vocab) in fp32."""
+    """Logits only for the tokens in step.logits_index (sampled, or scored for prompt logprobs): (rows, vocab) fp32."""
     h = rms_norm(x[step.logits_index], norm_weight, eps)
     return linear(h, head_weight).float()

@@ -63,18 +63,21 @@ class ModelRunner:
         self.last_step: StepTiming | None = None
 
     def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
-        ids, positions, slot_mapping, logits_index = [], [], [], []
+        ids, positions, slot_mapping, logits_index, prompt_rows = [], [], [], [], []
         starts, counts = [], []
         bs = self.kv.block_size
         for c in chunks:
+            first = len(ids)
             table = c.seq.block_table
             ids += c.seq.token_range(c.start, c.count)
             positions += range(c.start, c.start + c.count)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
             if c.samples:
                 logits_index.append(len(ids) - 1)
+            prompt_rows += (first + p - c.start for p in c.prompt_logit_positions)
             starts.append(c.start)
             counts.append(c.count)
+        logits_index += prompt_rows  # after every sampled row, so sampled rows keep their chunk order
         check_token_ids(ids, self.cfg.vocab_size)
         mq = max(counts)
         ctx = max(s + n for s, n in zip(starts, counts))
@@ -125,7 +128,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns fp32 logits (sampling chunks in order, vocab)."""
+        """Run one step; returns fp32 logits (rows, vocab): one row per sampling chunk in chunk order,
+        then the rows of `prompt_logit_positions` of every chunk, in chunk order."""
         t0 = time.perf_counter()
         before = self.weights.stream_stats
         step = self._step_inputs(chunks)

@@ -122,3 +122,17 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[in
             top = list(zip(ids.tolist(), vals.tolist()))
         info = TokenLogprobs(token, float(lp[token]), top)
     return token, info
+
+
+def score_tokens(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """logits: (n, vocab) fp32 raw model output at n positions; token_ids: the n tokens that came
+    next (prompt logprobs). Each token's logprob under the model's own distribution, and the `top`
+    best alternatives, as sample_one reports them for sampled tokens."""
+    lp = torch.log_softmax(logits, dim=-1)  # (n, vocab)
+    chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0].tolist()  # (n,)
+    if top > 0:
+        vals, ids = torch.topk(lp, top, dim=-1)  # (n, top)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprobs(t, c, tp) for t, c, tp in zip(token_ids, chosen, tops)]

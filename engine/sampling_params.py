@@ -37,6 +37,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
     "logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
     "n": (1, None),
     "seed": (SEED_MIN, SEED_MAX),
 }
@@ -75,6 +76,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token (0 = only the chosen)
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none); vLLM's name
     n: int = 1
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     structured: "StructuredOutput | None" = None  # a grammar the output must follow

@@ -8,6 +8,7 @@ once per step whatever the number of sequences.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -37,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     state: object = None  # engine-side state (sampling, detokenizer); the scheduler never reads it
+    prompt_logits: bool = False  # the runner also returns the logits of its prompt positions (prompt logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +59,15 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so its last logits give a token."""
         return self.start + self.count == self.seq.num_tokens
+
+    @property
+    def prompt_logit_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token, when the sequence asks
+        for prompt logprobs: its prompt positions but the prompt's last (whose logits sample)."""
+        if not self.seq.prompt_logits or self.seq.output_ids:  # scored once; a preempted re-prefill is not
+            return range(0)
+        end = min(self.start + self.count, len(self.seq.prompt_ids) - 1)
+        return range(self.start, max(self.start, end))
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,9 @@ class Scheduler:
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget() > 0:
             seq = self.waiting[0]
             match = self.blocks.match(seq)
+            if seq.prompt_logits and not seq.output_ids:
+                # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
+                match = dataclasses.replace(match, blocks=())
             n = min(seq.num_tokens - match.num_tokens, budget())
             if not self.blocks.can_allocate(match, match.num_tokens + n, reserve=reserve):
                 break

@@ -50,6 +50,8 @@ class _Choice:
     num_output_tokens: int = 0
     tool_parser: tools.ToolCallParser | None = None  # chat with tools: text -> content + tool calls
     stop_reason: str | int | None = None  # the stop string / token that ended it
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # echo with logprobs: from the first output
 
 
 @dataclass
@@ -71,6 +73,8 @@ class _Job:
         c = self.choices[out.request_id]
         c.text += out.text
         c.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         c.num_output_tokens = out.num_output_tokens
         if out.finished:
             c.finish_reason = _finish_reason(out.finish_reason)
@@ -198,7 +202,8 @@ class OpenAIServing:
                 rid = f"{response_id}-{p}-{i}"
                 requests.append(EngineRequest(rid, ids, choice))
                 choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "",
-                                       tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None)
+                                       tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None,
+                                       prompt_ids=ids)
         handle = self.engine.submit(requests)
         try:
             await handle.accepted
@@ -233,22 +238,22 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix:
             raise InvalidParameter("suffix", "suffix is not supported")
-        if req.echo and req.logprobs is not None:
-            raise InvalidParameter("echo", "echo together with logprobs needs prompt logprobs, which this server "
-                                           "does not compute; send echo or logprobs, not both")
         raw = normalize_prompts(req.prompt)
         if not raw:
             raise InvalidParameter("prompt", "prompt must not be empty")
         self.limits.check(req, len(raw), self.engine.capacity)
         so = await self._structured(req)
         params = self._params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, so)
+        if req.echo and req.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)  # the echoed prompt scored too
         prompts, echo = await self.off_loop(self._completion_prompts, req, raw)
         job = await self._submit(prompts, req, params, "cmpl", echo)
         if req.stream:
             return _event_stream(job, self._completion_chunks(job, req))
         await self.collect(job)
         choices = [CompletionChoice(index=c.index, text=c.echo_text + c.text, finish_reason=c.finish_reason,
-                                    logprobs=self._completion_logprobs(c.logprobs, [len(c.echo_text)])
+                                    logprobs=self._with_prompt(c, self._completion_logprobs(c.logprobs,
+                                                                                            [len(c.echo_text)]))
                                     if req.logprobs is not None else None)
                    for c in sorted(job.choices.values(), key=lambda c: c.index)]
         return CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
@@ -279,6 +284,18 @@ class OpenAIServing:
             offset[0] += len(tok)
         return lp
 
+    def _with_prompt(self, c: _Choice, completion: CompletionLogprobs) -> CompletionLogprobs:
+        """Echo with logprobs: the prompt's tokens first (the first has no logprob, as OpenAI
+        sends it: nothing precedes it), their offsets counted from the start of the echoed text."""
+        if c.prompt_logprobs is None:
+            return completion
+        lp = CompletionLogprobs(text_offset=[0], tokens=[self._token_text(c.prompt_ids[0])],
+                                token_logprobs=[None], top_logprobs=[None])
+        rest = self._completion_logprobs(c.prompt_logprobs[1:], [len(lp.tokens[0])])
+        for name in ("text_offset", "tokens", "token_logprobs", "top_logprobs"):
+            getattr(lp, name).extend(getattr(rest, name) + getattr(completion, name))
+        return lp
+
     async def _completion_chunks(self, job: _Job, req: CompletionRequest) -> AsyncIterator[str]:
         offsets = {c.index: [len(c.echo_text)] for c in job.choices.values()}
         async for out in job.handle.outputs():
@@ -292,6 +309,8 @@ class OpenAIServing:
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self._completion_logprobs(out.logprobs, offsets[c.index])
+                if out.prompt_logprobs is not None:
+                    logprobs = self._with_prompt(c, logprobs)
             chunk = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                        choices=[CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                                                  finish_reason=c.finish_reason)])

@@ -60,7 +60,7 @@ def api_server(tmp_path_factory):
     tok.chat_template = TOOLS_TEMPLATE
     tok.save_pretrained(folder)
     s = _start(root, "api", ["--model", str(folder), "--served-model-name", "agent", "--max-model-len", "2048"], {})
-    s.model = "agent"
+    s.model, s.folder = "agent", folder
     yield s
     _stop(s)
 
@@ -249,9 +249,42 @@ def test_echo_is_prompt_plus_completion(api_server):
         model="agent", prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True,
         extra_body={"ignore_eos": True}))
     assert streamed == echoed.choices[0].text
-    r = httpx.post(api_server.url + "/v1/completions", json={"model": "agent", "prompt": prompt, "echo": True,
-                                                              "logprobs": 1})
-    assert_error(r, 400, "echo", contains="prompt logprobs")
+
+
+def test_echo_with_logprobs_scores_the_prompt(api_server):
+    """echo + logprobs: the prompt's tokens come first, the first with a null logprob (as OpenAI
+    sends it), the others scored as transformers scores them on the same weights; then the
+    completion's tokens. Streamed, the first chunk carries the same prompt part."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c = api_server.client()
+    prompt = "The cat sat on the mat because"
+    ids = httpx.post(api_server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    model = AutoModelForCausalLM.from_pretrained(api_server.folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)  # (tokens, vocab)
+    r = c.completions.create(model="agent", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
+                             extra_body={"ignore_eos": True})
+    lp, n = r.choices[0].logprobs, len(ids)
+    assert r.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == n + 4 and len(lp.token_logprobs) == n + 4 and len(lp.text_offset) == n + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [float(ref[i, ids[i + 1]]) for i in range(n - 1)]
+    assert lp.token_logprobs[1:n] == pytest.approx(expected, abs=1e-4)
+    for i in range(1, n):  # the alternatives (keyed by text: two ids may share one): the reference's best
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(float(ref[i - 1].max()), abs=1e-4)
+    tok = AutoTokenizer.from_pretrained(api_server.folder)
+    assert lp.tokens[:n] == [tok.decode([t]) for t in ids]
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    plain = c.completions.create(model="agent", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                 extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert lp.tokens[n:] == plain.tokens and lp.token_logprobs[n:] == pytest.approx(plain.token_logprobs)
+    chunks = list(c.completions.create(model="agent", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                       logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    first = chunks[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None and first.token_logprobs[1:n] == pytest.approx(expected, abs=1e-4)
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices) == n + 4
 
 
 # -- small endpoints ----------------------------------------------------------------------------

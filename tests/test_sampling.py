@@ -194,3 +194,35 @@ def test_n_choices_and_logprobs(llm):
     assert len(res.outputs) == 3
     assert all(len(o.logprobs) == 5 and len(o.logprobs[0].top) == 2 for o in res.outputs)
     assert len({tuple(o.token_ids) for o in res.outputs}) > 1
+
+
+def test_prompt_logprobs_match_transformers(model_dirs):
+    """prompt_logprobs under chunked prefill (5 tokens a step, so a 23-token prompt takes five
+    steps) and beside another request in the same steps: every prompt token but the first scored as
+    transformers scores it on the same weights, with its top alternatives."""
+    from transformers import AutoModelForCausalLM
+
+    folder = model_dirs["llama"]
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(23)]
+    ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model(torch.tensor([prompt])).logits[0].float(), -1)  # (tokens, vocab)
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=5)
+    try:
+        other, scored = llm.generate([PROMPT, prompt], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3,
+                                                                      ignore_eos=True))
+        plain = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    finally:
+        llm.close()
+    lp = scored.prompt_logprobs
+    assert len(lp) == len(prompt) and lp[0] is None
+    assert [e.token_id for e in lp[1:]] == prompt[1:]
+    expected = [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert [e.logprob for e in lp[1:]] == pytest.approx(expected, abs=1e-4)
+    for i, e in enumerate(lp[1:]):
+        assert [t for t, _ in e.top] == torch.topk(ref[i], 3).indices.tolist()
+    assert len(other.prompt_logprobs) == len(PROMPT)
+    assert scored.outputs[0].token_ids == plain.outputs[0].token_ids and plain.prompt_logprobs is None
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(prompt_logprobs=21)
+    assert e.value.param == "prompt_logprobs"
