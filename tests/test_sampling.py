@@ -198,8 +198,9 @@ def test_n_choices_and_logprobs(llm):
 
 def test_prompt_logprobs_match_transformers(model_dirs):
     """prompt_logprobs under chunked prefill (5 tokens a step, so a 23-token prompt takes five
-    steps) and beside another request in the same steps: every prompt token but the first scored as
-    transformers scores it on the same weights, with its top alternatives."""
+    steps), beside another request in the same steps, with the prompt's prefix in the prefix cache:
+    every prompt token but the first scored as transformers scores it on the same weights, with its
+    top alternatives."""
     from transformers import AutoModelForCausalLM
 
     folder = model_dirs["llama"]
@@ -209,9 +210,10 @@ def test_prompt_logprobs_match_transformers(model_dirs):
         ref = torch.log_softmax(ref_model(torch.tensor([prompt])).logits[0].float(), -1)  # (tokens, vocab)
     llm = LLM(str(folder), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=5)
     try:
+        # First without: its prompt's full blocks go to the prefix cache, which scoring must not use.
+        plain = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
         other, scored = llm.generate([PROMPT, prompt], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3,
                                                                       ignore_eos=True))
-        plain = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     finally:
         llm.close()
     lp = scored.prompt_logprobs
