@@ -174,7 +174,7 @@ class LLMEngine:
         guide = self.grammar.guide(params.structured) if params.structured is not None else None
         seq = Sequence(rid, ids, params.max_tokens, prompt_logits=params.prompt_logprobs is not None)
         seq.state = _SeqState(params, make_generator(params.seed),
-                              IncrementalDetokenizer(self.tokenizer, ids, params.stop), stop_ids, guide,
+                              IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens), stop_ids, guide,
                               [None] * len(ids) if seq.prompt_logits else None)
         if guide is not None:
             guide.prefetch()  # the first mask is computed while the prompt is prefilled

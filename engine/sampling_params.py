@@ -80,6 +80,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     structured: "StructuredOutput | None" = None  # a grammar the output must follow
+    skip_special_tokens: bool = True  # special tokens left out of the text (vLLM's name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -177,9 +177,10 @@ def _openapi_without_422(app: FastAPI):
 
 
 def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None, limits: RequestLimits | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, limits: RequestLimits | None = None,
+              tool_call_parser: str = "auto") -> FastAPI:
     metrics = metrics or ServerMetrics(served_model_name)
-    serving = OpenAIServing(engine, served_model_name, limits)
+    serving = OpenAIServing(engine, served_model_name, limits, tool_call_parser)
     anthropic = AnthropicServing(serving)
     app = FastAPI(title="layerstream", version="0.1", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.openapi = _openapi_without_422(app)

@@ -16,6 +16,7 @@ from engine.cli import add_engine_arguments, engine_args_from
 from engine.planner import parse_bytes
 
 from .limits import RequestLimits
+from .tools import PARSER_CHOICES
 from .ray_options import add_ray_arguments
 
 log = logging.getLogger("layerstream.server")
@@ -31,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model name clients send and /v1/models lists (default: the --model value)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
+                   help="how the model writes tool calls (vLLM's names): hermes (<tool_call> tags: Qwen, Hermes), "
+                        "llama3_json (Llama 3.x bare JSON), mistral ([TOOL_CALLS]); auto: the one the chat template "
+                        "teaches")
     p.add_argument("--max-queue", type=int, default=EngineArgs.default("max_queue"),
                    help="requests waiting for a slot (beyond free slots) before new ones get 503 + Retry-After")
     limits = p.add_argument_group("limits (see README: Limits)")
@@ -114,7 +119,8 @@ def build_server(ns: argparse.Namespace, on_failed=None):
         return engine
 
     engine = EngineLoop(args, observer=metrics, engine_factory=factory, on_failed=on_failed)
-    return build_app(engine, name, api_key=ns.api_key or None, metrics=metrics, limits=limits), engine
+    return build_app(engine, name, api_key=ns.api_key or None, metrics=metrics, limits=limits,
+                     tool_call_parser=ns.tool_call_parser), engine
 
 
 def parse_flags(args: dict) -> argparse.Namespace:

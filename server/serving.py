@@ -106,10 +106,13 @@ async def _event_stream(job: _Job, chunks: AsyncIterator[str]) -> AsyncIterator[
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineLoop, served_model_name: str, limits: RequestLimits | None = None):
+    def __init__(self, engine: EngineLoop, served_model_name: str, limits: RequestLimits | None = None,
+                 tool_call_parser: str = "auto"):
         self.engine = engine
         self.model_name = served_model_name
         self.limits = limits or RequestLimits()
+        tools.format_for(tool_call_parser, None)  # a bad choice fails here, not at the first request
+        self.tool_call_parser = tool_call_parser
         # One thread: the tokenizer is one object, and HF fast tokenizers are not safe to share
         # between threads that may change its settings; the event loop only awaits it.
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-tokenize")
@@ -156,6 +159,10 @@ class OpenAIServing:
             raise ModelNotFoundError(name, self.model_name)
         max_len = self.engine.max_model_len if self.engine.ready else None
         return ModelCard(id=self.model_name, max_model_len=max_len)
+
+    def tool_format(self) -> str:
+        """How the served model writes tool calls (tools.FORMATS), from the flag or its template."""
+        return tools.format_for(self.tool_call_parser, getattr(self.engine.tokenizer, "chat_template", None))
 
     async def _structured(self, req, extra=None):
         """The request's output constraint (from response_format / guided_* / structured_outputs, or
@@ -371,13 +378,15 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
         self.limits.check(req, 1, self.engine.capacity)
-        plan = tools.plan_tools(req)
+        plan = tools.plan_tools(req, self.tool_format())
         ids = await self.off_loop(self.chat_prompt_ids, req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_model_len - len(ids))
         so = await self._structured(req, plan.structured())
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, so)
+        if plan.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         return await self._submit([ids], req, params, "chatcmpl", tool_plan=plan)
 
     @staticmethod

@@ -55,7 +55,7 @@ def tokenize(serving, req: TokenizeRequest) -> TokenizeResponse:
             raise InvalidParameter("add_special_tokens", "the chat template writes special tokens itself")
         chat: Any = ChatCompletionRequest(messages=req.messages, tools=req.tools,
                                           add_generation_prompt=req.add_generation_prompt)
-        ids = serving.chat_prompt_ids(chat, tools.plan_tools(chat))
+        ids = serving.chat_prompt_ids(chat, tools.plan_tools(chat, serving.tool_format()))
     strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids, token_strs=strs)
 

@@ -5,9 +5,12 @@
   (Qwen2.5/3, Hermes, SmolLM3, Llama 3.1 ...). A template without tool support gets the tools
   described in a system message in the Hermes convention, and earlier calls and results rendered
   as text the same way, so the model still sees them.
-- Output, tool_choice "auto": the model's text is scanned for Hermes-style
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the rest stays content. Models
-  that write calls another way (Mistral's [TOOL_CALLS], Llama's bare JSON) are not parsed.
+- Output, tool_choice "auto": the model's text is scanned for calls in the format its chat template
+  teaches (`--tool-call-parser`, vLLM's names; `auto` reads the template): `hermes`
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen2/2.5/3, Hermes, SmolLM3, and the
+  fallback prompt below), `llama3_json` (Llama 3.1-3.3: a bare `{"name": ..., "parameters": {...}}`,
+  optionally after `<|python_tag|>`, several separated by `;`) and `mistral` (`[TOOL_CALLS]` then a
+  JSON array of `{"name", "arguments"}`, or v11's `name[ARGS]{...}`). The rest stays content.
 - tool_choice "required" or a named function: the grammar engine constrains the output (vLLM does
   the same): "required" to a JSON array of {"name", "arguments"} objects, one per call, each
   argument object valid for its function's schema; a named function to its arguments object. So
@@ -25,6 +28,28 @@ from engine.sampling_params import InvalidParameter
 from engine.structured_output import StructuredOutput, json_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1+: starts a tool call (a special token, kept in the text for parsing)
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+FORMATS = ("hermes", "llama3_json", "mistral")
+PARSER_CHOICES = ("auto", *FORMATS)  # --tool-call-parser
+
+
+def format_for(choice: str, chat_template: str | None) -> str:
+    """The tool-call format to parse: the --tool-call-parser choice, or for "auto" the one the chat
+    template teaches (a template without tools gets the Hermes fallback prompt)."""
+    if choice != "auto":
+        if choice not in FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {PARSER_CHOICES}, got {choice!r}")
+        return choice
+    template = chat_template or ""
+    if MISTRAL_CALLS in template:
+        return "mistral"
+    if OPEN in template or "tools" not in template:
+        return "hermes"
+    if PYTHON_TAG in template or '"parameters"' in template:
+        return "llama3_json"
+    return "hermes"
 
 _FALLBACK_PROMPT = (
     "You may call one or more functions to assist with the user query. The available tools, as JSON:\n"
@@ -35,11 +60,17 @@ _FALLBACK_PROMPT = (
 )
 
 
+def call_id(fmt: str = "hermes") -> str:
+    # Mistral's chat templates refuse any tool call id but 9 alphanumerics, and clients send our
+    # ids back in the next request's messages.
+    return uuid.uuid4().hex[:9] if fmt == "mistral" else "call_" + uuid.uuid4().hex[:24]
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (OpenAI's wire format)
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=call_id)
 
     def openai(self, index: int | None = None) -> dict:
         d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -52,10 +83,17 @@ class ToolPlan:
     tools: tuple[dict, ...] = ()  # OpenAI tool objects, as the template takes them
     named: str | None = None
     parallel: bool = True
+    format: str = "hermes"  # how the model writes calls (FORMATS)
 
     @property
     def active(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must be decoded with special tokens: Mistral's [TOOL_CALLS] and
+        Llama's <|python_tag|> are special tokens, which decoding would otherwise drop."""
+        return self.mode == "auto" and self.format in ("mistral", "llama3_json")
 
     def structured(self) -> StructuredOutput | None:
         """The grammar that makes the calls valid, for required / named."""
@@ -80,8 +118,9 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def plan_tools(req) -> ToolPlan:
-    """What tool calling this chat request asks for; InvalidParameter for inconsistent fields."""
+def plan_tools(req, fmt: str = "hermes") -> ToolPlan:
+    """What tool calling this chat request asks for, parsed in format `fmt`; InvalidParameter for
+    inconsistent fields."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
@@ -94,12 +133,12 @@ def plan_tools(req) -> ToolPlan:
             raise InvalidParameter("tool_choice", "tool_choice needs tools")
         return ToolPlan("none")
     if choice in ("none", "auto", "required"):
-        plan = ToolPlan(choice, tuple(tools) if choice != "none" else (), parallel=req.parallel_tool_calls)
+        plan = ToolPlan(choice, tuple(tools) if choice != "none" else (), parallel=req.parallel_tool_calls, format=fmt)
     else:
         name = choice.function.name
         if name not in names:
             raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not in tools")
-        plan = ToolPlan("named", tuple(tools), named=name, parallel=req.parallel_tool_calls)
+        plan = ToolPlan("named", tuple(tools), named=name, parallel=req.parallel_tool_calls, format=fmt)
     return plan
 
 
@@ -155,15 +194,31 @@ def _with_object_arguments(call: dict) -> dict:
     return {**call, "function": {**call["function"], "arguments": _arguments(call)}}
 
 
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+def _call_from(obj, fmt: str) -> ToolCall | None:
+    """A decoded JSON value as a call: {"name": str, "arguments" (or Llama's "parameters"): ...}."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args), call_id(fmt))
+
+
+def _parse_call(body: str, fmt: str = "hermes") -> ToolCall | None:
+    try:
+        return _call_from(json.loads(body), fmt)
+    except json.JSONDecodeError:
+        return None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _decode_prefix(text: str):
+    """(value, characters used) of the JSON value text starts with; None while it is incomplete
+    or not JSON."""
+    try:
+        return _DECODER.raw_decode(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _partial_prefix_len(text: str, tag: str) -> int:
@@ -174,14 +229,158 @@ def _partial_prefix_len(text: str, tag: str) -> int:
     return 0
 
 
+class _HermesScanner:
+    """`<tool_call>{json}</tool_call>` blocks anywhere in the text."""
+
+    def __init__(self):
+        self._buf, self._in_call = "", False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        content, calls = "", []
+        while True:
+            if not self._in_call:
+                i = self._buf.find(OPEN)
+                if i < 0:
+                    cut = len(self._buf) - _partial_prefix_len(self._buf, OPEN)
+                    content, self._buf = content + self._buf[:cut], self._buf[cut:]
+                    return content, calls
+                content, self._buf, self._in_call = content + self._buf[:i], self._buf[i + len(OPEN):], True
+            else:
+                j = self._buf.find(CLOSE)
+                if j < 0:
+                    return content, calls
+                body, self._buf, self._in_call = self._buf[:j], self._buf[j + len(CLOSE):], False
+                call = _parse_call(body)
+                if call is None:
+                    content += OPEN + body + CLOSE  # not a call after all: the model's text, as written
+                else:
+                    calls.append(call)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        if self._in_call:
+            self._in_call = False
+            call = _parse_call(rest)  # a model may end right after the JSON, without the closing tag
+            if call is not None:
+                return "", [call]
+            rest = OPEN + rest
+        return rest, []
+
+
+class _Llama3JsonScanner:
+    """Llama 3.x: the whole answer is the calls when it starts with `<|python_tag|>` or `{`: JSON
+    objects separated by `;`. Anything else is content."""
+
+    def __init__(self):
+        self._buf, self._state = "", "start"  # start (undecided) | calls | content
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+                return "", []  # cannot tell yet
+            self._state = "calls" if head.startswith((PYTHON_TAG, "{")) else "content"
+        if self._state == "content":
+            out, self._buf = self._buf, ""
+            return out, []
+        calls = []
+        while True:
+            body = self._buf.lstrip()
+            if body.startswith(PYTHON_TAG):
+                body = body[len(PYTHON_TAG):].lstrip()
+            body = body.lstrip("; \n")
+            decoded = _decode_prefix(body)
+            if decoded is None:
+                return "", calls  # incomplete: wait (finish() decides)
+            call = _call_from(decoded[0], "llama3_json")
+            if call is None:
+                self._state = "content"  # JSON, but not a call: the model's text
+                out, self._buf = self._buf, ""
+                return out, calls
+            calls.append(call)
+            self._buf = body[decoded[1]:]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        return ("" if self._state == "calls" and not rest.strip(" ;\n") else rest), []
+
+
+class _MistralScanner:
+    """Mistral: content, then `[TOOL_CALLS]` followed by a JSON array of {"name", "arguments"}
+    (tokenizers up to v7) or by `name[ARGS]{...}` (v11 on), one `[TOOL_CALLS]` per call."""
+
+    def __init__(self):
+        self._buf, self._in_call = "", False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        content, calls = "", []
+        while True:
+            if not self._in_call:
+                i = self._buf.find(MISTRAL_CALLS)
+                if i < 0:
+                    cut = len(self._buf) - _partial_prefix_len(self._buf, MISTRAL_CALLS)
+                    content, self._buf = content + self._buf[:cut], self._buf[cut:]
+                    return content, calls
+                content, self._buf = content + self._buf[:i], self._buf[i + len(MISTRAL_CALLS):]
+                self._in_call = True
+            parsed = self._parse(self._buf.lstrip())
+            if parsed is None:
+                return content, calls  # incomplete: wait
+            found, rest = parsed
+            if not found:  # not a call after all: the model's text, as written
+                content += MISTRAL_CALLS
+                self._in_call = False
+                continue
+            calls += found
+            self._buf, self._in_call = rest, False
+
+    @staticmethod
+    def _parse(body: str) -> tuple[list[ToolCall], str] | None:
+        """(calls, text after them), ([], body) if body is no call, None while incomplete."""
+        if not body:
+            return None
+        if body.startswith("["):
+            decoded = _decode_prefix(body)
+            if decoded is None:
+                return None
+            calls = [_call_from(o, "mistral") for o in decoded[0]] if isinstance(decoded[0], list) else [None]
+            return ([], body) if None in calls or not calls else (calls, body[decoded[1]:])
+        name_end = min((i for i in (body.find(MISTRAL_ARGS), body.find("{")) if i >= 0), default=-1)
+        if name_end < 0:
+            return None if len(body) < 80 else ([], body)
+        name = body[:name_end].strip()
+        args = body[name_end:]
+        if args.startswith(MISTRAL_ARGS):
+            args = args[len(MISTRAL_ARGS):]
+        decoded = _decode_prefix(args)
+        if decoded is None:
+            return None
+        if not name.replace("_", "").replace("-", "").isalnum() or not isinstance(decoded[0], dict):
+            return [], body
+        return [ToolCall(name, json.dumps(decoded[0]), call_id("mistral"))], args[decoded[1]:]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._buf = self._buf, ""
+        if self._in_call:
+            self._in_call = False
+            rest = MISTRAL_CALLS + rest  # cut short: the model's text, as written
+        return rest, []
+
+
+_SCANNERS = {"hermes": _HermesScanner, "llama3_json": _Llama3JsonScanner, "mistral": _MistralScanner}
+
+
 class ToolCallParser:
     """Turns generated text into content and tool calls, incrementally: `feed(delta)` returns the
     content that is safe to send now and the calls completed so far; `finish()` the rest."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self._buf = ""
-        self._in_call = False
+        self._buf = ""  # required / named: the whole (grammar-constrained) output
+        self._scanner = _SCANNERS[plan.format]()
         self.calls: list[ToolCall] = []
 
     def _add(self, calls: list[ToolCall]) -> list[ToolCall]:
@@ -191,29 +390,11 @@ class ToolCallParser:
         return calls
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buf += text
         if self.plan.mode != "auto":
+            self._buf += text
             return "", []  # constrained output is all call: parsed whole at the end
-        content, calls = "", []
-        while True:
-            if not self._in_call:
-                i = self._buf.find(OPEN)
-                if i < 0:
-                    keep = _partial_prefix_len(self._buf, OPEN)
-                    cut = len(self._buf) - keep
-                    content, self._buf = content + self._buf[:cut], self._buf[cut:]
-                    return content, self._add(calls)
-                content, self._buf, self._in_call = content + self._buf[:i], self._buf[i + len(OPEN):], True
-            else:
-                j = self._buf.find(CLOSE)
-                if j < 0:
-                    return content, self._add(calls)
-                body, self._buf, self._in_call = self._buf[:j], self._buf[j + len(CLOSE):], False
-                call = _parse_call(body)
-                if call is None:
-                    content += OPEN + body + CLOSE  # not a call after all: the model's text, as written
-                else:
-                    calls.append(call)
+        content, calls = self._scanner.feed(text)
+        return content, self._add(calls)
 
     def advance(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """One output delta in: the content to send now and the calls completed by it (all of
@@ -225,26 +406,23 @@ class ToolCallParser:
         return content, calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        rest, self._buf = self._buf, ""
+        fmt = self.plan.format
         if self.plan.mode == "named":
+            rest, self._buf = self._buf, ""
             try:
                 json.loads(rest)
             except json.JSONDecodeError:
                 return rest, []  # cut short (max_tokens): not a call
-            return "", self._add([ToolCall(self.plan.named, rest)])
+            return "", self._add([ToolCall(self.plan.named, rest, call_id(fmt))])
         if self.plan.mode == "required":
+            rest, self._buf = self._buf, ""
             try:
                 items = json.loads(rest)
             except json.JSONDecodeError:
                 return rest, []
-            return "", self._add([ToolCall(c["name"], json.dumps(c["arguments"])) for c in items])
-        if self._in_call:
-            self._in_call = False
-            call = _parse_call(rest)  # a model may end right after the JSON, without the closing tag
-            if call is not None:
-                return "", self._add([call])
-            rest = OPEN + rest
-        return rest, []
+            return "", self._add([ToolCall(c["name"], json.dumps(c["arguments"]), call_id(fmt)) for c in items])
+        content, calls = self._scanner.finish()
+        return content, self._add(calls)
 
 
 def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:

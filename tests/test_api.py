@@ -167,6 +167,38 @@ def test_named_tool_streamed(api_server):
     assert whole.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
 
 
+def test_tool_call_parser_flag_end_to_end(api_server, tmp_path):
+    """`--tool-call-parser mistral` on a model whose template teaches Hermes tags: the flag wins.
+    The random model is held to Mistral's call text by guided_choice (allowed beside tool_choice
+    auto), and the calls come back parsed, whole and streamed, with 9-character ids that the
+    next request may send back."""
+    s = _start(tmp_path, "mistral", ["--model", str(api_server.folder), "--served-model-name", "agent",
+                                     "--max-model-len", "2048", "--tool-call-parser", "mistral"], {})
+    try:
+        c = s.client()
+        said = 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]'
+        kw = dict(model="agent", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, CLOCK],
+                  max_tokens=200, extra_body={"guided_choice": [said]})
+        r = c.chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo",
+                                                                                               "unit": "c"}
+        assert len(call.id) == 9 and call.id.isalnum()
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+        streamed = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        assert content == "Checking." and [tc.function.arguments for tc in streamed] == [call.function.arguments]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        history = [*kw["messages"], {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "cold"}]
+        r = c.chat.completions.create(model="agent", messages=history, tools=[WEATHER, CLOCK], max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        _stop(s)
+
+
 def test_tool_errors(api_server):
     url = api_server.url + "/v1/chat/completions"
     base = {"model": "agent", "messages": ask(0), "max_tokens": 5}
@@ -195,6 +227,68 @@ def test_auto_tool_calls_parsed_incrementally():
     assert json.loads(calls[0].arguments) == {"city": "Oslo", "unit": "c"}
     p = plan.parser()
     assert p.feed("a <tool_call>not json</tool_call> b") == ("a <tool_call>not json</tool_call> b", [])
+
+
+def _parse_in_pieces(plan, text: str, size: int = 3):
+    """Content and calls from `text` fed in `size`-character stream deltas."""
+    p, out, calls = plan.parser(), "", []
+    for i in range(0, len(text), size):
+        delta, new = p.feed(text[i:i + size])
+        out, calls = out + delta, calls + new
+    tail, new = p.finish()
+    return out + tail, calls + new
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_llama3_json_tool_calls(size):
+    """Llama 3.x writes a bare JSON object with "parameters" (or after <|python_tag|>, several
+    separated by ';'); anything else, and JSON that is no call, stays content."""
+    plan = tool_calls.ToolPlan("auto", (WEATHER, CLOCK), format="llama3_json")
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+    out, calls = _parse_in_pieces(plan, text, size)
+    assert out == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"})]
+    text = '<|python_tag|>{"name": "get_time", "parameters": {"tz": "utc"}}; {"name": "get_time", "parameters": {"tz": "cet"}}'
+    out, calls = _parse_in_pieces(plan, text, size)
+    assert out == "" and [json.loads(c.arguments)["tz"] for c in calls] == ["utc", "cet"]
+    assert _parse_in_pieces(plan, "The weather is {fine}.", size) == ("The weather is {fine}.", [])
+    assert _parse_in_pieces(plan, '{"answer": 42}', size) == ('{"answer": 42}', [])
+    assert _parse_in_pieces(plan, '{"name": "get_ti', size) == ('{"name": "get_ti', [])  # cut short
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_mistral_tool_calls(size):
+    """Mistral: content, then [TOOL_CALLS] with a JSON array (v3 tokenizers) or name[ARGS]{...}
+    (v11); ids are 9 alphanumerics, which Mistral's templates demand when the calls come back."""
+    plan = tool_calls.ToolPlan("auto", (WEATHER, CLOCK), format="mistral")
+    text = 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}, ' \
+           '{"name": "get_time", "arguments": {"tz": "utc"}}]'
+    out, calls = _parse_in_pieces(plan, text, size)
+    assert out == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    out, calls = _parse_in_pieces(plan, '[TOOL_CALLS]get_time[ARGS]{"tz": "cet"}[TOOL_CALLS]get_weather[ARGS]'
+                                        '{"city": "Rome", "unit": "f"}', size)
+    assert out == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"tz": "cet"}), ("get_weather", {"city": "Rome", "unit": "f"})]
+    assert _parse_in_pieces(plan, "[TOOL_CALLS] is a token; [1, 2]", size) == ("[TOOL_CALLS] is a token; [1, 2]", [])
+    assert _parse_in_pieces(plan, '[TOOL_CALLS][{"name": "get_t', size) == ('[TOOL_CALLS][{"name": "get_t', [])
+
+
+def test_tool_call_format_follows_the_template_or_the_flag():
+    llama31 = ('{%- if tools %}Given the following functions, please respond with a JSON for a function call '
+               'with its proper arguments. Respond in the format {"name": function name, "parameters": '
+               'dictionary of argument name and its value}.{% endif %}<|python_tag|>')
+    mistral = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+    qwen = "{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>{% endif %}<tool_call>"
+    assert [tool_calls.format_for("auto", t) for t in (llama31, mistral, qwen, CHAT_TEMPLATE, None)] == [
+        "llama3_json", "mistral", "hermes", "hermes", "hermes"]
+    assert tool_calls.format_for("mistral", qwen) == "mistral"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        tool_calls.format_for("pythonic", qwen)
+    # Their markers are special tokens, which must stay in the decoded text to be parsed.
+    assert tool_calls.ToolPlan("auto", (WEATHER,), format="mistral").keeps_special_tokens
+    assert not tool_calls.ToolPlan("auto", (WEATHER,), format="hermes").keeps_special_tokens
+    assert not tool_calls.ToolPlan("required", (WEATHER,), format="llama3_json").keeps_special_tokens
 
 
 def test_tools_without_template_support_go_into_the_prompt():
