@@ -103,6 +103,12 @@ def _text(blocks: str | list[_Block] | None, param: str) -> str:
     return "".join(b.text or "" for b in blocks)
 
 
+def _call_id(tool_use_id: str | None) -> str | None:
+    """The chat call id inside one of our tool_use ids (see _tool_use): templates may check its form
+    (Mistral's demand 9 alphanumerics)."""
+    return tool_use_id.removeprefix("toolu_") if tool_use_id else tool_use_id
+
+
 def _openai_messages(req: MessagesRequest) -> list[dict]:
     out: list[dict] = []
     if req.system:
@@ -116,7 +122,7 @@ def _openai_messages(req: MessagesRequest) -> list[dict]:
             if b.type == "text":
                 text.append(b.text or "")
             elif b.type == "tool_use" and m.role == "assistant":
-                calls.append({"id": b.id, "type": "function",
+                calls.append({"id": _call_id(b.id), "type": "function",
                               "function": {"name": b.name, "arguments": json.dumps(b.input or {})}})
             elif b.type == "tool_result" and m.role == "user":
                 # Each result is a tool message of its own, in order, as the OpenAI shape has them.
@@ -124,7 +130,7 @@ def _openai_messages(req: MessagesRequest) -> list[dict]:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
                 result = _text(b.content, f"messages.{i}.content")
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                out.append({"role": "tool", "tool_call_id": _call_id(b.tool_use_id),
                             "content": f"Error: {result}" if b.is_error else result})
             else:
                 raise InvalidParameter(f"messages.{i}.content", f"a {b.type} block cannot be in a {m.role} message")

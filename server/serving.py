@@ -90,6 +90,12 @@ def _include_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
+def _check_stream_options(req) -> None:
+    # Only a stream has a usage chunk to add: accepted without one, the option would do nothing.
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParameter("stream_options", "stream_options is only allowed with stream: true")
+
+
 async def _event_stream(job: _Job, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """What every streamed response does around its chunks: an error after the status line was sent
     becomes an error event, the job's engine requests are aborted however the stream ends (no-op
@@ -245,6 +251,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix:
             raise InvalidParameter("suffix", "suffix is not supported")
+        _check_stream_options(req)
         raw = normalize_prompts(req.prompt)
         if not raw:
             raise InvalidParameter("prompt", "prompt must not be empty")
@@ -377,6 +384,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        _check_stream_options(req)
         self.limits.check(req, 1, self.engine.capacity)
         plan = tools.plan_tools(req, self.tool_format())
         ids = await self.off_loop(self.chat_prompt_ids, req, plan)

@@ -229,8 +229,10 @@ def _partial_prefix_len(text: str, tag: str) -> int:
     return 0
 
 
-class _HermesScanner:
-    """`<tool_call>{json}</tool_call>` blocks anywhere in the text."""
+class _MarkerScanner:
+    """Content until a marker that opens a call; `_after_marker` parses what follows it."""
+
+    marker = ""
 
     def __init__(self):
         self._buf, self._in_call = "", False
@@ -240,22 +242,45 @@ class _HermesScanner:
         content, calls = "", []
         while True:
             if not self._in_call:
-                i = self._buf.find(OPEN)
-                if i < 0:
-                    cut = len(self._buf) - _partial_prefix_len(self._buf, OPEN)
-                    content, self._buf = content + self._buf[:cut], self._buf[cut:]
+                before, found = self._content_until_marker()
+                content += before
+                if not found:
                     return content, calls
-                content, self._buf, self._in_call = content + self._buf[:i], self._buf[i + len(OPEN):], True
-            else:
-                j = self._buf.find(CLOSE)
-                if j < 0:
-                    return content, calls
-                body, self._buf, self._in_call = self._buf[:j], self._buf[j + len(CLOSE):], False
-                call = _parse_call(body)
-                if call is None:
-                    content += OPEN + body + CLOSE  # not a call after all: the model's text, as written
-                else:
-                    calls.append(call)
+            done = self._after_marker()
+            if done is None:
+                return content, calls  # incomplete: wait for more text
+            content, calls = content + done[0], calls + done[1]
+
+    def _content_until_marker(self) -> tuple[str, bool]:
+        """The content before the next marker (a partial marker at the end is held back, it may
+        complete in the next delta), and whether one came: the buffer then starts right after it."""
+        i = self._buf.find(self.marker)
+        if i < 0:
+            cut = len(self._buf) - _partial_prefix_len(self._buf, self.marker)
+            content, self._buf = self._buf[:cut], self._buf[cut:]
+            return content, False
+        content, self._buf, self._in_call = self._buf[:i], self._buf[i + len(self.marker):], True
+        return content, True
+
+    def _after_marker(self) -> tuple[str, list[ToolCall]] | None:
+        """Parse the buffer after a marker: (content, calls) once decided (leaving the call),
+        None while incomplete."""
+        raise NotImplementedError
+
+
+class _HermesScanner(_MarkerScanner):
+    """`<tool_call>{json}</tool_call>` blocks anywhere in the text."""
+
+    marker = OPEN
+
+    def _after_marker(self) -> tuple[str, list[ToolCall]] | None:
+        j = self._buf.find(CLOSE)
+        if j < 0:
+            return None
+        body, self._buf, self._in_call = self._buf[:j], self._buf[j + len(CLOSE):], False
+        call = _parse_call(body)
+        # Not a call after all: the model's text, as written.
+        return (OPEN + body + CLOSE, []) if call is None else ("", [call])
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._buf = self._buf, ""
@@ -307,35 +332,22 @@ class _Llama3JsonScanner:
         return ("" if self._state == "calls" and not rest.strip(" ;\n") else rest), []
 
 
-class _MistralScanner:
+class _MistralScanner(_MarkerScanner):
     """Mistral: content, then `[TOOL_CALLS]` followed by a JSON array of {"name", "arguments"}
     (tokenizers up to v7) or by `name[ARGS]{...}` (v11 on), one `[TOOL_CALLS]` per call."""
 
-    def __init__(self):
-        self._buf, self._in_call = "", False
+    marker = MISTRAL_CALLS
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buf += text
-        content, calls = "", []
-        while True:
-            if not self._in_call:
-                i = self._buf.find(MISTRAL_CALLS)
-                if i < 0:
-                    cut = len(self._buf) - _partial_prefix_len(self._buf, MISTRAL_CALLS)
-                    content, self._buf = content + self._buf[:cut], self._buf[cut:]
-                    return content, calls
-                content, self._buf = content + self._buf[:i], self._buf[i + len(MISTRAL_CALLS):]
-                self._in_call = True
-            parsed = self._parse(self._buf.lstrip())
-            if parsed is None:
-                return content, calls  # incomplete: wait
-            found, rest = parsed
-            if not found:  # not a call after all: the model's text, as written
-                content += MISTRAL_CALLS
-                self._in_call = False
-                continue
-            calls += found
-            self._buf, self._in_call = rest, False
+    def _after_marker(self) -> tuple[str, list[ToolCall]] | None:
+        parsed = self._parse(self._buf.lstrip())
+        if parsed is None:
+            return None
+        found, rest = parsed
+        self._in_call = False
+        if not found:
+            return MISTRAL_CALLS, []  # not a call after all: the model's text, as written
+        self._buf = rest
+        return "", found
 
     @staticmethod
     def _parse(body: str) -> tuple[list[ToolCall], str] | None:

@@ -322,6 +322,15 @@ def test_logit_bias_forcing_eos(api_server):
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"functions": []}, "functions"),  # a field this server would not honour is refused, never ignored
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"n": 0}, "n"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream it would do nothing
 ])
 def test_out_of_range_is_400_with_param(api_server, body, param):
     r = httpx.post(api_server.url + "/v1/chat/completions", json={"model": "agent", "messages": ask(0), **body})
