@@ -53,33 +53,46 @@ class TensorInfo:
 
 
 class CheckpointReader(ABC):
-    """What every checkpoint format provides; see the module docstring."""
+    """What every checkpoint format provides; see the module docstring. A reader keeps its validated
+    index in `entries` (name -> TensorInfo) and its open files in `_files` (path -> an object with
+    raw(entry), advise(start, end, advice) and close()); the lookups below are the same for every format."""
 
     folder: Path  # what the user named (a folder, or a single-file checkpoint)
+    entries: dict[str, TensorInfo]
+    _files: dict
 
     @property
-    @abstractmethod
     def files(self) -> list[Path]:
         """Every file holding tensors (the disk tier and the disk-speed probe read them directly)."""
+        return list(self._files)
 
-    @abstractmethod
-    def __contains__(self, name: str) -> bool: ...
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
 
-    @abstractmethod
+    def names(self) -> list[str]:
+        return list(self.entries)
+
     def tensor(self, name: str) -> TensorInfo:
         """The tensor's entry; CheckpointError if the checkpoint has no such tensor."""
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint") from None
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's stored bytes as a zero-copy (nbytes,) uint8 view (packed tensors are read so)."""
+        t = self.tensor(name)
+        return self._files[t.path].raw(t)
 
     @abstractmethod
     def view(self, name: str) -> torch.Tensor:
         """A plain tensor as a zero-copy view of the mapped file, in its storage dtype and logical shape."""
 
-    @abstractmethod
-    def raw(self, name: str) -> torch.Tensor:
-        """The tensor's stored bytes as a zero-copy (nbytes,) uint8 view (packed tensors are read so)."""
-
-    @abstractmethod
     def advise(self, names: list[str], advice: int) -> None:
         """madvise the mapped pages of these tensors (MADV_POPULATE_READ, MADV_DONTNEED)."""
+        for name in names:
+            t = self.entries[name]
+            self._files[t.path].advise(t.start, t.end, advice)
 
     @abstractmethod
     def block_tensor_name(self, layer: int, short: str) -> str:
@@ -100,10 +113,10 @@ class CheckpointReader(ABC):
 
     def total_bytes(self) -> int:
         """Bytes of every tensor in the checkpoint."""
-        return sum(self.tensor(n).nbytes for n in self.names())
+        return sum(t.nbytes for t in self.entries.values())
 
-    @abstractmethod
-    def names(self) -> list[str]: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close every file; closing again does nothing."""
+        for f in self._files.values():
+            f.close()
+        self._files = {}

@@ -295,36 +295,11 @@ class GGUFIndex(CheckpointReader):
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    @property
-    def files(self) -> list[Path]:
-        return list(self._files)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the GGUF file") from None
-
-    def raw(self, name: str) -> torch.Tensor:
-        t = self.tensor(name)
-        return self._files[t.path].raw(t)
-
     def view(self, name: str) -> torch.Tensor:
         t = self.tensor(name)
         if t.dtype is None:
             raise CheckpointError(f"{t.path}: tensor {name!r} is packed ({t.quant}); read it with raw()")
         return self.raw(name).view(t.dtype).reshape(t.shape)  # GGUF data is aligned: zero copy
-
-    def advise(self, names: list[str], advice: int) -> None:
-        for name in names:
-            t = self.entries[name]
-            self._files[t.path].advise(t.start, t.end, advice)
 
     def block_tensor_name(self, layer: int, short: str) -> str:
         return f"blk.{layer}.{BLOCK_NAMES[short]}"
@@ -350,11 +325,3 @@ class GGUFIndex(CheckpointReader):
         from .gguf_config import load_gguf_config
 
         return load_gguf_config(self.path, self.architecture, self.header_digest)
-
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.entries.values())
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files = {}

@@ -207,34 +207,9 @@ class WeightIndex(CheckpointReader):
             self.close()  # shards opened before the bad one: their descriptors and mappings
             raise
 
-    @property
-    def files(self) -> list[Path]:
-        return list(self._files)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint") from None
-
     def view(self, name: str) -> torch.Tensor:
         e = self.tensor(name)
         return self._files[e.path].view(e)
-
-    def raw(self, name: str) -> torch.Tensor:
-        e = self.tensor(name)
-        return self._files[e.path].raw(e)
-
-    def advise(self, names: list[str], advice: int) -> None:
-        for name in names:
-            e = self.entries[name]
-            self._files[e.path].advise(e.start, e.end, advice)
 
     def model_config(self) -> ModelConfig:
         return load_model_config(self.folder)
@@ -244,11 +219,3 @@ class WeightIndex(CheckpointReader):
 
     def global_tensor_name(self, short: str) -> str:
         return GLOBAL_TENSORS[short]
-
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
-
-    def close(self) -> None:
-        """Close every shard; closing again does nothing."""
-        for f in self._files.values():
-            f.close()
