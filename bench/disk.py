@@ -8,6 +8,13 @@ so every byte a decode step needs that does not fit under the cap comes from dis
   layerstream           the planner keeps what fits in RAM and reads the rest from disk each step
                         (the disk tier: O_DIRECT reads ahead of compute)
   layerstream-uncapped  no cap, every block resident: the reference for identical tokens
+  layerstream-gguf      with --gguf FILE: a packed (e.g. Q4) GGUF of the same model under the same cap;
+                        its disk tier reads the packed bytes (different weights, so its tokens are
+                        compared with its own uncapped run when that peer is listed too)
+  layerstream-gguf-uncapped  that GGUF with no cap
+
+    layerstream bench-disk --model BF16_FOLDER --gguf Q4_FILE --cap 700MB \
+        --peers layerstream,layerstream-gguf,layerstream-uncapped,layerstream-gguf-uncapped
 Reported per peer: decode tok/s, bytes read from disk per decode token (/proc/<pid>/io
 read_bytes), the GB/s that makes, and that as a % of the disk's sequential read speed measured
 first on the checkpoint itself (the disk floor: bytes per token / measured GB/s).
@@ -30,7 +37,7 @@ from .common import BENCH_ROOT, cached_random_model, read_status, table
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-PEERS = ("transformers", "layerstream", "layerstream-uncapped")
+PEERS = ("transformers", "layerstream", "layerstream-uncapped", "layerstream-gguf", "layerstream-gguf-uncapped")
 PROMPT = "Once upon a time there was a small model that dreamed of being large. It read its weights from disk"
 
 
@@ -55,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"checkpoint folder (default: a ~3.3 GB bf16 Llama built once in {BENCH_ROOT})")
     p.add_argument("--cap", default="half",
                    help="memory cgroup limit: 'half' (of the checkpoint) or a size, e.g. 1.7GB")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {', '.join(PEERS)}")
+    p.add_argument("--peers", default=",".join(PEERS[:3]), help=f"comma-separated, from {', '.join(PEERS)}")
+    p.add_argument("--gguf", default=None, help="a packed GGUF of the same model, for the layerstream-gguf peers")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=8, help="greedy tokens per peer (the first is prefill's)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="layerstream: blocks read ahead of compute")
@@ -210,6 +218,8 @@ class MemoryCgroup:
 
 def _run_peer(ns, peer: str, model: Path, ids: list[int], cap: int | None) -> dict:
     drop_page_cache()
+    if peer.startswith("layerstream-gguf"):
+        model = Path(ns.gguf)
     cg = MemoryCgroup(f"layerstream-bench-{os.getpid()}-{peer}", cap)
     argv = [sys.executable, "-m", "layerstream", "--log-level", "WARNING", "bench-disk", "--child",
             "transformers" if peer == "transformers" else "layerstream", "--model", str(model),
@@ -267,6 +277,8 @@ def run(ns: argparse.Namespace) -> int:
     for p in peers:
         if p not in PEERS:
             raise ValueError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+    if any(p.startswith("layerstream-gguf") for p in peers) and not ns.gguf:
+        raise ValueError("the layerstream-gguf peers need --gguf FILE")
     if ns.decode_tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
     from engine.weights import measure_disk_bandwidth
@@ -286,6 +298,8 @@ def run(ns: argparse.Namespace) -> int:
     measure = lambda: measure_disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)  # noqa: E731
     print(f"checkpoint {model} ({size / 1e9:.2f} GB), cap {format_bytes(cap)} ({cap / size:.0%} of it), "
           f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens", flush=True)
+    if ns.gguf:
+        print(f"GGUF {ns.gguf} ({Path(ns.gguf).stat().st_size / 1e9:.2f} GB) under the same cap", flush=True)
     load_before = _loadavg()
     results, disk = [], [measure()]
     for peer in peers:
@@ -309,17 +323,22 @@ def run(ns: argparse.Namespace) -> int:
                   flush=True)
             r["floor_gbps"] = max(r["floor_gbps"], r["read_only_gbps"])
     print(f"  disk: {disk[-1].describe()}", flush=True)
-    ref = next((r for r in results if r["peer"] == "layerstream-uncapped" and "error" not in r), None)
-    ref = ref or next((r for r in results if "error" not in r), None)
+    ok = [r for r in results if "error" not in r and not r["peer"].startswith("layerstream-gguf")]
+    ref = next((r for r in ok if r["peer"] == "layerstream-uncapped"), ok[0] if ok else None)
+    gguf_ref = next((r for r in results if r["peer"] == "layerstream-gguf-uncapped" and "error" not in r), None)
     rows = []
     for r in results:
+        packed = r["peer"].startswith("layerstream-gguf")
         tps, per_tok, achieved, pct = _floor_columns(r, r["floor_gbps"])
         if "error" in r:
             same = r["error"]
-        elif r is ref:
+        elif r is ref or r is gguf_ref:
             same = "(reference)"
+        elif packed and gguf_ref is None:
+            same = "- (other weights)"
         else:
-            same = "yes" if r["tokens"] == ref["tokens"] else f"no (first differs at {_first_difference(r, ref)})"
+            other = gguf_ref if packed else ref
+            same = "yes" if r["tokens"] == other["tokens"] else f"no (first differs at {_first_difference(r, other)})"
         cap_s = "none" if r["cap"] is None else f"{r['cap'] / 1e9:.2f} GB"
         busy = (f"{100 * r['reader_busy_s'] / r['decode_s']:.0f}%"
                 if r.get("disk_blocks") and r.get("decode_s") else "-")
@@ -331,6 +350,11 @@ def run(ns: argparse.Namespace) -> int:
                      "% of disk floor", "reads in flight", "peak RSS", "cgroup peak",
                      f"tokens identical to {ref['peer'] if ref else '-'}"], rows))
     by = {r["peer"]: r for r in results if "error" not in r}
+    if "layerstream-gguf" in by and "layerstream" in by:
+        speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
+        per_tok = lambda r: r["decode_read_bytes"] / (len(r["tokens"]) - 1)  # noqa: E731
+        print(f"\nGGUF / bf16 under the same cap: decode speed {speed(by['layerstream-gguf']) / speed(by['layerstream']):.2f}x, "
+              f"disk bytes per token {per_tok(by['layerstream-gguf']) / max(per_tok(by['layerstream']), 1):.2f}x")
     if "transformers" in by and "layerstream" in by:
         speed = lambda r: (len(r["tokens"]) - 1) / r["decode_s"]  # noqa: E731
         print(f"\nlayerstream / transformers decode speed under the same cap: "

@@ -85,12 +85,12 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes."""
     device = torch.device(args.device)
     tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-    sizes = checkpoint.sizes(dtype, args.quantization)
+    sizes = checkpoint.sizes(dtype, args.quantization, device)
     budget = args.max_device_memory
     if budget is None and device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * 0.9) - (512 << 20)
-    tiering = checkpoint.host_tiering(args.transport, device, dtype, args.prefetch_depth)
+    tiering = checkpoint.host_tiering(args.transport, device, dtype, args.prefetch_depth, args.quantization)
     weights_bytes = cfg.num_layers * sizes.block_bytes + sizes.global_bytes
     host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
     if host_sized:
@@ -155,10 +155,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
             log.info("%s", checkpoint.describe(dtype))
         device = torch.device(args.device)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
-                   disable=not args.show_progress or not plan.resident_blocks, leave=False)
-        if args.quantization:  # every block is quantized at load, streamed ones too
-            bar.reset(total=cfg.num_layers + 1)
-            bar.set_description(f"quantizing to {args.quantization}")
+                   disable=not args.show_progress or not (plan.resident_blocks or args.quantization), leave=False)
+        if args.quantization:  # every block is quantized once (unless cached), then resident ones load
+            bar.reset(total=cfg.num_layers + len(plan.resident_blocks) + 1)
+            bar.set_description(f"quantizing to {args.quantization} (or reading the cached result)")
         try:
             weights = ModelWeights(checkpoint, plan, dtype, device, transport=args.transport,
                                    pin_host_memory=args.pin_host_memory, host_budget=host_room,

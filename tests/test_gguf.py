@@ -196,6 +196,139 @@ def test_tokenizer_and_chat_template_from_metadata(gguf_root):
         llm.close()
 
 
+# -- packed bytes on every tier ------------------------------------------------------------------
+# A llama Q4_0 file (Q/K rows permuted in the file) and a Qwen2 Q4_K one (biases, 256-weight blocks),
+# computed exactly (fp32) and fast (bf16, int4 resident blocks): each streamed run must give the
+# all-resident run's tokens, and what each tier moved must be the file's packed bytes.
+TIER_CASES = [("llama", Q.Q4_0, "float32"), ("qwen2", Q.Q4_K, "float32"), ("llama", Q.Q4_0, "auto")]
+SHORT = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+
+
+def _tokens(llm, n=12):
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[3:]], params)]
+
+
+def _packed_block_bytes(path, block: int) -> int:
+    """Bytes of block `block` as stored, read by gguf-py (independent of our reader); F32 tensors
+    (norms) count in the compute dtype, as they are converted when streamed."""
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name.startswith(f"blk.{block}."))
+
+
+@pytest.fixture(scope="module")
+def resident_runs(gguf_root):
+    """(tokens, plan) of the all-resident run of each TIER_CASE."""
+    out = {}
+    for arch, qtype, dtype in TIER_CASES:
+        llm = LLM(str(tiny_gguf(gguf_root, arch, qtype)), dtype=dtype, **SHORT)
+        try:
+            out[arch, qtype, dtype] = (_tokens(llm), llm.plan)
+        finally:
+            llm.close()
+    return out
+
+
+@pytest.mark.parametrize("arch,qtype,dtype", TIER_CASES, ids=[f"{a}-{q.name}-{d}" for a, q, d in TIER_CASES])
+def test_disk_tier_reads_packed_bytes(gguf_root, resident_runs, arch, qtype, dtype):
+    """transport="disk": every streamed block is read from the file each step (O_DIRECT) as its packed
+    bytes and computed from the read buffer; tokens are the resident run's."""
+    path = tiny_gguf(gguf_root, arch, qtype)
+    tokens, plan = resident_runs[arch, qtype, dtype]
+    llm = LLM(str(path), dtype=dtype, transport="disk", max_device_memory=plan.budget_keeping(1), **SHORT)
+    try:
+        assert llm.plan.disk_blocks == llm.plan.streamed_blocks and len(llm.plan.resident_blocks) == 1
+        packed = _packed_block_bytes(path, llm.plan.streamed_blocks[0])
+        assert llm.plan.disk_block_bytes == packed
+        assert _tokens(llm) == tokens
+        total = llm.telemetry().total
+        # One aligned read per block (a block's tensors lie together in the file): at most a page of
+        # alignment on either side beyond its packed bytes.
+        assert total.blocks_streamed * packed <= total.disk_bytes_read <= total.blocks_streamed * (packed + 2 * 4096)
+    finally:
+        llm.close()
+
+
+def test_auto_tiers_a_packed_model_between_ram_and_disk(gguf_root, resident_runs):
+    """auto on the CPU with host memory for only part of the streamed blocks: the planner keeps some
+    packed blocks in RAM and reads the others from disk, counting packed bytes; same tokens."""
+    arch, qtype, dtype = TIER_CASES[0]
+    path = tiny_gguf(gguf_root, arch, qtype)
+    tokens, plan = resident_runs[arch, qtype, dtype]
+    budget = plan.budget_keeping(1)
+    probe = LLM(str(path), dtype=dtype, max_device_memory=budget, **SHORT)
+    device_bytes, block = probe.plan.device_bytes, probe.plan.disk_block_bytes
+    probe.close()
+    # Host memory: the device plan, depth + 1 disk staging buffers, and room for two of the 4 streamed blocks.
+    llm = LLM(str(path), dtype=dtype, max_device_memory=budget,
+              max_host_memory=device_bytes + (2 + 2) * block + block // 2, **SHORT)
+    try:
+        p = llm.plan
+        assert p.host_blocks and p.disk_blocks, p.describe()
+        assert _tokens(llm) == tokens
+        total = llm.telemetry().total
+        assert total.disk_tier_bytes and total.host_tier_bytes
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["staging", "pinned"])
+@pytest.mark.parametrize("arch,qtype,dtype", TIER_CASES[:2], ids=[f"{a}-{q.name}" for a, q, _ in TIER_CASES[:2]])
+def test_cuda_transport_moves_packed_bytes_replayed_on_cpu(gguf_root, resident_runs, monkeypatch, arch, qtype,
+                                                           dtype, pin):
+    """The CUDA transport on CPU (test_overlap's recording runtime): packed rows are staged (Q/K put in
+    engine row order), copied into the device ring as bytes and computed as GGUFWeight views of it;
+    the event protocol holds, the tokens are the resident run's, and every counter is packed bytes."""
+    import engine.weights.cuda_transport as ct
+    from tests.test_overlap import RecordingRuntime, capture_cuda_transports, check_protocol
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    built = capture_cuda_transports(monkeypatch)
+    path = tiny_gguf(gguf_root, arch, qtype)
+    tokens, plan = resident_runs[arch, qtype, dtype]
+    llm = LLM(str(path), dtype=dtype, device="cpu", transport="cuda", max_device_memory=plan.budget_keeping(1),
+              pin_host_memory=pin, max_host_memory="8GiB", **SHORT)
+    try:
+        t = built[0]
+        assert (len(t._stage) == 0) == pin and len(llm.plan.resident_blocks) == 1
+        block = llm.plan.streamed_blocks[0]
+        packed = _packed_block_bytes(path, block)
+        fp32 = sum(int(x.n_elements) * 4 for x in GGUFReader(path).tensors if x.name.startswith(f"blk.{block}."))
+        # The device ring holds packed bytes (plus alignment): far less than the block in fp32.
+        assert packed <= t.buffer_bytes < fp32 / 3
+        assert _tokens(llm) == tokens
+        stats = llm.telemetry().total
+        assert stats.bytes_streamed == stats.blocks_streamed * packed
+        assert check_protocol(t, t.rt.log) >= stats.blocks_streamed
+    finally:
+        llm.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_streams_packed_on_a_gpu(gguf_root, dtype):
+    """On a real GPU: a Q4_0 file with one resident block and the rest streamed as packed bytes gives
+    the CPU exact run's tokens in fp32 (and its logits to bf16 rounding in bf16)."""
+    path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    ref = LLM(str(path), dtype="float32", **SHORT)
+    try:
+        ref_tokens, ref_logits = _tokens(ref), prompt_logits(ref, PROMPT)
+    finally:
+        ref.close()
+    llm = LLM(str(path), dtype=dtype, device="cuda", **SHORT)
+    budget = llm.plan.budget_keeping(1)
+    llm.close()
+    llm = LLM(str(path), dtype=dtype, device="cuda", max_device_memory=budget, **SHORT)
+    try:
+        assert len(llm.plan.resident_blocks) == 1, llm.plan.describe()
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=8e-2, rtol=5e-2)
+        torch.testing.assert_close(prompt_logits(llm, PROMPT).float().cpu(), ref_logits, **tol)
+        if dtype == "float32":
+            assert _tokens(llm) == ref_tokens
+        assert llm.telemetry().total.bytes_streamed > 0
+    finally:
+        llm.close()
+
+
 # -- bad files -----------------------------------------------------------------------------------
 
 def _header_end(path) -> int:

@@ -75,3 +75,84 @@ def test_quantized_streaming_counts_packed_bytes(bf16_llama):
 def test_bad_quantization_value():
     with pytest.raises(ValueError, match="quantization must be 'int8' or 'int4', got 'int3'"):
         LLM("unused", quantization="int3")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """A layerstream cache of each test's own (the quantization cache lives there)."""
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _counting_quantizer(monkeypatch) -> list:
+    import engine.weights.quant_cache as qc
+
+    calls, real = [], qc.quantize_weight
+    monkeypatch.setattr(qc, "quantize_weight", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def _load(model, mode="int4"):
+    llm = LLM(str(model), max_model_len=64, max_num_seqs=1, quantization=mode)
+    try:
+        return prompt_logits(llm, PROMPT)
+    finally:
+        llm.close()
+
+
+def test_quantization_cache_is_reused_and_never_beside_the_model(bf16_llama, cache, monkeypatch):
+    """The first load quantizes every projection once into one entry under the layerstream cache; the
+    second maps that entry and quantizes nothing, with identical logits; the model folder is untouched."""
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in bf16_llama.iterdir())
+    calls = _counting_quantizer(monkeypatch)
+    first = _load(bf16_llama)
+    n_first = len(calls)
+    entries = list(cache.glob("quantized-v*/*/model.safetensors"))
+    assert len(entries) == 1
+    calls.clear()
+    second = _load(bf16_llama)
+    assert calls == [], "the second load reuses the cache entry"
+    torch.testing.assert_close(second, first, atol=0, rtol=0)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in bf16_llama.iterdir()) == before
+    assert n_first > 0 and n_first % 7 == 0  # each of the 7 projections of every block, once
+    _load(bf16_llama, "int8")  # another mode is another entry
+    assert len(list(cache.glob("quantized-v*/*/model.safetensors"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_damaged_cache_entry_is_rebuilt(bf16_llama, cache, monkeypatch, caplog, damage):
+    """An entry whose file no longer matches its recorded sha256 (bytes flipped, or cut short) is
+    removed and built again, with a warning; the logits are those of a clean load."""
+    first = _load(bf16_llama)
+    (entry,) = cache.glob("quantized-v*/*/model.safetensors")
+    data = bytearray(entry.read_bytes())
+    if damage == "flipped":
+        data[len(data) // 2] ^= 0xFF
+        entry.write_bytes(bytes(data))
+    else:
+        entry.write_bytes(bytes(data[: len(data) // 3]))
+    calls = _counting_quantizer(monkeypatch)
+    with caplog.at_level("WARNING", logger="layerstream"):
+        again = _load(bf16_llama)
+    assert calls, "the damaged entry was built again"
+    assert "damaged" in caplog.text and "building it again" in caplog.text
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+
+def test_a_changed_checkpoint_gets_a_new_cache_entry(bf16_llama, cache, tmp_path, monkeypatch):
+    """The key follows the checkpoint's identity, not its folder: an exact copy elsewhere (same bytes,
+    sizes and times) reuses the entry; a modified file gets an entry of its own."""
+    import shutil
+
+    _load(bf16_llama)
+    copy = tmp_path / "copy"
+    shutil.copytree(bf16_llama, copy)  # copy2: bytes and modification times kept
+    calls = _counting_quantizer(monkeypatch)
+    _load(copy)
+    assert calls == [] and len(list(cache.glob("quantized-v*/*/model.safetensors"))) == 1
+    f = copy / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-64:] = bytes(64)  # the last weights of the file change
+    f.write_bytes(bytes(data))
+    _load(copy)
+    assert len(list(cache.glob("quantized-v*/*/model.safetensors"))) == 2

@@ -32,7 +32,8 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
   config_folder(path) -> Path; find_gguf(folder) -> Path
       Where transformers reads the tokenizer and chat template (a GGUF file's are its metadata, cached);
       the one GGUF model in a folder.
-  quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load.
+  quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load, once
+      per checkpoint: the result is a cache entry under the layerstream cache (quant_cache.py).
   weights.close(); checkpoint.close()
       Give back threads, buffers, pinned memory, file descriptors and mappings. A constructor that
       fails releases what it took before raising.
@@ -41,14 +42,16 @@ Readers (checkpoint.py): a CheckpointReader is named tensors with byte ranges, a
 type (e.g. "Q4_K"), a logical shape, zero-copy typed views of plain tensors and raw-byte views of packed
 ones, the format's tensor names, its row order and its model config. safetensors_index.WeightIndex and
 gguf_file.GGUFIndex are the readers, told apart in formats.open_checkpoint. The unit a transport moves is
-a block's set of named tensors (BlockSource.tensors(i)); per-expert units for MoE are a finer key of the
+a block's set of named tensors (BlockSource.tensors(i)), plain or packed: packed (GGUF) blocks move
+their stored bytes on every tier (page cache, disk, CUDA); per-expert units for MoE are a finer key of the
 same source, acquired the same way, without changes outside this package.
 
 Inside (may change freely): source.BlockSource (a block's tensors by short name), streamer.BlockStreamer
 (prefetch thread), transport (Transport, Ticket, CpuTransport), tiers (which transport), cuda_transport
 (with cuda_runtime, layout, cuda_trace), disk_transport, packed_transport, simulated_transport,
 disk_reader, buffers.BufferPool, bandwidth, disk_bandwidth, views, packed / packed_format / dequant /
-quantize (packed weights and their compute forms), gguf_file / gguf_config (the GGUF reader).
+quantize / quant_cache / quantized_transport (packed weights, their compute forms, quantization at
+load), gguf_file / gguf_config (the GGUF reader).
 """
 
 from ..errors import CheckpointError

@@ -23,6 +23,11 @@ issued in order on one stream, so a buffer never receives two copies at once.
 With pin_host_memory, every streamed block is converted and kept in pinned memory once at load
 (when host memory allows), and prepare() only issues the copy: no staging, no page faults.
 
+Packed checkpoints (GGUF; `fmt` given): a block's quantized tensors are staged and copied as their
+stored bytes (uint8 rows, Q/K rows put in engine order while staging), only its plain tensors are
+converted; compute gets `GGUFWeight`s over the device buffer, dequantized by the matmul that uses
+them. So the link, the staging buffers and the device ring all carry packed bytes.
+
 All CUDA calls go through CudaRuntime (cuda_runtime.py), so tests can replay the transport on CPU with
 a runtime that records the order of events instead of running them. Buffers are packed by layout.py;
 trace=True timing lives in cuda_trace.py; the out-of-memory message is engine.errors'.
@@ -47,9 +52,11 @@ from .cuda_runtime import CudaRuntime
 from .cuda_trace import TraceRecord, intervals
 from .disk_transport import DiskTransport
 from .layout import Layout
+from .packed_format import PackedFormat
 from .safetensors_index import MADV_POPULATE_READ
 from .source import BlockSource
 from .transport import DISK, HOST, Ticket, Transport
+from .views import row_shape
 
 log = logging.getLogger("layerstream")
 
@@ -64,9 +71,10 @@ class CudaTransport(Transport):
 
     def __init__(self, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
                  pin_host_memory: bool = False, host_budget: int | None = None, release_pages: bool = False,
-                 disk_gbps: float | None = None):
+                 disk_gbps: float | None = None, fmt: PackedFormat | None = None):
         self.source = source
         self.dtype = dtype
+        self.fmt = fmt
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -101,12 +109,12 @@ class CudaTransport(Transport):
         source, dtype = self.source, self.dtype
         streamed = list(plan.streamed_blocks)
         # Blocks of one architecture share a layout; views into every buffer are made once per layout.
-        self._layout: dict[int, Layout] = {b: Layout.of({k: (s, dtype) for k, s in source.shapes(b).items()})
-                                           for b in streamed}
+        self._layout: dict[int, Layout] = {b: Layout.of(self._specs(b)) for b in streamed}
         layouts = sorted(set(self._layout.values()), key=lambda lay: lay.nbytes)
         self._lid = {b: layouts.index(lay) for b, lay in self._layout.items()}
-        # What crosses the link per block: its tensors in the compute dtype (staging converts first).
-        self._nbytes = {b: source.compute_bytes(b, dtype) for b in streamed}
+        # What crosses the link per block: its tensors in the compute dtype (staging converts first),
+        # packed ones as stored.
+        self._nbytes = {b: source.streamed_bytes(b, dtype) for b in streamed}
         self.buffer_bytes = max((lay.nbytes for lay in layouts), default=0)
         self.num_buffers = plan.prefetch_depth + 1 if streamed else 0
         if plan.disk_blocks:
@@ -143,6 +151,27 @@ class CudaTransport(Transport):
         if streamed:
             self._report(disk_gbps)
 
+    def _specs(self, block: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor as staged: the compute dtype, or a packed tensor's rows of bytes."""
+        out = {}
+        for k, info in self.source.tensors(block).items():
+            if info.quant is None:
+                out[k] = (info.shape, self.dtype)
+            else:
+                out[k] = (row_shape(info.shape, info.nbytes), torch.uint8)
+        return out
+
+    def _stored(self, block: int) -> dict[str, torch.Tensor]:
+        """The block's tensors to stage: mmap views (plain), or packed rows in engine row order."""
+        return self.source.stored(block) if self.fmt is not None else self.source.views(block)
+
+    def _compute_form(self, block: int, views: dict[str, torch.Tensor]) -> dict[str, object]:
+        """Device views as compute takes them: packed rows wrapped as GGUFWeight (no copy, no kernel)."""
+        if self.fmt is None:
+            return views
+        return {k: self.fmt.streamed(info, views[k]) if info.quant is not None else views[k]
+                for k, info in self.source.tensors(block).items()}
+
     # -- load time ---------------------------------------------------------------------------
     def _pin_all(self, streamed: list[int], host_budget: int | None) -> None:
         """Convert and pin every streamed block once; prepare() then only issues DMAs."""
@@ -159,7 +188,7 @@ class CudaTransport(Transport):
                 lay = self._layout[b]
                 buf = self.rt.pinned_bytes(lay.nbytes)
                 views = lay.views(buf)
-                for name, v in self.source.views(b).items():
+                for name, v in self._stored(b).items():
                     views[name].copy_(v)
                 self._pinned[b] = buf
         except RuntimeError as e:
@@ -198,6 +227,9 @@ class CudaTransport(Transport):
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         # Load time only: a pageable synchronous copy is fine, and converting on the device is faster.
         # Each tensor travels in its own checkpoint dtype (a block may mix, e.g. fp32 norms in bf16).
+        if self.fmt is not None:
+            return {k: self.fmt.resident(info, self.source.rows(block, k))
+                    for k, info in self.source.tensors(block).items()}
         return {k: v.to(self.device).to(self.dtype) for k, v in self.source.views(block).items()}
 
     def prepare(self, block: int) -> Ticket:
@@ -231,7 +263,7 @@ class CudaTransport(Transport):
                 # One syscall maps the block's pages in bulk; touching them one 4 KiB fault at a time
                 # would make this fill, not the DMA, the slowest stage of the pipeline.
                 self.source.advise(block, MADV_POPULATE_READ)
-                self._fill_staging(self._stage_views[s][lid], self.source.views(block), self._pieces[lid])
+                self._fill_staging(self._stage_views[s][lid], self._stored(block), self._pieces[lid])
                 if self.release_pages:
                     self.source.advise(block, mmap.MADV_DONTNEED)
             src = self._stage_flat[s][lid]
@@ -246,8 +278,8 @@ class CudaTransport(Transport):
             rt.record(self._staged[s], self._copy_stream)
         if rec is not None:
             rt.record(rec.copy_end, self._copy_stream)
-        return Ticket(block, self._dev_views[b][lid], self._nbytes[block], tier=tier, disk_bytes=disk_bytes,
-                      disk_seconds=disk_seconds, device_buffer=b, trace=rec)
+        return Ticket(block, self._compute_form(block, self._dev_views[b][lid]), self._nbytes[block], tier=tier,
+                      disk_bytes=disk_bytes, disk_seconds=disk_seconds, device_buffer=b, trace=rec)
 
     def _fill_staging(self, staging: dict[str, torch.Tensor], views: dict[str, torch.Tensor],
                       pieces: list[tuple[str, int, int]]) -> None:

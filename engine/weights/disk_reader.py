@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import TensorInfo
-from .views import typed_view
+from .views import byte_rows, typed_view
 
 # O_DIRECT wants file offset, length and memory address aligned to the logical block size
 # (512 or 4096 bytes); 4096 satisfies both and is the page size, so buffers are page aligned too.
@@ -74,7 +74,7 @@ class Span:
 @dataclass(frozen=True)
 class TensorSlot:
     offset: int  # byte offset in the staging buffer
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: a packed tensor, viewed as its stored rows of bytes
     shape: tuple[int, ...]
     nbytes: int
 
@@ -92,11 +92,12 @@ class ReadPlan:
         return sum(s.nbytes for s in self.spans)
 
     def views(self, buf: StagingBuffer) -> dict[str, torch.Tensor]:
-        """Tensors over the staging buffer's bytes: no copy unless a tensor is misaligned for its dtype."""
+        """Tensors over the staging buffer's bytes: no copy unless a tensor is misaligned for its dtype.
+        A packed tensor is its stored bytes as rows, (rows..., bytes per row) uint8."""
         out = {}
         for name, t in self.tensors.items():
             raw = buf.tensor[t.offset:t.offset + t.nbytes]  # (nbytes,) uint8
-            out[name] = typed_view(raw, t.offset, t.dtype, t.shape)
+            out[name] = byte_rows(raw, t.shape) if t.dtype is None else typed_view(raw, t.offset, t.dtype, t.shape)
         return out
 
 

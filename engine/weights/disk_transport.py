@@ -10,6 +10,12 @@ host tier below) and the staging buffer is free again at once.
 Streamed blocks the plan keeps in host memory (the host tier) are handed to a CpuTransport: their
 pages are faulted in once and never released. Both tiers convert into one shared BufferPool.
 With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filling pinned staging converts.
+
+Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read and handed to compute as
+`PackedFormat.streamed` weights viewing the staging buffer (unpacked by the matmul that uses them),
+so the disk moves packed bytes and nothing is converted on the host; host-tier blocks go through the
+PackedCpuTransport. With dtype=None the ticket holds the block's stored rows (engine row order) for
+the CUDA transport to stage.
 """
 
 from __future__ import annotations
@@ -21,19 +27,26 @@ import torch
 
 from .buffers import BufferPool
 from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
+from .packed_format import PackedFormat
+from .packed_transport import PackedCpuTransport
 from .source import BlockSource
 from .transport import DISK, CpuTransport, Ticket, Transport, nbytes_of, to_compute
 
 
 class DiskTransport(Transport):
     def __init__(self, source: BlockSource, dtype: torch.dtype | None, disk_blocks, depth: int = 1,
-                 direct: bool = True):
+                 direct: bool = True, fmt: PackedFormat | None = None):
         self.source = source
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.disk_blocks = set(disk_blocks)
-        self.pool = BufferPool(dtype) if dtype is not None else None
-        self._host = CpuTransport(source, dtype, pool=self.pool) if dtype is not None else None
+        self.fmt = fmt if dtype is not None else None
+        self.packed = source.packed
+        self.pool = BufferPool(dtype) if dtype is not None and not self.packed else None
+        self._host: Transport | None = None
+        if dtype is not None:
+            self._host = (PackedCpuTransport(source, fmt) if self.packed
+                          else CpuTransport(source, dtype, pool=self.pool))
         self.plans: list[ReadPlan] = [plan_reads(source.tensors(b)) for b in range(source.num_blocks)]
         self.staging_bytes = max(p.buffer_bytes for p in self.plans)
         self.reader = DiskReader(source.files, direct=direct)
@@ -56,11 +69,20 @@ class DiskTransport(Transport):
     def _converts(self, views: dict[str, torch.Tensor]) -> bool:
         return self.dtype is not None and any(v.dtype != self.dtype for v in views.values())
 
+    def _packed(self, block: int, views: dict[str, torch.Tensor], make) -> dict[str, object]:
+        """A packed block's stored rows in engine row order, through `make` (a PackedFormat method) if given."""
+        rows = {k: self.source.reorder(k, v) for k, v in views.items()}
+        if make is None:
+            return rows
+        return {k: make(info, rows[k]) for k, info in self.source.tensors(block).items()}
+
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         # Read through the reader too: loading resident blocks must not fill the page cache that a
         # memory cgroup charges to us.
         buf = StagingBuffer(self.plans[block].buffer_bytes)
         views, _, _ = self._read(block, buf)
+        if self.packed:
+            return self._packed(block, views, self.fmt.resident)
         if not self._converts(views):
             return views  # a buffer of its own, kept alive by the views: no copy needed
         return to_compute(views, self.dtype, self.device, copy=True)
@@ -74,6 +96,11 @@ class DiskTransport(Transport):
         except BaseException:
             self._free.put(buf)
             raise
+        if self.packed:
+            # Packed bytes stay in the staging buffer (views), which retire() gives back.
+            weights = self._packed(block, views, self.fmt.streamed if self.fmt is not None else None)
+            moved = self.source.streamed_bytes(block, self.dtype) if self.dtype is not None else nbytes
+            return Ticket(block, weights, moved, tier=DISK, disk_bytes=nbytes, disk_seconds=seconds, staging=buf)
         if not self._converts(views):
             return Ticket(block, views, nbytes_of(views), tier=DISK, disk_bytes=nbytes, disk_seconds=seconds,
                           staging=buf)

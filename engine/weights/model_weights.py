@@ -23,7 +23,7 @@ from .formats import open_checkpoint
 from .source import BlockSource, WeightSizes
 from .streamer import BlockStreamer, StreamStats
 from .packed_format import PackedFormat
-from .tiers import check_packed, host_tiering, make_transport
+from .tiers import host_tiering, make_transport
 from .transport import Transport, to_compute
 
 log = logging.getLogger("layerstream")
@@ -50,15 +50,16 @@ class ModelCheckpoint:
         """The checkpoint stores packed (quantized) tensors: blocks stream as packed bytes."""
         return self.source.packed
 
-    def sizes(self, dtype: torch.dtype, quantization: str | None = None) -> WeightSizes:
-        """Bytes the planner needs in compute dtype `dtype`. A packed checkpoint's blocks count in their
-        resident compute form and stream as stored; quantization (int8 | int4): blocks and head as
-        quantized at load (quantize.py)."""
+    def sizes(self, dtype: torch.dtype, quantization: str | None = None,
+              device: torch.device = torch.device("cpu")) -> WeightSizes:
+        """Bytes the planner needs in compute dtype `dtype` on `device`. A packed checkpoint's blocks count
+        in their resident compute form and stream as stored; quantization (int8 | int4): blocks and
+        head as quantized at load (quantize.py), streamed as such."""
         if self.packed:
             if quantization:
                 raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
                                  "checkpoints; this one is already quantized")
-            return self._packed_sizes(dtype)
+            return self._packed_sizes(PackedFormat(dtype, device))
         sizes = self.source.sizes(dtype)
         if quantization:
             from .quantize import quantized_plan_bytes
@@ -68,8 +69,7 @@ class ModelCheckpoint:
             sizes = dataclasses.replace(sizes, block_bytes=block, global_bytes=glob)
         return sizes
 
-    def _packed_sizes(self, dtype: torch.dtype) -> WeightSizes:
-        fmt = PackedFormat(dtype)
+    def _packed_sizes(self, fmt: PackedFormat) -> WeightSizes:
         src = self.source
         glob = src.global_infos()
         head = glob.get("lm_head", glob["embed"])
@@ -77,10 +77,11 @@ class ModelCheckpoint:
             block_bytes=max((sum(fmt.resident_bytes(t) for t in src.tensors(b).values())
                              for b in range(src.num_blocks)), default=0),
             # The token table stays packed (only looked-up rows are unpacked); the head is resident.
-            global_bytes=glob["embed"].nbytes + fmt.resident_bytes(glob["norm"]) + fmt.resident_bytes(head),
+            global_bytes=(fmt.embedding_bytes(glob["embed"]) + fmt.resident_bytes(glob["norm"])
+                          + fmt.resident_bytes(head)),
             checkpoint_block_bytes=max((src.nbytes(b) for b in range(src.num_blocks)), default=0),
             checkpoint_bytes=self._reader.total_bytes(),
-            streamed_block_bytes=max((src.nbytes(b) for b in range(src.num_blocks)), default=0),
+            streamed_block_bytes=max((src.streamed_bytes(b, fmt.dtype) for b in range(src.num_blocks)), default=0),
         )
 
     def converts(self, dtype: torch.dtype) -> bool:
@@ -97,12 +98,13 @@ class ModelCheckpoint:
                 + ("exact fp32 dequantization" if PackedFormat(dtype).exact else f"packed kernels in {dtype}"))
 
     def host_tiering(self, transport: str, device: torch.device, dtype: torch.dtype,
-                     depth: int) -> HostTiering | None:
-        """How planning may split streamed blocks between host memory and disk for this transport."""
-        if self.packed:
-            check_packed(transport, device, self.path)
-        return host_tiering(transport, device, self.sizes(dtype), depth, converts=self.converts(dtype),
-                            packed=self.packed)
+                     depth: int, quantization: str | None = None) -> HostTiering | None:
+        """How planning may split streamed blocks between host memory and disk for this transport.
+        Blocks quantized at load stream from the quantization cache's mapping: no disk tier."""
+        if quantization:
+            return None
+        return host_tiering(transport, device, self.sizes(dtype, device=device), depth,
+                            converts=self.converts(dtype), packed=self.packed)
 
     def measure_disk(self) -> tuple[float | None, str | None]:
         """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);
@@ -174,13 +176,25 @@ class ModelWeights:
                  disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
                  quantization: str | None = None):
         source = checkpoint.source
-        t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
-                           quantization=quantization, on_progress=on_progress)
+        quantized = None
+        if quantization:
+            # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
+            # cache holds the quantized blocks and head (quant_cache.py); later loads map it.
+            from .quant_cache import QuantizedBlocks
+
+            quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
+        try:
+            t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
+                               quantized=quantized)
+        except BaseException:
+            if quantized is not None:
+                quantized.close()
+            raise
         self.plan = plan
         self._transport: Transport = t
         self._streamer: BlockStreamer | None = None
         try:
-            self.globals = _place_globals(source, dtype, device, quantization)
+            self.globals = _place_globals(source, dtype, device, quantized)
             if on_progress:
                 on_progress(-1)
             self._streamer = BlockStreamer(self._transport, plan.resident_blocks, plan.streamed_blocks,
@@ -225,27 +239,22 @@ class ModelWeights:
         self._transport = None
 
 
-def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device,
-                   quantization: str | None = None) -> PlacedGlobals:
+def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device, quantized=None) -> PlacedGlobals:
     if source.packed:
-        return _place_packed_globals(source, dtype)
+        return _place_packed_globals(source, PackedFormat(dtype, device))
     views = source.global_views()
     lazy_embed = device.type == "cpu" and "lm_head" in views
     placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
-              for k, v in views.items()}
-    head = placed.get("lm_head", placed["embed"])
-    if quantization:
-        from .quantize import quantize_head
-
-        head = quantize_head(head, dtype)  # int8 per row, whatever the blocks' mode
+              for k, v in views.items() if not (k == "lm_head" and quantized is not None)}
+    # Quantized at load: the head is int8 per row, whatever the blocks' mode (quantize.py).
+    head = quantized.head() if quantized is not None else placed.get("lm_head", placed["embed"])
     return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)
 
 
-def _place_packed_globals(source: BlockSource, dtype: torch.dtype) -> PlacedGlobals:
+def _place_packed_globals(source: BlockSource, fmt: PackedFormat) -> PlacedGlobals:
     """The token table stays packed (rows unpacked on lookup); norm and head in their compute form."""
-    fmt = PackedFormat(dtype)
     infos = source.global_infos()
     head = "lm_head" if "lm_head" in infos else "embed"
     return PlacedGlobals(fmt.embedding(infos["embed"], source.global_rows("embed")),
                          fmt.resident(infos["norm"], source.global_rows("norm")),
-                         fmt.resident(infos[head], source.global_rows(head)), dtype)
+                         fmt.resident(infos[head], source.global_rows(head)), fmt.dtype)

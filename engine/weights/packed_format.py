@@ -7,6 +7,10 @@
                    streamed blocks keep their GGML bytes and are dequantized to the compute dtype on use.
 Norms and other 1-D tensors are dequantized to the compute dtype; F32/F16/BF16 tensors are cast.
 
+On a CUDA device there is no int4/int8 weight-only kernel here (aten's are CPU kernels): fast mode keeps
+a resident block's quantized tensors packed on the device as `GGUFWeight` (dequantized to the compute
+dtype by the matmul that uses them), so the device holds packed bytes; exact mode holds dense fp32.
+
 Every method takes the tensor's `TensorInfo` and its bytes as rows, `(rows..., bytes per row)` uint8
 (views.byte_rows), already in engine row order.
 """
@@ -26,17 +30,24 @@ from .packed import GROUP, INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf
 @dataclass(frozen=True)
 class PackedFormat:
     dtype: torch.dtype  # the compute dtype
+    device: torch.device = torch.device("cpu")
 
     @property
     def exact(self) -> bool:
         return self.dtype == torch.float32
 
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
     def resident(self, t: TensorInfo, rows: torch.Tensor):
         if t.quant is None:
-            return rows.view(t.dtype).reshape(t.shape).to(self.dtype, copy=True)
+            return rows.view(t.dtype).reshape(t.shape).to(device=self.device, dtype=self.dtype, copy=True)
         q = ggml_type(t)
         if self.exact or len(t.shape) == 1:
-            return dequantize(rows, q, t.shape).to(self.dtype)
+            return dequantize(rows, q, t.shape).to(device=self.device, dtype=self.dtype)
+        if not self.on_cpu:
+            return GGUFWeight(rows.to(self.device, copy=True), q, t.shape, self.dtype)
         if q in INT4_TYPES:
             return int4_from_gguf(rows, q, t.shape, self.dtype)
         return Int8Weight.quantize(dequantize(rows, q, t.shape), self.dtype)
@@ -45,6 +56,8 @@ class PackedFormat:
         numel = t.numel
         if t.quant is None or self.exact or len(t.shape) == 1:
             return numel * self.dtype.itemsize
+        if not self.on_cpu:
+            return t.nbytes
         scale = self.dtype.itemsize
         if ggml_type(t) in INT4_TYPES:
             return numel // 2 + numel // GROUP * 2 * scale
@@ -59,7 +72,12 @@ class PackedFormat:
         return GGUFWeight(rows, ggml_type(t), t.shape, self.dtype)
 
     def embedding(self, t: TensorInfo, rows: torch.Tensor):
-        """The token table is only gathered from: it stays packed (or a view) and rows are unpacked on lookup."""
+        """The token table is only gathered from: it stays packed (or a view) and rows are unpacked on
+        lookup; on a CUDA device it is copied there as it is stored."""
         if t.quant is None:
-            return rows.view(t.dtype).reshape(t.shape)
-        return GGUFWeight(rows, ggml_type(t), t.shape, self.dtype)
+            table = rows.view(t.dtype).reshape(t.shape)
+            return table if self.on_cpu else table.to(self.device, copy=True)
+        return GGUFWeight(rows if self.on_cpu else rows.to(self.device, copy=True), ggml_type(t), t.shape, self.dtype)
+
+    def embedding_bytes(self, t: TensorInfo) -> int:
+        return t.nbytes

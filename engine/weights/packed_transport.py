@@ -38,7 +38,7 @@ class PackedCpuTransport(Transport):
         if self.release_pages or block not in self._mapped:
             self.source.advise(block, MADV_POPULATE_READ)
             self._mapped.add(block)
-        return Ticket(block, self._weights(block, self.fmt.streamed), self.source.nbytes(block))
+        return Ticket(block, self._weights(block, self.fmt.streamed), self.source.streamed_bytes(block, self.dtype))
 
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}

@@ -8,8 +8,9 @@ Policy: the block projections (q, k, v, o, gate, up, down) are quantized; norms 
 the compute dtype; the embedding table stays as it is in the checkpoint (it is only gathered from);
 the LM head is int8 in both modes (a 4-bit head costs more accuracy than it saves time).
 
-`QuantizingTransport` quantizes every block once at load (progress bar) and hands the packed
-weights to compute; the streamer's counters and the plan count their packed bytes.
+quant_cache.QuantizedBlocks quantizes every block once per checkpoint (progress bar) into a cache entry
+that later loads map; quantized_transport serves the packed weights to compute; the streamer's
+counters and the plan count their packed bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import math
 
 import torch
 
-from .transport import Ticket, Transport
 from .packed import GROUP, Int4Weight, Int8Weight
 
 QUANTIZATIONS = ("int8", "int4")
@@ -69,31 +69,3 @@ def quantized_plan_bytes(cfg, embed_bytes: int, mode: str, dtype: torch.dtype) -
                 else math.prod(shapes[k]) * dtype.itemsize for k in shapes)
     v, h = cfg.vocab_size, cfg.hidden_size
     return block, embed_bytes + h * dtype.itemsize + quantized_bytes((v, h), "int8", dtype)
-
-
-def nbytes(w) -> int:
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
-
-
-class QuantizingTransport(Transport):
-    """Blocks quantized once at load from the inner transport's compute-dtype weights, then served
-    from memory: resident ones directly, streamed ones through prepare() with their packed bytes."""
-
-    def __init__(self, inner: Transport, mode: str, streamed: list[int], on_progress=None):
-        self.inner, self.mode = inner, mode
-        self.dtype, self.device = inner.dtype, inner.device
-        self._packed: dict[int, dict[str, object]] = {}
-        for b in streamed:
-            self._packed[b] = quantize_block(inner.resident(b), mode, self.dtype)
-            if on_progress:
-                on_progress(b)
-
-    def resident(self, block: int) -> dict[str, object]:
-        return quantize_block(self.inner.resident(block), self.mode, self.dtype)
-
-    def prepare(self, block: int) -> Ticket:
-        w = self._packed[block]
-        return Ticket(block, dict(w), sum(nbytes(v) for v in w.values()))
-
-    def close(self) -> None:
-        self.inner.close()

@@ -92,6 +92,17 @@ class BlockSource:
         order = self._row_orders.get(short)
         return rows if order is None else rows[order]
 
+    def stored(self, block: int) -> dict[str, torch.Tensor]:
+        """The block's tensors as stored, zero-copy: plain ones as typed views, packed ones as their
+        rows of bytes in engine row order (rows())."""
+        return {short: self._reader.view(info.name) if info.quant is None else self.rows(block, short)
+                for short, info in self._tensors[block].items()}
+
+    def streamed_bytes(self, block: int, dtype: torch.dtype) -> int:
+        """What streaming the block moves: packed tensors as stored, plain ones in the compute dtype."""
+        return sum(info.nbytes if info.quant is not None else info.numel * dtype.itemsize
+                   for info in self._tensors[block].values())
+
     def global_infos(self) -> dict[str, TensorInfo]:
         """"embed", "norm" and, when the checkpoint has one, "lm_head"."""
         return dict(self._globals)

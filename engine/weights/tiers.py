@@ -5,18 +5,22 @@ when host memory cannot keep every streamed block), "cpu", "cuda", "disk" (every
 from disk each step, CPU compute), "simulated" (the CPU transport behind a slow simulated link).
 Planning asks `host_tiering` whether streamed blocks may go to disk; loading asks `make_transport`
 for the transport that serves the finished plan. The kind of weights decides too: a packed checkpoint
-(GGUF) is served by the packed transport, and quantization at load ("int8"/"int4") by the quantizing one.
+(GGUF) streams its packed bytes through the same tiers, and blocks quantized at load ("int8"/"int4")
+are served from the quantization cache entry (quantized_transport).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..planner import HostTiering, MemoryPlan
 from .source import BlockSource, WeightSizes
 from .transport import CpuTransport, Transport
+
+if TYPE_CHECKING:
+    from .quant_cache import QuantizedBlocks
 
 TRANSPORTS = ("auto", "cpu", "cuda", "disk", "simulated")
 
@@ -29,9 +33,6 @@ def check_transport(kind: str, device: str) -> None:
         raise ValueError(f"the disk transport computes on the CPU; got device {device!r}")
 
 
-PACKED_TRANSPORTS = ("auto", "cpu", "simulated")
-
-
 def resolve(kind: str, device: torch.device) -> str:
     """"auto" made concrete, once, for planning and for loading alike: "cuda" on a GPU; on the CPU
     "auto-cpu" (the page cache, plus the disk tier if the plan puts blocks on disk)."""
@@ -40,21 +41,12 @@ def resolve(kind: str, device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "auto-cpu"
 
 
-def check_packed(kind: str, device: torch.device, where: object) -> None:
-    """ValueError unless packed (GGUF) blocks can be served this way."""
-    if device.type != "cpu":
-        raise ValueError(f"{where}: GGUF models run on the CPU for now (device {str(device)!r} asked)")
-    if kind not in PACKED_TRANSPORTS:
-        raise ValueError(f"{where}: transport {kind!r} is not available for GGUF models "
-                         f"({', '.join(PACKED_TRANSPORTS)} are)")
-
-
 def host_tiering(kind: str, device: torch.device, sizes: WeightSizes, depth: int,
                  converts: bool, packed: bool = False) -> HostTiering | None:
     """How the planner may split streamed blocks between RAM and disk; None when this transport
-    keeps every streamed block reachable in RAM (cpu, simulated, packed blocks)."""
-    if packed:
-        return None
+    keeps every streamed block reachable in RAM (cpu, simulated). Packed blocks (GGUF) tier the same
+    way, in their stored bytes: their disk staging is held until the block is retired (its weights
+    view it), so it counts as fixed host memory."""
     kind = resolve(kind, device)
     if kind not in ("auto-cpu", "disk", "cuda"):
         return None
@@ -64,34 +56,30 @@ def host_tiering(kind: str, device: torch.device, sizes: WeightSizes, depth: int
     else:
         # The device is the host: it holds the whole device plan, plus disk-tier staging in the
         # checkpoint's dtype when blocks are converted (converted copies are the plan's stream buffers).
-        fixed, holds_device = ((depth + 1) * sizes.checkpoint_block_bytes if converts else 0), True
+        staged = converts or packed
+        fixed, holds_device = ((depth + 1) * sizes.checkpoint_block_bytes if staged else 0), True
     return HostTiering(fixed, holds_device, sizes.checkpoint_block_bytes, force_disk=kind == "disk")
 
 
 def make_transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
                    pin_host_memory: bool = False, host_budget: int | None = None,
-                   disk_gbps: float | None = None, quantization: str | None = None,
-                   on_progress: Callable[[int], None] | None = None) -> Transport:
-    """The transport that serves `plan`'s streamed blocks (and its disk tier, if it has one)."""
+                   disk_gbps: float | None = None, quantized: "QuantizedBlocks | None" = None) -> Transport:
+    """The transport that serves `plan`'s streamed blocks (and its disk tier, if it has one), for the
+    kind of weights: plain (converted to the compute dtype), packed (GGUF: packed bytes move, compute
+    unpacks), or quantized at load (`quantized`, the cache entry: owned by the transport from here on)."""
     check_transport(kind, str(device) if device.type == "cuda" else device.type)
-    if source.packed:
-        check_packed(kind, device, source.files[0])
-        from .packed_format import PackedFormat
-        from .packed_transport import PackedCpuTransport
+    if quantized is not None:
+        from .quantized_transport import QuantizedTransport
 
-        t: Transport = PackedCpuTransport(source, PackedFormat(dtype), release_pages=plan.release_pages)
+        t: Transport = QuantizedTransport(source, dtype, quantized, release_pages=plan.release_pages)
     else:
-        t = _plain_transport(kind, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps)
-    if quantization:
-        # Weight-only int8/int4 at load: every block quantized once from the compute-dtype weights
-        # (streamed ones up front), then served from memory with their packed bytes.
-        from .quantize import QuantizingTransport
+        fmt = None
+        if source.packed:
+            from .packed_format import PackedFormat
 
-        try:
-            t = QuantizingTransport(t, quantization, plan.streamed_blocks, on_progress=on_progress)
-        except BaseException:
-            t.close()
-            raise
+            fmt = PackedFormat(dtype, device)
+        t = _transport(resolve(kind, device), source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
+                       fmt)
     if kind == "simulated":
         from .simulated_transport import SimulatedTransport
 
@@ -99,18 +87,22 @@ def make_transport(kind: str, source: BlockSource, dtype: torch.dtype, device: t
     return t
 
 
-def _plain_transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
-                     pin_host_memory: bool, host_budget: int | None, disk_gbps: float | None) -> Transport:
-    kind = resolve(kind, device)
+def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
+               pin_host_memory: bool, host_budget: int | None, disk_gbps: float | None, fmt) -> Transport:
     if kind == "auto-cpu":
         kind = "disk" if plan.disk_blocks else "cpu"
     if kind == "disk":
         from .disk_transport import DiskTransport
 
-        return DiskTransport(source, dtype, plan.disk_blocks, plan.prefetch_depth)
+        return DiskTransport(source, dtype, plan.disk_blocks, plan.prefetch_depth, fmt=fmt)
     if kind == "cuda":
         from .cuda_transport import CudaTransport
 
         return CudaTransport(source, dtype, device, plan, pin_host_memory=pin_host_memory, host_budget=host_budget,
-                             release_pages=plan.release_pages, disk_gbps=disk_gbps)
-    return CpuTransport(source, dtype, release_pages=plan.release_pages)  # cpu, and simulated's inner one
+                             release_pages=plan.release_pages, disk_gbps=disk_gbps, fmt=fmt)
+    # cpu, and simulated's inner transport
+    if fmt is not None:
+        from .packed_transport import PackedCpuTransport
+
+        return PackedCpuTransport(source, fmt, release_pages=plan.release_pages)
+    return CpuTransport(source, dtype, release_pages=plan.release_pages)

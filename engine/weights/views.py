@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -16,7 +18,15 @@ def typed_view(raw: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[
     return raw.view(dtype).reshape(shape)
 
 
+def row_shape(shape: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
+    """The shape of a tensor's `nbytes` stored bytes as rows: (rows..., bytes per row) for its logical
+    `shape` (a packed GGML row is a run of whole blocks, so rows stay independent)."""
+    if len(shape) < 2:
+        return (nbytes,)
+    rows = math.prod(shape[:-1])
+    return (*shape[:-1], nbytes // rows if rows else 0)
+
+
 def byte_rows(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor's (nbytes,) uint8 bytes as (rows..., bytes per row) for its logical `shape`, zero-copy
-    (a packed GGML row is a run of whole blocks, so rows stay independent)."""
-    return raw.view(*shape[:-1], -1) if len(shape) > 1 and raw.numel() else raw
+    """A tensor's (nbytes,) uint8 bytes viewed as row_shape(shape), zero-copy."""
+    return raw.view(row_shape(shape, raw.numel()))
