@@ -405,3 +405,11 @@ def test_unsupported_architecture_and_missing_tensor(gguf_root, tmp_path):
     bad.write_bytes(renamed)
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.3\.attn_v\.weight' is missing"):
         LLM(str(bad))
+
+
+def test_quantization_of_a_gguf_file_is_refused(gguf_root):
+    """A GGUF file is already quantized: quantization="int8" on it is one clear error naming the file."""
+    path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    with pytest.raises(ValueError, match=r"llama-Q4_0\.gguf: quantization='int8' applies to bf16/fp16/fp32 "
+                                         r"checkpoints; this one is already quantized"):
+        LLM(str(path), quantization="int8", max_model_len=64, max_num_seqs=1)
