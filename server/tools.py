@@ -221,6 +221,22 @@ def _decode_prefix(text: str):
         return None
 
 
+def _complete_items(text: str) -> list:
+    """The whole items of a JSON array, also when max_tokens cut it short after some of them (a
+    weak model held to "required" may keep adding calls until then)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    items, body = [], body[1:]
+    while True:
+        body = body.lstrip().removeprefix(",").lstrip()
+        decoded = _decode_prefix(body)
+        if decoded is None:
+            return items
+        items.append(decoded[0])
+        body = body[decoded[1]:]
+
+
 def _partial_prefix_len(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (held back in a stream)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -428,10 +444,9 @@ class ToolCallParser:
             return "", self._add([ToolCall(self.plan.named, rest, call_id(fmt))])
         if self.plan.mode == "required":
             rest, self._buf = self._buf, ""
-            try:
-                items = json.loads(rest)
-            except json.JSONDecodeError:
-                return rest, []
+            items = _complete_items(rest)
+            if not items:
+                return rest, []  # cut short (max_tokens) before the first call was whole
             return "", self._add([ToolCall(c["name"], json.dumps(c["arguments"]), call_id(fmt)) for c in items])
         content, calls = self._scanner.finish()
         return content, self._add(calls)

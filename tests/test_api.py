@@ -274,6 +274,23 @@ def test_mistral_tool_calls(size):
     assert _parse_in_pieces(plan, '[TOOL_CALLS][{"name": "get_t', size) == ('[TOOL_CALLS][{"name": "get_t', [])
 
 
+def test_required_calls_cut_short_keep_the_whole_ones():
+    """tool_choice required: a model may keep adding calls until max_tokens; the whole ones are
+    returned, the cut one dropped (finish_reason stays "length")."""
+    plan = tool_calls.ToolPlan("required", (WEATHER, CLOCK))
+    text = '[{"name": "get_time", "arguments": {"tz": "utc"}}, {"name": "get_weather", "arguments": {"city": "Os'
+    out, calls = _parse_in_pieces(plan, text)
+    assert out == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "utc"})]
+    assert tool_calls.finish_reason("length", _parser_with(plan, text)) == "length"
+    assert _parse_in_pieces(plan, '[{"name": "get_ti') == ('[{"name": "get_ti', [])
+
+
+def _parser_with(plan, text):
+    p = plan.parser()
+    p.advance(text, finished=True)
+    return p
+
+
 def test_tool_call_format_follows_the_template_or_the_flag():
     llama31 = ('{%- if tools %}Given the following functions, please respond with a JSON for a function call '
                'with its proper arguments. Respond in the format {"name": function name, "parameters": '
