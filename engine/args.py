@@ -41,6 +41,9 @@ class EngineArgs:
     # Host tier for KV blocks evicted from the pool; None = 4 GiB or a tenth of host memory on CUDA,
     # none on the CPU (there the pool already is host memory: give it more --kv-cache-memory instead).
     kv_host_memory: int | str | None = None
+    # Mixtures of experts that do not fit: stream each chosen expert by itself through a device expert
+    # cache (engine.weights.experts); False streams MoE blocks whole, experts inside (the baseline).
+    expert_streaming: bool = True
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)

@@ -45,6 +45,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host-memory", default=d("kv_host_memory"),
                    help="host tier for KV blocks evicted from the pool, e.g. 2GiB (default: min(4GiB, 10%% of host "
                         "memory) on cuda, none on cpu where the pool already is host memory)")
+    p.add_argument("--no-expert-streaming", dest="expert_streaming", action="store_false",
+                   help="mixtures of experts: stream blocks whole, experts inside, instead of each chosen expert")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
@@ -56,7 +58,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   prefetch_depth=ns.prefetch_depth, pin_host_memory=ns.pin_host_memory,
                   quantization=getattr(ns, "quantization", None),  # Namespaces built elsewhere (Ray) may lack it
                   enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
-                  kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory)
+                  kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
+                  expert_streaming=getattr(ns, "expert_streaming", True))
     fields.update(overrides)
     return EngineArgs(**fields)
 

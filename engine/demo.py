@@ -67,8 +67,10 @@ def perturb_defaults(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def build_random_model(folder: str | os.PathLike, config, dtype: torch.dtype = torch.float32, seed: int = 0,
-                       tokenizer_vocab: int | None = None, max_shard_size: str | None = None) -> Path:
-    """Save a random-weight transformers model for `config` (and a trained tokenizer) to folder."""
+                       tokenizer_vocab: int | None = None, max_shard_size: str | None = None,
+                       adjust: Callable[[torch.nn.Module], None] | None = None) -> Path:
+    """Save a random-weight transformers model for `config` (and a trained tokenizer) to folder;
+    `adjust(model)` may change the fp32 weights before they are saved."""
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
@@ -81,6 +83,9 @@ def build_random_model(folder: str | os.PathLike, config, dtype: torch.dtype = t
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     perturb_defaults(model, seed)
+    if adjust is not None:
+        with torch.no_grad():
+            adjust(model)
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)

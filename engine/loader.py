@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,13 +18,13 @@ from tqdm.auto import tqdm
 
 from .args import EngineArgs, resolve_dtype
 from .arch import ModelConfig
-from .errors import out_of_memory_error
+from .errors import UnsupportedModelError, out_of_memory_error
 from .host_memory import host_budget
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
 from .workspace import workspace_bytes
-from .weights import ModelCheckpoint, ModelWeights
+from .weights import ModelCheckpoint, ModelWeights, WeightSizes
 
 log = logging.getLogger("layerstream")
 
@@ -91,6 +91,9 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * 0.9) - (512 << 20)
     tiering = checkpoint.host_tiering(args.transport, device, dtype, args.prefetch_depth, args.quantization)
+    experts = expert_inputs(args, cfg, sizes, dtype)
+    if experts and tiering is not None:  # what a disk-tier block read moves: the block without its experts
+        tiering = replace(tiering, disk_block_bytes=sizes.dense_checkpoint_block_bytes)
     weights_bytes = cfg.num_layers * sizes.block_bytes + sizes.global_bytes
     host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
     if host_sized:
@@ -116,7 +119,22 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         kv_block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
+        **experts,
     ))
+
+
+def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:
+    """PlanInputs fields of expert-granular streaming; empty when it is off (a dense model, the flag, or
+    a device it does not run on yet, where MoE blocks stream whole)."""
+    moe = cfg.moe
+    if moe is None or not args.expert_streaming or torch.device(args.device).type != "cpu" or not sizes.expert_bytes:
+        return {}
+    return dict(expert_bytes=sizes.expert_bytes, num_experts_total=sizes.num_experts_total,
+                dense_block_bytes=sizes.dense_block_bytes,
+                # this block's top_k and the next block's guesses, at the least
+                min_expert_slots=min(2 * moe.top_k, sizes.num_experts_total),
+                experts_per_token=moe.top_k * len(moe.sparse_layers),
+                predictor_bytes=len(moe.sparse_layers) * (moe.num_experts + 1) * cfg.hidden_size * dtype.itemsize)
 
 
 @dataclass
@@ -139,6 +157,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
     checkpoint = ModelCheckpoint(path)  # a safetensors folder or a GGUF file; the config its format records
     cfg = checkpoint.cfg
+    if args.quantization and cfg.moe is not None:
+        checkpoint.close()
+        raise UnsupportedModelError(f"{path}: quantization ({args.quantization}) is not supported for "
+                                    f"mixture-of-experts models ({cfg.architecture}) yet")
     plan = weights = None
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)

@@ -90,10 +90,16 @@ def attention(
 ) -> torch.Tensor:
     tokens = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["wq"], w.get("bq")).view(tokens, nh, hd)
-    k = linear(x, w["wk"], w.get("bk")).view(tokens, nkv, hd)
-    v = linear(x, w["wv"], w.get("bv")).view(tokens, nkv, hd)
-    if cfg.qk_norm:
+    q = linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
+    k = linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
+    v = linear(x, w["wv"], w.get("bv"))
+    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one norm over all heads, before the clip
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q, k, v = q.view(tokens, nh, hd), k.view(tokens, nkv, hd), v.view(tokens, nkv, hd)
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q = apply_rotary(q, step.cos, step.sin)
@@ -116,7 +122,7 @@ def attention(
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
-    return linear(out, w["wo"])
+    return linear(out, w["wo"], w.get("bo"))
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -130,8 +136,80 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: 
     return x.transpose(1, 2)
 
 
-def mlp(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    return linear(F.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
+def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+    """SwiGLU MLP over w[prefix + "w_gate" / "w_up" / "w_down"] (prefix "shared." for Qwen2-MoE's shared expert)."""
+    return linear(F.silu(linear(x, w[prefix + "w_gate"])) * linear(x, w[prefix + "w_up"]), w[prefix + "w_down"])
+
+
+def attention_residual(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    step: StepInputs,
+    cfg: ModelConfig,
+) -> torch.Tensor:
+    """The first half of a block: x + attention(norm(x)). (tokens, hidden) -> (tokens, hidden)."""
+    return x + attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which experts each token of a step goes to, and with what weight."""
+
+    expert_ids: torch.Tensor  # (tokens, top_k) int64
+    weights: torch.Tensor  # (tokens, top_k) fp32 routing weights
+    counts: list[int]  # (num_experts,) tokens routed to each expert, on the host
+
+    @property
+    def chosen(self) -> list[int]:
+        """The union of the experts the step's tokens chose, ascending: what must be fetched."""
+        return [e for e, n in enumerate(self.counts) if n]
+
+
+def router_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h: (tokens, hidden) normed hidden states; router: (experts, hidden) -> ids, weights (tokens, top_k).
+    Softmax over all experts in fp32 first, then the top k (as every supported family does), optionally
+    renormalised over the k chosen."""
+    probs = torch.softmax(linear(h, router).float(), dim=-1)  # (tokens, experts)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (tokens, top_k)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def route(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> Routing:
+    """The router's choice for every token. counts crosses to the host (one sync per MoE block): which
+    experts to fetch is a host decision, and the same sync gives route_experts its split sizes."""
+    m = cfg.moe
+    ids, weights = router_topk(h, w["router"], m.top_k, m.norm_topk_prob)
+    counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
+    return Routing(ids, weights, counts)
+
+
+def moe_experts(
+    h: torch.Tensor, routing: Routing, experts: dict[int, dict[str, torch.Tensor]], out: torch.Tensor
+) -> None:
+    """Add into out (tokens, hidden) the weighted outputs of the given experts ({expert: its w_gate,
+    w_up, w_down}) for the tokens routed to them. Called once per group of fetched experts, so a
+    cache smaller than one block's experts still computes the whole mixture, group by group."""
+    top_k = routing.expert_ids.shape[1]
+    flat = routing.expert_ids.flatten()  # (tokens * top_k,)
+    # Stable sort by expert: each expert's (token, choice) pairs become one contiguous run.
+    order = torch.argsort(flat, stable=True)  # (tokens * top_k,)
+    runs = torch.split(order, routing.counts)  # num_experts runs, run e of length counts[e]
+    gate = routing.weights.flatten()  # (tokens * top_k,) fp32
+    for e, ew in experts.items():
+        pairs = runs[e]  # (n,) flat indices of the (token, choice) pairs routed to e
+        tokens = pairs // top_k  # (n,)
+        y = mlp(h[tokens], ew)  # (n, hidden)
+        out.index_add_(0, tokens, (y.float() * gate[pairs, None]).to(out.dtype))
+
+
+def shared_expert(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Qwen2-MoE's always-on expert, scaled per token by sigmoid(shared_gate . h): (tokens, hidden)."""
+    return torch.sigmoid(linear(h, w["shared_gate"])) * mlp(h, w, "shared.")
 
 
 def block_forward(
@@ -143,7 +221,7 @@ def block_forward(
     cfg: ModelConfig,
 ) -> torch.Tensor:
     """One decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
-    h = x + attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
+    h = attention_residual(x, w, k_cache, v_cache, step, cfg)
     return h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w)
 
 

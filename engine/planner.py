@@ -74,6 +74,31 @@ class PlanInputs:
     kv_block_size: int = 16  # token positions per paged KV block
     kv_cache_bytes: int | None = None  # the KV pool the user asked for (--kv-cache-memory); None = planned
     kv_host_bytes: int = 0  # host tier for KV blocks evicted from the pool (the loader's choice)
+    # Expert-granular streaming (mixtures of experts; 0 = off): when the model does not fit, blocks
+    # stream without their routed experts (dense_block_bytes each) and experts go through a device
+    # cache of expert_bytes slots holding at least min_expert_slots.
+    expert_bytes: int = 0
+    num_experts_total: int = 0
+    dense_block_bytes: int = 0
+    min_expert_slots: int = 0
+    experts_per_token: int = 0  # top_k x sparse blocks: experts one token uses per step
+    predictor_bytes: int = 0  # each sparse block's router and norm, kept on the device to guess the next block's experts
+
+    def streaming_needs(self) -> str:
+        """min_streaming_bytes in words, for errors."""
+        buffers = f"{self.prefetch_depth + 1} stream buffers of "
+        if self.expert_bytes and self.min_streaming_bytes() < (self.prefetch_depth + 1) * self.block_bytes:
+            return (buffers + f"{format_bytes(self.dense_block_bytes)} (blocks without experts) and an expert "
+                    f"cache of {self.min_expert_slots} experts ({format_bytes(self.min_expert_slots * self.expert_bytes)})")
+        return buffers + format_bytes(self.block_bytes)
+
+    def min_streaming_bytes(self) -> int:
+        """What streaming needs on the device at least: stream buffers (and the smallest expert cache)."""
+        whole = min((self.prefetch_depth + 1) * self.block_bytes, self.num_layers * self.block_bytes)
+        if not self.expert_bytes:
+            return whole
+        return min(whole, (self.prefetch_depth + 1) * self.dense_block_bytes
+                   + self.min_expert_slots * self.expert_bytes + self.predictor_bytes)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -87,7 +112,7 @@ class PlanInputs:
     def min_budget(self) -> int:
         """The smallest device budget that serves one max_model_len sequence, all blocks streamed."""
         return (self.global_bytes + self.workspace_bytes + self.kv_blocks_per_seq * self.kv_block_bytes
-                + min((self.prefetch_depth + 1) * self.block_bytes, self.num_layers * self.block_bytes))
+                + self.min_streaming_bytes())
 
 
 @dataclass(frozen=True)
@@ -118,6 +143,26 @@ class MemoryPlan:
     # Host tier of the KV cache (prefix-cache blocks evicted from the pool).
     num_host_kv_blocks: int = 0
     kv_host_bytes: int = 0
+    # Expert-granular streaming (see PlanInputs); expert_slots == 0: off, experts travel inside their blocks.
+    expert_slots: int = 0
+    expert_bytes: int = 0
+    num_experts_total: int = 0
+    experts_per_token: int = 0
+    predictor_bytes: int = 0
+
+    @property
+    def expert_streaming(self) -> bool:
+        return self.expert_slots > 0
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        return self.expert_slots * self.expert_bytes
+
+    def expert_bytes_per_token_random(self) -> float:
+        """Expected expert bytes one decoded token fetches when routing is uniformly random (the worst
+        case for a cache: a hit rate of slots / experts, whatever the eviction policy)."""
+        hit = min(1.0, self.expert_slots / self.num_experts_total) if self.num_experts_total else 1.0
+        return self.experts_per_token * self.expert_bytes * (1.0 - hit)
 
     @property
     def stream_block_bytes(self) -> int:
@@ -131,7 +176,7 @@ class MemoryPlan:
     def device_bytes(self) -> int:
         return (
             self.global_bytes + self.kv_cache_bytes + self.workspace_bytes + self.stream_buffer_bytes
-            + len(self.resident_blocks) * self.block_bytes
+            + len(self.resident_blocks) * self.block_bytes + self.expert_cache_bytes + self.predictor_bytes
         )
 
     def budget_keeping(self, resident: int, depth: int | None = None) -> int:
@@ -170,6 +215,12 @@ class MemoryPlan:
         if self.num_host_kv_blocks:
             lines.append(f"  KV host tier: {format_bytes(self.kv_host_bytes)} = {self.num_host_kv_blocks} blocks "
                          "(evicted prefix-cache blocks, copied back on a hit)")
+        if self.expert_streaming:
+            lines.append(
+                f"  expert cache: {self.expert_slots}/{self.num_experts_total} experts "
+                f"({100 * self.expert_slots / self.num_experts_total:.0f}%, {format_bytes(self.expert_cache_bytes)}, "
+                f"{format_bytes(self.expert_bytes)} each, LRU); blocks stream without their experts; expert bytes "
+                f"per token at random routing (the worst case): {format_bytes(self.expert_bytes_per_token_random())}")
         if self.streamed_blocks and len(self.streamed_blocks) <= 16:
             lines.append(f"  streamed blocks: {self.streamed_blocks}")
         if self.host_budget is not None and self.streamed_blocks:
@@ -217,26 +268,27 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
 
     host_kv_blocks = p.kv_host_bytes // per_block
 
-    def plan(resident: list[int], buffers: int, blocks: int) -> MemoryPlan:
+    def plan(resident: list[int], buffers: int, blocks: int, block_bytes: int = p.block_bytes,
+             **experts) -> MemoryPlan:
         streamed = [i for i in range(p.num_layers) if i not in set(resident)]
         return _with_host_tier(p, MemoryPlan(
-            p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes, blocks * per_block,
+            p.budget, p.num_layers, resident, streamed, block_bytes, p.global_bytes, blocks * per_block,
             p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs, p.prefetch_depth, tuple(notes),
             streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=blocks,
-            num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block))
+            num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block, **experts))
 
     all_blocks = p.num_layers * p.block_bytes
     if p.budget is None:
         return plan(list(range(p.num_layers)), 0, target)
     buffers = (p.prefetch_depth + 1) * p.block_bytes
     room = p.budget - p.global_bytes - p.workspace_bytes
-    blocks = min(target, max(0, room - min(buffers, all_blocks)) // per_block)
+    blocks = min(target, max(0, room - p.min_streaming_bytes()) // per_block)
     if blocks < one_seq:
         raise PlanError(
             f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
             f"{format_bytes(p.global_bytes)}, KV cache for one sequence of {p.max_model_len} tokens "
             f"{format_bytes(one_seq * per_block)}, workspace {format_bytes(p.workspace_bytes)} and "
-            f"{p.prefetch_depth + 1} stream buffers of {format_bytes(p.block_bytes)} need at least "
+            f"{p.streaming_needs()} need at least "
             f"{format_bytes(p.min_budget())}; raise --max-device-memory or lower --max-model-len (or "
             "--max-num-batched-tokens: the workspace holds a chunk's attention scores over the whole context)"
         )
@@ -247,8 +299,39 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     room -= blocks * per_block
     if room >= all_blocks:
         return plan(list(range(p.num_layers)), 0, blocks)
+    if p.expert_bytes:
+        resident, buffers, slots = _plan_experts(p, room, notes)
+        return plan(resident, buffers, blocks, p.dense_block_bytes, expert_slots=slots, expert_bytes=p.expert_bytes,
+                    num_experts_total=p.num_experts_total, experts_per_token=p.experts_per_token,
+                    predictor_bytes=p.predictor_bytes)
     resident_count = min(p.num_layers - 1, (room - buffers) // p.block_bytes)
     return plan(_spread(int(resident_count), p.num_layers), buffers, blocks)
+
+
+def _plan_experts(p: PlanInputs, room: int, notes: list[str]) -> tuple[list[int], int, int]:
+    """(resident blocks, stream buffer bytes, expert slots) of a mixture of experts that does not fit:
+    blocks without their experts first (every token reads all of a block's dense part each step, but
+    only top_k of its experts, so a resident dense byte saves a byte per step while a cached expert
+    byte saves at most its hit rate), then the expert cache takes the rest. `room`: the budget left
+    after globals, workspace and the KV pool (which came first)."""
+    dense, depth = p.dense_block_bytes, p.prefetch_depth
+    room -= p.predictor_bytes
+    need_cache = p.min_expert_slots * p.expert_bytes
+    if room - need_cache >= p.num_layers * dense:
+        resident_count, buffers = p.num_layers, 0
+    else:
+        buffers = (depth + 1) * dense
+        if room < buffers + need_cache:
+            raise PlanError(
+                f"device budget {format_bytes(p.budget)} is too small: embeddings/head {format_bytes(p.global_bytes)}, "
+                f"workspace {format_bytes(p.workspace_bytes)}, the KV pool, {depth + 1} stream buffers of "
+                f"{format_bytes(dense)} (blocks without experts) and an expert cache of {p.min_expert_slots} "
+                f"experts ({format_bytes(need_cache)}) do not fit; raise --max-device-memory or lower --max-model-len")
+        resident_count = min(p.num_layers - 1, (room - buffers - need_cache) // dense)
+    slots = min(p.num_experts_total, (room - buffers - resident_count * dense) // p.expert_bytes)
+    notes.append("expert-granular streaming: blocks without their experts are planned first (each is read "
+                 "whole every step), the expert cache takes the rest")
+    return _spread(int(resident_count), p.num_layers), buffers, int(slots)
 
 
 def plan_largest_context(make_inputs, max_model_len: int, min_model_len: int, block_size: int) -> MemoryPlan:

@@ -117,6 +117,20 @@ class ModelRunner:
             logits_index=logits_t,
         )
 
+    def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, step: M.StepInputs) -> torch.Tensor:
+        """A mixture-of-experts block. The routing reaches the host (M.route), then the weights package
+        hands over the union of the experts the step's tokens chose, in groups its expert cache can
+        hold; each group's outputs are added as it arrives."""
+        cfg = self.cfg
+        h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
+        hn = M.rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+        routing = M.route(hn, w, cfg)
+        out = M.shared_expert(hn, w) if "shared_gate" in w else torch.zeros_like(hn)  # (tokens, hidden)
+        for group in self.weights.experts(block, routing.chosen, h):
+            M.moe_experts(hn, routing, group, out)
+        return h + out
+
     @torch.inference_mode()
     def copy_kv_blocks(self, copies: list[BlockCopy]) -> None:
         """The KV block copies scheduling queued (host tier <-> pool), before the pass that reads them."""
@@ -138,7 +152,10 @@ class ModelRunner:
             for block in range(self.cfg.num_layers):
                 w = self.weights.acquire(block)
                 k_cache, v_cache = self.kv.layer(block)
-                x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
+                if self.cfg.is_moe_layer(block):
+                    x = self._moe_block(block, x, w, k_cache, v_cache, step)
+                else:
+                    x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
                 self.weights.release(block)
         except BaseException:
             # A half-finished pass leaves the prefetcher ahead of where the next step starts.

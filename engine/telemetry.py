@@ -27,13 +27,18 @@ class PlanSummary:
     device_bytes: int  # what the plan places on the device
     release_pages: bool  # streamed pages are dropped after use (checkpoint larger than host memory)
     text: str  # MemoryPlan.describe()
+    # Expert-granular streaming (0 slots: off): the expert cache and what a token fetches at random routing.
+    expert_cache_slots: int = 0
+    experts_total: int = 0
+    expert_bytes_per_token_random: float = 0.0
 
     @staticmethod
     def of(plan: MemoryPlan, links: LinkSpeeds) -> "PlanSummary":
         streamed, disk = len(plan.streamed_blocks), len(plan.disk_blocks)
         return PlanSummary(len(plan.resident_blocks), streamed, streamed - disk, disk, plan.streamed_bytes_per_step,
                            plan.disk_bytes_per_step, plan.budget, plan.device_bytes, plan.release_pages,
-                           plan.describe(links.disk_gbps))
+                           plan.describe(links.disk_gbps), plan.expert_slots, plan.num_experts_total,
+                           plan.expert_bytes_per_token_random())
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,15 @@ class ServerMetrics:
         self.tier_bytes = Counter("layerstream_streamed_tier_bytes", "bytes streamed in all steps by the tier "
                                   "the blocks came from (host memory, or read from disk each step)",
                                   labels + ["tier"], registry=r)
+        # Mixtures of experts with expert-granular streaming (zero otherwise).
+        self.expert_lookups = Counter("layerstream_expert_lookups", "chosen experts looked up in the expert cache: "
+                                      "result=hit (cached or already being prefetched) or miss (fetched on demand)",
+                                      labels + ["result"], registry=r)
+        self.expert_bytes = Counter("layerstream_expert_bytes", "bytes fetched into the expert cache (demand and "
+                                    "prefetch; also counted in layerstream_streamed_bytes)", labels, registry=r)
+        self.expert_guesses = Counter("layerstream_expert_guesses", "experts chosen by blocks whose experts were "
+                                      "guessed ahead: result=right (the guess named it) or wrong",
+                                      labels + ["result"], registry=r)
         self.masks = Gauge("layerstream_structured_output_mask_seconds", "seconds spent on structured-output "
                            "token masks since start: kind=compute (worker thread, overlapped with the forward "
                            "pass) or wait (the engine thread waiting for a mask before sampling)",
@@ -121,6 +130,11 @@ class ServerMetrics:
         self.stall.labels(m).observe(max(0.0, s.stall_seconds))
         self.tier_bytes.labels(m, "host").inc(s.host_tier_bytes)
         self.tier_bytes.labels(m, "disk").inc(s.disk_tier_bytes)
+        self.expert_lookups.labels(m, "hit").inc(s.expert_hits)
+        self.expert_lookups.labels(m, "miss").inc(s.expert_misses)
+        self.expert_bytes.labels(m).inc(s.expert_bytes)
+        self.expert_guesses.labels(m, "right").inc(s.experts_guessed_right)
+        self.expert_guesses.labels(m, "wrong").inc(s.experts_needed_guessed - s.experts_guessed_right)
         self.gbps.labels(m).set(step.gbps)
         if step.floor_percent is not None:
             self.floor_pct.labels(m).set(step.floor_percent)

@@ -98,3 +98,18 @@ def test_kv_pool_prefix_hits_host_tier_and_preemptions():
     # and under vLLM's names
     assert got[("vllm:prefix_cache_queries_total", ())] == 1500 and got[("vllm:prefix_cache_hits_total", ())] == 800
     assert got[("vllm:num_preemptions_total", ())] == 4
+
+
+def test_expert_cache_counters():
+    m = ServerMetrics("x")
+    t = snapshot(link_gbps=None)
+    stream = StreamStats(host_tier_bytes=5000, expert_bytes=3000, expert_hits=7, expert_misses=3,
+                         experts_guessed=6, experts_guessed_right=4, experts_needed_guessed=9)
+    links = LinkSpeeds()
+    m.on_step(EngineTelemetry(**{**t.__dict__, "last_step": StepTelemetry.of(0.5, stream, links)}))
+    text = m.render().decode()
+    assert 'layerstream_expert_lookups_total{model_name="x",result="hit"} 7.0' in text
+    assert 'layerstream_expert_lookups_total{model_name="x",result="miss"} 3.0' in text
+    assert 'layerstream_expert_bytes_total{model_name="x"} 3000.0' in text
+    assert 'layerstream_expert_guesses_total{model_name="x",result="right"} 4.0' in text
+    assert 'layerstream_expert_guesses_total{model_name="x",result="wrong"} 5.0' in text

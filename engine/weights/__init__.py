@@ -24,6 +24,11 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
       Embeddings, final norm and head placed on the device; .embed(ids) gathers rows in the compute dtype.
   weights.acquire(i) -> {short name: tensor}; weights.release(i); weights.reset()
       Block i's weights for the math, then give its buffer back (compute thread only, blocks in order).
+  weights.experts(i, chosen, hidden) -> iterator of {expert: {"w_gate", "w_up", "w_down"}} groups
+      Mixtures of experts: the experts the step's tokens chose in block i (acquired). With a plan that
+      streams experts (plan.expert_streaming) each is its own unit, read by byte range into the device
+      expert cache (experts.py, expert_cache.py); `hidden` lets the tier guess block i+1's experts and
+      prefetch them. Otherwise they come out of block i's own weights.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan.
@@ -43,8 +48,8 @@ type (e.g. "Q4_K"), a logical shape, zero-copy typed views of plain tensors and 
 ones, the format's tensor names, its row order and its model config. safetensors_index.WeightIndex and
 gguf_file.GGUFIndex are the readers, told apart in formats.open_checkpoint. The unit a transport moves is
 a block's set of named tensors (BlockSource.tensors(i)), plain or packed: packed (GGUF) blocks move
-their stored bytes on every tier (page cache, disk, CUDA); per-expert units for MoE are a finer key of the
-same source, acquired the same way, without changes outside this package.
+their stored bytes on every tier (page cache, disk, CUDA); a routed expert is a finer unit
+of the same source (BlockSource.expert_tensors(i, e)), moved by the expert tier (experts, expert_cache).
 
 Inside (may change freely): source.BlockSource (a block's tensors by short name), streamer.BlockStreamer
 (prefetch thread), transport (Transport, Ticket, CpuTransport), tiers (which transport), cuda_transport

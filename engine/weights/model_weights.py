@@ -10,20 +10,21 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from .. import model as M
-from ..arch import ModelConfig
+from ..arch import EXPERT_WEIGHTS, ModelConfig, expert_key
 from ..planner import HostTiering, MemoryPlan
 from .bandwidth import LinkSpeeds
 from .checkpoint import CheckpointReader
 from .formats import open_checkpoint
 from .source import BlockSource, WeightSizes
 from .streamer import BlockStreamer, StreamStats
+from .experts import ExpertTier
 from .packed_format import PackedFormat
-from .tiers import host_tiering, make_transport
+from .tiers import host_tiering, make_expert_reader, make_transport
 from .transport import Transport, to_compute
 
 log = logging.getLogger("layerstream")
@@ -176,21 +177,31 @@ class ModelWeights:
                  disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
                  quantization: str | None = None):
         source = checkpoint.source
+        experts = None
+        if plan.expert_streaming:  # (MoE models are never quantized: the loader refuses that)
+            # Blocks move without their experts; the expert tier moves each chosen expert by itself.
+            experts = ExpertTier(checkpoint.cfg, source, dtype, device, plan.expert_slots,
+                                 make_expert_reader(transport, source, device, plan))
+            source = source.without_experts()
         quantized = None
-        if quantization:
-            # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
-            # cache holds the quantized blocks and head (quant_cache.py); later loads map it.
-            from .quant_cache import QuantizedBlocks
-
-            quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
         try:
+            if quantization:
+                # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
+                # cache holds the quantized blocks and head (quant_cache.py); later loads map it.
+                from .quant_cache import QuantizedBlocks
+
+                quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
             t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
                                quantized=quantized)
         except BaseException:
             if quantized is not None:
                 quantized.close()
+            if experts is not None:
+                experts.close()
             raise
         self.plan = plan
+        self._acquired: dict[int, dict[str, torch.Tensor]] = {}
+        self._experts = experts
         self._transport: Transport = t
         self._streamer: BlockStreamer | None = None
         try:
@@ -208,29 +219,51 @@ class ModelWeights:
     # -- the compute thread's side --------------------------------------------------------------
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
         """Block `block`'s weights on the compute device (waits if the prefetcher is behind)."""
-        return self._streamer.acquire(block)
+        w = self._streamer.acquire(block)
+        self._acquired[block] = w
+        return w
 
     def release(self, block: int) -> None:
         """The block's kernels were issued: its buffer may take the next streamed block."""
+        self._acquired.pop(block, None)
         self._streamer.release(block)
+
+    def experts(self, block: int, chosen: list[int], hidden: torch.Tensor
+                ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+        """The chosen experts of MoE block `block` (acquired), as groups {expert: {"w_gate", "w_up",
+        "w_down"}} that are valid until the next group is asked for. `hidden` (tokens, hidden) is the
+        block's residual stream after attention: the expert tier guesses the next MoE block's experts
+        from it and starts fetching them while this block computes."""
+        if self._experts is not None:
+            yield from self._experts.groups(block, chosen, hidden)
+            return
+        w = self._acquired[block]  # whole-block streaming: the experts came with the block
+        yield {e: {k: w[expert_key(e, k)] for k in EXPERT_WEIGHTS} for e in chosen}
 
     def reset(self) -> None:
         """After a step failed half-way: drop what is in flight, restart at the first streamed block."""
+        self._acquired.clear()
+        if self._experts is not None:
+            self._experts.reset()
         self._streamer.reset()
 
     @property
     def stream_stats(self) -> StreamStats:
-        """Cumulative counters (an immutable record: subtract two with since())."""
-        return self._streamer.stats
+        """Cumulative counters (an immutable record: subtract two with since()), the expert tier's included."""
+        stats = self._streamer.stats
+        return stats if self._experts is None else stats.plus(self._experts.stats)
 
     def telemetry(self) -> WeightsTelemetry:
         t = self._transport
         pool = t.pool
-        return WeightsTelemetry(type(t).__name__, self._streamer.stats, self.links, t.host_bytes,
+        return WeightsTelemetry(type(t).__name__, self.stream_stats, self.links, t.host_bytes,
                                 pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache)
 
     def close(self) -> None:
         """Stop the prefetch thread and give back buffers, pinned memory and threads (idempotent)."""
+        if getattr(self, "_experts", None) is not None:
+            self._experts.close()
+            self._experts = None
         if self._streamer is not None:
             self._streamer.close()  # closes the transport too
             self._streamer = None

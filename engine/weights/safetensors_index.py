@@ -52,7 +52,20 @@ BLOCK_TENSORS = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "bo": "self_attn.o_proj.bias",
+    # Mixtures of experts (Qwen2/3-MoE, OLMoE spelling; Mixtral's is MIXTRAL_MOE_TENSORS)
+    "router": "mlp.gate.weight",
+    "shared.w_gate": "mlp.shared_expert.gate_proj.weight",
+    "shared.w_up": "mlp.shared_expert.up_proj.weight",
+    "shared.w_down": "mlp.shared_expert.down_proj.weight",
+    "shared_gate": "mlp.shared_expert_gate.weight",
 }
+EXPERT_TENSORS = {"w_gate": "mlp.experts.{e}.gate_proj.weight", "w_up": "mlp.experts.{e}.up_proj.weight",
+                  "w_down": "mlp.experts.{e}.down_proj.weight"}
+MIXTRAL_MOE_TENSORS = {"router": "block_sparse_moe.gate.weight"}
+MIXTRAL_EXPERT_TENSORS = {"w_gate": "block_sparse_moe.experts.{e}.w1.weight",
+                          "w_up": "block_sparse_moe.experts.{e}.w3.weight",
+                          "w_down": "block_sparse_moe.experts.{e}.w2.weight"}
 GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
@@ -199,6 +212,8 @@ class WeightIndex(CheckpointReader):
                             f"{path}: tensor {name!r} is also in {self.entries[name].path.name}"
                         )
                     self.entries[name] = entry
+            # Mixtral keeps its mixture under block_sparse_moe (w1/w3/w2); every other family under mlp.
+            self._mixtral_spelling = any(".block_sparse_moe." in n for n in self.entries)
             if weight_map is not None:
                 for name, shard in weight_map.items():
                     if name not in self.entries:
@@ -215,7 +230,14 @@ class WeightIndex(CheckpointReader):
         return load_model_config(self.folder)
 
     def block_tensor_name(self, layer: int, short: str) -> str:
-        return f"model.layers.{layer}.{BLOCK_TENSORS[short]}"
+        prefix = f"model.layers.{layer}."
+        mixtral = self._mixtral_spelling
+        if short.startswith("experts."):
+            _, e, part = short.split(".")
+            return prefix + (MIXTRAL_EXPERT_TENSORS if mixtral else EXPERT_TENSORS)[part].format(e=e)
+        if mixtral and short in MIXTRAL_MOE_TENSORS:
+            return prefix + MIXTRAL_MOE_TENSORS[short]
+        return prefix + BLOCK_TENSORS[short]
 
     def global_tensor_name(self, short: str) -> str:
         return GLOBAL_TENSORS[short]

@@ -36,12 +36,17 @@ def _env_float(name: str, default: float) -> float:
     return value
 
 
+def env_seconds_per_byte() -> float:
+    """The simulated link's rate from LAYERSTREAM_SIM_GBPS (default 2 GB/s; 0 = no delay)."""
+    gbps = _env_float("LAYERSTREAM_SIM_GBPS", 2.0)
+    return 0.0 if gbps == 0 else 1.0 / (gbps * 1e9)
+
+
 class SimulatedTransport(Transport):
     def __init__(self, inner: Transport, seconds_per_byte: float | None = None, seconds_per_block: float = 0.0,
                  compute_seconds_per_block: float | None = None):
         if seconds_per_byte is None:
-            gbps = _env_float("LAYERSTREAM_SIM_GBPS", 2.0)
-            seconds_per_byte = 0.0 if gbps == 0 else 1.0 / (gbps * 1e9)
+            seconds_per_byte = env_seconds_per_byte()
         if compute_seconds_per_block is None:
             compute_seconds_per_block = _env_float("LAYERSTREAM_SIM_COMPUTE_MS", 0.0) / 1000
         for name, value in (("seconds_per_byte", seconds_per_byte), ("seconds_per_block", seconds_per_block),

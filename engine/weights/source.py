@@ -8,6 +8,7 @@ through this class, never through the reader or the model config.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,21 +31,27 @@ class WeightSizes:
     # What one streamed block moves when that differs from block_bytes: a packed block (GGUF)
     # streams its stored bytes and is unpacked by the compute that uses it.
     streamed_block_bytes: int | None = None
+    # Mixtures of experts: the same for a block without its routed experts, and for one expert.
+    dense_block_bytes: int = 0
+    dense_checkpoint_block_bytes: int = 0
+    expert_bytes: int = 0  # one routed expert in the compute dtype (every expert has the same shapes)
+    checkpoint_expert_bytes: int = 0
+    num_experts_total: int = 0  # routed experts over all blocks
 
 
 class BlockSource:
     def __init__(self, reader: CheckpointReader, cfg: ModelConfig):
         self._reader = reader
         self.num_blocks = cfg.num_layers
-        shapes = cfg.block_shapes()
+        layer_shapes = [cfg.block_shapes(i) for i in range(cfg.num_layers)]
         self._names = [{short: reader.block_tensor_name(i, short) for short in shapes}
-                       for i in range(cfg.num_layers)]
+                       for i, shapes in enumerate(layer_shapes)]
         glob = cfg.global_shapes()
         if "lm_head" not in glob and reader.global_tensor_name("lm_head") in reader:
             glob["lm_head"] = glob["embed"]  # tied, but the checkpoint stores a head anyway: use it
         self._global_names = {short: reader.global_tensor_name(short) for short in glob}
         expected = {self._global_names[s]: shape for s, shape in glob.items()}
-        for names in self._names:
+        for names, shapes in zip(self._names, layer_shapes):
             expected.update({names[s]: shape for s, shape in shapes.items()})
         for name, shape in expected.items():
             if name not in reader:
@@ -58,6 +65,34 @@ class BlockSource:
         # Row orders depend on the tensor's role, not its block: found once, from block 0.
         self._row_orders = {s: reader.row_order(n) for s, n in self._names[0].items()} if self._names else {}
         self.packed = any(i.quant is not None for t in self._tensors + [self._globals] for i in t.values())
+        # block -> expert -> {"w_gate", "w_up", "w_down": entry}: each expert its own streaming unit
+        self._experts: list[dict[int, dict[str, TensorInfo]]] = [{} for _ in range(self.num_blocks)]
+        for b, tensors in enumerate(self._tensors):
+            for short, info in tensors.items():
+                if short.startswith("experts."):
+                    _, e, part = short.split(".")
+                    self._experts[b].setdefault(int(e), {})[part] = info
+
+    def without_experts(self) -> "BlockSource":
+        """The same source whose blocks leave out their routed experts (the expert tier moves those)."""
+        dense = copy.copy(self)
+        dense._names = [{s: n for s, n in names.items() if not s.startswith("experts.")} for names in self._names]
+        dense._tensors = [{s: t for s, t in ts.items() if not s.startswith("experts.")} for ts in self._tensors]
+        return dense
+
+    def expert_blocks(self) -> list[int]:
+        return [b for b in range(self.num_blocks) if self._experts[b]]
+
+    def num_experts(self, block: int) -> int:
+        return len(self._experts[block])
+
+    def expert_tensors(self, block: int, expert: int) -> dict[str, TensorInfo]:
+        """One expert's tensors by short name ("w_gate", "w_up", "w_down"): where its bytes lie."""
+        return self._experts[block][expert]
+
+    def expert_views(self, block: int, expert: int) -> dict[str, torch.Tensor]:
+        """Zero-copy views of one expert's tensors in their storage dtype."""
+        return {k: self._reader.view(t.name) for k, t in self._experts[block][expert].items()}
 
     @property
     def files(self) -> list[Path]:
@@ -120,9 +155,17 @@ class BlockSource:
 
     def sizes(self, dtype: torch.dtype) -> WeightSizes:
         glob = list(self._globals.values())
+        dense = self.without_experts()
+        blocks = range(self.num_blocks)
+        one_expert = next((ex[0] for ex in self._experts if ex), {})
         return WeightSizes(
-            block_bytes=max((self.compute_bytes(b, dtype) for b in range(self.num_blocks)), default=0),
+            block_bytes=max((self.compute_bytes(b, dtype) for b in blocks), default=0),
             global_bytes=sum(i.numel for i in glob) * dtype.itemsize,
-            checkpoint_block_bytes=max((self.nbytes(b) for b in range(self.num_blocks)), default=0),
+            checkpoint_block_bytes=max((self.nbytes(b) for b in blocks), default=0),
             checkpoint_bytes=self._reader.total_bytes(),
+            dense_block_bytes=max((dense.compute_bytes(b, dtype) for b in blocks), default=0),
+            dense_checkpoint_block_bytes=max((dense.nbytes(b) for b in blocks), default=0),
+            expert_bytes=sum(t.numel for t in one_expert.values()) * dtype.itemsize,
+            checkpoint_expert_bytes=sum(t.nbytes for t in one_expert.values()),
+            num_experts_total=sum(len(ex) for ex in self._experts),
         )

@@ -34,22 +34,43 @@ class StreamStats:
     stall_seconds: float = 0.0  # compute thread waiting for a block
     prepare_seconds: float = 0.0  # prefetch thread busy preparing blocks
     disk_read_seconds: float = 0.0  # of which reading disk-tier blocks
+    # Expert-granular streaming (mixtures of experts). Expert bytes are also in the tier counters above.
+    expert_bytes: int = 0  # bytes fetched into the expert cache (demand and prefetch)
+    expert_hits: int = 0  # chosen experts found in the cache (or already on their way by prefetch)
+    expert_misses: int = 0  # chosen experts fetched on demand
+    experts_guessed: int = 0  # experts prefetched on a guess (next block's router on this block's state)
+    experts_guessed_right: int = 0  # guesses the block's tokens then chose
+    experts_needed_guessed: int = 0  # experts chosen by blocks that had a guess
 
     @property
     def bytes_streamed(self) -> int:
         return self.host_tier_bytes + self.disk_tier_bytes
 
+    @property
+    def expert_hit_rate(self) -> float | None:
+        asked = self.expert_hits + self.expert_misses
+        return self.expert_hits / asked if asked else None
+
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        """Of the experts blocks chose, the fraction their guess named (recall); None without guesses."""
+        return self.experts_guessed_right / self.experts_needed_guessed if self.experts_needed_guessed else None
+
     def add(self, ticket: Ticket, stall_seconds: float) -> "StreamStats":
         disk = ticket.tier == DISK
-        return StreamStats(
-            self.host_tier_bytes + (0 if disk else ticket.nbytes),
-            self.disk_tier_bytes + (ticket.nbytes if disk else 0),
-            self.disk_bytes_read + ticket.disk_bytes,
-            self.blocks_streamed + 1,
-            self.stall_seconds + stall_seconds,
-            self.prepare_seconds + ticket.prepare_seconds,
-            self.disk_read_seconds + ticket.disk_seconds,
+        return replace(
+            self,
+            host_tier_bytes=self.host_tier_bytes + (0 if disk else ticket.nbytes),
+            disk_tier_bytes=self.disk_tier_bytes + (ticket.nbytes if disk else 0),
+            disk_bytes_read=self.disk_bytes_read + ticket.disk_bytes,
+            blocks_streamed=self.blocks_streamed + 1,
+            stall_seconds=self.stall_seconds + stall_seconds,
+            prepare_seconds=self.prepare_seconds + ticket.prepare_seconds,
+            disk_read_seconds=self.disk_read_seconds + ticket.disk_seconds,
         )
+
+    def plus(self, other: "StreamStats") -> "StreamStats":
+        return StreamStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def since(self, before: "StreamStats") -> "StreamStats":
         return StreamStats(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))

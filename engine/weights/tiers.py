@@ -106,3 +106,20 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
 
         return PackedCpuTransport(source, fmt, release_pages=plan.release_pages)
     return CpuTransport(source, dtype, release_pages=plan.release_pages)
+
+
+def make_expert_reader(kind: str, source: BlockSource, device: torch.device, plan: MemoryPlan):
+    """Where the expert tier reads experts from, for the same transport names: the disk (disk, or auto
+    with a disk tier), the page cache (cpu, auto), or the page cache behind the simulated link."""
+    from .experts import DiskExpertReader, ExpertReader
+
+    if device.type != "cpu":
+        raise ValueError(f"expert-granular streaming computes on the CPU for now (device {device})")
+    kind = resolve(kind, device)
+    if kind == "disk" or (kind == "auto-cpu" and plan.disk_blocks):
+        return DiskExpertReader(source)
+    if kind == "simulated":
+        from .simulated_transport import env_seconds_per_byte
+
+        return ExpertReader(source, seconds_per_byte=env_seconds_per_byte())
+    return ExpertReader(source)

@@ -1,0 +1,54 @@
+"""Tiny random-weight mixture-of-experts checkpoints of every supported MoE family, saved with
+transformers' save_pretrained (one tensor per expert, as on the hub).
+
+Routers are scaled up so each token's top-k is decided by clear margins: with the default init the
+router's softmax is nearly uniform and rounding (ours vs the reference's op order) could flip a choice.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from engine.demo import build_random_model
+
+# 8 experts, top-2, in 4 blocks: enough that a cache of a few experts must evict.
+_COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, rms_norm_eps=1e-5, num_experts_per_tok=2, tie_word_embeddings=False)
+NUM_EXPERTS = 8
+
+
+def make_config(arch: str):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch == "qwen3_moe":  # a dense first block (mlp_only_layers), renormalised top-k
+        return Qwen3MoeConfig(**_COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                              num_experts=NUM_EXPERTS, norm_topk_prob=True, mlp_only_layers=[0],
+                              architectures=["Qwen3MoeForCausalLM"])
+    if arch == "mixtral":
+        return MixtralConfig(**_COMMON, intermediate_size=32, num_local_experts=NUM_EXPERTS,
+                             architectures=["MixtralForCausalLM"])
+    if arch == "olmoe":  # biases everywhere in attention, whole-projection q/k norms, clipped q/k/v
+        return OlmoeConfig(**_COMMON, intermediate_size=32, num_experts=NUM_EXPERTS, attention_bias=True,
+                           clip_qkv=0.2, architectures=["OlmoeForCausalLM"])
+    if arch == "qwen2_moe":  # a shared expert with its gate; every second block sparse; top-k not renormalised
+        return Qwen2MoeConfig(**_COMMON, intermediate_size=96, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS, decoder_sparse_step=2,
+                              norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])
+    raise ValueError(arch)
+
+
+MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+
+
+def sharpen_routers(model: torch.nn.Module, scale: float = 40.0) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith(".gate.weight"):  # the router (mlp.gate / block_sparse_moe.gate)
+            p.mul_(scale)
+
+
+def build(folder: Path, arch: str, dtype: torch.dtype = torch.float32) -> Path:
+    return build_random_model(folder, make_config(arch), dtype=dtype, seed=zlib.crc32(arch.encode()) % 1000,
+                              adjust=sharpen_routers)
