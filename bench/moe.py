@@ -173,22 +173,33 @@ def run_one(folder: Path, budget: int, transport: str, granular: bool, ns) -> di
         prompts = [torch.randint(10, VOCAB, (ns.prompt_tokens,), generator=g).tolist() for _ in range(ns.batch)]
         sampling = dict(temperature=1.0, seed=1234) if ns.sampling == "random" else dict(temperature=0.0)
 
-        def timed(n):
-            before = llm.telemetry().total
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **sampling))
-            return time.perf_counter() - t0, llm.telemetry().total.since(before), outs
+        params = SamplingParams(max_tokens=ns.decode_tokens + 1, ignore_eos=True, **sampling)
+        llm.generate(prompts, params)  # warm-up: fills the caches
+        # Then the same requests again, stepped by hand: the first step (prefill and first token) is not
+        # timed, the decode steps after it are.
+        engine, tokens_of, done = llm.engine, {}, set()
+        for p in prompts:
+            tokens_of[engine.add_request(engine.encode(p), params)] = []
 
-        timed(1)  # warm-up: the first prefill fills the caches
-        # decode alone = (prefill + 1 + N tokens) - (prefill + 1 token), both after the warm-up
-        t_one, s_one, _ = timed(1)
-        t_all, s_all, outs = timed(ns.decode_tokens + 1)
-        seconds, s = t_all - t_one, s_all.since(s_one)
+        def step():
+            for o in engine.step():
+                tokens_of[o.request_id] += o.new_token_ids
+                if o.finished:
+                    done.add(o.request_id)
+
+        step()
+        before = llm.telemetry().total
+        t0 = time.perf_counter()
+        while len(done) < len(tokens_of):
+            step()
+        seconds = time.perf_counter() - t0
+        s = llm.telemetry().total.since(before)
+        outs = list(tokens_of.values())
         tokens = ns.decode_tokens * ns.batch
         plan = llm.plan
         return dict(tok_s=tokens / seconds, bytes_per_token=s.bytes_streamed / tokens, hit=s.expert_hit_rate,
                     accuracy=s.prefetch_accuracy, stall=s.stall_seconds / tokens,
-                    tokens=[o.outputs[0].token_ids for o in outs], resident=len(plan.resident_blocks),
+                    tokens=outs, resident=len(plan.resident_blocks),
                     slots=plan.expert_slots)
     finally:
         llm.close()
