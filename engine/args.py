@@ -44,6 +44,12 @@ class EngineArgs:
     # Mixtures of experts that do not fit: stream each chosen expert by itself through a device expert
     # cache (engine.weights.experts); False streams MoE blocks whole, experts inside (the baseline).
     expert_streaming: bool = True
+    # Speculative decoding (engine.speculative): None (off) | ngram | draft | self
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None  # method "draft": a model with the same tokenizer
+    prompt_lookup_min: int = 1  # method "ngram": n-gram sizes looked up, longest first
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -74,6 +80,24 @@ class EngineArgs:
             if self.device != "cpu" or self.transport not in ("auto", "cpu"):
                 raise ValueError("quantization runs with the CPU device and transport for now "
                                  f"(device {self.device!r}, transport {self.transport!r} asked)")
+
+        if self.speculative_method is None:
+            if self.speculative_model is not None:
+                raise ValueError("--speculative-model needs --speculative-method draft")
+        else:
+            self.speculative_config()  # raises ValueError on a bad combination
+            if self.speculative_method == "self" and (self.device != "cpu" or self.quantization is not None):
+                raise ValueError("the self-draft (int4 copies of the streamed blocks) runs on the CPU device, "
+                                 "with an unquantized target (its int4 copies would be the blocks themselves)")
+
+    def speculative_config(self):
+        """The validated SpeculativeConfig, or None when speculative decoding is off."""
+        if self.speculative_method is None:
+            return None
+        from .speculative import SpeculativeConfig
+
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.speculative_model,
+                                 self.prompt_lookup_min, self.prompt_lookup_max)
 
     @staticmethod
     def default(name: str):

@@ -47,6 +47,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "memory) on cuda, none on cpu where the pool already is host memory)")
     p.add_argument("--no-expert-streaming", dest="expert_streaming", action="store_false",
                    help="mixtures of experts: stream blocks whole, experts inside, instead of each chosen expert")
+    spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
+    spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "self"],
+                      help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "
+                           "(--speculative-model, resident), self (int4 copies of the streamed blocks)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
+                      help="tokens drafted per sequence per step (k)")
+    spec.add_argument("--speculative-model", default=None, help="draft model with the target's tokenizer")
+    spec.add_argument("--prompt-lookup-min", type=int, default=d("prompt_lookup_min"),
+                      help="ngram: shortest n-gram looked up")
+    spec.add_argument("--prompt-lookup-max", type=int, default=d("prompt_lookup_max"),
+                      help="ngram: longest n-gram looked up (tried first)")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
@@ -60,6 +71,10 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
+    for name in ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min",
+                 "prompt_lookup_max"):
+        if hasattr(ns, name):
+            fields[name] = getattr(ns, name)
     fields.update(overrides)
     return EngineArgs(**fields)
 

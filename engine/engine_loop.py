@@ -68,7 +68,8 @@ class EngineObserver(Protocol):
 
     def on_step(self, telemetry: EngineTelemetry) -> None: ...
 
-    def on_token(self, first: bool, seconds: float) -> None: ...
+    def on_token(self, first: bool, seconds: float, count: int = 1) -> None:
+        """count: tokens in this output (speculative decoding emits several per step)."""
 
     def on_finished(self, reason: str, prompt_tokens: int) -> None: ...
 
@@ -395,7 +396,8 @@ class EngineLoop:
                     "the engine failed while generating this request")))
                 continue
             if obs:
-                obs.on_token(t.last is None, now - (t.last if t.last is not None else t.handle.arrival))
+                obs.on_token(t.last is None, now - (t.last if t.last is not None else t.handle.arrival),
+                             len(out.new_token_ids))
             t.last = now
             if out.finished:
                 del self._tracked[out.request_id]

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .args import EngineArgs
 from .detokenizer import IncrementalDetokenizer
-from .loader import LoadedModel, load_model
+from .loader import DraftReservation, LoadedModel, load_draft_model, load_model
 from .model_source import resolve_model
 from .runner import check_token_ids
-from .sampler import TokenLogprobs, make_generator, sample_one, score_tokens
+from .sampler import TokenLogprobs, make_generator, sample_one, score_tokens, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
+from .speculative import Draft, Drafter, DraftRequest, SpecCounters, build_drafter, verify
 from .structured_output import GrammarCompiler, Guide
 from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
@@ -102,10 +104,30 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(config_folder(path))
 
 
+def check_same_tokenizer(target_tokenizer, draft_path) -> None:
+    """A speculative draft model must tokenize as the target does: its token ids are verified as the target's."""
+    draft_tokenizer = load_tokenizer(draft_path)
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"the speculative draft model {draft_path} does not use the target's tokenizer "
+                         f"(vocabularies of {len(draft_tokenizer)} and {len(target_tokenizer)} tokens differ)")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, tokenizer=None):
         path = resolve_model(args.model, show_progress=args.show_progress)
-        self.model: LoadedModel = load_model(args, path)
+        spec = args.speculative_config()
+        draft_model = reservation = None
+        if spec is not None and spec.method == "draft":
+            # Loaded first, resident: the target's plan reserves what it takes.
+            draft_model = load_draft_model(args)
+            reservation = DraftReservation(draft_model.plan.device_bytes, f"draft model {spec.model}, resident")
+        try:
+            self.model: LoadedModel = load_model(args, path, reservation)
+        except BaseException:
+            if draft_model is not None:
+                draft_model.close()
+            raise
+        self.drafter: Drafter | None = None
         try:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
             plan = self.model.plan
@@ -119,15 +141,26 @@ class LLMEngine:
                 enable_prefix_caching=args.enable_prefix_caching,
                 num_host_kv_blocks=plan.num_host_kv_blocks,
             ))
+            if spec is not None:
+                if draft_model is not None:
+                    check_same_tokenizer(self.tokenizer, draft_model.path)
+                self.drafter, draft_model = build_drafter(spec, self.model, draft_model), None
         except BaseException:
             self.model.close()  # a tokenizer that does not load: the weights stream no more
+            if draft_model is not None:
+                draft_model.close()
             raise
+        self.spec = spec
+        self.spec_counters = SpecCounters(spec.method, spec.num_speculative_tokens) if spec is not None else None
+        self._drafts: dict[Sequence, Draft] = {}  # this step's drafts, by sequence
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._steps = 0
         try:
             self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
         except BaseException:
+            if self.drafter is not None:
+                self.drafter.close()
             self.model.close()
             raise
 
@@ -214,6 +247,9 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self._drafts.clear()
+        if self.drafter is not None:
+            chunks = self._draft(chunks)
         try:
             logits = self._execute(chunks)
         except EngineUnhealthyError:
@@ -227,12 +263,62 @@ class LLMEngine:
         self._steps += 1
         return self._sample(chunks, logits)
 
+    def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Speculative decoding: the decode chunks of sequences that may speculate become verify
+        chunks (their last token and k drafted ones), as far as the step's token budget allows.
+        k is cut so no draft runs past max_tokens or the context; structured-output sequences do
+        not speculate (their grammar would have to follow every draft)."""
+        spec = self.spec
+        budget = self.scheduler.config.max_num_batched_tokens - sum(c.count for c in chunks)
+        requests, where = [], []
+        for i, c in enumerate(chunks):
+            seq, st = c.seq, c.seq.state
+            if c.count != 1 or not c.samples or not seq.output_ids or st.guide is not None:
+                continue
+            k = min(spec.num_speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
+                    self.max_model_len - seq.num_tokens, budget)
+            if k >= 1:
+                k = self.scheduler.grow_for_lookahead(seq, k)  # KV blocks for the drafted positions
+            if k < 1:
+                continue
+            budget -= k
+            requests.append(DraftRequest(seq, k, st.params, st.generator))
+            where.append(i)
+        if not requests:
+            return chunks
+        t0 = time.perf_counter()
+        try:
+            drafts = self.drafter.propose(requests)
+        except Exception as e:  # noqa: BLE001 - a draft that fails costs speed, never a request
+            if is_fatal_device_error(e):
+                raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e
+            log.warning("drafting failed (%s: %s); this step runs without speculation", type(e).__name__, e)
+            return chunks
+        finally:
+            self.spec_counters.draft_seconds += time.perf_counter() - t0
+        chunks = list(chunks)
+        vocab = self.model.cfg.vocab_size
+        for i, d in zip(where, drafts):
+            # A draft model's embedding table may be padded past the target's vocabulary.
+            n = next((j for j, t in enumerate(d.tokens) if not 0 <= t < vocab), len(d.tokens))
+            if n < len(d.tokens):
+                d = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
+            if d.tokens:
+                c = chunks[i]
+                chunks[i] = ScheduledChunk(c.seq, c.start, 1 + len(d.tokens), ids=c.token_ids() + d.tokens,
+                                           spec_logits=1 + len(d.tokens))
+                self._drafts[c.seq] = d
+        return chunks
+
     def _execute(self, chunks: list[ScheduledChunk]):
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
         self._copy_kv_blocks()
         try:
-            return self.model.runner.execute(chunks).cpu()
+            logits = self.model.runner.execute(chunks).cpu()
+            if self._drafts and any(c.ids is not None for c in chunks):
+                self.spec_counters.verify_seconds += self.model.runner.last_step.seconds
+            return logits
         except Exception as e:
             if is_fatal_device_error(e):
                 raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e
@@ -294,13 +380,16 @@ class LLMEngine:
                              num_output_tokens=len(seq.output_ids))
 
     def _sample(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
-        """logits: (rows, vocab) fp32 on the CPU, in the runner's order: a row per sampling chunk,
-        then the prompt-logit rows of the chunks that have them."""
+        """logits: (rows, vocab) fp32 on the CPU, in the runner's order: each chunk's num_logits rows
+        (1 per sampling chunk, 1 + k per verify chunk), then the prompt-logit rows of the chunks that have them."""
         outputs = []
-        row, prompt_row = 0, sum(c.samples for c in chunks)
+        row, prompt_row = 0, sum(c.num_logits for c in chunks)
         for chunk in chunks:
             seq = chunk.seq
-            self.scheduler.commit(chunk)
+            rows = logits[row:row + chunk.num_logits]  # (num_logits, vocab): 1, or 1 + k when verifying
+            row += chunk.num_logits
+            if chunk.ids is None:
+                self.scheduler.commit(chunk)  # a verify chunk commits the positions it keeps (_verify)
             positions = chunk.prompt_logit_positions
             prompt_row += len(positions)
             if positions and seq.status == SeqStatus.RUNNING:
@@ -313,17 +402,29 @@ class LLMEngine:
                     outputs.append(self._fail(seq, e))
             if not chunk.samples:
                 continue
-            row += 1
             if seq.status != SeqStatus.RUNNING:
                 continue  # failed while scoring its prompt
             try:
-                outputs.append(self._advance(seq, logits[row - 1]))
+                outputs.append(self._advance(seq, rows[0]) if chunk.ids is None else self._verify(chunk, rows))
             except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
                 outputs.append(self._fail(seq, e))
         # The next step's grammar masks, computed while its forward pass runs.
         self.grammar.prefetch([c.seq.state.guide for c in chunks
                                if c.seq.state.guide is not None and c.seq.status == SeqStatus.RUNNING])
         return outputs
+
+    def _verify(self, chunk: ScheduledChunk, rows) -> RequestOutput:
+        """rows: (1 + k, vocab) target logits at the last token and each draft. The accepted drafts
+        and the token after them are emitted; the K/V of rejected positions stays behind
+        num_computed, where the next pass overwrites it."""
+        seq, st = chunk.seq, chunk.seq.state
+        draft = self._drafts.pop(seq)
+        accepted, token = verify(rows, draft, st.params, seq.prompt_ids, seq.output_ids, st.generator)
+        self.spec_counters.verified(len(draft.tokens), accepted)
+        tokens = draft.tokens[:accepted] + [token]
+        # Kept: the last token's and the accepted drafts' K/V (as far as they were emitted).
+        return self._emit(seq, tokens, [token_logprobs(rows[i], t, st.params) for i, t in enumerate(tokens)],
+                          commit=lambda emitted: self.scheduler.commit(chunk, 1 + min(accepted, emitted)))
 
     def telemetry(self) -> EngineTelemetry:
         """A snapshot of what the engine is doing: the plan, bytes streamed (last step and in total,
@@ -347,6 +448,7 @@ class LLMEngine:
             blocks_converted=weights.blocks_converted,
             structured_output=self.grammar.stats.snapshot(),
             pinned_cache=weights.pinned_cache,
+            speculative=self.spec_counters.snapshot() if self.spec_counters is not None else None,
         )
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -381,19 +483,36 @@ class LLMEngine:
                 raise RuntimeError("prompt logprobs are missing for part of the prompt")
         allowed = st.guide.allowed() if st.guide is not None else None
         token, info = sample_one(logits, st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
-        seq.output_ids.append(token)
+        return self._emit(seq, [token], [info], prompt_logprobs=prompt_logprobs)
+
+    def _emit(self, seq: Sequence, tokens: list[int], infos: list, commit=None,
+              prompt_logprobs: list | None = None) -> RequestOutput:
+        """Append tokens one at a time, as decoding them one per step would, up to the first that
+        finishes the sequence (the rest, speculative ones, are dropped). commit(emitted): a verify
+        pass's K/V accounting, once the tokens it publishes are in the sequence and before a
+        finished sequence gives its blocks back."""
+        st: _SeqState = seq.state
         reason = None
-        if token in st.stop_ids:
-            reason = "stop"
-        else:
-            st.detok.add_token(token)
-            if st.guide is not None:
-                st.guide.accept(token)
-            if st.detok.stopped or (st.guide is not None and st.guide.stopped):
-                # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
+        emitted = []
+        for token in tokens:
+            seq.output_ids.append(token)
+            emitted.append(token)
+            if token in st.stop_ids:
                 reason = "stop"
-            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
+            else:
+                st.detok.add_token(token)
+                if st.guide is not None:
+                    st.guide.accept(token)
+                if st.detok.stopped or (st.guide is not None and st.guide.stopped):
+                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
+                    reason = "stop"
+                elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+            if reason:
+                break
+        token = emitted[-1]
+        if commit is not None:
+            commit(len(emitted))
         if reason:
             st.detok.flush()
         text = st.detok.take_delta(final=reason is not None)
@@ -402,9 +521,9 @@ class LLMEngine:
             self._seqs.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=emitted,
             text=text,
-            logprobs=[info] if info else [],
+            logprobs=[i for i in infos[:len(emitted)] if i is not None],
             finished=reason is not None,
             finish_reason=reason,
             stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
@@ -416,4 +535,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop streaming and release the model's threads, buffers, pinned memory and files."""
         self.grammar.close()
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
         self.model.close()

@@ -80,9 +80,40 @@ def _plan_context(args: EngineArgs, cfg: ModelConfig, host_room: int | None,
                                                                 args.block_size))
 
 
+def logits_rows(args: EngineArgs) -> int:
+    """Rows of logits the largest step returns: k + 1 per sequence when drafts are verified."""
+    return args.max_num_seqs * (1 + (args.num_speculative_tokens if args.speculative_method else 0))
+
+
+@dataclass(frozen=True)
+class DraftReservation:
+    """Speculative decoding's draft, as the target's plan budgets it (PlanInputs.draft_*)."""
+
+    fixed_bytes: int = 0  # a separate draft model: its planned bytes
+    name: str = ""
+
+
+def _draft_inputs(args: EngineArgs, checkpoint: ModelCheckpoint | None, dtype: torch.dtype, block_bytes: int,
+                  draft: DraftReservation | None) -> dict:
+    """PlanInputs' draft fields: the separate draft model's bytes, or the self-draft's int4 copy per block."""
+    if args.speculative_method == "self":
+        copy, head = checkpoint.self_draft_sizes(dtype) if checkpoint is not None else (block_bytes, 0)
+        if copy >= block_bytes:
+            raise ValueError(f"the self-draft's int4 copy of a block ({format_bytes(copy)}) is not smaller than the "
+                             f"block itself ({format_bytes(block_bytes)}): it needs a 16/32-bit safetensors target; "
+                             "use --speculative-method ngram or draft for this model")
+        return dict(draft_block_bytes=copy, draft_fixed_bytes=head,
+                    draft_name="self-draft: int4 copies of the streamed blocks (of every block when none streams) "
+                               "and an int8 head")
+    if draft is not None:
+        return dict(draft_fixed_bytes=draft.fixed_bytes, draft_name=draft.name)
+    return {}
+
+
 def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
-             host_room: int) -> MemoryPlan:
-    """The frozen memory plan for this model under args' device budget and `host_room` host bytes."""
+             host_room: int, draft: DraftReservation | None = None) -> MemoryPlan:
+    """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
+    with room for a speculative draft when one is configured."""
     device = torch.device(args.device)
     tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
     sizes = checkpoint.sizes(dtype, args.quantization, device)
@@ -107,7 +138,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         block_bytes=sizes.block_bytes,
         global_bytes=sizes.global_bytes,
         kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
-        workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype),
+        workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args)),
         budget=budget,
         max_model_len=max_len,
         max_num_seqs=args.max_num_seqs,
@@ -120,6 +151,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
         **experts,
+        **_draft_inputs(args, checkpoint, dtype, sizes.block_bytes, draft),
     ))
 
 
@@ -153,7 +185,8 @@ class LoadedModel:
         self.checkpoint.close()
 
 
-def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
+def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservation | None = None) -> LoadedModel:
+    """draft: a separate speculative draft model's bytes, for the plan to reserve."""
     path = Path(path)
     checkpoint = ModelCheckpoint(path)  # a safetensors folder or a GGUF file; the config its format records
     cfg = checkpoint.cfg
@@ -165,7 +198,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         host_room = host_budget(args.max_host_memory)
-        plan = plan_for(args, cfg, checkpoint, dtype, host_room)
+        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft)
         disk_gbps = None
         if plan.disk_blocks:
             disk_gbps, note = checkpoint.measure_disk()
@@ -200,3 +233,16 @@ def load_model(args: EngineArgs, path: str | os.PathLike) -> LoadedModel:
             raise out_of_memory_error(plan, torch.device(args.device), e) from e
         raise
     return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)
+
+
+def load_draft_model(args: EngineArgs) -> LoadedModel:
+    """Speculative decoding's separate draft model (--speculative-model), fully resident: no device
+    budget of its own (the target's plan reserves its bytes: DraftReservation), the target's context
+    and sequence limits. Its KV lives in a pool mirroring the target's (engine.speculative)."""
+    from .model_source import resolve_model
+
+    draft_args = EngineArgs(model=args.speculative_model, device=args.device, dtype=args.dtype,
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, show_progress=args.show_progress,
+                            enable_prefix_caching=False)
+    return load_model(draft_args, resolve_model(args.speculative_model, show_progress=args.show_progress))

@@ -99,6 +99,12 @@ class PlanInputs:
             return whole
         return min(whole, (self.prefetch_depth + 1) * self.dense_block_bytes
                    + self.min_expert_slots * self.expert_bytes + self.predictor_bytes)
+    # Speculative decoding's draft, budgeted with the target: a separate draft model's bytes
+    # (weights and KV), and the self-draft's resident copy of each streamed block (of every block
+    # when none streams).
+    draft_fixed_bytes: int = 0
+    draft_block_bytes: int = 0
+    draft_name: str = ""  # what the draft is, for describe()
 
     @property
     def kv_block_bytes(self) -> int:
@@ -112,7 +118,12 @@ class PlanInputs:
     def min_budget(self) -> int:
         """The smallest device budget that serves one max_model_len sequence, all blocks streamed."""
         return (self.global_bytes + self.workspace_bytes + self.kv_blocks_per_seq * self.kv_block_bytes
-                + self.min_streaming_bytes())
+                + self.min_streaming_bytes() + self.draft_bytes(0))
+
+    def draft_bytes(self, streamed: int) -> int:
+        """The speculative draft's bytes when `streamed` blocks stream (the self-draft copies those,
+        or every block when none streams: the most it can take)."""
+        return self.draft_fixed_bytes + (streamed or self.num_layers) * self.draft_block_bytes
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,8 @@ class MemoryPlan:
         case for a cache: a hit rate of slots / experts, whatever the eviction policy)."""
         hit = min(1.0, self.expert_slots / self.num_experts_total) if self.num_experts_total else 1.0
         return self.experts_per_token * self.expert_bytes * (1.0 - hit)
+    draft_bytes: int = 0  # speculative decoding's draft (see PlanInputs)
+    draft_name: str = ""
 
     @property
     def stream_block_bytes(self) -> int:
@@ -177,6 +190,7 @@ class MemoryPlan:
         return (
             self.global_bytes + self.kv_cache_bytes + self.workspace_bytes + self.stream_buffer_bytes
             + len(self.resident_blocks) * self.block_bytes + self.expert_cache_bytes + self.predictor_bytes
+            + self.draft_bytes
         )
 
     def budget_keeping(self, resident: int, depth: int | None = None) -> int:
@@ -221,6 +235,8 @@ class MemoryPlan:
                 f"({100 * self.expert_slots / self.num_experts_total:.0f}%, {format_bytes(self.expert_cache_bytes)}, "
                 f"{format_bytes(self.expert_bytes)} each, LRU); blocks stream without their experts; expert bytes "
                 f"per token at random routing (the worst case): {format_bytes(self.expert_bytes_per_token_random())}")
+        if self.draft_name:
+            lines.append(f"  speculative draft: {format_bytes(self.draft_bytes)} ({self.draft_name})")
         if self.streamed_blocks and len(self.streamed_blocks) <= 16:
             lines.append(f"  streamed blocks: {self.streamed_blocks}")
         if self.host_budget is not None and self.streamed_blocks:
@@ -275,20 +291,25 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             p.budget, p.num_layers, resident, streamed, block_bytes, p.global_bytes, blocks * per_block,
             p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs, p.prefetch_depth, tuple(notes),
             streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=blocks,
-            num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block, **experts))
+            num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block,
+            draft_bytes=p.draft_bytes(len(streamed)), draft_name=p.draft_name, **experts))
 
     all_blocks = p.num_layers * p.block_bytes
     if p.budget is None:
         return plan(list(range(p.num_layers)), 0, target)
     buffers = (p.prefetch_depth + 1) * p.block_bytes
-    room = p.budget - p.global_bytes - p.workspace_bytes
+    # The draft's largest size is set aside first; each block then kept resident gives back its
+    # self-draft copy (draft_block_bytes), so it costs block_bytes - draft_block_bytes.
+    room = p.budget - p.global_bytes - p.workspace_bytes - p.draft_bytes(0)
     blocks = min(target, max(0, room - p.min_streaming_bytes()) // per_block)
     if blocks < one_seq:
         raise PlanError(
             f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
             f"{format_bytes(p.global_bytes)}, KV cache for one sequence of {p.max_model_len} tokens "
             f"{format_bytes(one_seq * per_block)}, workspace {format_bytes(p.workspace_bytes)} and "
-            f"{p.streaming_needs()} need at least "
+            f"{p.streaming_needs()}"
+            + (f", the speculative draft {format_bytes(p.draft_bytes(0))}," if p.draft_name else "")
+            + " need at least "
             f"{format_bytes(p.min_budget())}; raise --max-device-memory or lower --max-model-len (or "
             "--max-num-batched-tokens: the workspace holds a chunk's attention scores over the whole context)"
         )
@@ -304,7 +325,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         return plan(resident, buffers, blocks, p.dense_block_bytes, expert_slots=slots, expert_bytes=p.expert_bytes,
                     num_experts_total=p.num_experts_total, experts_per_token=p.experts_per_token,
                     predictor_bytes=p.predictor_bytes)
-    resident_count = min(p.num_layers - 1, (room - buffers) // p.block_bytes)
+    resident_count = min(p.num_layers - 1, (room - buffers) // (p.block_bytes - p.draft_block_bytes))
     return plan(_spread(int(resident_count), p.num_layers), buffers, blocks)
 
 
@@ -363,6 +384,40 @@ def plan_largest_context(make_inputs, max_model_len: int, min_model_len: int, bl
     return replace(best, notes=best.notes + (
         f"max_model_len lowered from {max_model_len} to {best.max_model_len} so one sequence fits the budget "
         "(set --max-model-len to choose, or raise --max-device-memory)",))
+    fixed = p.global_bytes + p.workspace_bytes
+    layers_min = min(buffers, p.num_layers * p.block_bytes) + draft(p.num_layers)
+    # KV room comes before resident blocks: a block that does not fit can stream, a sequence whose
+    # cache does not fit cannot run at all. Shrink concurrency rather than refuse to start.
+    while seqs > 1 and fixed + kv(seqs) + layers_min > p.budget:
+        seqs -= 1
+    if seqs < p.max_num_seqs:
+        notes.append(f"max_num_seqs lowered from {p.max_num_seqs} to {seqs} so the KV cache fits the budget")
+    room = p.budget - fixed - kv(seqs)
+    if room >= p.num_layers * p.block_bytes + draft(0):
+        resident_count = p.num_layers
+        buffers = 0
+    else:
+        # Each streamed block costs its draft copy (self-draft), each resident one its weights.
+        room -= p.draft_fixed_bytes + p.num_layers * p.draft_block_bytes
+        per_block = p.block_bytes - p.draft_block_bytes
+        if room < buffers:
+            need = fixed + kv(1) + buffers + draft(p.num_layers)
+            raise PlanError(
+                f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
+                f"{format_bytes(p.global_bytes)}, KV cache {format_bytes(kv(seqs))}, workspace "
+                f"{format_bytes(p.workspace_bytes)} and {p.prefetch_depth + 1} stream buffers of "
+                f"{format_bytes(p.block_bytes)}"
+                + (f", the speculative draft {format_bytes(draft(p.num_layers))}" if p.draft_name else "")
+                + f" need at least {format_bytes(need)}; raise "
+                "--max-device-memory or lower --max-model-len / --max-num-seqs"
+            )
+        resident_count = min(p.num_layers - 1, (room - buffers) // per_block)
+    resident = _spread(int(resident_count), p.num_layers)
+    streamed = [i for i in range(p.num_layers) if i not in set(resident)]
+    return _with_host_tier(p, MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes,
+                                         kv(seqs), p.workspace_bytes, buffers, p.max_model_len, seqs,
+                                         p.prefetch_depth, tuple(notes), draft_bytes=draft(len(streamed)),
+                                         **draft_kw))
 
 
 def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:

@@ -69,11 +69,10 @@ class ModelRunner:
         for c in chunks:
             first = len(ids)
             table = c.seq.block_table
-            ids += c.seq.token_range(c.start, c.count)
+            ids += c.token_ids()
             positions += range(c.start, c.start + c.count)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
-            if c.samples:
-                logits_index.append(len(ids) - 1)
+            logits_index += range(len(ids) - c.num_logits, len(ids))
             prompt_rows += (first + p - c.start for p in c.prompt_logit_positions)
             starts.append(c.start)
             counts.append(c.count)
@@ -142,8 +141,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns fp32 logits (rows, vocab): one row per sampling chunk in chunk order,
-        then the rows of `prompt_logit_positions` of every chunk, in chunk order."""
+        """Run one step; returns fp32 logits (rows, vocab): each chunk's num_logits rows in chunk order
+        (one per sampling chunk; 1 + k for a speculative verify chunk), then the rows of
+        `prompt_logit_positions` of every chunk, in chunk order."""
         t0 = time.perf_counter()
         before = self.weights.stream_stats
         step = self._step_inputs(chunks)

@@ -72,12 +72,12 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits
 
 
-def _argmax(logits: torch.Tensor) -> int:
+def argmax(logits: torch.Tensor) -> int:
     """argmax that a NaN cannot capture (torch.argmax returns the index of a NaN)."""
     return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
     """One token drawn from probs (vocab,) by inverting its CDF with one uniform number; None when
     the probabilities are not finite. torch.multinomial draws the same distribution but took
     ~1 ms per call over a 49k vocabulary on a 2-core CPU (a quarter of a batch-16 decode step),
@@ -91,37 +91,57 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
+def processed_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                     output_ids: list[int]) -> torch.Tensor:
+    """(vocab,) raw logits -> a new tensor with penalties and logit_bias applied: what greedy takes
+    the argmax of and sampling filters (speculative verification processes each row the same way)."""
+    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
+    return logits
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """Processed logits -> the (vocab,) probabilities sampling draws from (temperature, top-k/p,
+    min-p), or None when they are not finite (the caller then takes the most likely token)."""
+    probs = filter_logits(logits, params).softmax(-1)
+    if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+        return probs
+    return None
+
+
+def token_logprobs(raw_logits: torch.Tensor, token: int, params: SamplingParams) -> TokenLogprobs | None:
+    """Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports;
+    None when the request asked for none."""
+    if params.logprobs is None:
+        return None
+    lp = torch.log_softmax(raw_logits, dim=-1)
+    top = []
+    if params.logprobs > 0:
+        vals, ids = torch.topk(lp, params.logprobs)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprobs(token, float(lp[token]), top)
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprobs | None]:
     """logits: (vocab,) fp32 raw model output for one sequence. allowed: (k,) int64, the token ids a
     grammar admits (structured output), ascending; the others cannot be sampled whatever their bias."""
-    raw = logits
-    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
-    if params.logit_bias:
-        logits = apply_logit_bias(logits, params.logit_bias)
+    processed = processed_logits(logits, params, prompt_ids, output_ids)
     if allowed is not None:
         # Sampling over the admitted tokens only: the same distribution as setting the others to
         # -inf (top-k/top-p/min-p never keep a -inf token), and a JSON grammar usually admits a
         # few hundred of 50k tokens, so every op after this gather is that much smaller.
-        logits = logits[allowed]  # (k,)
-    token = _argmax(logits) if params.greedy else _draw(filter_logits(logits, params).softmax(-1), generator)
+        processed = processed[allowed]  # (k,)
+    token = argmax(processed) if params.greedy else draw(filter_logits(processed, params).softmax(-1), generator)
     if token is None:
         # Penalties and temperature inside their ranges keep logits finite; if a model still
         # produced inf/NaN logits, this sequence gets its most likely token rather than an
         # exception that would fail the whole step.
-        token = _argmax(logits)
+        token = argmax(processed)
     if allowed is not None:
         token = int(allowed[token])
-    info = None
-    if params.logprobs is not None:
-        # Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports.
-        lp = torch.log_softmax(raw, dim=-1)
-        top = []
-        if params.logprobs > 0:
-            vals, ids = torch.topk(lp, params.logprobs)
-            top = list(zip(ids.tolist(), vals.tolist()))
-        info = TokenLogprobs(token, float(lp[token]), top)
-    return token, info
+    return token, token_logprobs(logits, token, params)
 
 
 def score_tokens(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:

@@ -54,11 +54,27 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # position of the first token fed this step
     count: int  # tokens fed this step
+    # Speculative decoding: the ids fed at positions start.. when they are not only the sequence's
+    # own (a verify pass feeds the last token and k drafts; a draft model feeds its drafts), and how
+    # many trailing positions need logits. None: the sequence's own tokens, logits of the last one
+    # if the chunk reaches the end of the sequence.
+    ids: list[int] | None = None
+    spec_logits: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this chunk gets from the step."""
+        if self.ids is not None:
+            return self.spec_logits
+        return 1 if self.start + self.count == self.seq.num_tokens else 0
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so its last logits give a token."""
-        return self.start + self.count == self.seq.num_tokens
+        """Whether this chunk gets logits (it reaches the end of the sequence, or it is speculative)."""
+        return self.num_logits > 0
+
+    def token_ids(self) -> list[int]:
+        return self.ids if self.ids is not None else self.seq.token_range(self.start, self.count)
 
     @property
     def prompt_logit_positions(self) -> range:
@@ -215,10 +231,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)  # first to come back: it is older than anything waiting
 
-    def commit(self, chunk: ScheduledChunk) -> None:
-        """The step computed this chunk's K/V: count it and publish the blocks it filled."""
-        chunk.seq.num_computed += chunk.count
+    def commit(self, chunk: ScheduledChunk, count: int | None = None) -> None:
+        """The step computed this chunk's K/V: count it and publish the blocks it filled. count: of
+        a speculative chunk, the positions kept (the rest held rejected drafts)."""
+        chunk.seq.num_computed += chunk.count if count is None else count
         self.blocks.commit(chunk.seq, since=chunk.start)
+
+    def grow_for_lookahead(self, seq: Sequence, wanted: int) -> int:
+        """Blocks for up to `wanted` positions past seq's tokens (speculative drafts), from free
+        blocks only (never preempting for a guess); returns how many positions it got."""
+        bs = self.config.block_size
+        room = (len(seq.block_table) + self.blocks.num_free_blocks) * bs - seq.num_tokens
+        got = max(0, min(wanted, room))
+        self.blocks.grow(seq, seq.num_tokens + got)
+        return got
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or cancelled) and free its blocks at once."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .block_manager import KVTelemetry
 from .planner import MemoryPlan
+from .speculative import SpecTelemetry
 from .structured_output import MaskStats
 from .weights import LinkSpeeds, StreamStats, floor_percent
 
@@ -71,3 +72,4 @@ class EngineTelemetry:
     blocks_converted: int
     structured_output: MaskStats  # token-mask work of structured output since start
     pinned_cache: bool = False  # CUDA: every streamed block pinned once in host memory (else staging)
+    speculative: SpecTelemetry | None = None  # speculative decoding's counters; None when it is off

@@ -10,7 +10,8 @@ from . import attention_backend
 from .arch import ModelConfig
 
 
-def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype) -> int:
+def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype,
+                    logits_rows: int | None = None) -> int:
     """Peak activations of the largest step the scheduler may form (`tokens` tokens over up to
     `seqs` sequences, contexts up to max_len): hidden states and MLP intermediates, logits, and
     attention in its padded layout. A step of s sequences pads every query to the longest chunk, and
@@ -20,7 +21,7 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
     temporaries of the largest attend() call (bounded by attention_backend's chunking)."""
     isz = dtype.itemsize
     act = tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * isz
-    logits = seqs * cfg.vocab_size * 4 * 3
+    logits = (logits_rows or seqs) * cfg.vocab_size * 4 * 3  # rows: k + 1 per sequence when verifying drafts
     group = cfg.num_heads // cfg.num_kv_heads
     attn = 0
     for s in range(1, min(seqs, tokens) + 1):

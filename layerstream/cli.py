@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "bench-disk": ("bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
     "bench-packed": ("bench.packed", "GGUF / int4 / int8 on real SmolLM2: layerstream vs llama.cpp, one thread"),
     "bench-moe": ("bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
+    "bench-spec": ("bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "
+                   "streamed, from disk, repetitive"),
 }
 
 

@@ -94,6 +94,7 @@ class ServerMetrics:
                                    "pool was full (recomputed on readmission, minus prefix-cache hits)",
                                    labels, registry=r)
         self._kv_seen = None  # the last KVTelemetry, to turn its totals into counter increments
+        self.spec = _SpecMetrics(r, labels)
         self.ready = Gauge("layerstream_engine_ready", "1 while the engine serves; 0 while loading, after a "
                            "failed load, or after a step failure left it unhealthy (see "
                            "layerstream_engine_not_ready)", labels, registry=r)
@@ -142,6 +143,8 @@ class ServerMetrics:
         self.masks.labels(m, "compute").set(masks.compute_seconds)
         self.masks.labels(m, "wait").set(masks.wait_seconds)
         self.observe_kv(telemetry.kv)
+        if telemetry.speculative is not None:
+            self.spec.update(m, telemetry.speculative)
 
     def observe_kv(self, t) -> None:
         """Publish the paged KV cache's snapshot (EngineTelemetry.kv)."""
@@ -168,11 +171,18 @@ class ServerMetrics:
         self.vllm.preemptions.labels(m).inc(delta("preemptions"))
         self._kv_seen = t
 
-    def on_token(self, first: bool, seconds: float) -> None:
-        (self.ttft if first else self.tpot).labels(self._model).observe(seconds)
-        (self.vllm.ttft if first else self.vllm.tpot).labels(self._model).observe(seconds)
-        self.generation_tokens.labels(self._model).inc()
-        self.vllm.generation_tokens.labels(self._model).inc()
+    def on_token(self, first: bool, seconds: float, count: int = 1) -> None:
+        """One output of `count` tokens (several when speculative drafts were accepted): the time
+        since the previous output is shared by its tokens."""
+        m = self._model
+        if first:
+            self.ttft.labels(m).observe(seconds)
+            self.vllm.ttft.labels(m).observe(seconds)
+        for _ in range(count - 1 if first else count):
+            self.tpot.labels(m).observe(0.0 if first else seconds / count)
+            self.vllm.tpot.labels(m).observe(0.0 if first else seconds / count)
+        self.generation_tokens.labels(m).inc(count)
+        self.vllm.generation_tokens.labels(m).inc(count)
 
     def on_finished(self, reason: str, prompt_tokens: int) -> None:
         self.finished.labels(self._model, reason).inc()
@@ -217,3 +227,38 @@ class _VLLMNames:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "time between tokens", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
+
+
+class _SpecMetrics:
+    """Speculative decoding: totals since start (set from the engine's cumulative counters each
+    step), under layerstream names and vLLM's spec_decode names."""
+
+    def __init__(self, r: CollectorRegistry, labels: list[str]):
+        g = lambda name, doc, extra=(): Gauge(name, doc, labels + list(extra), registry=r)  # noqa: E731
+        self.passes = g("layerstream_spec_decode_verify_passes", "sequences verified (one per sequence per step "
+                        "that drafted for it)")
+        self.drafted = g("layerstream_spec_decode_draft_tokens", "tokens drafted")
+        self.accepted = g("layerstream_spec_decode_accepted_tokens", "drafted tokens accepted")
+        self.rate = g("layerstream_spec_decode_acceptance_rate", "accepted / drafted tokens")
+        self.mean = g("layerstream_spec_decode_mean_accepted_tokens", "drafted tokens accepted per verify pass")
+        self.seconds = g("layerstream_spec_decode_seconds", "wall time spent drafting (phase=draft) and in "
+                         "the target passes that verified drafts (phase=verify)", ["phase"])
+        self.vllm_drafts = g("vllm:spec_decode_num_drafts", "drafts verified")
+        self.vllm_draft_tokens = g("vllm:spec_decode_num_draft_tokens", "tokens drafted")
+        self.vllm_accepted = g("vllm:spec_decode_num_accepted_tokens", "drafted tokens accepted")
+        self.vllm_per_pos = g("vllm:spec_decode_num_accepted_tokens_per_pos", "drafted tokens accepted at each "
+                              "draft position", ["position"])
+
+    def update(self, m: str, s) -> None:
+        self.passes.labels(m).set(s.verify_passes)
+        self.drafted.labels(m).set(s.draft_tokens)
+        self.accepted.labels(m).set(s.accepted_tokens)
+        self.rate.labels(m).set(s.acceptance_rate)
+        self.mean.labels(m).set(s.mean_accepted)
+        self.seconds.labels(m, "draft").set(s.draft_seconds)
+        self.seconds.labels(m, "verify").set(s.verify_seconds)
+        self.vllm_drafts.labels(m).set(s.verify_passes)
+        self.vllm_draft_tokens.labels(m).set(s.draft_tokens)
+        self.vllm_accepted.labels(m).set(s.accepted_tokens)
+        for pos, n in enumerate(s.accepted_per_position):
+            self.vllm_per_pos.labels(m, str(pos)).set(n)

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -26,6 +26,9 @@ from .experts import ExpertTier
 from .packed_format import PackedFormat
 from .tiers import host_tiering, make_expert_reader, make_transport
 from .transport import Transport, to_compute
+
+if TYPE_CHECKING:
+    from .self_draft import SelfDraftWeights
 
 log = logging.getLogger("layerstream")
 
@@ -97,6 +100,17 @@ class ModelCheckpoint:
                         for b in range(self.source.num_blocks) for t in self.source.tensors(b).values()})
         return (f"stored tensor types {', '.join(types)}; compute "
                 + ("exact fp32 dequantization" if PackedFormat(dtype).exact else f"packed kernels in {dtype}"))
+
+    def self_draft_sizes(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(bytes of one block's self-draft copy, of the self-draft's head copy): see self_draft.py.
+        A packed checkpoint's blocks already are low-bit: its copies would be as large as the blocks."""
+        if self.packed:
+            return self.sizes(dtype).block_bytes, 0
+        from .self_draft import SELF_DRAFT_QUANTIZATION
+        from .quantize import quantized_bytes
+
+        return (self.sizes(dtype, SELF_DRAFT_QUANTIZATION).block_bytes,
+                quantized_bytes((self.cfg.vocab_size, self.cfg.hidden_size), "int8", dtype))
 
     def host_tiering(self, transport: str, device: torch.device, dtype: torch.dtype,
                      depth: int, quantization: str | None = None) -> HostTiering | None:
@@ -177,6 +191,9 @@ class ModelWeights:
                  disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
                  quantization: str | None = None):
         source = checkpoint.source
+        self._source: BlockSource = source
+        self._packed = checkpoint.packed
+        self._dtype, self._device = dtype, device
         experts = None
         if plan.expert_streaming:  # (MoE models are never quantized: the loader refuses that)
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
@@ -246,6 +263,18 @@ class ModelWeights:
         if self._experts is not None:
             self._experts.reset()
         self._streamer.reset()
+
+    def self_draft(self, on_progress: Callable[[int], None] | None = None) -> "SelfDraftWeights":
+        """Speculative decoding's self-draft: these weights with every streamed block (every block
+        when none streams) replaced by a resident int4 copy quantized from the checkpoint; resident
+        blocks and globals shared. Safetensors checkpoints on the CPU."""
+        from .self_draft import SelfDraftWeights
+
+        if self._packed or self._device.type != "cpu":
+            raise ValueError("the self-draft needs a safetensors checkpoint computed on the CPU")
+        copy = self.plan.streamed_blocks or list(range(self.plan.num_layers))
+        return SelfDraftWeights.build(self._source, self.globals, self._streamer.resident_weights(), copy,
+                                      self._dtype, self._device, on_progress)
 
     @property
     def stream_stats(self) -> StreamStats:

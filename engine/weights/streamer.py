@@ -100,6 +100,10 @@ class BlockStreamer:
         if self.streamed:
             self._start()
 
+    def resident_weights(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The resident blocks' weights, to share (read only) with a draft that runs the same blocks."""
+        return dict(self._resident)
+
     # -- prefetch thread ---------------------------------------------------------------------
     def _start(self) -> None:
         self._stop = threading.Event()

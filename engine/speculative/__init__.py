@@ -1,0 +1,31 @@
+"""Speculative decoding built for streaming: a cheap draft proposes k tokens per sequence, and one
+pass of the target over the streamed blocks verifies all of them (at batch 1 a streamed step costs
+about the same for 1 or k + 1 tokens: it is bound by moving the weights).
+
+Interface (what the engine uses; the rest is internal):
+
+  SpeculativeConfig(method, num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max)
+      validated settings; EngineArgs.speculative_config() builds it from the --speculative-* flags.
+  (method "draft": engine.loader.load_draft_model loads the separate draft model resident before
+  the target is planned, and the target's plan reserves its bytes.)
+  build_drafter(config, target, draft_model) -> Drafter
+      drafter.propose([DraftRequest(seq, k, params, generator)]) -> [Draft(tokens, probs)]
+  verify(rows, draft, params, prompt_ids, output_ids, generator) -> (accepted, next token)
+      greedy: argmax matching; sampling: rejection sampling that preserves the target distribution.
+  SpecCounters / SpecTelemetry
+      acceptance rate, accepted tokens per verify pass, draft vs verify time.
+"""
+
+from .config import METHODS, SpeculativeConfig
+from .drafter import Draft, Drafter, DraftRequest, ModelDrafter, NgramDrafter
+from .ngram import ngram_draft
+from .rejection import rejection_sample, verify_greedy
+from .sources import build_drafter
+from .stats import SpecCounters, SpecTelemetry
+from .verify import verify
+
+__all__ = [
+    "METHODS", "Draft", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "SpecCounters", "SpecTelemetry",
+    "SpeculativeConfig", "build_drafter", "ngram_draft",
+    "rejection_sample", "verify", "verify_greedy",
+]
