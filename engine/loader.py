@@ -23,7 +23,7 @@ from .host_memory import host_budget
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
-from .workspace import workspace_bytes
+from .workspace import attention_chunk_bytes, workspace_bytes
 from .weights import ModelCheckpoint, ModelWeights, WeightSizes
 
 log = logging.getLogger("layerstream")
@@ -68,16 +68,31 @@ def kv_host_bytes(args: EngineArgs, device: torch.device, host_room: int) -> int
     return min(4 << 30, host_room // 10) if device.type == "cuda" else 0
 
 
-def _plan_context(args: EngineArgs, cfg: ModelConfig, host_room: int | None,
-                  make_inputs: Callable[[int], PlanInputs]) -> MemoryPlan:
+def _plan_context(args: EngineArgs, cfg: ModelConfig, host_room: int | None, budget: int | None,
+                  make_inputs: Callable[[int, int | None], PlanInputs]) -> MemoryPlan:
     """The plan for context_length(); when the user did not choose it and it does not fit, the plan
-    for the largest context that does (MIN_AUTO_MODEL_LEN at least). make_inputs(max_len) builds the
-    inputs (the workspace grows with the context)."""
+    for the largest context that does (MIN_AUTO_MODEL_LEN at least). Attention calls keep their
+    default bound; only when no plan fits with it are they bounded by the budget
+    (attention_chunk_bytes: more, smaller calls, the same results, a little slower).
+    make_inputs(max_len, attn_chunk_bytes) builds the inputs (the workspace depends on both)."""
     max_len = context_length(args, cfg)
-    if args.max_model_len is not None or max_len <= MIN_AUTO_MODEL_LEN:
-        return _plan_memory(host_room, lambda: plan_memory(make_inputs(max_len)))
-    return _plan_memory(host_room, lambda: plan_largest_context(make_inputs, max_len, MIN_AUTO_MODEL_LEN,
-                                                                args.block_size))
+    auto = args.max_model_len is None and max_len > MIN_AUTO_MODEL_LEN
+
+    def with_chunk(chunk: int | None) -> MemoryPlan:
+        if not auto:
+            return plan_memory(make_inputs(max_len, chunk))
+        return plan_largest_context(lambda n: make_inputs(n, chunk), max_len, MIN_AUTO_MODEL_LEN, args.block_size)
+
+    def make() -> MemoryPlan:
+        small = attention_chunk_bytes(budget)
+        try:
+            return with_chunk(None)
+        except PlanError:
+            if small is None:
+                raise
+        return with_chunk(small)
+
+    return _plan_memory(host_room, make)
 
 
 def logits_rows(args: EngineArgs) -> int:
@@ -133,12 +148,12 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if checkpoint.converts(dtype) else 0
         budget = host_room - staging
     kv_host = kv_host_bytes(args, device, host_room)
-    return _plan_context(args, cfg, host_room if host_sized else None, lambda max_len: PlanInputs(
+    return _plan_context(args, cfg, host_room if host_sized else None, budget, lambda max_len, chunk: PlanInputs(
         num_layers=cfg.num_layers,
         block_bytes=sizes.block_bytes,
         global_bytes=sizes.global_bytes,
         kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
-        workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args)),
+        workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args), chunk),
         budget=budget,
         max_model_len=max_len,
         max_num_seqs=args.max_num_seqs,
@@ -152,6 +167,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         kv_host_bytes=kv_host,
         **experts,
         **_draft_inputs(args, checkpoint, dtype, sizes.block_bytes, draft),
+        attn_chunk_bytes=chunk,
     ))
 
 
@@ -223,7 +239,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
             bar.close()
         kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                      dtype, device, num_host_blocks=plan.num_host_kv_blocks)
-        runner = ModelRunner(cfg, weights, kv, device, dtype)
+        runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes)
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
         if weights is not None:

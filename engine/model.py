@@ -38,6 +38,7 @@ class StepInputs:
     context_len: int  # keys attended to: max over sequences of (last position + 1)
     attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
     logits_index: torch.Tensor  # (rows,) flat index of each token whose logits are needed
+    attn_chunk_bytes: int | None = None  # bound on one attention call's temporaries (None: the default)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,7 +119,7 @@ def attention(
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
     keys = gather_blocks(k_cache, step.block_tables, step.context_len)  # (seqs, kv_heads, context, head_dim)
     values = gather_blocks(v_cache, step.block_tables, step.context_len)
-    out = attend(qp, keys, values, step.attn_mask)  # (seqs, heads, max_query, head_dim)
+    out = attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes)  # (seqs, heads, max_query, head_dim)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)

@@ -105,6 +105,7 @@ class PlanInputs:
     draft_fixed_bytes: int = 0
     draft_block_bytes: int = 0
     draft_name: str = ""  # what the draft is, for describe()
+    attn_chunk_bytes: int | None = None  # bound on one attention call's temporaries that workspace assumed
 
     @property
     def kv_block_bytes(self) -> int:
@@ -176,6 +177,7 @@ class MemoryPlan:
         return self.experts_per_token * self.expert_bytes * (1.0 - hit)
     draft_bytes: int = 0  # speculative decoding's draft (see PlanInputs)
     draft_name: str = ""
+    attn_chunk_bytes: int | None = None  # see PlanInputs: the runner's attention calls keep to it
 
     @property
     def stream_block_bytes(self) -> int:
@@ -292,7 +294,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs, p.prefetch_depth, tuple(notes),
             streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=blocks,
             num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block,
-            draft_bytes=p.draft_bytes(len(streamed)), draft_name=p.draft_name, **experts))
+            draft_bytes=p.draft_bytes(len(streamed)), draft_name=p.draft_name,
+            attn_chunk_bytes=p.attn_chunk_bytes, **experts))
 
     all_blocks = p.num_layers * p.block_bytes
     if p.budget is None:

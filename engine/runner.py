@@ -51,8 +51,9 @@ def upload(groups: list[list[int]], device: torch.device) -> list[torch.Tensor]:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: KVCache, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, attn_chunk_bytes: int | None = None):
         self.cfg = cfg
+        self.attn_chunk_bytes = attn_chunk_bytes  # the plan's, which its workspace estimate assumed
         self.device = device
         self.dtype = dtype
         self.weights = weights
@@ -114,6 +115,7 @@ class ModelRunner:
             context_len=ctx,
             attn_mask=mask[:, None],
             logits_index=logits_t,
+            attn_chunk_bytes=self.attn_chunk_bytes,
         )
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,

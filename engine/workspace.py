@@ -10,8 +10,21 @@ from . import attention_backend
 from .arch import ModelConfig
 
 
+MIN_ATTN_CHUNK_BYTES = 8 << 20
+
+
+def attention_chunk_bytes(budget: int | None) -> int | None:
+    """The bound on one attention call's temporaries under a device budget: attention_backend's
+    default (None), or an eighth of a budget too small for it (at least MIN_ATTN_CHUNK_BYTES), so
+    that a small budget is not spent on the attention of one step; more, smaller calls instead.
+    The plan records it; the workspace estimate and the runner's calls both use it."""
+    if budget is None or budget // 8 >= attention_backend.CHUNK_BYTES:
+        return None
+    return max(MIN_ATTN_CHUNK_BYTES, budget // 8)
+
+
 def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtype: torch.dtype,
-                    logits_rows: int | None = None) -> int:
+                    logits_rows: int | None = None, attn_chunk_bytes: int | None = None) -> int:
     """Peak activations of the largest step the scheduler may form (`tokens` tokens over up to
     `seqs` sequences, contexts up to max_len): hidden states and MLP intermediates, logits, and
     attention in its padded layout. A step of s sequences pads every query to the longest chunk, and
@@ -29,6 +42,7 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
         padded = s * mq * cfg.num_heads * cfg.head_dim * isz * 4
         masks = s * mq * max_len * (1 + group)
         gathered = 2 * s * cfg.num_kv_heads * max_len * cfg.head_dim * isz
-        call = attention_backend.workspace_bytes(s, group * mq, max_len, cfg.num_kv_heads, cfg.head_dim, isz)
+        call = attention_backend.workspace_bytes(s, group * mq, max_len, cfg.num_kv_heads, cfg.head_dim, isz,
+                                                 attn_chunk_bytes)
         attn = max(attn, padded + masks + gathered + call)
     return act + attn + logits

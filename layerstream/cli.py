@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "bench-moe": ("bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
     "bench-spec": ("bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "
                    "streamed, from disk, repetitive"),
+    "bench-paged": ("bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
 
 

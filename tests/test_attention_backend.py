@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import LLM, attention_backend
 from engine.attention_backend import attend, call_bytes, split
-from engine.workspace import workspace_bytes
+from engine.workspace import MIN_ATTN_CHUNK_BYTES, attention_chunk_bytes, workspace_bytes
 from engine.scheduler import ScheduledChunk, Sequence
 
 
@@ -143,3 +143,16 @@ def test_mixed_step_peak_within_the_planned_workspace(llama_dir, monkeypatch, ch
             assert old_workspace_estimate(cfg, tokens, seqs, max_len, 4) < measured
     finally:
         llm.close()
+
+
+def test_a_small_budget_bounds_each_call_to_an_eighth_of_it():
+    """With the default 256 MiB bound, a 240 MB budget could not even hold one step's attention;
+    below 2 GiB the bound is an eighth of the budget (at least 8 MiB), and the plan's workspace
+    estimate and the runner's calls use the same bound (engine.loader passes it to both)."""
+    assert attention_chunk_bytes(None) is None
+    assert attention_chunk_bytes(4 << 30) is None
+    assert attention_chunk_bytes(240_000_000) == 30_000_000
+    assert attention_chunk_bytes(10_000_000) == MIN_ATTN_CHUNK_BYTES
+    bound = attention_chunk_bytes(240_000_000)
+    s, r = attention_backend.split(16, 4 * 497, 2304, 4, 64, 2, bound)
+    assert attention_backend.call_bytes(s, r, 2304, 4, 64, 2) <= bound

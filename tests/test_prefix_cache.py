@@ -9,6 +9,7 @@ in one prefill chunk; the engines under test chunk prefills and batch requests t
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -169,10 +170,64 @@ def test_a_budget_below_the_default_context_starts_with_the_largest_context_that
         assert len(out.token_ids) == 4
     finally:
         llm.close()
-    # The user's own --max-model-len is honoured or refused, never lowered.
+    # The user's own --max-model-len is honoured or refused, never lowered: here honoured, with
+    # attention calls bounded by the budget (smaller temporaries) instead of the default bound.
+    asked = LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget, max_model_len=2048)
+    try:
+        assert asked.plan.max_model_len == 2048 and asked.plan.attn_chunk_bytes is not None
+        assert asked.plan.device_bytes <= budget and q.attn_chunk_bytes is None
+        assert asked.generate([5, 6, 7], greedy(4))[0].outputs[0].token_ids == out.token_ids
+    finally:
+        asked.close()
     with pytest.raises(PlanError, match="too small"):
-        LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget, max_model_len=2048)
+        LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=p.global_bytes + 2 * p.block_bytes,
+            max_model_len=2048)
     # A budget that cannot hold even 256 tokens says what would do.
     with pytest.raises(PlanError, match=r"too small even for a context of 256 tokens: that needs at least .*"
                                         r"the full context of 2048 needs"):
         LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=p.global_bytes + 2 * p.block_bytes)
+
+
+def test_the_cpu_path_has_no_kv_host_tier_unless_asked(llama_dir):
+    """On the CPU the device pool already is host memory: no host tier by default (a second pool
+    would copy blocks within the same RAM); --kv-host-memory turns one on; it holds only prefix-cache
+    blocks, so with prefix caching off there is none whatever was asked."""
+    def host_blocks(**kw) -> int:
+        llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=2, **kw)
+        llm.close()
+        return llm.plan.num_host_kv_blocks
+
+    probe = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=2)
+    try:
+        block = kv_block_bytes(probe)
+        assert probe.plan.num_host_kv_blocks == 0 and probe.telemetry().kv.host_blocks_total == 0
+    finally:
+        probe.close()
+    assert host_blocks(kv_host_memory=10 * block) == 10
+    assert host_blocks(kv_host_memory=10 * block, enable_prefix_caching=False) == 0
+
+
+def test_n_choices_share_the_prompt_and_each_equals_its_choice_alone(llama_dir, reference):
+    """n > 1 through the offline API (each choice a request with its own seed, admitted together):
+    with prefix caching on, each choice equals that choice's parameters served alone with caching
+    off; a second call with the same prompt finds its blocks cached."""
+    import dataclasses
+
+    prompt = PREFIX + [21, 22, 23]
+    params = dataclasses.replace(sampled(10, seed=7), n=3)
+    llm = LLM(str(llama_dir), max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16)
+    try:
+        for call in range(2):
+            hits_before = llm.telemetry().kv.hit_tokens
+            outs = llm.generate([prompt], params)[0].outputs
+            for out, choice in zip(outs, params.per_choice()):
+                want = reference(prompt, choice)
+                assert out.token_ids == want.tokens and out.finish_reason == want.finish_reason
+                torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.logprobs]),
+                                           torch.tensor(want.logprobs), atol=1e-4, rtol=1e-4)
+            if call == 1:  # every choice found the prompt's 2 full blocks computed by the first call
+                assert llm.telemetry().kv.hit_tokens - hits_before >= 3 * 32
+        assert len({tuple(o.token_ids) for o in outs}) > 1  # the seeds differ: so do the choices
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
