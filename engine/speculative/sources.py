@@ -14,14 +14,15 @@ def build_drafter(config: SpeculativeConfig, target, draft_model=None) -> Drafte
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "self":
         weights = target.weights.self_draft()
-        return ModelDrafter(ModelRunner(target.cfg, weights, target.runner.kv, target.runner.device, target.dtype),
-                            shares_kv=True)
+        return ModelDrafter(ModelRunner(target.cfg, weights, target.runner.kv, target.runner.device, target.dtype,
+                                        attn_chunk_bytes=target.plan.attn_chunk_bytes), shares_kv=True)
     assert draft_model is not None
     # The draft's pool mirrors the target's blocks, so each sequence's block table serves both.
     d, plan = draft_model.cfg, target.plan
     kv = KVCache(d.num_layers, plan.num_kv_blocks, plan.kv_block_size, d.num_kv_heads, d.head_dim, draft_model.dtype,
                  target.runner.device)
-    return ModelDrafter(ModelRunner(d, draft_model.weights, kv, target.runner.device, draft_model.dtype),
+    return ModelDrafter(ModelRunner(d, draft_model.weights, kv, target.runner.device, draft_model.dtype,
+                                    attn_chunk_bytes=draft_model.plan.attn_chunk_bytes),
                         shares_kv=False, owner=draft_model)
 
 
