@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from engine.sampling_params import InvalidParameter
@@ -245,7 +246,7 @@ def _partial_prefix_len(text: str, tag: str) -> int:
     return 0
 
 
-class _MarkerScanner:
+class _MarkerScanner(ABC):
     """Content until a marker that opens a call; `_after_marker` parses what follows it."""
 
     marker = ""
@@ -278,10 +279,10 @@ class _MarkerScanner:
         content, self._buf, self._in_call = self._buf[:i], self._buf[i + len(self.marker):], True
         return content, True
 
+    @abstractmethod
     def _after_marker(self) -> tuple[str, list[ToolCall]] | None:
         """Parse the buffer after a marker: (content, calls) once decided (leaving the call),
         None while incomplete."""
-        raise NotImplementedError
 
 
 class _HermesScanner(_MarkerScanner):

@@ -20,11 +20,11 @@ from engine.weights.packed import int4_from_gguf
 from tests.gguf_models import QUANTIZABLE, hf_gguf_model, random_blocks, write_gguf
 from engine.demo import build_random_model
 from tests.models import _COMMON, build, make_config
-from tests.test_reference import PROMPT, greedy_with, prompt_logits
+from tests.test_reference import PROMPT, assert_matches_reference, greedy_with, prompt_logits
 
 # transformers dequantizes with gguf-py (numpy) and runs its own fp32 model; we dequantize with the
-# torch port (bit-identical, tested below) and run ours: agreement to fp32 rounding, like safetensors.
-ATOL, RTOL = 1e-4, 1e-4
+# torch port (bit-identical, tested below) and run ours: agreement to fp32 rounding, like safetensors
+# (assert_matches_reference holds both to test_reference's ATOL/RTOL).
 
 
 # -- dequantization ------------------------------------------------------------------------------
@@ -117,9 +117,7 @@ def test_matches_transformers_gguf_loader(gguf_root, arch, qtype):
     else:  # the packed GGML bytes
         streamed_bytes = sum(int(t.n_bytes) for t in block1)
     try:
-        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
-        assert out.token_ids == ref_tokens
+        assert_matches_reference(llm, ref_tokens, ref_logits, 16)
     finally:
         llm.close()
     llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=2, max_device_memory=budget)

@@ -44,6 +44,15 @@ def prompt_logits(llm, prompt):
     return torch.stack(rows)
 
 
+def assert_matches_reference(llm, ref_tokens, ref_logits, max_tokens):
+    """The engine's prompt logits within ATOL/RTOL of the reference's, and its greedy tokens identical;
+    returns the completion for further checks."""
+    torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ref_tokens
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streaming"])
 def test_matches_transformers(model_dirs, arch, streaming):
@@ -57,9 +66,7 @@ def test_matches_transformers(model_dirs, arch, streaming):
         assert len(llm.plan.resident_blocks) == 1
         assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
     try:
-        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].outputs[0]
-        assert out.token_ids == ref_tokens
+        out = assert_matches_reference(llm, ref_tokens, ref_logits, 32)
         assert out.finish_reason == "length"
         if streaming:
             stats = llm.telemetry().total
@@ -75,9 +82,7 @@ def test_transformers_v4_config_style(tmp_path):
     ref_tokens, ref_logits = reference_greedy(folder, PROMPT, 16)
     llm = LLM(str(folder), max_model_len=128, max_num_seqs=1)
     try:
-        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
-        assert out.token_ids == ref_tokens
+        assert_matches_reference(llm, ref_tokens, ref_logits, 16)
     finally:
         llm.close()
 
