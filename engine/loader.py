@@ -172,10 +172,11 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
 
 
 def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:
-    """PlanInputs fields of expert-granular streaming; empty when it is off (a dense model, the flag, or
-    a device it does not run on yet, where MoE blocks stream whole)."""
+    """PlanInputs fields of expert-granular streaming (on the CPU, and on a GPU through the CUDA
+    transport's expert slots); empty when it is off (a dense model, or the flag), where MoE blocks
+    stream whole."""
     moe = cfg.moe
-    if moe is None or not args.expert_streaming or torch.device(args.device).type != "cpu" or not sizes.expert_bytes:
+    if moe is None or not args.expert_streaming or not sizes.expert_bytes:
         return {}
     return dict(expert_bytes=sizes.expert_bytes, num_experts_total=sizes.num_experts_total,
                 dense_block_bytes=sizes.dense_block_bytes,

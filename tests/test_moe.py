@@ -212,3 +212,125 @@ def test_expert_streaming_moves_fewer_bytes_than_whole_blocks(moe_dirs):
             llm.close()
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] * 2 < runs[False][1], runs
+
+
+# -- expert-granular streaming through the CUDA transport, replayed on CPU -----------------------------
+
+@pytest.fixture
+def recording_cuda_experts(monkeypatch):
+    """The CUDA transport and the CUDA expert slots run on CPU with test_overlap's recording runtime:
+    copies happen at once, stream and event calls are logged for check_protocol. Returns the expert
+    slots and the block transports built meanwhile."""
+    import engine.weights.cuda_experts as ce
+    import engine.weights.cuda_transport as ct
+    from tests.test_overlap import RecordingRuntime, capture_cuda_transports
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    monkeypatch.setattr(ce, "CudaRuntime", RecordingRuntime)
+    made = []
+
+    class Captured(ce.CudaExpertSlots):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(ce, "CudaExpertSlots", Captured)
+    return made, capture_cuda_transports(monkeypatch)
+
+
+def _protocol_counts(slots) -> tuple[int, int]:
+    """(compute-stream waits on a slot's ready event, frees recorded on the compute stream)."""
+    ready, freed = {id(e) for e in slots._ready}, {id(e) for e in slots._freed}
+    log = slots.rt.log
+    waits = sum(1 for kind, stream, obj, _ in log if kind == "wait" and stream == "compute" and id(obj) in ready)
+    frees = sum(1 for kind, stream, obj, _ in log if kind == "record" and stream == "compute" and id(obj) in freed)
+    return waits, frees
+
+
+@pytest.mark.parametrize("arch,tier", [("qwen2_moe", "host"), ("mixtral", "host"), ("mixtral", "disk")])
+def test_cuda_expert_slots_replayed_on_cpu(moe_dirs, references, recording_cuda_experts, arch, tier):
+    """Expert-granular streaming on the GPU path, on CPU: experts staged in pinned memory (from the page
+    cache, or read with O_DIRECT when host memory sends the blocks to the disk tier), copied into device
+    slots on the copy stream, computed from views of the slots; 4 slots for 8 experts per block, so every
+    step evicts. Outputs are transformers' (and the CPU expert tier's); the event protocol holds for
+    every copy (compute waits for a slot's copy, no copy into a slot compute still reads), and compute
+    waited for and freed every expert it used."""
+    from tests.test_overlap import check_protocol
+
+    folder = moe_dirs[arch]
+    made, transports = recording_cuda_experts
+    budget = expert_budget(folder, slots=4)
+    # 400 kB of host memory leaves every block of the tiny Mixtral on the disk tier (checked below)
+    host = {"max_host_memory": 400_000} if tier == "disk" else {}
+    llm = LLM(str(folder), transport="cuda", max_model_len=128, max_num_seqs=4, show_progress=False,
+              max_device_memory=budget, **host)
+    cpu = LLM(str(folder), max_model_len=128, max_num_seqs=4, show_progress=False, max_device_memory=budget)
+    try:
+        assert llm.plan.expert_slots == 4 and llm.plan.resident_blocks == [], llm.plan.describe()
+        assert bool(llm.plan.disk_blocks) == (tier == "disk"), llm.plan.describe()
+        (slots,) = made
+        assert slots.count == 4 and slots.host_bytes > 0
+        check_against_reference(llm, references[arch])
+        torch.testing.assert_close(prompt_logits(llm, PROMPTS[1]), prompt_logits(cpu, PROMPTS[1]), atol=1e-6, rtol=1e-6)
+        t = llm.telemetry()
+        total = t.total
+        assert total.expert_misses > 4 and total.expert_hits > 0
+        assert t.pinned_host_bytes >= slots.host_bytes
+        if tier == "disk":  # experts came off the disk by byte range, not through the page cache
+            assert total.disk_bytes_read >= total.expert_bytes and total.disk_tier_bytes >= total.expert_bytes
+        else:
+            assert total.disk_bytes_read == 0
+        copies = check_protocol(slots, slots.rt.log)
+        assert copies * slots.nbytes == total.expert_bytes > 0  # every fill is one copy into a slot
+        waits, frees = _protocol_counts(slots)
+        assert waits == frees == total.expert_hits + total.expert_misses
+        assert check_protocol(transports[0], transports[0].rt.log) >= total.blocks_streamed > 0
+    finally:
+        llm.close()
+        cpu.close()
+
+
+@pytest.mark.parametrize("event", ["freed", "ready"])
+def test_expert_protocol_check_catches_a_broken_protocol(moe_dirs, recording_cuda_experts, event):
+    """The check is not vacuous: without the free events a slot is refilled while compute may still read
+    it; without the ready events compute reads a slot whose copy it did not wait for."""
+    from tests.test_overlap import check_protocol
+
+    folder = moe_dirs["mixtral"]
+    made, _ = recording_cuda_experts
+    llm = LLM(str(folder), transport="cuda", max_model_len=128, max_num_seqs=4, show_progress=False,
+              max_device_memory=expert_budget(folder, slots=4))
+    try:
+        slots = made[0]
+        broken = {id(e) for e in getattr(slots, f"_{event}")}
+        slots.rt.skip_record = lambda e: id(e) in broken
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        message = "while a block in it was not retired" if event == "freed" else "does not wait for its copy"
+        with pytest.raises(AssertionError, match=message):
+            check_protocol(slots, slots.rt.log)
+    finally:
+        llm.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_expert_streaming_on_a_gpu(moe_dirs, references, arch):
+    """On a real GPU (fp32, TF32 off): 4 expert slots in device memory for 8 experts per block, every
+    step evicting; logits within 1e-4 of transformers and the same greedy tokens for a batch that routes
+    differently; the telemetry shows the expert traffic."""
+    folder = moe_dirs[arch]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = LLM(str(folder), device="cuda", max_model_len=128, max_num_seqs=4, show_progress=False,
+              max_device_memory=expert_budget(folder, slots=4, device="cuda"))
+    try:
+        assert llm.plan.expert_slots == 4, llm.plan.describe()
+        per_prompt, _ = references[arch]
+        torch.testing.assert_close(prompt_logits(llm, PROMPT).float().cpu(), per_prompt[0][1], atol=ATOL, rtol=RTOL)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in per_prompt]
+        total = llm.telemetry().total
+        assert total.expert_misses > 4 and total.expert_bytes > 0
+    finally:
+        llm.close()
+        torch.backends.cuda.matmul.allow_tf32 = tf32

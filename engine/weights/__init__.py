@@ -27,7 +27,8 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
   weights.experts(i, chosen, hidden) -> iterator of {expert: {"w_gate", "w_up", "w_down"}} groups
       Mixtures of experts: the experts the step's tokens chose in block i (acquired). With a plan that
       streams experts (plan.expert_streaming) each is its own unit, read by byte range into the device
-      expert cache (experts.py, expert_cache.py); `hidden` lets the tier guess block i+1's experts and
+      expert cache (experts.py, expert_cache.py; its slots in device memory behind pinned staging, a
+      copy stream and events on a GPU: cuda_experts.py); `hidden` lets the tier guess block i+1's experts and
       prefetch them. Otherwise they come out of block i's own weights.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and

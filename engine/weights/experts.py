@@ -14,14 +14,17 @@ hold. Accuracy is measured (StreamStats.prefetch_accuracy), never assumed.
 
 Where an expert's bytes come from (`ExpertReader`): the page cache (mmap views copied, converting
 the dtype), the disk (O_DIRECT reads of the expert's byte ranges, the disk tier), or either behind a
-simulated slow link (the CUDA stand-in on CPU). CPU compute only for now: the cache lives in host
-memory, which is the device there.
+simulated slow link (the CUDA stand-in on CPU). Where the cache's slots live (`slots`): host memory
+when the device is the CPU (`HostExpertSlots`), or device memory filled from pinned staging on a copy
+stream and ordered by events (`cuda_experts.CudaExpertSlots`); the tier tells the slots when compute
+starts reading a group (activate) and when its kernels were issued (retire), before the cache may
+evict them.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -32,6 +35,9 @@ from .expert_cache import ExpertCache, ExpertCacheStats, Key
 from .source import BlockSource
 from .streamer import StreamStats
 from .transport import DISK, HOST
+
+if TYPE_CHECKING:
+    from .cuda_experts import CudaExpertSlots
 
 
 class ExpertReader:
@@ -88,33 +94,55 @@ class DiskExpertReader(ExpertReader):
         self._reader.close()
 
 
-class ExpertTier:
-    def __init__(self, cfg: ModelConfig, source: BlockSource, dtype: torch.dtype, device: torch.device, slots: int,
+class HostExpertSlots:
+    """The cache's slots in host memory (the device is the CPU): a fill is the reader's copy itself."""
+
+    host_bytes = 0  # no pinned memory
+
+    def __init__(self, slots: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
                  reader: ExpertReader):
-        if device.type != "cpu":
-            raise ValueError("expert-granular streaming computes on the CPU for now")
-        m = cfg.moe
-        self.cfg, self.dtype, self.reader = cfg, dtype, reader
-        self.sparse = list(m.sparse_layers)
-        self.next_sparse = {b: n for b, n in zip(self.sparse, self.sparse[1:])}
-        shapes = m.expert_shapes(cfg.hidden_size)
+        self.reader, self.count = reader, slots
         # (slots, *shape) per expert tensor: slot s of every tensor together is one expert
         self.buffers = {k: torch.empty((slots, *shapes[k]), dtype=dtype, device=device) for k in EXPERT_WEIGHTS}
-        # The guesser's weights: each sparse block's router and post-attention norm (predictor_bytes).
-        self.predictor: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for b in self.sparse:
-            views = source.views(b)
-            self.predictor[b] = tuple(views[k].to(device=device, dtype=dtype, copy=True)
-                                      for k in ("mlp_norm", "router"))
-        self.cache = ExpertCache(slots, self._fill)
+
+    def fill(self, key: Key, slot: int) -> int:
+        return self.reader.read(key, self.weights(slot))
+
+    def weights(self, slot: int) -> dict[str, torch.Tensor]:
+        return {k: b[slot] for k, b in self.buffers.items()}
+
+    def activate(self, slots: list[int]) -> None:
+        pass  # the copy finished before the fill returned
+
+    def retire(self, slots: list[int]) -> None:
+        pass  # CPU kernels are done when they return
+
+    def close(self) -> None:
+        pass
+
+
+class ExpertTier:
+    def __init__(self, cfg: ModelConfig, source: BlockSource, dtype: torch.dtype, device: torch.device,
+                 slots: "HostExpertSlots | CudaExpertSlots"):
+        """`slots` (built for the cache's slot count, owning the reader) is owned by the tier from here on."""
+        m = cfg.moe
+        self.cfg, self.dtype, self.slots, self.reader = cfg, dtype, slots, slots.reader
+        self.sparse = list(m.sparse_layers)
+        self.next_sparse = {b: n for b, n in zip(self.sparse, self.sparse[1:])}
+        self.cache = None
+        try:
+            # The guesser's weights: each sparse block's router and post-attention norm (predictor_bytes).
+            self.predictor: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for b in self.sparse:
+                views = source.views(b)
+                self.predictor[b] = tuple(views[k].to(device=device, dtype=dtype, copy=True)
+                                          for k in ("mlp_norm", "router"))
+            self.cache = ExpertCache(slots.count, slots.fill)
+        except BaseException:
+            self.close()
+            raise
         self._guess: dict[int, set[int]] = {}  # block -> experts guessed for it this step
         self.predicted = self.predicted_right = self.needed_with_guess = 0
-
-    def _fill(self, key: Key, slot: int) -> int:
-        return self.reader.read(key, {k: b[slot] for k, b in self.buffers.items()})
-
-    def _slot_weights(self, slot: int) -> dict[str, torch.Tensor]:
-        return {k: b[slot] for k, b in self.buffers.items()}
 
     def groups(self, block: int, chosen: list[int], hidden: torch.Tensor
                ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
@@ -134,11 +162,16 @@ class ExpertTier:
             if len(groups) == 1:
                 self._prefetch_next(block, hidden)  # queued behind this group's misses, fetched while it computes
             where = self.cache.wait(group)
+            held = [where[k] for k in sorted(group)]
+            self.slots.activate(held)
             try:
                 # ascending expert order, as whole-block streaming adds them: in bf16 the sum's order
                 # shows in the last bits, and both modes then give the same tokens
-                yield {e: self._slot_weights(where[(b, e)]) for b, e in sorted(group)}
+                yield {e: self.slots.weights(where[(b, e)]) for b, e in sorted(group)}
             finally:
+                # retire before release: once released the cache may refill a slot, and that copy must
+                # wait (on the device) for the kernels just issued on it
+                self.slots.retire(held)
                 self.cache.release(group)
 
     def _prefetch_next(self, block: int, hidden: torch.Tensor) -> None:
@@ -169,6 +202,14 @@ class ExpertTier:
             expert_misses=c.misses, experts_guessed=self.predicted, experts_guessed_right=self.predicted_right,
             experts_needed_guessed=self.needed_with_guess)
 
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory the tier holds (CUDA staging)."""
+        return self.slots.host_bytes
+
     def close(self) -> None:
-        self.cache.close()
+        if self.cache is not None:
+            self.cache.close()  # the fetch thread first: nothing fills a slot after this
+            self.cache = None
+        self.slots.close()
         self.reader.close()

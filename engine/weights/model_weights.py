@@ -22,9 +22,8 @@ from .checkpoint import CheckpointReader
 from .formats import open_checkpoint
 from .source import BlockSource, WeightSizes
 from .streamer import BlockStreamer, StreamStats
-from .experts import ExpertTier
 from .packed_format import PackedFormat
-from .tiers import host_tiering, make_expert_reader, make_transport
+from .tiers import host_tiering, make_expert_tier, make_transport
 from .transport import Transport, to_compute
 
 if TYPE_CHECKING:
@@ -197,8 +196,7 @@ class ModelWeights:
         experts = None
         if plan.expert_streaming:  # (MoE models are never quantized: the loader refuses that)
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
-            experts = ExpertTier(checkpoint.cfg, source, dtype, device, plan.expert_slots,
-                                 make_expert_reader(transport, source, device, plan))
+            experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan)
             source = source.without_experts()
         quantized = None
         try:
@@ -285,7 +283,8 @@ class ModelWeights:
     def telemetry(self) -> WeightsTelemetry:
         t = self._transport
         pool = t.pool
-        return WeightsTelemetry(type(t).__name__, self.stream_stats, self.links, t.host_bytes,
+        pinned = t.host_bytes + (self._experts.host_bytes if self._experts is not None else 0)
+        return WeightsTelemetry(type(t).__name__, self.stream_stats, self.links, pinned,
                                 pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache)
 
     def close(self) -> None:

@@ -20,6 +20,8 @@ from .source import BlockSource, WeightSizes
 from .transport import CpuTransport, Transport
 
 if TYPE_CHECKING:
+    from ..arch import ModelConfig
+    from .experts import ExpertTier
     from .quant_cache import QuantizedBlocks
 
 TRANSPORTS = ("auto", "cpu", "cuda", "disk", "simulated")
@@ -108,18 +110,34 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
     return CpuTransport(source, dtype, release_pages=plan.release_pages)
 
 
-def make_expert_reader(kind: str, source: BlockSource, device: torch.device, plan: MemoryPlan):
-    """Where the expert tier reads experts from, for the same transport names: the disk (disk, or auto
-    with a disk tier), the page cache (cpu, auto), or the page cache behind the simulated link."""
-    from .experts import DiskExpertReader, ExpertReader
+def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: torch.dtype, device: torch.device,
+                     plan: MemoryPlan) -> "ExpertTier":
+    """The expert tier for the same transport names. Where experts are read from: the disk (disk, or
+    auto / cuda with a disk tier), the page cache (cpu, auto, cuda), or the page cache behind the
+    simulated link. Where the cache's slots live: device memory behind pinned staging, a copy stream
+    and events (cuda, and auto on a GPU), else host memory (the device is the CPU)."""
+    from .experts import DiskExpertReader, ExpertReader, ExpertTier, HostExpertSlots
 
-    if device.type != "cpu":
-        raise ValueError(f"expert-granular streaming computes on the CPU for now (device {device})")
     kind = resolve(kind, device)
-    if kind == "disk" or (kind == "auto-cpu" and plan.disk_blocks):
-        return DiskExpertReader(source)
-    if kind == "simulated":
+    if kind == "disk" or (kind in ("auto-cpu", "cuda") and plan.disk_blocks):
+        reader = DiskExpertReader(source)
+    elif kind == "simulated":
         from .simulated_transport import env_seconds_per_byte
 
-        return ExpertReader(source, seconds_per_byte=env_seconds_per_byte())
-    return ExpertReader(source)
+        reader = ExpertReader(source, seconds_per_byte=env_seconds_per_byte())
+    else:
+        reader = ExpertReader(source)
+    shapes = cfg.moe.expert_shapes(cfg.hidden_size)
+    try:
+        if kind == "cuda":
+            from .cuda_experts import CudaExpertSlots
+
+            slots = CudaExpertSlots(plan.expert_slots, shapes, dtype, device, reader)
+        else:
+            if device.type != "cpu":
+                raise ValueError(f"transport {kind!r} computes on the CPU; got device {device}")
+            slots = HostExpertSlots(plan.expert_slots, shapes, dtype, device, reader)
+    except BaseException:
+        reader.close()
+        raise
+    return ExpertTier(cfg, source, dtype, device, slots)
