@@ -3,6 +3,11 @@ without and with each draft source, batch 1, greedy, in one run:
 
   (i)   resident   every block resident
   (ii)  streamed   25% of the blocks resident, the rest streamed from the page cache every step
+                   (on the CPU a zero-copy view: a streamed block costs what a resident one does)
+  (ii') simulated  the same plan, each streamed block copied over a simulated link at --sim-gbps
+                   (LAYERSTREAM_SIM_GBPS, the simulated transport): a GPU stand-in, not a GPU; the
+                   default 2 GB/s makes a block's copy ~3.5x its CPU compute, about the ratio of a
+                   PCIe 4.0 x16 link (~25 GB/s) to a GPU's batch-1 compute of the same block
   (iii) disk       the same plan, the streamed blocks read from disk every step (O_DIRECT, the disk
                    transport), each method in its own process under a memory cgroup cap
   (iv)  repetitive every block resident, a prompt that holds most of the answer (code editing)
@@ -34,7 +39,7 @@ from pathlib import Path
 
 from .common import BENCH_ROOT, Chart, bench_main, fmt, machine_description, table
 
-CASES = ("resident", "streamed", "disk", "repetitive")
+CASES = ("resident", "streamed", "simulated", "disk", "repetitive")
 METHODS = ("none", "ngram", "draft", "self")
 STORY = ("<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n"
          "<|im_start|>assistant\n")
@@ -60,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per trial")
     p.add_argument("--trials", type=int, default=3, help="trials per method (round-robin; median reported)")
-    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens (the most drafted per pass)")
+    p.add_argument("--fixed-k", action="store_true", help="--no-speculative-adaptive-k: draft k every pass")
+    p.add_argument("--sim-gbps", type=float, default=2.0,
+                   help="the simulated case's link (GB/s): a GPU stand-in, see the module docstring")
     p.add_argument("--resident-fraction", type=float, default=0.25, help="blocks resident in streamed/disk")
     p.add_argument("--disk-cap", default="1.5GiB", help="memory cgroup limit of each disk-case process")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: robust on a shared machine)")
@@ -78,7 +86,8 @@ def _engine_args(spec: dict, method: str):
     kw = dict(model=spec["target"], max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=256,
               show_progress=False, transport=spec["transport"])
     if method != "none":
-        kw.update(speculative_method=method, num_speculative_tokens=spec["k"])
+        kw.update(speculative_method=method, num_speculative_tokens=spec["k"],
+                  speculative_adaptive_k=not spec["fixed_k"])
     if method == "draft":
         kw["speculative_model"] = spec["draft"]
     if spec["budgets"] is not None:
@@ -159,7 +168,7 @@ def _budgets(target: Path, draft: Path, methods: list[str], k: int, fraction: fl
     from engine.loader import load_draft_model, plan_for
     from engine.weights import ModelCheckpoint
 
-    spec = dict(target=str(target), draft=str(draft), k=k, transport="auto", budgets=None)
+    spec = dict(target=str(target), draft=str(draft), k=k, fixed_k=False, transport="auto", budgets=None)
     cfg = load_model_config(target)
     checkpoint = ModelCheckpoint(target, cfg)
     budgets = {}
@@ -212,6 +221,7 @@ def _summary(r: dict, base: dict | None) -> dict:
     if "passes" in trials[0]:
         passes = sum(t["passes"] for t in trials)
         s.update(mean_accepted=sum(t["accepted"] for t in trials) / max(1, passes),
+                 mean_drafted=sum(t["drafted"] for t in trials) / max(1, passes),
                  acceptance=sum(t["accepted"] for t in trials) / max(1, sum(t["drafted"] for t in trials)),
                  draft_share=sum(t["draft_s"] for t in trials) / sum(t["decode_s"] for t in trials),
                  verify_share=sum(t["verify_s"] for t in trials) / sum(t["decode_s"] for t in trials))
@@ -233,14 +243,15 @@ def run(ns: argparse.Namespace) -> int:
         if c not in CASES:
             raise ValueError(f"unknown case {c!r}; one of {', '.join(CASES)}")
     gguf, target = _models()
+    os.environ["LAYERSTREAM_SIM_GBPS"] = str(ns.sim_gbps)  # the children's simulated transport reads it
     budgets = _budgets(target, gguf, methods, ns.k, ns.resident_fraction)
     print(machine_description(), file=sys.stderr)
     results = {}
     for case in cases:
-        spec = dict(target=str(target), draft=str(gguf), k=ns.k, methods=methods, tokens=ns.tokens,
+        spec = dict(target=str(target), draft=str(gguf), k=ns.k, fixed_k=ns.fixed_k, methods=methods, tokens=ns.tokens,
                     trials=ns.trials, threads=ns.threads, prompt=REPETITIVE if case == "repetitive" else STORY,
-                    transport="disk" if case == "disk" else "auto",
-                    budgets=budgets if case in ("streamed", "disk") else None)
+                    transport={"disk": "disk", "simulated": "simulated"}.get(case, "auto"),
+                    budgets=budgets if case in ("streamed", "simulated", "disk") else None)
         cap = parse_bytes(ns.disk_cap) if case == "disk" else None
         if cap is not None:
             from .disk import cgroups_unavailable
@@ -268,7 +279,7 @@ def run(ns: argparse.Namespace) -> int:
     for case in cases:
         r = results[case]
         if "error" in r:
-            rows.append([case, "error", r["error"], r.get("stderr", "")[-200:]] + [""] * 6)
+            rows.append([case, "error", r["error"], r.get("stderr", "")[-200:]] + [""] * 7)
             continue
         base = r.get("none")
         for gi, m in enumerate(methods):
@@ -276,14 +287,15 @@ def run(ns: argparse.Namespace) -> int:
             r[m]["summary"] = s
             speedup = s["tok_s"] / _summary(base, None)["tok_s"] if base and m != "none" else None
             rows.append([case, m, f"{r[m]['resident']}/{r[m]['resident'] + r[m]['streamed']}",
-                         f"{r[m]['disk']}", fmt(s["tok_s"]), fmt(speedup), fmt(s.get("mean_accepted")),
+                         f"{r[m]['disk']}", fmt(s["tok_s"]), fmt(speedup), fmt(s.get("mean_drafted")),
+                         fmt(s.get("mean_accepted")),
                          fmt(s.get("acceptance")),
                          "-" if "draft_share" not in s else f"{100 * s['draft_share']:.0f}/{100 * s['verify_share']:.0f}",
                          "-" if m == "none" else f"{s['same_tokens']}/{ns.tokens}"])
             chart_labels.append(f"{case}\n{m}")
             chart_vals.append(s["tok_s"])
             groups.append(gi)
-    print(table(["case", "draft", "resident blocks", "disk blocks", "tok/s", "x plain", "accepted/pass",
+    print(table(["case", "draft", "resident blocks", "disk blocks", "tok/s", "x plain", "drafted/pass", "accepted/pass",
                  "acceptance", "% draft/verify", "= plain tokens"], rows))
     for case in cases:
         r = results[case]
@@ -294,12 +306,16 @@ def run(ns: argparse.Namespace) -> int:
                 print(f"{case}: memory cgroup cap {r['cap'] / 2**20:.0f} MiB; peak usage "
                       + ", ".join(f"{m} {r[m]['max_usage'] / 2**20:.0f} MiB" for m in methods)
                       + f"; OOM kills {sum(r[m]['oom_kills'] or 0 for m in methods)}")
+            if case == "simulated":
+                print(f"simulated: each streamed block copied over a simulated {ns.sim_gbps} GB/s link "
+                      "(LAYERSTREAM_SIM_GBPS): a GPU stand-in on the CPU, not a GPU measurement")
             if "text" in r:
                 print(f"{case}: plain output: {r['text']!r}")
     if ns.json:
         Path(ns.json).write_text(json.dumps(results, indent=1))
     if ns.png:
-        chart = Chart(f"speculative decoding, SmolLM2-135M bf16, batch 1, k={ns.k}")
+        chart = Chart(f"speculative decoding, SmolLM2-135M bf16, batch 1, k<={ns.k}"
+                      f"{' fixed' if ns.fixed_k else ' adaptive'}; simulated link {ns.sim_gbps} GB/s")
         chart.add("decode tok/s", chart_labels, chart_vals, groups)
         chart.save(ns.png)
     return 0

@@ -50,6 +50,7 @@ class EngineArgs:
     speculative_model: str | None = None  # method "draft": a model with the same tokenizer
     prompt_lookup_min: int = 1  # method "ngram": n-gram sizes looked up, longest first
     prompt_lookup_max: int = 4
+    speculative_adaptive_k: bool = True  # k per sequence from its acceptance (False: always num_speculative_tokens)
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -97,7 +98,7 @@ class EngineArgs:
         from .speculative import SpeculativeConfig
 
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.speculative_model,
-                                 self.prompt_lookup_min, self.prompt_lookup_max)
+                                 self.prompt_lookup_min, self.prompt_lookup_max, self.speculative_adaptive_k)
 
     @staticmethod
     def default(name: str):

@@ -52,7 +52,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                       help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "
                            "(--speculative-model, resident), self (int4 copies of the streamed blocks)")
     spec.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
-                      help="tokens drafted per sequence per step (k)")
+                      help="the most tokens drafted per sequence per step (k)")
+    spec.add_argument("--speculative-adaptive-k", action=argparse.BooleanOptionalAction,
+                      default=d("speculative_adaptive_k"),
+                      help="adapt each sequence's k to its acceptance: +2 after a pass that accepted every draft "
+                           "(at most --num-speculative-tokens), -1 after a rejection (on by default; "
+                           "--no-speculative-adaptive-k keeps k fixed)")
     spec.add_argument("--speculative-model", default=None, help="draft model with the target's tokenizer")
     spec.add_argument("--prompt-lookup-min", type=int, default=d("prompt_lookup_min"),
                       help="ngram: shortest n-gram looked up")
@@ -72,7 +77,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
     for name in ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min",
-                 "prompt_lookup_max"):
+                 "prompt_lookup_max", "speculative_adaptive_k"):
         if hasattr(ns, name):
             fields[name] = getattr(ns, name)
     fields.update(overrides)

@@ -21,7 +21,7 @@ from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one, score_tokens, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
-from .speculative import Draft, Drafter, DraftRequest, SpecCounters, build_drafter, verify
+from .speculative import Draft, DraftLength, Drafter, DraftRequest, SpecCounters, build_drafter, verify
 from .structured_output import GrammarCompiler, Guide
 from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
@@ -92,6 +92,7 @@ class _SeqState:
     stop_ids: set[int]
     guide: Guide | None = None  # structured output: the grammar this sequence follows
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
+    spec_k: int = 0  # speculative decoding: tokens this sequence drafts next (adaptive.DraftLength)
 
 
 def load_tokenizer(path):
@@ -151,7 +152,9 @@ class LLMEngine:
                 draft_model.close()
             raise
         self.spec = spec
-        self.spec_counters = SpecCounters(spec.method, spec.num_speculative_tokens) if spec is not None else None
+        self.spec_counters = (SpecCounters(spec.method, spec.num_speculative_tokens, spec.adaptive_k)
+                              if spec is not None else None)
+        self.draft_length = DraftLength(spec.num_speculative_tokens, spec.adaptive_k) if spec is not None else None
         self._drafts: dict[Sequence, Draft] = {}  # this step's drafts, by sequence
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -266,16 +269,18 @@ class LLMEngine:
     def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Speculative decoding: the decode chunks of sequences that may speculate become verify
         chunks (their last token and k drafted ones), as far as the step's token budget allows.
-        k is cut so no draft runs past max_tokens or the context; structured-output sequences do
-        not speculate (their grammar would have to follow every draft)."""
-        spec = self.spec
+        k is the sequence's own (adaptive.DraftLength), cut so no draft runs past max_tokens or
+        the context; structured-output sequences do not speculate (their grammar would have to
+        follow every draft)."""
         budget = self.scheduler.config.max_num_batched_tokens - sum(c.count for c in chunks)
         requests, where = [], []
         for i, c in enumerate(chunks):
             seq, st = c.seq, c.seq.state
             if c.count != 1 or not c.samples or not seq.output_ids or st.guide is not None:
                 continue
-            k = min(spec.num_speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
+            if not st.spec_k:
+                st.spec_k = self.draft_length.initial()
+            k = min(st.spec_k, seq.max_tokens - len(seq.output_ids) - 1,
                     self.max_model_len - seq.num_tokens, budget)
             if k >= 1:
                 k = self.scheduler.grow_for_lookahead(seq, k)  # KV blocks for the drafted positions
@@ -421,6 +426,7 @@ class LLMEngine:
         draft = self._drafts.pop(seq)
         accepted, token = verify(rows, draft, st.params, seq.prompt_ids, seq.output_ids, st.generator)
         self.spec_counters.verified(len(draft.tokens), accepted)
+        st.spec_k = self.draft_length.next(st.spec_k, len(draft.tokens), accepted)
         tokens = draft.tokens[:accepted] + [token]
         # Kept: the last token's and the accepted drafts' K/V (as far as they were emitted).
         return self._emit(seq, tokens, [token_logprobs(rows[i], t, st.params) for i, t in enumerate(tokens)],

@@ -241,6 +241,8 @@ class _SpecMetrics:
         self.accepted = g("layerstream_spec_decode_accepted_tokens", "drafted tokens accepted")
         self.rate = g("layerstream_spec_decode_acceptance_rate", "accepted / drafted tokens")
         self.mean = g("layerstream_spec_decode_mean_accepted_tokens", "drafted tokens accepted per verify pass")
+        self.mean_drafted = g("layerstream_spec_decode_mean_draft_tokens", "tokens drafted per verify pass (the "
+                              "mean k: adaptive per sequence unless --no-speculative-adaptive-k)")
         self.seconds = g("layerstream_spec_decode_seconds", "wall time spent drafting (phase=draft) and in "
                          "the target passes that verified drafts (phase=verify)", ["phase"])
         self.vllm_drafts = g("vllm:spec_decode_num_drafts", "drafts verified")
@@ -255,6 +257,7 @@ class _SpecMetrics:
         self.accepted.labels(m).set(s.accepted_tokens)
         self.rate.labels(m).set(s.acceptance_rate)
         self.mean.labels(m).set(s.mean_accepted)
+        self.mean_drafted.labels(m).set(s.mean_drafted)
         self.seconds.labels(m, "draft").set(s.draft_seconds)
         self.seconds.labels(m, "verify").set(s.verify_seconds)
         self.vllm_drafts.labels(m).set(s.verify_passes)

@@ -14,7 +14,7 @@ import torch
 from engine.args import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.speculative import ngram_draft, rejection_sample, verify_greedy
+from engine.speculative import Draft, DraftLength, ngram_draft, rejection_sample, verify_greedy
 from tests.test_batching import MAX_LEN, PROMPTS, Result, drive
 
 REPETITIVE = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]  # the answer is in the prompt: n-gram lookup drafts it
@@ -36,6 +36,21 @@ def test_verify_greedy_stops_at_the_first_mismatch():
     assert verify_greedy([3, 4, 9, 6], [3, 4, 5]) == (2, 9)
     assert verify_greedy([3, 4, 5, 6], [3, 4, 5]) == (3, 6)  # all accepted: the bonus token
     assert verify_greedy([1, 2], [7]) == (0, 1)
+
+
+def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection():
+    rule = DraftLength(4)
+    assert rule.initial() == 4
+    assert rule.next(4, drafted=4, accepted=2) == 3
+    assert rule.next(1, drafted=1, accepted=0) == 1  # never below 1
+    assert rule.next(2, drafted=2, accepted=2) == 4
+    assert rule.next(3, drafted=3, accepted=3) == 4  # never above K
+    assert rule.next(3, drafted=2, accepted=2) == 4  # a cut draft that held counts as held
+    assert rule.next(3, drafted=0, accepted=0) == 3  # nothing proposed: nothing learned
+    fixed = DraftLength(4, adaptive=False)
+    assert fixed.next(4, drafted=4, accepted=0) == 4
+    with pytest.raises(ValueError, match="must be >= 1"):
+        DraftLength(0)
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -194,6 +209,48 @@ def test_greedy_with_speculation_is_greedy_without_it(model_dirs, plain, method)
     assert t.draft_seconds > 0 and t.verify_seconds > 0
     # Fewer engine steps than tokens: several tokens arrived in one step.
     assert max(len(r.tokens) - len(set(r.steps)) for r in got.values()) > 0
+
+
+class OracleDrafter:
+    """Proposes the reference's own next tokens once a sequence has `right_from` output tokens, and
+    a wrong first token before: a draft source whose acceptance is known exactly. Records each k asked."""
+
+    def __init__(self, want: dict[str, Result], right_from: int):
+        self.want, self.right_from, self.asked = want, right_from, []
+
+    def propose(self, requests):
+        drafts = []
+        for r in requests:
+            n = len(r.seq.output_ids)
+            self.asked.append(r.k)
+            tokens = self.want[r.seq.request_id].tokens[n:n + r.k]
+            if n < self.right_from:
+                tokens = [(tokens[0] + 1) % 100] + tokens[1:]
+            drafts.append(Draft(tokens, None))
+        return drafts
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("adaptive, asked", [
+    # 7 passes of wrong drafts (k 4, 3, 2, 1, ...), then right ones (k 1 -> 3 -> 4 -> 4, the last cut by max_tokens).
+    (True, [4, 3, 2, 1, 1, 1, 1, 1, 3, 4, 4]),
+    (False, [4] * 10),  # 7 wrong passes, then 3 right ones: out 8 -> 13 -> 18 -> 23; the last token alone
+])
+def test_k_adapts_to_each_sequence_acceptance_and_outputs_stay_exact(model_dirs, plain, adaptive, asked):
+    arrivals = {0: [("x", PROMPTS["c"], greedy(24))]}
+    want = plain(arrivals)
+    llm = spec_llm(model_dirs, "ngram", speculative_adaptive_k=adaptive, max_num_batched_tokens=64)
+    oracle = llm.engine.drafter = OracleDrafter(want, right_from=8)
+    try:
+        got = drive(llm.engine, arrivals)
+        t = llm.telemetry().speculative
+    finally:
+        llm.close()
+    assert_same(got, want)
+    assert oracle.asked == asked
+    assert t.adaptive_k is adaptive and t.draft_tokens == sum(asked) and t.mean_drafted == sum(asked) / len(asked)
 
 
 def test_self_draft_with_streamed_blocks_is_exact_and_budgeted(model_dirs, plain):

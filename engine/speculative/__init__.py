@@ -8,6 +8,9 @@ Interface (what the engine uses; the rest is internal):
       validated settings; EngineArgs.speculative_config() builds it from the --speculative-* flags.
   (method "draft": engine.loader.load_draft_model loads the separate draft model resident before
   the target is planned, and the target's plan reserves its bytes.)
+  DraftLength(K, adaptive).initial() / .next(k, drafted, accepted)
+      each sequence's k: +2 after a pass that accepted every draft (at most K), -1 after a
+      rejection (at least 1); fixed at K when not adaptive.
   build_drafter(config, target, draft_model) -> Drafter
       drafter.propose([DraftRequest(seq, k, params, generator)]) -> [Draft(tokens, probs)]
   verify(rows, draft, params, prompt_ids, output_ids, generator) -> (accepted, next token)
@@ -16,6 +19,7 @@ Interface (what the engine uses; the rest is internal):
       acceptance rate, accepted tokens per verify pass, draft vs verify time.
 """
 
+from .adaptive import DraftLength
 from .config import METHODS, SpeculativeConfig
 from .drafter import Draft, Drafter, DraftRequest, ModelDrafter, NgramDrafter
 from .ngram import ngram_draft
@@ -25,7 +29,7 @@ from .stats import SpecCounters, SpecTelemetry
 from .verify import verify
 
 __all__ = [
-    "METHODS", "Draft", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "SpecCounters", "SpecTelemetry",
+    "METHODS", "Draft", "DraftLength", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "SpecCounters", "SpecTelemetry",
     "SpeculativeConfig", "build_drafter", "ngram_draft",
     "rejection_sample", "verify", "verify_greedy",
 ]

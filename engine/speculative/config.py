@@ -12,14 +12,16 @@ MAX_SPECULATIVE_TOKENS = 16  # more drafts per pass than this only widen the ver
 class SpeculativeConfig:
     """method: ngram (prompt lookup, no model), draft (a separate resident model with the same
     tokenizer, `model`), self (the target with every streamed block replaced by a resident int4
-    copy; resident blocks and embeddings shared). k = num_speculative_tokens, fixed per pass
-    (see README: Speculative decoding, why not adaptive)."""
+    copy; resident blocks and embeddings shared). num_speculative_tokens: the most tokens a
+    sequence drafts per pass (K); adaptive_k: each sequence's k follows its acceptance
+    (adaptive.DraftLength), False keeps k = K."""
 
     method: str
     num_speculative_tokens: int = 4
     model: str | None = None  # the draft model (method "draft")
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first (method "ngram")
     prompt_lookup_max: int = 4
+    adaptive_k: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

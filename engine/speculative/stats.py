@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SpecTelemetry:
     method: str
-    num_speculative_tokens: int  # k
+    num_speculative_tokens: int  # K, the most drafted per pass
+    adaptive_k: bool  # each sequence's k follows its acceptance (adaptive.DraftLength)
     verify_passes: int  # sequences verified (one per sequence per step that drafted for it)
     draft_tokens: int  # tokens proposed
     accepted_tokens: int  # of which accepted
@@ -20,6 +21,11 @@ class SpecTelemetry:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_drafted(self) -> float:
+        """Drafted tokens per verify pass: K when fixed (less where max_tokens or the budget cut it)."""
+        return self.draft_tokens / self.verify_passes if self.verify_passes else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -36,6 +42,7 @@ class SpecTelemetry:
 class SpecCounters:
     method: str
     k: int
+    adaptive_k: bool = False
     verify_passes: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -56,5 +63,6 @@ class SpecCounters:
             self.per_position[i] += 1
 
     def snapshot(self) -> SpecTelemetry:
-        return SpecTelemetry(self.method, self.k, self.verify_passes, self.draft_tokens, self.accepted_tokens,
-                             self.emitted_tokens, self.draft_seconds, self.verify_seconds, tuple(self.per_position))
+        return SpecTelemetry(self.method, self.k, self.adaptive_k, self.verify_passes, self.draft_tokens,
+                             self.accepted_tokens, self.emitted_tokens, self.draft_seconds, self.verify_seconds,
+                             tuple(self.per_position))
