@@ -13,8 +13,8 @@ without and with each draft source, batch 1, greedy, in one run:
   (iv)  repetitive every block resident, a prompt that holds most of the answer (code editing)
 
 Draft sources: ngram (prompt lookup), draft (the demo Q4_1 GGUF of the same model as a separate
-resident draft), self (int4 copies of the streamed blocks, of every block when none streams, and an
-int8 head; resident blocks shared). The target is the demo GGUF's weights dequantized to a bf16
+resident draft), self (int4 copies of every block, as the self-draft makes on the CPU, and an int8
+head; embeddings shared). The target is the demo GGUF's weights dequantized to a bf16
 safetensors checkpoint (made once, as bench-packed does): a 16-bit target is what the self-draft is for.
 
 Each case runs in its own child process holding one engine per method; trials go round-robin over
@@ -175,14 +175,13 @@ def _budgets(target: Path, draft: Path, methods: list[str], k: int, fraction: fl
     try:
         dtype = resolve_dtype("auto", cfg.checkpoint_dtype)
         resident = max(1, round(cfg.num_layers * fraction))
-        streamed = cfg.num_layers - resident
         for m in methods:
             args = _engine_args(spec, m)
             unlimited = plan_for(args, cfg, checkpoint, dtype, host_budget(None))
             extra = 0
             if m == "self":
                 copy, head = checkpoint.self_draft_sizes(dtype)
-                extra = head + streamed * copy
+                extra = head + cfg.num_layers * copy  # on the CPU every block gets a copy
             elif m == "draft":
                 d = load_draft_model(args)
                 extra = d.plan.device_bytes

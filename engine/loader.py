@@ -24,7 +24,7 @@ from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
 from .workspace import attention_chunk_bytes, workspace_bytes
-from .weights import ModelCheckpoint, ModelWeights, WeightSizes
+from .weights import ModelCheckpoint, ModelWeights, WeightSizes, self_draft_copies_every_block
 
 log = logging.getLogger("layerstream")
 
@@ -108,8 +108,8 @@ class DraftReservation:
     name: str = ""
 
 
-def _draft_inputs(args: EngineArgs, checkpoint: ModelCheckpoint | None, dtype: torch.dtype, block_bytes: int,
-                  draft: DraftReservation | None) -> dict:
+def _draft_inputs(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint | None, dtype: torch.dtype,
+                  block_bytes: int, draft: DraftReservation | None) -> dict:
     """PlanInputs' draft fields: the separate draft model's bytes, or the self-draft's int4 copy per block."""
     if args.speculative_method == "self":
         copy, head = checkpoint.self_draft_sizes(dtype) if checkpoint is not None else (block_bytes, 0)
@@ -117,6 +117,10 @@ def _draft_inputs(args: EngineArgs, checkpoint: ModelCheckpoint | None, dtype: t
             raise ValueError(f"the self-draft's int4 copy of a block ({format_bytes(copy)}) is not smaller than the "
                              f"block itself ({format_bytes(block_bytes)}): it needs a 16/32-bit safetensors target; "
                              "use --speculative-method ngram or draft for this model")
+        if self_draft_copies_every_block(torch.device(args.device)):
+            return dict(draft_fixed_bytes=head + cfg.num_layers * copy,
+                        draft_name="self-draft: int4 copies of every block (on the CPU an int4 block runs ~2x "
+                                   "faster than a 16-bit one, resident or not) and an int8 head")
         return dict(draft_block_bytes=copy, draft_fixed_bytes=head,
                     draft_name="self-draft: int4 copies of the streamed blocks (of every block when none streams) "
                                "and an int8 head")
@@ -166,7 +170,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
         **experts,
-        **_draft_inputs(args, checkpoint, dtype, sizes.block_bytes, draft),
+        **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
         attn_chunk_bytes=chunk,
     ))
 

@@ -78,3 +78,18 @@ def test_largest_context_that_fits_is_chosen_and_a_hopeless_budget_says_what_wou
 def test_too_small_budget_is_a_clear_error():
     with pytest.raises(PlanError, match="too small.*need at least"):
         plan_memory(inputs(budget=10 * MiB))
+
+
+def test_a_draft_with_a_copy_per_streamed_block_gets_each_resident_block_s_copy_back():
+    """PlanInputs.draft_block_bytes (a self-draft that copies only the streamed blocks, as it would on
+    an accelerator): the largest draft (a copy of every block) is set aside, and each block kept
+    resident costs its weights less its copy; the plan's draft is a copy per streamed block."""
+    kv = 4 * 1024 * 1024
+    fixed, copy = 1 * MiB, 2 * MiB
+    budget = 5 * MiB + 1 * MiB + kv + 2 * 10 * MiB + fixed + 10 * copy + 3 * (10 * MiB - copy)
+    p = plan_memory(inputs(budget=budget, draft_fixed_bytes=fixed, draft_block_bytes=copy, draft_name="d"))
+    assert len(p.resident_blocks) == 3 and p.draft_bytes == fixed + 7 * copy
+    assert p.device_bytes <= budget and "speculative draft" in p.describe()
+    # Without the copies given back, the same budget keeps two blocks resident.
+    q = plan_memory(inputs(budget=budget, draft_fixed_bytes=fixed + 10 * copy, draft_name="d"))
+    assert len(q.resident_blocks) == 2

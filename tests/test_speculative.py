@@ -254,8 +254,9 @@ def test_k_adapts_to_each_sequence_acceptance_and_outputs_stay_exact(model_dirs,
 
 
 def test_self_draft_with_streamed_blocks_is_exact_and_budgeted(model_dirs, plain):
-    """Under a budget that streams blocks, the self-draft's int4 copies of exactly the streamed
-    blocks are in the plan (and its description), and the output is still greedy's."""
+    """Under a budget that streams blocks, the self-draft's int4 copies are in the plan (and its
+    description): on the CPU one of every block, the resident one included (the draft then
+    computes no 16-bit block); the output is still greedy's."""
     from engine.arch import load_model_config
     from engine.weights import ModelCheckpoint
 
@@ -265,15 +266,16 @@ def test_self_draft_with_streamed_blocks_is_exact_and_budgeted(model_dirs, plain
     probe = spec_llm(model_dirs, "self")
     p = probe.plan
     probe.close()
-    assert p.draft_bytes == head + 5 * copy  # nothing streams: a copy of every block
-    # One resident block; four streamed blocks, each with its int4 copy, and the int8 head.
+    assert p.draft_bytes == head + 5 * copy  # a copy of every block
+    # One resident block, four streamed; an int4 copy of all five and the int8 head.
     budget = (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + p.block_bytes
-              + (p.prefetch_depth + 1) * p.block_bytes + head + 4 * copy + copy // 2)
+              + (p.prefetch_depth + 1) * p.block_bytes + head + 5 * copy + copy // 2)
     llm = spec_llm(model_dirs, "self", max_device_memory=budget)
     try:
         plan = llm.plan
-        assert len(plan.streamed_blocks) == 4 and plan.draft_bytes == head + 4 * copy
-        assert plan.device_bytes <= budget and "self-draft" in plan.describe()
+        assert len(plan.streamed_blocks) == 4 and plan.draft_bytes == head + 5 * copy
+        assert plan.device_bytes <= budget and "self-draft: int4 copies of every block" in plan.describe()
+        assert llm.engine.drafter.runner.weights.copied_blocks == list(range(5))
         got = drive(llm.engine, _arrivals())
         assert llm.telemetry().speculative.accepted_tokens > 0
     finally:
@@ -381,8 +383,9 @@ def test_self_draft_needs_a_16_bit_target(model_dirs, tmp_path):
 
 
 def test_server_streams_several_tokens_per_event_and_reports_acceptance(llama_dir, tmp_path):
-    """`layerstream serve --speculative-method ngram`: SSE text equals the non-streamed text and
-    plain greedy decoding's; some events carry several tokens; /metrics has the acceptance figures."""
+    """`layerstream serve --speculative-method ngram`: SSE text (completions and chat) equals the
+    non-streamed text and plain greedy decoding's; some events carry several tokens (and their
+    logprobs); /metrics has the acceptance figures and draft vs verify time."""
     from tests.test_server import _start, _stop
 
     prompt = "Hello world! Hello world! Hello world! Hello"
@@ -403,8 +406,21 @@ def test_server_streams_several_tokens_per_event_and_reports_acceptance(llama_di
         per_event = [len(c.choices[0].logprobs.tokens) for c in events if c.choices[0].logprobs]
         assert streamed == whole == want
         assert sum(per_event) == 40 and max(per_event) > 1
+        # Chat: the same, with per-token logprobs and the usage chunk counting every token.
+        msgs = [{"role": "user", "content": prompt}]
+        chat = dict(model="tiny", messages=msgs, max_tokens=40, temperature=0, logprobs=True,
+                    extra_body={"ignore_eos": True})
+        whole_chat = client.chat.completions.create(**chat).choices[0].message.content
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat))
+        deltas = [c for c in chunks if c.choices]
+        per_chunk = [len(c.choices[0].logprobs.content) for c in deltas if c.choices[0].logprobs]
+        assert "".join(c.choices[0].delta.content or "" for c in deltas) == whole_chat
+        assert sum(per_chunk) == 40 and max(per_chunk) > 1 and chunks[-1].usage.completion_tokens == 40
         assert server.metric("layerstream_spec_decode_accepted_tokens", model_name="tiny") > 0
+        assert server.metric("layerstream_spec_decode_mean_draft_tokens", model_name="tiny") > 0
+        assert server.metric("layerstream_spec_decode_seconds", model_name="tiny", phase="draft") > 0
+        assert server.metric("layerstream_spec_decode_seconds", model_name="tiny", phase="verify") > 0
         assert server.metric("vllm:spec_decode_num_drafts", model_name="tiny") > 0
-        assert server.metric("vllm:generation_tokens_total", model_name="tiny") == 80
+        assert server.metric("vllm:generation_tokens_total", model_name="tiny") == 160
     finally:
         _stop(server)

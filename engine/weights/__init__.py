@@ -44,7 +44,7 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
   weights.self_draft() -> SelfDraftWeights
       Speculative decoding's self-draft: the compute side of these weights (globals, acquire/release)
       with every streamed block replaced by a resident int4 copy and an int8 head; resident blocks,
-      embeddings and norm shared.
+      embeddings and norm shared (self_draft_copies_every_block(device): on the CPU every block gets a copy).
   weights.close(); checkpoint.close()
       Give back threads, buffers, pinned memory, file descriptors and mappings. A constructor that
       fails releases what it took before raising.
@@ -75,7 +75,7 @@ from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
 from .formats import config_folder, open_checkpoint
 from .gguf_file import find_gguf
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
-from .self_draft import SELF_DRAFT_QUANTIZATION, SelfDraftWeights
+from .self_draft import SELF_DRAFT_QUANTIZATION, SelfDraftWeights, self_draft_copies_every_block
 from .source import WeightSizes
 from .streamer import StreamStats
 from .tiers import TRANSPORTS, check_transport
@@ -83,7 +83,8 @@ from .tiers import TRANSPORTS, check_transport
 __all__ = [
     "CheckpointError", "CheckpointReader", "DiskBandwidth", "config_folder", "find_gguf", "LinkSpeeds",
     "ModelCheckpoint", "ModelWeights",
-    "PINNED_HOST_MARGIN", "PlacedGlobals", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
+    "PINNED_HOST_MARGIN", "PlacedGlobals", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights",
+    "self_draft_copies_every_block", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
     "WeightSizes", "WeightsTelemetry", "check_transport", "efficiency", "expected_step", "floor_percent",
     "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",
 ]

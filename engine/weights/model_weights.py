@@ -264,13 +264,17 @@ class ModelWeights:
 
     def self_draft(self, on_progress: Callable[[int], None] | None = None) -> "SelfDraftWeights":
         """Speculative decoding's self-draft: these weights with every streamed block (every block
-        when none streams) replaced by a resident int4 copy quantized from the checkpoint; resident
-        blocks and globals shared. Safetensors checkpoints on the CPU."""
+        when none streams or on the CPU) replaced by a resident int4 copy quantized from the
+        checkpoint; the other resident blocks and the globals shared. Safetensors checkpoints on the CPU."""
         from .self_draft import SelfDraftWeights
 
         if self._packed or self._device.type != "cpu":
             raise ValueError("the self-draft needs a safetensors checkpoint computed on the CPU")
-        copy = self.plan.streamed_blocks or list(range(self.plan.num_layers))
+        from .self_draft import self_draft_copies_every_block
+
+        copy = self.plan.streamed_blocks
+        if not copy or self_draft_copies_every_block(self._device):
+            copy = list(range(self.plan.num_layers))
         return SelfDraftWeights.build(self._source, self.globals, self._streamer.resident_weights(), copy,
                                       self._dtype, self._device, on_progress)
 
