@@ -275,7 +275,6 @@ def test_self_draft_with_streamed_blocks_is_exact_and_budgeted(model_dirs, plain
         plan = llm.plan
         assert len(plan.streamed_blocks) == 4 and plan.draft_bytes == head + 5 * copy
         assert plan.device_bytes <= budget and "self-draft: int4 copies of every block" in plan.describe()
-        assert llm.engine.drafter.runner.weights.copied_blocks == list(range(5))
         got = drive(llm.engine, _arrivals())
         assert llm.telemetry().speculative.accepted_tokens > 0
     finally:
