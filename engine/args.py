@@ -88,7 +88,7 @@ class EngineArgs:
         else:
             self.speculative_config()  # raises ValueError on a bad combination
             if self.speculative_method == "self" and (self.device != "cpu" or self.quantization is not None):
-                raise ValueError("the self-draft (int4 copies of the streamed blocks) runs on the CPU device, "
+                raise ValueError("the self-draft (int4 copies of the target's blocks) runs on the CPU device, "
                                  "with an unquantized target (its int4 copies would be the blocks themselves)")
 
     def speculative_config(self):

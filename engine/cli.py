@@ -50,7 +50,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
     spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "self"],
                       help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "
-                           "(--speculative-model, resident), self (int4 copies of the streamed blocks)")
+                           "(--speculative-model, resident), self (int4 copies of the target's blocks)")
     spec.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
                       help="the most tokens drafted per sequence per step (k)")
     spec.add_argument("--speculative-adaptive-k", action=argparse.BooleanOptionalAction,

@@ -423,3 +423,15 @@ def test_server_streams_several_tokens_per_event_and_reports_acceptance(llama_di
         assert server.metric("vllm:generation_tokens_total", model_name="tiny") == 160
     finally:
         _stop(server)
+
+
+def test_the_adaptive_k_flag_reaches_the_config():
+    import argparse
+
+    from engine.cli import add_engine_arguments, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    on = engine_args_from(p.parse_args(["--speculative-method", "ngram"])).speculative_config()
+    off = engine_args_from(p.parse_args(["--speculative-method", "ngram", "--no-speculative-adaptive-k"]))
+    assert on.adaptive_k is True and off.speculative_config().adaptive_k is False

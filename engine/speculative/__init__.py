@@ -29,7 +29,7 @@ from .stats import SpecCounters, SpecTelemetry
 from .verify import verify
 
 __all__ = [
-    "METHODS", "Draft", "DraftLength", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "SpecCounters", "SpecTelemetry",
-    "SpeculativeConfig", "build_drafter", "ngram_draft",
+    "METHODS", "Draft", "DraftLength", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "SpecCounters",
+    "SpecTelemetry", "SpeculativeConfig", "build_drafter", "ngram_draft",
     "rejection_sample", "verify", "verify_greedy",
 ]

@@ -3,8 +3,8 @@
 The rule (transformers' "heuristic" schedule for assisted generation, per sequence): k starts at
 its most, K = --num-speculative-tokens; after a verify pass that accepted every drafted token, k
 grows by 2 (at most K); after one that rejected a draft, k shrinks by 1 (at least 1). With a
-per-token acceptance a, k settles where a full acceptance (a^k) is about a third of the passes:
-k ~ 10 at a = 0.9, 3 at a = 0.7, 1 at a <= 0.35. A sequence whose drafts keep failing stops
+per-token acceptance a, k settles where a full acceptance (a^k) is about a third of the passes
+(2 a^k = 1 - a^k): k ~ 10 at a = 0.9 (so K), 3 at a = 0.7, 1 at a <= 0.35. A sequence whose drafts keep failing stops
 paying for k rows of verification and k draft steps it does not get back; one whose drafts hold
 returns to K within a few passes. --no-speculative-adaptive-k keeps k = K for every pass.
 """

@@ -11,8 +11,8 @@ MAX_SPECULATIVE_TOKENS = 16  # more drafts per pass than this only widen the ver
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: ngram (prompt lookup, no model), draft (a separate resident model with the same
-    tokenizer, `model`), self (the target with every streamed block replaced by a resident int4
-    copy; resident blocks and embeddings shared). num_speculative_tokens: the most tokens a
+    tokenizer, `model`), self (the target with every streamed block, on the CPU every block,
+    replaced by a resident int4 copy; embeddings shared). num_speculative_tokens: the most tokens a
     sequence drafts per pass (K); adaptive_k: each sequence's k follows its acceptance
     (adaptive.DraftLength), False keeps k = K."""
 
