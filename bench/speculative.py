@@ -23,7 +23,7 @@ one capped process per method, one after the other). A speculative
 run gets the plain run's budget plus its draft's planned bytes (printed): the target keeps exactly
 the same blocks resident.
 
-    layerstream bench-spec --tokens 32 --trials 3 --png docs/bench-spec.png   (--k 8, --fixed-k, --sim-gbps 2)
+    layerstream bench-spec --tokens 32 --trials 3 --png docs/bench-spec.png   (--k 8, --fixed-k, --prefetch-depth 8, --sim-gbps 2)
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-k", action="store_true", help="--no-speculative-adaptive-k: draft k every pass")
     p.add_argument("--sim-gbps", type=float, default=2.0,
                    help="the simulated case's link (GB/s): a GPU stand-in, see the module docstring")
+    p.add_argument("--prefetch-depth", type=int, default=1,
+                   help="streamed blocks prepared ahead, every method alike: a deeper prefetch lets the link "
+                        "or disk move the next pass's first blocks while the draft runs")
     p.add_argument("--resident-fraction", type=float, default=0.25, help="blocks resident in streamed/disk")
     p.add_argument("--disk-cap", default="1.5GiB", help="memory cgroup limit of each disk-case process")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: robust on a shared machine)")
@@ -84,7 +87,7 @@ def _engine_args(spec: dict, method: str):
     from engine.args import EngineArgs
 
     kw = dict(model=spec["target"], max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=256,
-              show_progress=False, transport=spec["transport"])
+              show_progress=False, transport=spec["transport"], prefetch_depth=spec["prefetch_depth"])
     if method != "none":
         kw.update(speculative_method=method, num_speculative_tokens=spec["k"],
                   speculative_adaptive_k=not spec["fixed_k"])
@@ -159,7 +162,7 @@ def _models() -> tuple[Path, Path]:
     return gguf, _bf16_safetensors(gguf, BENCH_ROOT / "smollm2" / "bf16")
 
 
-def _budgets(target: Path, draft: Path, methods: list[str], k: int, fraction: float) -> dict[str, int]:
+def _budgets(target: Path, draft: Path, methods: list[str], k: int, fraction: float, depth: int) -> dict[str, int]:
     """The plain run's budget keeping `fraction` of the blocks resident; each speculative run's is
     that plus its draft's planned bytes (so the target keeps the same blocks)."""
     from engine.arch import load_model_config
@@ -168,7 +171,8 @@ def _budgets(target: Path, draft: Path, methods: list[str], k: int, fraction: fl
     from engine.loader import load_draft_model, plan_for
     from engine.weights import ModelCheckpoint
 
-    spec = dict(target=str(target), draft=str(draft), k=k, fixed_k=False, transport="auto", budgets=None)
+    spec = dict(target=str(target), draft=str(draft), k=k, fixed_k=False, transport="auto", budgets=None,
+                prefetch_depth=depth)
     cfg = load_model_config(target)
     checkpoint = ModelCheckpoint(target, cfg)
     budgets = {}
@@ -243,11 +247,12 @@ def run(ns: argparse.Namespace) -> int:
             raise ValueError(f"unknown case {c!r}; one of {', '.join(CASES)}")
     gguf, target = _models()
     os.environ["LAYERSTREAM_SIM_GBPS"] = str(ns.sim_gbps)  # the children's simulated transport reads it
-    budgets = _budgets(target, gguf, methods, ns.k, ns.resident_fraction)
+    budgets = _budgets(target, gguf, methods, ns.k, ns.resident_fraction, ns.prefetch_depth)
     print(machine_description(), file=sys.stderr)
     results = {}
     for case in cases:
-        spec = dict(target=str(target), draft=str(gguf), k=ns.k, fixed_k=ns.fixed_k, methods=methods, tokens=ns.tokens,
+        spec = dict(target=str(target), draft=str(gguf), k=ns.k, fixed_k=ns.fixed_k, prefetch_depth=ns.prefetch_depth,
+                    methods=methods, tokens=ns.tokens,
                     trials=ns.trials, threads=ns.threads, prompt=REPETITIVE if case == "repetitive" else STORY,
                     transport={"disk": "disk", "simulated": "simulated"}.get(case, "auto"),
                     budgets=budgets if case in ("streamed", "simulated", "disk") else None)
