@@ -1,7 +1,7 @@
 """Scaled dot-product attention over a padded batch: which kernel runs, and how much memory it may
 take, decided here and nowhere else (model.attention calls `attend`).
 
-Three choices, each for a reason found reading the CUDA path against torch 2.11:
+Four choices, each for a reason found reading the CUDA path against torch 2.11 (the last, the CPU's):
 - On CUDA, cuDNN attention is turned off (on the first call): memory-efficient attention runs,
   with the math path as the fallback. With a boolean mask in bf16/fp16 and cuDNN >= 9.15 SDPA would pick
   cuDNN, which builds a graph for every new shape; decode changes the context length every step, a
@@ -16,6 +16,14 @@ Three choices, each for a reason found reading the CUDA path against torch 2.11:
   step pads every decode to the prefill's length; unsplit, a Llama-3-8B step of one 512-token chunk
   and 15 decodes at 4096 context needed ~10 GB. `call_bytes` is that formula and the planner's
   workspace estimate uses it (`workspace_bytes`), so the plan and the kernel agree.
+- On the CPU, SDPA runs its flash kernel (whenever `torch._fused_sdp_choice` says so, which it does
+  for every shape the engine forms). That kernel works in per-thread tiles: beyond its output it
+  holds only the mask made additive, so `flash_cpu_call_bytes` bounds its calls, not the math
+  path's formula. Split by the math formula, a 128-token chunk over a 2000-token context at a 25%
+  budget became three calls of ~210 query rows, each re-reading all of K/V with smaller tiles:
+  1.07-1.15x the CPU time of one call (measured side by side here), for memory the flash kernel
+  never takes. The plan keeps the math path's
+  bound (the most any backend takes), so a step's flash calls always fit inside it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 log = logging.getLogger("layerstream")
 
@@ -44,12 +53,34 @@ def call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsi
     return mask + qkv + scores + out
 
 
+_FLASH = int(SDPBackend.FLASH_ATTENTION)
+# The CPU flash kernel's tiles: at most 256 query rows by 512 keys, per thread.
+FLASH_CPU_Q_TILE, FLASH_CPU_KV_TILE = 256, 512
+
+
+def flash_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
+                         threads: int | None = None) -> int:
+    """Peak temporaries of one SDPA call on the CPU flash kernel (same arguments as call_bytes): the
+    boolean mask made additive in the query's dtype, the output and its log-sum-exp, and per thread
+    one tile of fp32 scores (plus its half-precision copy) and fp32 output rows."""
+    threads = torch.get_num_threads() if threads is None else threads
+    mask = seqs * rows * ctx * itemsize
+    out = seqs * heads * rows * (head_dim * itemsize + 4)
+    tile = FLASH_CPU_Q_TILE * (FLASH_CPU_KV_TILE * (4 + itemsize) + 2 * head_dim * 4 + 8)
+    return mask + out + threads * tile
+
+
+def uses_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether SDPA will run these on the CPU flash kernel (its own dispatch decision, ~5 us)."""
+    return q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v, attn_mask=mask) == _FLASH
+
+
 def split(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
-          chunk_bytes: int | None = None) -> tuple[int, int]:
-    """(sequences, query rows) per call so that call_bytes stays under chunk_bytes (CHUNK_BYTES by
-    default), whole sequences first; at least one sequence and one row per call."""
+          chunk_bytes: int | None = None, cost_fn=call_bytes) -> tuple[int, int]:
+    """(sequences, query rows) per call so that cost_fn (call_bytes: the math path) stays under
+    chunk_bytes (CHUNK_BYTES by default), whole sequences first; at least one sequence and one row per call."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    cost = lambda s, r: call_bytes(s, r, ctx, heads, head_dim, itemsize)  # noqa: E731
+    cost = lambda s, r: cost_fn(s, r, ctx, heads, head_dim, itemsize)  # noqa: E731
     if cost(seqs, rows) <= chunk_bytes:
         return seqs, rows
     if cost(1, rows) <= chunk_bytes:
@@ -88,7 +119,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q = q.reshape(seqs, nkv, group * mq, hd)  # (seqs, kv_heads, group * max_query, head_dim)
         mask = mask[:, :, None].expand(seqs, 1, group, mq, ctx).reshape(seqs, 1, group * mq, ctx)
     rows = q.shape[2]
-    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
+    cost_fn = flash_cpu_call_bytes if uses_flash_cpu(q, k, v, mask) else call_bytes
+    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes, cost_fn)
     if sp >= seqs and rp >= rows:
         out = _sdpa(q, k, v, mask)
     else:

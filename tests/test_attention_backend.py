@@ -156,3 +156,47 @@ def test_a_small_budget_bounds_each_call_to_an_eighth_of_it():
     bound = attention_chunk_bytes(240_000_000)
     s, r = attention_backend.split(16, 4 * 497, 2304, 4, 64, 2, bound)
     assert attention_backend.call_bytes(s, r, 2304, 4, 64, 2) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_steps_run_the_flash_kernel_within_its_bound(dtype):
+    """Every shape a step forms (decodes, mixed chunks, a long prefill chunk; GQA folded) goes to the
+    CPU flash kernel, whose measured peak stays under flash_cpu_call_bytes; for a large call the
+    bound is not a blanket margin (the per-thread tiles are a fixed part, so small calls are looser)."""
+    problems = [padded_problem(*MIXED, heads=8, kv_heads=2, head_dim=16, dtype=dtype),
+                padded_problem([1] * 16, list(range(40, 56)), heads=16, kv_heads=4, head_dim=64, dtype=dtype),
+                padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=dtype)]
+    for q, k, v, mask in problems:
+        seqs, nh, mq, hd = q.shape
+        nkv, ctx = k.shape[1], k.shape[2]
+        qf = q.reshape(seqs, nkv, nh // nkv * mq, hd)  # folded as attend folds it
+        mf = mask[:, :, None].expand(seqs, 1, nh // nkv, mq, ctx).reshape(seqs, 1, nh // nkv * mq, ctx)
+        assert attention_backend.uses_flash_cpu(qf, k, v, mf)
+        with torch.inference_mode():
+            measured = peak_bytes(lambda: torch.nn.functional.scaled_dot_product_attention(qf, k, v, attn_mask=mf))
+        bound = attention_backend.flash_cpu_call_bytes(seqs, qf.shape[2], ctx, nkv, hd, dtype.itemsize)
+        assert measured <= bound, (q.shape, measured, bound)
+    assert bound <= 2 * measured, (measured, bound)  # the 128-token chunk over 2000 keys
+
+
+def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
+    """A 25%-budget call bound (29 MiB) splits a 128-token chunk over a 2000-token context into three
+    math-path calls; on the CPU the flash kernel runs, which needs a fraction of that, so attend
+    makes one call (three re-read K/V with smaller tiles: 1.07-1.15x the time here) with the same result.
+    Under sdpa_kernel(MATH) the math path runs, and the math bound splits it again."""
+    q, k, v, mask = padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    bound = 30_282_880
+    sp, rp = split(1, 4 * 128, 2000, 4, 64, 2, bound)
+    assert (sp, -(-4 * 128 // rp)) == (1, 3)  # 3 math-path calls
+    calls = []
+    real = attention_backend._sdpa
+    monkeypatch.setattr(attention_backend, "_sdpa", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        out = attend(q, k, v, mask, bound)
+        assert calls == [(1, 4, 4 * 128, 64)]
+        calls.clear()
+        with sdpa_kernel([SDPBackend.MATH]):
+            want = attend(q, k, v, mask, bound)
+        assert len(calls) == 3
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), atol=2e-2, rtol=2e-2)
