@@ -197,18 +197,28 @@ def moe_experts(
 ) -> None:
     """Add into out (tokens, hidden) the weighted outputs of the given experts ({expert: its w_gate,
     w_up, w_down}) for the tokens routed to them. Called once per group of fetched experts, so a
-    cache smaller than one block's experts still computes the whole mixture, group by group."""
+    cache smaller than one block's experts still computes the whole mixture, group by group.
+
+    At decode every expert sees a token or two, so the cost is per op, not per FLOP: the group's rows
+    are gathered once, its weighted outputs added once (index_add_ accumulates a row's contributions
+    in fp32 and rounds once), and only each expert's own MLP runs per expert."""
+    if not experts:
+        return
     top_k = routing.expert_ids.shape[1]
-    flat = routing.expert_ids.flatten()  # (tokens * top_k,)
     # Stable sort by expert: each expert's (token, choice) pairs become one contiguous run.
-    order = torch.argsort(flat, stable=True)  # (tokens * top_k,)
+    order = torch.argsort(routing.expert_ids.flatten(), stable=True)  # (tokens * top_k,)
     runs = torch.split(order, routing.counts)  # num_experts runs, run e of length counts[e]
-    gate = routing.weights.flatten()  # (tokens * top_k,) fp32
+    pairs = torch.cat([runs[e] for e in experts])  # (n,) the group's (token, choice) pairs, expert by expert
+    tokens = pairs // top_k  # (n,)
+    x = h[tokens]  # (n, hidden)
+    ys, start = [], 0
     for e, ew in experts.items():
-        pairs = runs[e]  # (n,) flat indices of the (token, choice) pairs routed to e
-        tokens = pairs // top_k  # (n,)
-        y = mlp(h[tokens], ew)  # (n, hidden)
-        out.index_add_(0, tokens, (y.float() * gate[pairs, None]).to(out.dtype))
+        n = routing.counts[e]
+        ys.append(mlp(x[start:start + n], ew))  # (counts[e], hidden)
+        start += n
+    y = torch.cat(ys) if len(ys) > 1 else ys[0]  # (n, hidden)
+    gate = routing.weights.flatten()[pairs, None]  # (n, 1) fp32
+    out.index_add_(0, tokens, (y.float() * gate).to(out.dtype))
 
 
 def shared_expert(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -334,3 +334,28 @@ def test_expert_streaming_on_a_gpu(moe_dirs, references, arch):
     finally:
         llm.close()
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_bench_moe_measures_the_page_cache_share(tmp_path):
+    """bench.moe reports how much of the checkpoint was in the page cache around a timed round: the
+    measurement sees pages read in and pages dropped (on a file system that can drop them)."""
+    import os
+
+    from bench.moe import page_cache_share
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(os.urandom(4 << 20))
+    os.sync()  # dirty pages cannot be dropped
+    f.read_bytes()
+    assert page_cache_share(tmp_path) == 1.0
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    dropped = page_cache_share(tmp_path)
+    if dropped == 1.0:
+        pytest.skip("this file system keeps the pages (tmpfs?)")
+    assert dropped < 0.5
+    f.read_bytes()
+    assert page_cache_share(tmp_path) == 1.0

@@ -12,8 +12,8 @@ this, `predictor_bytes` in the plan) on block l's post-attention hidden state, a
 fetches behind l's own misses; consecutive blocks' residual streams are close, so most guesses
 hold. Accuracy is measured (StreamStats.prefetch_accuracy), never assumed.
 
-Where an expert's bytes come from (`ExpertReader`): the page cache (mmap views copied, converting
-the dtype), the disk (O_DIRECT reads of the expert's byte ranges, the disk tier), or either behind a
+Where an expert's bytes come from (`ExpertReader`): the page cache (zero-copy views when the dtype
+matches, as the CPU transport serves blocks; else copied, converting the dtype), the disk (O_DIRECT reads of the expert's byte ranges, the disk tier), or either behind a
 simulated slow link (the CUDA stand-in on CPU). Where the cache's slots live (`slots`): host memory
 when the device is the CPU (`HostExpertSlots`), or device memory filled from pinned staging on a copy
 stream and ordered by events (`cuda_experts.CudaExpertSlots`); the tier tells the slots when compute
@@ -32,6 +32,7 @@ from .. import model as M
 from ..arch import EXPERT_WEIGHTS, ModelConfig
 from .disk_reader import DiskReader, StagingBuffer, plan_reads
 from .expert_cache import ExpertCache, ExpertCacheStats, Key
+from .safetensors_index import MADV_POPULATE_READ
 from .source import BlockSource
 from .streamer import StreamStats
 from .transport import DISK, HOST
@@ -60,11 +61,30 @@ class ExpertReader:
         for k, v in views.items():
             out[k].copy_(v)
         n = sum(o.numel() * o.element_size() for o in out.values())
+        self._link(t0, n)
+        return n
+
+    def zero_copy(self, dtype: torch.dtype) -> bool:
+        """Compute can read the experts where they lie: the page cache, already in the compute dtype."""
+        blocks = self.source.expert_blocks()
+        return bool(blocks) and all(t.dtype == dtype for t in self.source.expert_tensors(blocks[0], 0).values())
+
+    def map(self, key: Key) -> tuple[dict[str, torch.Tensor], int]:
+        """The expert as zero-copy views of the page cache, its pages faulted in ahead of compute (as the
+        CPU transport does for a streamed block), and the bytes that crossed the (simulated) link."""
+        t0 = time.perf_counter()
+        self.source.advise_expert(*key, MADV_POPULATE_READ)
+        views = self.views(key)
+        n = sum(v.numel() * v.element_size() for v in views.values())
+        self._link(t0, n)
+        return views, n
+
+    def _link(self, t0: float, n: int) -> None:
+        """Behind a simulated link: the fill takes at least n bytes' link time from t0 (a sleep)."""
         if self.seconds_per_byte:
             deadline = t0 + n * self.seconds_per_byte
             while (left := deadline - time.perf_counter()) > 0:
                 time.sleep(left)
-        return n
 
     def close(self) -> None:
         pass
@@ -83,6 +103,9 @@ class DiskExpertReader(ExpertReader):
                        for b in blocks for e in range(source.num_experts(b))}
         self._buf = StagingBuffer(max(p.buffer_bytes for p in self._plans.values()))
 
+    def zero_copy(self, dtype: torch.dtype) -> bool:
+        return False  # the bytes land in one reused read buffer
+
     def views(self, key: Key) -> dict[str, torch.Tensor]:
         plan = self._plans[key]
         t0 = time.perf_counter()
@@ -95,20 +118,33 @@ class DiskExpertReader(ExpertReader):
 
 
 class HostExpertSlots:
-    """The cache's slots in host memory (the device is the CPU): a fill is the reader's copy itself."""
+    """The cache's slots in host memory (the device is the CPU). Experts already in the page cache in the
+    compute dtype are not copied at all: a slot holds zero-copy views of the mapped file, as a streamed
+    block on the CPU does, and its fill only faults the pages in (and crosses the simulated link).
+    Otherwise (a dtype to convert, or the disk tier's O_DIRECT reads) a slot is a buffer the fill
+    copies into."""
 
     host_bytes = 0  # no pinned memory
 
     def __init__(self, slots: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
                  reader: ExpertReader):
         self.reader, self.count = reader, slots
+        self.zero_copy = reader.zero_copy(dtype)
+        self._held: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]  # zero-copy: slot -> views
         # (slots, *shape) per expert tensor: slot s of every tensor together is one expert
-        self.buffers = {k: torch.empty((slots, *shapes[k]), dtype=dtype, device=device) for k in EXPERT_WEIGHTS}
+        self.buffers = {} if self.zero_copy else {
+            k: torch.empty((slots, *shapes[k]), dtype=dtype, device=device) for k in EXPERT_WEIGHTS}
 
     def fill(self, key: Key, slot: int) -> int:
-        return self.reader.read(key, self.weights(slot))
+        if not self.zero_copy:
+            return self.reader.read(key, self.weights(slot))
+        views, n = self.reader.map(key)
+        self._held[slot] = views  # replaced whole: compute never holds this slot while it is filled
+        return n
 
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
+        if self.zero_copy:
+            return self._held[slot]
         return {k: b[slot] for k, b in self.buffers.items()}
 
     def activate(self, slots: list[int]) -> None:
@@ -118,7 +154,7 @@ class HostExpertSlots:
         pass  # CPU kernels are done when they return
 
     def close(self) -> None:
-        pass
+        self._held = []
 
 
 class ExpertTier:

@@ -90,6 +90,10 @@ class BlockSource:
         """One expert's tensors by short name ("w_gate", "w_up", "w_down"): where its bytes lie."""
         return self._experts[block][expert]
 
+    def advise_expert(self, block: int, expert: int, advice: int) -> None:
+        """madvise one expert's mapped pages (MADV_POPULATE_READ: fault them in ahead of compute)."""
+        self._reader.advise([t.name for t in self._experts[block][expert].values()], advice)
+
     def expert_views(self, block: int, expert: int) -> dict[str, torch.Tensor]:
         """Zero-copy views of one expert's tensors in their storage dtype."""
         return {k: self._reader.view(t.name) for k, t in self._experts[block][expert].items()}
