@@ -6,17 +6,19 @@ plain tensor or one of the classes here, each of which knows how to multiply its
   GGUFWeight   GGML blocks as they lie in the file; dequantized to the compute dtype at each use.
                This is how a streamed GGUF block is computed, and, in float32, the exact
                reference mode (bit-identical dequantization, then an fp32 matmul).
-  Int4Weight   4-bit codes in aten's CPU int4 layout with a (scale, zero) per 32-weight group,
-               multiplied by `_weight_int4pack_mm_for_cpu` without unpacking.
+  Int4Weight   4-bit codes with a (scale, min) per 32-weight group, multiplied without unpacking by
+               our AVX512-VNNI kernel (engine.kernels: int8 activations, integer dot products), or
+               by aten's `_weight_int4pack_mm_for_cpu` where that kernel cannot run.
   Int8Weight   int8 codes with one scale per output row, multiplied by `_weight_int8pack_mm`.
 
 Q4_0, Q4_1 and Q4_K carry exactly the kernel's information: a 4-bit code and, per 32 weights, a
-scale and an offset (Q4_K's are products of a super-block scale and a 6-bit sub-scale). Repacking
-them keeps every code; only the scale and offset are rounded to the compute dtype (the kernel
-reads them in it), and the offset is rewritten for the kernel's centred codes:
-  Q4_0  d * (q - 8)               -> scale d,      zero 0
-  Q4_1  d * q + m                 -> scale d,      zero m + 8 d
-  Q4_K  (d sc) * q - (dmin mn)    -> scale d sc,   zero 8 d sc - dmin mn
+scale and a min (Q4_K's are products of a super-block scale and a 6-bit sub-scale). Repacking
+them keeps every code; only the scale and min are rounded to float16 (exact for Q4_0 and Q4_1,
+whose file stores them in float16; one rounding of the product for Q4_K), or, in aten's layout, to
+the compute dtype with the min rewritten as aten's zero for its centred codes:
+  Q4_0  d * q - 8 d               -> scale d,      min -8 d
+  Q4_1  d * q + m                 -> scale d,      min m
+  Q4_K  (d sc) * q - (dmin mn)    -> scale d sc,   min -dmin mn
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from .. import kernels
 from .dequant import _f16, _nibbles, dequantize, k_scale_min
 
 GROUP = 32  # weights per (scale, zero) group of the int4 kernel, and of every ggml 4-bit type
@@ -54,30 +57,55 @@ class GGUFWeight:
 
 
 class Int4Weight:
-    """aten CPU int4 layout: (out, in / 2) uint8 codes, (in / 32, out, 2) scale-and-zero."""
+    """4-bit codes q (0..15) with a (scale, min) per 32 weights of a row: w = scale * q + min.
 
-    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, shape: tuple[int, int]):
-        self.packed, self.scale_zero, self.shape = packed, scale_zero, tuple(shape)
+    Stored in the layout of the int4 kernel this process uses (engine.kernels.int4_backend()):
+      "vnni"  codes (out, in / 2) uint8, per group of 32 the 16 bytes q[j] | q[j + 16] << 4 (ggml's
+              order); scales (out, 2, in / 32) float16: each row's group scales, then its mins.
+              engine.kernels.int4_linear: activations quantized to int8 per 32, integer dot products.
+      "aten"  aten's CPU int4 layout: codes (out, in / 2) uint8 from _convert_weight_to_int4pack_for_cpu,
+              scales (in / 32, out, 2) (scale, zero) in the compute dtype meaning w = (q - 8) * scale + zero;
+              _weight_int4pack_mm_for_cpu.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], layout: str):
+        self.codes, self.scales, self.shape, self.layout = codes, scales, tuple(shape), layout
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scale_zero.numel() * self.scale_zero.element_size()
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layout == "vnni":
+            return kernels.int4_linear(x, self.codes, self.scales, bias)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scale_zero)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.codes, GROUP, self.scales)
         y = y.reshape(*lead, self.shape[0])  # (..., out)
         return y if bias is None else y + bias
 
+    def clone(self) -> "Int4Weight":
+        return Int4Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
+
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                    dtype: torch.dtype) -> "Int4Weight":
-        """codes (out, in) in 0..15; scale, zero (out, in / 32) meaning w = (q - 8) * scale + zero."""
+        """codes (out, in) in 0..15; scale, minimum (out, in / 32) meaning w = q * scale + minimum,
+        packed for this process's int4 kernel (`dtype`: the compute dtype, which the aten layout
+        keeps its scales in; the vnni layout keeps them in float16)."""
         out, inner = codes.shape
+        if kernels.int4_backend() == "vnni":
+            g = codes.to(torch.uint8).reshape(out, inner // GROUP, 2, GROUP // 2)  # (out, groups, 2, 16)
+            qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out, inner // 2)
+            scales = torch.stack([scale, minimum], dim=1).to(torch.float16)  # (out, 2, groups)
+            if not torch.isfinite(scales).all():
+                raise ValueError(f"int4: a group scale or minimum of a ({out}, {inner}) weight does not fit "
+                                 f"in float16 (|value| > 65504)")
+            return cls(qs.contiguous(), scales.contiguous(), (out, inner), "vnni")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        zero = minimum + 8 * scale  # aten's kernel centres the codes: (q - 8) * scale + zero
         scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()  # (in/32, out, 2)
-        return cls(packed, scale_zero, (out, inner))
+        return cls(packed, scale_zero, (out, inner), "aten")
 
 
 class Int8Weight:
@@ -105,8 +133,15 @@ class Int8Weight:
         return cls(codes.contiguous(), scales.to(dtype))
 
 
+def int4_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """Bytes of an (out, in) Int4Weight in this process's layout (`dtype`: the compute dtype)."""
+    out, inner = shape
+    scale_bytes = 2 if kernels.int4_backend() == "vnni" else dtype.itemsize
+    return out * inner // 2 + out * (inner // GROUP) * 2 * scale_bytes
+
+
 def int4_from_gguf(data: torch.Tensor, qtype: Q, shape: tuple[int, int], dtype: torch.dtype) -> Int4Weight:
-    """Repack Q4_0 / Q4_1 / Q4_K rows for the int4 kernel: codes kept, scale/offset in `dtype`."""
+    """Repack Q4_0 / Q4_1 / Q4_K rows for the int4 kernel: codes kept, scale and min rounded once."""
     out, inner = shape
     if inner % GROUP:
         raise ValueError(f"int4 repack needs rows that are a multiple of {GROUP}, got {inner}")
@@ -116,19 +151,18 @@ def int4_from_gguf(data: torch.Tensor, qtype: Q, shape: tuple[int, int], dtype: 
         d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])  # (n, 1)
         sc, mn = k_scale_min(blocks[:, 4:16])  # (n, 8)
         scale = d * sc.float()  # (n, 8): one per 32 weights
-        offset = dmin * mn.float()
+        minimum = -(dmin * mn.float())
         codes = _nibbles(blocks[:, 16:], 32).reshape(n, 8, 32)
-        zero = 8 * scale - offset
     else:
         size = {Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
         blocks = data.reshape(-1, size)  # (n_blocks, size)
         n = blocks.shape[0]
         scale = _f16(blocks[:, :2])  # (n, 1)
         if qtype == Q.Q4_0:
-            zero, qs = torch.zeros_like(scale), blocks[:, 2:]
+            minimum, qs = -8 * scale, blocks[:, 2:]
         else:
-            zero, qs = _f16(blocks[:, 2:4]) + 8 * scale, blocks[:, 4:]
+            minimum, qs = _f16(blocks[:, 2:4]), blocks[:, 4:]
         codes = _nibbles(qs, 16)  # (n, 1, 32)
     groups = inner // GROUP
     return Int4Weight.from_codes(codes.reshape(out, inner), scale.reshape(out, groups),
-                                 zero.reshape(out, groups), dtype)
+                                 minimum.reshape(out, groups), dtype)

@@ -2,7 +2,7 @@
 
   exact (float32): dense fp32, dequantized bit-exactly (once at load for resident blocks, at each use
                    for streamed ones) - the reference mode;
-  fast (bf16/fp16): Q4_0/Q4_1/Q4_K repacked at load for aten's int4 kernel (codes kept), other
+  fast (bf16/fp16): Q4_0/Q4_1/Q4_K repacked at load for the int4 kernel (codes kept), other
                    quantized types requantized at load to per-row int8 for aten's int8 kernel;
                    streamed blocks keep their GGML bytes and are dequantized to the compute dtype on use.
 Norms and other 1-D tensors are dequantized to the compute dtype; F32/F16/BF16 tensors are cast.
@@ -24,7 +24,7 @@ import torch
 from .checkpoint import TensorInfo
 from .dequant import dequantize
 from .gguf_file import ggml_type
-from .packed import GROUP, INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf
+from .packed import INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf, int4_nbytes
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,9 @@ class PackedFormat:
             return numel * self.dtype.itemsize
         if not self.on_cpu:
             return t.nbytes
-        scale = self.dtype.itemsize
         if ggml_type(t) in INT4_TYPES:
-            return numel // 2 + numel // GROUP * 2 * scale
-        return numel + t.shape[0] * scale
+            return int4_nbytes(t.shape, self.dtype)
+        return numel + t.shape[0] * self.dtype.itemsize
 
     def streamed(self, t: TensorInfo, rows: torch.Tensor):
         if t.quant is None:

@@ -4,10 +4,10 @@ An entry is a folder `quantized-v{VERSION}/{key}` under engine.cache.cache_root(
 user's model files. It holds `model.safetensors` with every block's quantized projections and the
 int8 head (quantize.py says what is quantized and how), and `digest.json` with that file's sha256.
 The key hashes the checkpoint's identity (each file's name, size, modification time, first MiB and
-samples spread over its data), the mode, the compute dtype, and torch's version (the int4 layout is
-aten's and may change with it). A later load maps the file (zero-copy views, paged in on use) instead
-of quantizing again; an entry whose file no longer matches its digest (truncated, overwritten) is
-removed and built again.
+samples spread over its data), the mode, the compute dtype, torch's version and the int4 layout
+(engine.kernels.int4_backend(): our VNNI kernel's, or aten's, which may change with torch). A later
+load maps the file (zero-copy views, paged in on use) instead of quantizing again; an entry whose
+file no longer matches its digest (truncated, overwritten) is removed and built again.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .. import kernels
 from ..cache import build_once, cache_root
 from ..errors import CheckpointError
 from .packed import Int4Weight, Int8Weight
@@ -32,7 +33,7 @@ from .transport import to_compute
 
 log = logging.getLogger("layerstream")
 
-VERSION = 1  # bump when what an entry holds changes
+VERSION = 2  # bump when what an entry holds changes (2: int4 parts named q4/q4_scales, layout in the key)
 MARKER = "layerstream-quantized.json"
 DATA, DIGEST = "model.safetensors", "digest.json"
 HEAD_BYTES, SAMPLE_BYTES, SAMPLES = 1 << 20, 64 << 10, 16
@@ -56,9 +57,14 @@ def checkpoint_identity(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def int4_layout(mode: str) -> str:
+    """The layout an entry's int4 weights are stored in: the int4 kernel's of this process."""
+    return kernels.int4_backend() if mode == "int4" else ""
+
+
 def entry_folder(source: BlockSource, mode: str, dtype: torch.dtype) -> Path:
     key = hashlib.sha256("\0".join([checkpoint_identity(source.files), mode, str(dtype),
-                                    torch.__version__]).encode()).hexdigest()[:32]
+                                    torch.__version__, int4_layout(mode)]).encode()).hexdigest()[:32]
     return cache_root() / f"quantized-v{VERSION}" / key
 
 
@@ -73,7 +79,7 @@ def file_sha256(path: Path) -> str:
 def _parts(prefix: str, w) -> dict[str, torch.Tensor]:
     if isinstance(w, Int8Weight):
         return {f"{prefix}.codes": w.codes, f"{prefix}.scales": w.scales}
-    return {f"{prefix}.packed": w.packed, f"{prefix}.scale_zero": w.scale_zero}
+    return {f"{prefix}.q4": w.codes, f"{prefix}.q4_scales": w.scales}
 
 
 class QuantizedBlocks:
@@ -83,6 +89,7 @@ class QuantizedBlocks:
     def __init__(self, source: BlockSource, mode: str, dtype: torch.dtype,
                  on_progress: Callable[[int], None] | None = None):
         self.source, self.mode, self.dtype = source, mode, dtype
+        self.layout = int4_layout(mode)
         self.folder = entry_folder(source, mode, dtype)
         self.built = False  # this load quantized (the cache had no usable entry)
         self._shapes = [source.shapes(b) for b in range(source.num_blocks)]
@@ -90,7 +97,8 @@ class QuantizedBlocks:
 
     def _open(self, on_progress) -> SafetensorsFile:
         for attempt in (1, 2):
-            folder = build_once(self.folder, MARKER, {"version": VERSION, "mode": self.mode, "dtype": str(self.dtype)},
+            folder = build_once(self.folder, MARKER, {"version": VERSION, "mode": self.mode, "dtype": str(self.dtype),
+                                                  "layout": self.layout},
                                 lambda tmp: self._build(tmp, on_progress))
             try:
                 recorded = json.loads((folder / DIGEST).read_text())["sha256"]
@@ -142,7 +150,7 @@ class QuantizedBlocks:
     def _weight(self, prefix: str, shape: tuple[int, ...]):
         if f"{prefix}.codes" in self._file.entries:
             return Int8Weight(self._view(f"{prefix}.codes"), self._view(f"{prefix}.scales"))
-        return Int4Weight(self._view(f"{prefix}.packed"), self._view(f"{prefix}.scale_zero"), shape)
+        return Int4Weight(self._view(f"{prefix}.q4"), self._view(f"{prefix}.q4_scales"), shape, self.layout)
 
     def block(self, b: int) -> dict[str, object]:
         """Block b's quantized projections: zero-copy views of the mapped entry."""

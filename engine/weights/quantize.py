@@ -2,8 +2,9 @@
 
   int8: symmetric, one scale per output row (the group is the whole row: aten's int8 weight-only
         kernel takes exactly one scale per output channel). 1 byte per weight + 2 per row.
-  int4: asymmetric, one (scale, zero) per group of 32 consecutive weights of a row, codes 0..15,
-        in aten's CPU int4 layout. 0.5 byte per weight + 4 bytes per 32 weights (bf16).
+  int4: asymmetric, one (scale, min) per group of 32 consecutive weights of a row, codes 0..15,
+        in the int4 kernel's layout (packed.Int4Weight). 0.5 byte per weight + 4 bytes per 32
+        weights (float16 scale and min; aten's layout: the compute dtype).
 Policy: the block projections (q, k, v, o, gate, up, down) are quantized; norms and biases stay in
 the compute dtype; the embedding table stays as it is in the checkpoint (it is only gathered from);
 the LM head is int8 in both modes (a 4-bit head costs more accuracy than it saves time).
@@ -19,7 +20,7 @@ import math
 
 import torch
 
-from .packed import GROUP, Int4Weight, Int8Weight
+from .packed import GROUP, Int4Weight, Int8Weight, int4_nbytes
 
 QUANTIZATIONS = ("int8", "int4")
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -34,8 +35,7 @@ def quantize_int4(w: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # (out, groups)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
     codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    # The kernel computes (q - 8) * scale + zero.
-    return Int4Weight.from_codes(codes.reshape(out, inner), scale, lo + 8 * scale, dtype)
+    return Int4Weight.from_codes(codes.reshape(out, inner), scale, lo, dtype)
 
 
 def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype):
@@ -47,10 +47,10 @@ def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype):
 
 
 def quantized_bytes(shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> int:
-    out, inner = shape
     if mode == "int8":
+        out, inner = shape
         return out * inner + out * dtype.itemsize
-    return out * inner // 2 + out * (inner // GROUP) * 2 * dtype.itemsize
+    return int4_nbytes(shape, dtype)
 
 
 def quantize_block(weights: dict[str, torch.Tensor], mode: str, dtype: torch.dtype) -> dict[str, object]:

@@ -13,7 +13,7 @@ import mmap
 
 import torch
 
-from .packed import Int4Weight, Int8Weight
+from .packed import Int8Weight
 from .quant_cache import QuantizedBlocks
 from .quantize import PROJECTIONS
 from .safetensors_index import MADV_POPULATE_READ
@@ -24,7 +24,7 @@ from .transport import Ticket, Transport, nbytes_of, to_compute
 def _owned(w):
     if isinstance(w, Int8Weight):
         return Int8Weight(w.codes.clone(), w.scales.clone())
-    return Int4Weight(w.packed.clone(), w.scale_zero.clone(), w.shape)
+    return w.clone()
 
 
 class QuantizedTransport(Transport):

@@ -1,0 +1,82 @@
+"""Native CPU kernels, compiled on first use, each with a logged fallback to a torch kernel.
+
+Interface:
+  int4_backend() -> "vnni" | "aten"   the int4 weight-only matmul this process uses, decided once:
+      "vnni"  our AVX512-VNNI kernel (int4_vnni.cpp): activations quantized to int8 per 32 on the
+              fly, integer dot products, llama.cpp's method; its weight layout is Int4Weight "vnni".
+      "aten"  torch's `_weight_int4pack_mm_for_cpu` and its layout, used when the CPU lacks
+              AVX512-VNNI, when the kernel cannot be built (no compiler, no ninja, a build error),
+              or when LAYERSTREAM_INT4_KERNEL=aten asks for it. The reason is logged once.
+  int4_linear(x, qs, scale_min, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
+
+The choice fixes the int4 weight layout, so everything that stores int4 weights (the quantization
+cache) keys on it. Tests reset the choice with `int4_backend.cache_clear()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from .build import compile_extension
+
+log = logging.getLogger("layerstream")
+
+SOURCE = Path(__file__).with_name("int4_vnni.cpp")
+BACKENDS = ("vnni", "aten")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_module = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _why_not_vnni() -> str | None:
+    """None when the vnni kernel can run here; else the reason it cannot."""
+    wanted = os.environ.get("LAYERSTREAM_INT4_KERNEL", "auto")
+    if wanted not in ("auto", *BACKENDS):
+        raise ValueError(f"LAYERSTREAM_INT4_KERNEL must be auto, vnni or aten, got {wanted!r}")
+    if wanted == "aten":
+        return "LAYERSTREAM_INT4_KERNEL=aten"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {platform.machine()}, not x86-64"
+    missing = [f for f in REQUIRED_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return None
+
+
+@functools.cache
+def int4_backend() -> str:
+    global _module
+    reason = _why_not_vnni()
+    if reason is None:
+        try:
+            module = compile_extension("layerstream_int4_vnni", SOURCE)
+            if module.cpu_supported():
+                _module = module
+                return "vnni"
+            reason = "the CPU lacks AVX512-VNNI (cpuid)"
+        except Exception as e:  # noqa: BLE001 - any build failure means the fallback, loudly
+            reason = f"it could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''})"
+    log.warning("int4 matmul: using aten's _weight_int4pack_mm_for_cpu, not the AVX512-VNNI kernel: %s", reason)
+    return "aten"
+
+
+def int4_linear(x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32/bf16/fp16 @ W.T -> (..., N) in x's dtype; W in the vnni layout."""
+    if _module is None:
+        raise RuntimeError("the int4 VNNI kernel is not loaded (int4_backend() chose aten)")
+    return _module.int4_linear(x, qs, scale_min, bias)

@@ -1,0 +1,73 @@
+"""Compiling the C++ kernels on first use, into the layerstream cache.
+
+A kernel's build folder is `cache_root()/kernels/<name>-<key>`, the key hashing its source, the
+compiler flags and torch's version, so a changed source or torch gets a fresh build and an
+unchanged one is only imported (no compiler, no ninja) by every later process. The first build
+logs one line and takes ~30-60 s (torch's headers); torch.utils.cpp_extension serialises
+concurrent builds of one folder with a lock file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..cache import cache_root
+
+log = logging.getLogger("layerstream")
+
+# Explicit instruction sets rather than -march=native: the built library then runs on any CPU
+# that has them (a cache folder shared between machines), and the loader checks the CPU at run time.
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
+
+
+def build_folder(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS) -> Path:
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(cflags).encode(),
+                                     torch.__version__.encode(), sys.version.encode()])).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{name}-{key}"
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ninja_on_path() -> None:
+    """torch builds with the `ninja` command; the PyPI package puts it beside the interpreter, which
+    is not on PATH when the virtualenv is not activated (`.venv/bin/python -m engine.cli`)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # torch's own check then says ninja is missing
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS) -> ModuleType:
+    """The extension built from one C++ source file, compiled once per (source, flags, torch).
+    Raises whatever the build raises (no compiler, a compile error, no ninja)."""
+    folder = build_folder(name, source, cflags)
+    library = folder / f"{name}.so"
+    if library.exists():
+        return _import(name, library)
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    folder.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the %s kernel once into %s (about a minute) ...", name, folder)
+    start = time.monotonic()
+    module = load(name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(folder),
+                  verbose=False)
+    log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)
+    return module

@@ -1,0 +1,161 @@
+"""The AVX512-VNNI int4 kernel (engine/kernels/int4_vnni.cpp) against the same math in torch, and
+against the plain matmul with the dequantized weight; its fallback to aten's kernel.
+
+Where the kernel cannot run (no AVX512-VNNI, no compiler) the kernel tests skip and the fallback
+tests still run. The first run of a fresh cache compiles the kernel (~1 min)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.weights.packed import GROUP, Int4Weight
+from engine.weights.quantize import quantize_int4
+
+vnni = pytest.mark.skipif(kernels.int4_backend() != "vnni", reason="the int4 VNNI kernel is not available here")
+
+
+def random_int4(out: int, inner: int, seed: int):
+    """codes (out, in) 0..15, scale and min (out, in / 32) exactly representable in float16."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, inner), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(out, inner // GROUP, generator=g) * 0.02 + 1e-3).half().float()
+    minimum = (-8 * scale * (1 + 0.2 * torch.randn(out, inner // GROUP, generator=g))).half().float()
+    return codes, scale, minimum
+
+
+def dequantized(codes, scale, minimum) -> torch.Tensor:
+    out, inner = codes.shape
+    w = codes.float().reshape(out, -1, GROUP) * scale[..., None] + minimum[..., None]
+    return w.reshape(out, inner)  # (out, in)
+
+
+def reference(x: torch.Tensor, codes, scale, minimum) -> torch.Tensor:
+    """The kernel's math in float64: x quantized to int8 per 32 (scale max|x|/127, round half to
+    even), exact integer dot products per group, then scale * dx * dot + min * sum(x)."""
+    m, inner = x.shape
+    xg = x.float().reshape(m, -1, GROUP)  # (tokens, groups, 32)
+    amax = xg.abs().amax(-1)  # (tokens, groups)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xg * inv[..., None]).clamp(-127, 127)
+    dx = amax / 127.0
+    q = codes.double().reshape(codes.shape[0], -1, GROUP)  # (out, groups, 32)
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), q)  # (tokens, out, groups)
+    y = (dots * (scale.double()[None] * dx.double()[:, None])).sum(-1)
+    return y + torch.einsum("mg,ng->mn", xg.double().sum(-1), minimum.double())  # (tokens, out)
+
+
+# K = 576 (18 groups: not a multiple of 4 or of 256), 1536, 96 (3 groups: only the masked tail),
+# 32 (one group); M from 1 (decode) past the 8-row tile (prefill).
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (40, 96), (24, 32), (17, 160)]
+
+
+@vnni
+@pytest.mark.parametrize("out,inner", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 13, 40])
+def test_kernel_matches_the_same_math(out, inner, m):
+    codes, scale, minimum = random_int4(out, inner, seed=out + inner + m)
+    w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
+    assert w.layout == "vnni"
+    x = torch.randn(m, inner, generator=torch.Generator().manual_seed(m))
+    ref = reference(x, codes, scale, minimum)
+    got = w.linear(x)
+    assert got.shape == (m, out) and got.dtype == torch.float32
+    # fp32 accumulation of exact integer sums: rounding only.
+    torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    # Against the dequantized weight and the unquantized x: the int8 activations (a rounding error
+    # of max|x| / 254 per value) cost ~1% of the largest output at worst here (K = 32: one group).
+    dense = x @ dequantized(codes, scale, minimum).T
+    assert (got - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@vnni
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_takes_half_activations_with_leading_dims_and_bias(dtype):
+    codes, scale, minimum = random_int4(64, 256, seed=1)
+    w = Int4Weight.from_codes(codes, scale, minimum, dtype)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(2)).to(dtype)  # (batch, tokens, in)
+    bias = torch.randn(64).to(dtype)
+    got = w.linear(x, bias)
+    assert got.shape == (2, 3, 64) and got.dtype == dtype
+    ref = reference(x.reshape(6, 256).float(), codes, scale, minimum).reshape(2, 3, 64) + bias.double()
+    # One rounding of the output to the half type.
+    torch.testing.assert_close(got.double(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+
+
+@vnni
+def test_kernel_zero_and_constant_groups():
+    """A group of x that is all zero (scale 0) and a weight group whose codes are all equal (range 0,
+    as quantize_int4 makes of a constant group) multiply exactly."""
+    w = torch.randn(8, 64)
+    w[:, :32] = 0.25  # constant group: scale clamps, codes 0, min 0.25
+    q = quantize_int4(w, torch.float32)
+    x = torch.randn(3, 64)
+    x[:, 32:] = 0
+    got = q.linear(x)
+    torch.testing.assert_close(got, x[:, :32].sum(-1, keepdim=True).expand(3, 8) * 0.25, atol=1e-5, rtol=1e-5)
+
+
+@vnni
+def test_kernel_rejects_bad_input():
+    codes, scale, minimum = random_int4(16, 64, seed=0)
+    w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        w.linear(torch.randn(1, 32))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        w.linear(torch.randn(1, 64).double())
+    with pytest.raises(RuntimeError, match="bias has 3 values, expected 16"):
+        w.linear(torch.randn(1, 64), torch.randn(3))
+
+
+def test_scales_that_overflow_float16_are_refused():
+    if kernels.int4_backend() != "vnni":
+        pytest.skip("the aten layout keeps scales in the compute dtype")
+    w = torch.zeros(2, 32)
+    w[0, 0] = 1e6
+    with pytest.raises(ValueError, match="does not fit in float16"):
+        quantize_int4(w, torch.bfloat16)
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """Choose the int4 backend again under this test's environment; restore the process's after."""
+    kernels.int4_backend.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels.int4_backend.cache_clear()
+    kernels.int4_backend()
+
+
+def test_forced_fallback_uses_aten_and_agrees(backend, caplog):
+    backend.setenv("LAYERSTREAM_INT4_KERNEL", "aten")
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        assert kernels.int4_backend() == "aten"
+    assert "using aten's _weight_int4pack_mm_for_cpu" in caplog.text and "LAYERSTREAM_INT4_KERNEL=aten" in caplog.text
+    codes, scale, minimum = random_int4(48, 576, seed=5)
+    w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
+    assert w.layout == "aten"
+    x = torch.randn(3, 576)
+    dense = x @ dequantized(codes, scale, minimum).T
+    torch.testing.assert_close(w.linear(x), dense, atol=1e-4 * dense.abs().max().item(), rtol=1e-4)
+
+
+def test_a_kernel_that_does_not_build_falls_back(backend, caplog, tmp_path):
+    if kernels._why_not_vnni() is not None:
+        pytest.skip("the kernel is not attempted on this CPU")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this kernel does not compile\n")
+    backend.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+    backend.setattr(kernels, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        assert kernels.int4_backend() == "aten"
+    assert "could not be built" in caplog.text
+
+
+def test_bad_backend_name(backend):
+    backend.setenv("LAYERSTREAM_INT4_KERNEL", "avx9")
+    with pytest.raises(ValueError, match="auto, vnni or aten, got 'avx9'"):
+        kernels.int4_backend()
