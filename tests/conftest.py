@@ -16,6 +16,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def int4_kernel():
+    """Build (first run: ~1 min) or load the int4 kernel once, under the real layerstream cache,
+    before any test points LAYERSTREAM_CACHE at a folder of its own (which would build it again)."""
+    from engine import kernels
+
+    return kernels.int4_backend()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """arch -> folder of a tiny fp32 random-weight checkpoint (built once per test session)."""

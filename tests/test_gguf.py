@@ -54,15 +54,19 @@ def test_dequantize_equals_gguf_reference(qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_int4_repack_keeps_the_codes(qtype):
-    """The int4 kernel over repacked Q4 blocks multiplies like the exact dequantization: in fp32 to
-    rounding (scale/offset kept in fp32), in bf16 to bf16 rounding of scale, offset and x."""
+    """The int4 kernel over repacked Q4 blocks holds the exact dequantization's weights: multiplying
+    unit vectors reads them back (the VNNI kernel quantizes a unit vector without loss) to fp32
+    rounding, except Q4_K's products d * sc and dmin * m, rounded once to float16 in the VNNI layout.
+    On real activations, in bf16, it stays within 2% of the exact product."""
     rows, cols = 48, 512
     raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=3))
     w = dequantize(raw, qtype, (rows, cols))
+    packed = int4_from_gguf(raw, qtype, (rows, cols), torch.float32)
+    back = packed.linear(torch.eye(cols)).T  # (rows, cols)
+    fp16_products = packed.layout == "vnni" and qtype == Q.Q4_K
+    torch.testing.assert_close(back, w, rtol=1e-5, atol=(2.0 ** -10 if fp16_products else 1e-6) * w.abs().max().item())
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
     ref = x @ w.T
-    got32 = int4_from_gguf(raw, qtype, (rows, cols), torch.float32).linear(x)
-    torch.testing.assert_close(got32, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
     got16 = int4_from_gguf(raw, qtype, (rows, cols), torch.bfloat16).linear(x.bfloat16()).float()
     assert (got16 - ref).abs().max() < 0.02 * ref.abs().max()
 

@@ -33,18 +33,23 @@ def dequantized(codes, scale, minimum) -> torch.Tensor:
     return w.reshape(out, inner)  # (out, in)
 
 
-def reference(x: torch.Tensor, codes, scale, minimum) -> torch.Tensor:
-    """The kernel's math in float64: x quantized to int8 per 32 (scale max|x|/127, round half to
-    even), exact integer dot products per group, then scale * dx * dot + min * sum(x)."""
+def reference(x: torch.Tensor, codes, scale, minimum, two_pass: bool = True) -> torch.Tensor:
+    """The kernel's math in float64: x quantized per 32 to int8 codes q (step max|x| / 127, round half
+    to even) and, in two passes, the rounding residual r in 1/256ths of a step (int8 too), so that
+    x ~ step * (q + r / 256); exact integer dot products per group; then scale * step * dot + min * sum(x)."""
     m, inner = x.shape
     xg = x.float().reshape(m, -1, GROUP)  # (tokens, groups, 32)
     amax = xg.abs().amax(-1)  # (tokens, groups)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.round(xg * inv[..., None]).clamp(-127, 127)
-    dx = amax / 127.0
+    t = xg * inv[..., None]  # float32, as the kernel rounds it
+    xq = torch.round(t).clamp(-128, 127)
+    step = (amax / 127.0).double()
+    if two_pass:
+        xq = xq * 256 + torch.round((t - xq) * 256).clamp(-128, 127)
+        step = step / 256
     q = codes.double().reshape(codes.shape[0], -1, GROUP)  # (out, groups, 32)
     dots = torch.einsum("mgi,ngi->mng", xq.double(), q)  # (tokens, out, groups)
-    y = (dots * (scale.double()[None] * dx.double()[:, None])).sum(-1)
+    y = (dots * (scale.double()[None] * step[:, None])).sum(-1)
     return y + torch.einsum("mg,ng->mn", xg.double().sum(-1), minimum.double())  # (tokens, out)
 
 
@@ -66,10 +71,26 @@ def test_kernel_matches_the_same_math(out, inner, m):
     assert got.shape == (m, out) and got.dtype == torch.float32
     # fp32 accumulation of exact integer sums: rounding only.
     torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
-    # Against the dequantized weight and the unquantized x: the int8 activations (a rounding error
-    # of max|x| / 254 per value) cost ~1% of the largest output at worst here (K = 32: one group).
+    # Against the dequantized weight and the unquantized x: two int8 passes leave an activation
+    # rounding error of max|x| / 65024 per value.
+    dense = x @ dequantized(codes, scale, minimum).T
+    assert (got - dense).abs().max() < 1e-4 * dense.abs().max()
+
+
+@vnni
+@pytest.mark.parametrize("out,inner,m", [(576, 576, 1), (40, 96, 5), (17, 160, 13)])
+def test_one_pass_matches_its_math(out, inner, m):
+    """One int8 pass (llama.cpp's Q8 activations): the same math without the residual, and an
+    activation rounding error of max|x| / 254 per value (~1% of the largest output at K = 96)."""
+    codes, scale, minimum = random_int4(out, inner, seed=7)
+    w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
+    x = torch.randn(m, inner, generator=torch.Generator().manual_seed(m))
+    got = kernels.int4_linear(x, w.codes, w.scales, out, None, two_pass=False)
+    ref = reference(x, codes, scale, minimum, two_pass=False)
+    torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
     dense = x @ dequantized(codes, scale, minimum).T
     assert (got - dense).abs().max() < 0.02 * dense.abs().max()
+    assert (got - dense).abs().max() > 10 * (w.linear(x) - dense).abs().max()  # two passes are finer
 
 
 @vnni

@@ -7,7 +7,7 @@ Interface:
       "aten"  torch's `_weight_int4pack_mm_for_cpu` and its layout, used when the CPU lacks
               AVX512-VNNI, when the kernel cannot be built (no compiler, no ninja, a build error),
               or when LAYERSTREAM_INT4_KERNEL=aten asks for it. The reason is logged once.
-  int4_linear(x, qs, scale_min, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
+  int4_linear(x, codes, scales, out_features, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
 
 The choice fixes the int4 weight layout, so everything that stores int4 weights (the quantization
 cache) keys on it. Tests reset the choice with `int4_backend.cache_clear()`.
@@ -74,9 +74,10 @@ def int4_backend() -> str:
     return "aten"
 
 
-def int4_linear(x: torch.Tensor, qs: torch.Tensor, scale_min: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) float32/bf16/fp16 @ W.T -> (..., N) in x's dtype; W in the vnni layout."""
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
+    """x (..., K) float32/bf16/fp16 @ W.T -> (..., out_features) in x's dtype; W in Int4Weight's
+    "vnni" layout (engine/weights/packed.py)."""
     if _module is None:
         raise RuntimeError("the int4 VNNI kernel is not loaded (int4_backend() chose aten)")
-    return _module.int4_linear(x, qs, scale_min, bias)
+    return _module.int4_linear(x, codes, scales, out_features, bias, two_pass)

@@ -70,4 +70,7 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS)
     module = load(name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(folder),
                   verbose=False)
     log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)
+    for old in folder.parent.glob(f"{name}-*"):  # builds of earlier sources: never loaded again
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
     return module

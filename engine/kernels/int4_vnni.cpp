@@ -7,12 +7,14 @@
 // with w = d * q + min (q in 0..15), xq = round(x / dx) in -127..127, dx = max|x| / 127 over the
 // group, sx = sum of x over the group. tests/test_int4_kernel.py holds the same math in torch.
 //
-// Weight layout (engine/weights/packed.py, Int4Weight "vnni"):
-//   qs        (N, K/2) uint8: per group of 32, 16 bytes, byte j = q[j] | q[j+16] << 4
-//             (ggml's order: a Q4_0/Q4_1 block's 16 code bytes as they are in the file)
-//   scale_min (N, 2, K/32) fp16: each row's group scales, then its group mins
-// K must be a multiple of 32; it need not be one of 128 (4 groups per 512-bit step: the last
-// step is masked).
+// Weight layout (engine/weights/packed.py, Int4Weight "vnni"): rows in blocks of 16 (the 16 int32
+// lanes of a 512-bit register, so one register holds 16 rows' partial sums and no horizontal sum
+// is ever needed), the last block padded with zero rows.
+//   codes  (N16/16, G*256) uint8: per row block and group of 32, four 64-byte vectors v = 0..3;
+//          in vector v, lane j (row 16b + j) holds 4 bytes, byte t = q[8v + t] | q[8v + 4 + t] << 4
+//          (so one broadcast of 4 activation bytes meets the low nibbles, the next 4 the high)
+//   scales (N16/16, G, 2, 16) fp16: per row block and group, the 16 rows' scales, then their mins
+// K = 32 G need not be a multiple of 256 (any number of groups).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,18 +30,17 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t CHUNK = 4;   // groups per 512-bit step
-constexpr int64_t MTILE = 8;   // activation rows multiplied per pass over a weight row
-constexpr int64_t ROW_BLOCK = 16;  // weight rows kept hot while every activation tile passes
+constexpr int64_t LANES = 16;  // rows per block
+constexpr int64_t MTILE = 8;   // activation rows multiplied per pass over a row block
 
-// Quantized activations of M rows. Per row, C = ceil(G/4) chunks of 128 bytes: the first 16
-// values of each of the chunk's 4 groups (64 bytes, matching the low nibbles of the weight's
-// 64 code bytes), then their last 16 values. Groups past G are zero.
+// Activations of M rows quantized per group of 32: int8 codes in x's order, each group's scale
+// (max|x| / 127) and its exact float sum (for the min term).
 struct QuantX {
-  int64_t M, G, C, G16;
-  std::vector<int8_t> q;    // (M, C, 128)
-  std::vector<float> dxv;   // (M, C, 16): each group's scale on its 4 int32 lanes
-  std::vector<float> sx;    // (M, G16): each group's sum of x, zero past G
+  int64_t M = 0, K = 0, G = 0;
+  std::vector<int8_t> q;   // (M, K)
+  std::vector<int8_t> r;   // (M, K): the rounding residual in 1/256ths of a step (two-pass only)
+  std::vector<float> dx;   // (M, G): the step, or the step / 256 in two passes
+  std::vector<float> sx;   // (M, G)
 };
 
 template <typename T> inline __m512 load16(const T* p);
@@ -52,123 +53,151 @@ template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Stores lanes [0, n) of v, converted to T (round to nearest even).
+inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 k) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(b));
+}
+inline void store16(c10::Half* p, __m512 v, __mmask16 k) {
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, QuantX& X) {
+void quantize_rows(const T* x, int64_t M, int64_t K, bool two_pass, QuantX& X) {
   const int64_t G = K / GROUP;
-  X.M = M; X.G = G; X.C = (G + CHUNK - 1) / CHUNK; X.G16 = (G + 15) / 16 * 16;
-  X.q.assign(M * X.C * 128, 0);
-  X.dxv.assign(M * X.C * 16, 0.f);
-  X.sx.assign(M * X.G16, 0.f);
+  X.M = M; X.K = K; X.G = G;
+  X.q.resize(M * K);
+  X.r.resize(two_pass ? M * K : 0);
+  X.dx.resize(M * G);
+  X.sx.resize(M * G);
+  const __m512 k256 = _mm512_set1_ps(256.f);
   for (int64_t m = 0; m < M; ++m) {
-    const T* xr = x + m * K;
     for (int64_t g = 0; g < G; ++g) {
-      __m512 a = load16(xr + g * GROUP), b = load16(xr + g * GROUP + 16);
+      const T* xg = x + m * K + g * GROUP;
+      __m512 a = load16(xg), b = load16(xg + 16);
       float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      float inv = amax > 0.f ? 127.f / amax : 0.f;
-      __m512 vinv = _mm512_set1_ps(inv);
+      __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m512 ta = _mm512_mul_ps(a, inv), tb = _mm512_mul_ps(b, inv);
       // cvtps rounds to nearest even (the default MXCSR mode), as torch.round does.
-      __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)));
-      __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vinv)));
-      int8_t* chunk = X.q.data() + (m * X.C + g / CHUNK) * 128 + (g % CHUNK) * 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), qa);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 64), qb);
-      float dx = amax / 127.f;
-      float* dv = X.dxv.data() + (m * X.C + g / CHUNK) * 16 + (g % CHUNK) * 4;
-      dv[0] = dv[1] = dv[2] = dv[3] = dx;
-      X.sx[m * X.G16 + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      __m512i qa = _mm512_cvtps_epi32(ta), qb = _mm512_cvtps_epi32(tb);
+      const int64_t at = m * K + g * GROUP;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(X.q.data() + at), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(X.q.data() + at + 16), _mm512_cvtsepi32_epi8(qb));
+      if (two_pass) {
+        // x / step = q + r / 256 with r = round(256 (x / step - q)) in -128..127 (+128 saturates).
+        __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(ta, _mm512_cvtepi32_ps(qa)), k256));
+        __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(tb, _mm512_cvtepi32_ps(qb)), k256));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(X.r.data() + at), _mm512_cvtsepi32_epi8(ra));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(X.r.data() + at + 16), _mm512_cvtsepi32_epi8(rb));
+      }
+      X.dx[m * G + g] = two_pass ? amax / 127.f / 256.f : amax / 127.f;
+      X.sx[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
   }
 }
 
-template <typename T> inline T from_float(float v) { return static_cast<T>(v); }
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 
-// Rows [n0, n1) of y for activation rows [m0, m0 + MT).
-template <int MT, typename T>
-void rows_kernel(const uint8_t* qs, const uint16_t* sm, const float* bias, const QuantX& X,
-                 int64_t n0, int64_t n1, int64_t m0, int64_t N, T* y) {
-  const int64_t G = X.G, C = X.C, full = G / CHUNK, rem = G % CHUNK;
+// One block of 16 weight rows times activation rows [m0, m0 + MT); writes y[m, n0 .. n0 + nvalid).
+template <int MT, bool TWO_PASS, typename T>
+void block_kernel(const uint8_t* codes, const uint16_t* sm, const float* bias, const QuantX& X,
+                  int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+  const int64_t G = X.G, K = X.K;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __mmask64 tail_bytes = rem ? (~0ULL >> (64 - 16 * rem)) : 0;
-  const __mmask8 tail_groups = static_cast<__mmask8>((1u << rem) - 1);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = qs + n * G * 16;
-    const uint16_t* d = sm + n * 2 * G;
-    const uint16_t* mn = d + G;
-    __m512 acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-    auto step = [&](int64_t c, __m512i wv, __m128i d4) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = codes + g * 256;
+    __m512i isum[MT], rsum[MT];
+    for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      const __m512i wv = _mm512_loadu_si512(w + v * 64);
       const __m512i wl = _mm512_and_si512(wv, low);
       const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-      const __m512 dv = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
       for (int m = 0; m < MT; ++m) {
-        const int8_t* xq = X.q.data() + ((m0 + m) * C + c) * 128;
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(xq));
-        s = _mm512_dpbusd_epi32(s, wh, _mm512_loadu_si512(xq + 64));
-        const __m512 dx = _mm512_loadu_ps(X.dxv.data() + ((m0 + m) * C + c) * 16);
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), dv, acc[m]);
+        const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
+        isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
+        isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
+        if (TWO_PASS) {
+          rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
+          rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
+        }
       }
-    };
-    for (int64_t c = 0; c < full; ++c)
-      step(c, _mm512_loadu_si512(w + c * 64), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + c * CHUNK)));
-    if (rem)
-      step(full, _mm512_maskz_loadu_epi8(tail_bytes, w + full * 64), _mm_maskz_loadu_epi16(tail_groups, d + full * CHUNK));
-    // The min term: sum over groups of min * (sum of x), 16 groups at a time.
-    for (int64_t g = 0; g < G; g += 16) {
-      const __mmask16 k = static_cast<__mmask16>(G - g >= 16 ? 0xFFFF : ((1u << (G - g)) - 1));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + g));
-      for (int m = 0; m < MT; ++m)
-        acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(X.sx.data() + (m0 + m) * X.G16 + g), acc[m]);
     }
-    const float b = bias ? bias[n] : 0.f;
-    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = from_float<T>(_mm512_reduce_add_ps(acc[m]) + b);
+    // Two passes: q . codes * 256 + r . codes, exact in int32 (|.| < 2^24, so exact in fp32 too).
+    if (TWO_PASS)
+      for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32 + 16)));
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = (m0 + m) * G + g;
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(X.dx[i])), d, acc[m]);
+      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[m]);
+    }
   }
+  const __mmask16 k = static_cast<__mmask16>(nvalid >= LANES ? 0xFFFF : (1u << nvalid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m], b), k);
 }
 
-template <typename T>
-void tile(int64_t mt, const uint8_t* qs, const uint16_t* sm, const float* bias, const QuantX& X,
-          int64_t n0, int64_t n1, int64_t m0, int64_t N, T* y) {
+template <bool TWO_PASS, typename T>
+void tile(int64_t mt, const uint8_t* codes, const uint16_t* sm, const float* bias, const QuantX& X,
+          int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
   switch (mt) {
-    case 1: return rows_kernel<1>(qs, sm, bias, X, n0, n1, m0, N, y);
-    case 2: return rows_kernel<2>(qs, sm, bias, X, n0, n1, m0, N, y);
-    case 3: return rows_kernel<3>(qs, sm, bias, X, n0, n1, m0, N, y);
-    case 4: return rows_kernel<4>(qs, sm, bias, X, n0, n1, m0, N, y);
-    case 5: return rows_kernel<5>(qs, sm, bias, X, n0, n1, m0, N, y);
-    case 6: return rows_kernel<6>(qs, sm, bias, X, n0, n1, m0, N, y);
-    case 7: return rows_kernel<7>(qs, sm, bias, X, n0, n1, m0, N, y);
-    default: return rows_kernel<8>(qs, sm, bias, X, n0, n1, m0, N, y);
+    case 1: return block_kernel<1, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 2: return block_kernel<2, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 3: return block_kernel<3, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 4: return block_kernel<4, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 5: return block_kernel<5, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 6: return block_kernel<6, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 7: return block_kernel<7, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    default: return block_kernel<8, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
   }
 }
 
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, const float* bias, at::Tensor& y) {
-  const int64_t K = x.size(1), M = x.size(0), N = qs.size(0);
+void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const float* bias, int64_t N,
+         bool two_pass, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, blocks = codes.size(0);
   thread_local QuantX X;  // reused across calls: no allocation per matmul once warm
-  quantize_rows(x.data_ptr<T>(), M, K, X);
-  const uint8_t* w = qs.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
+  quantize_rows(x.data_ptr<T>(), M, K, two_pass, X);
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   T* out = y.data_ptr<T>();
-  // Enough rows per task that a task's weights (~K/2 bytes a row) are worth a thread hand-off.
-  const int64_t grain = std::max<int64_t>(ROW_BLOCK, (int64_t(1) << 16) / std::max<int64_t>(K, 1));
   const QuantX& Xr = X;  // worker threads read the caller's buffers
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; r += ROW_BLOCK) {
-      const int64_t r1 = std::min(n1, r + ROW_BLOCK);
-      for (int64_t m0 = 0; m0 < M; m0 += MTILE)
-        tile<T>(std::min(MTILE, M - m0), w, s, bias, Xr, r, r1, m0, N, out);
+  // Enough row blocks per task (~64 KiB of codes) to be worth a hand-off to another thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (G * 256));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * LANES, nvalid = std::min(LANES, N - n0);
+      // Every activation tile passes over this block while its codes are in L1.
+      for (int64_t m0 = 0; m0 < M; m0 += MTILE) {
+        const int64_t mt = std::min(MTILE, M - m0);
+        if (two_pass) tile<true, T>(mt, w + b * G * 256, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+        else tile<false, T>(mt, w + b * G * 256, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+      }
     }
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scale_min,
-                       const c10::optional<at::Tensor>& bias_in) {
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
+                       const c10::optional<at::Tensor>& bias_in, bool two_pass) {
   TORCH_CHECK(x_in.device().is_cpu(), "int4_linear: x must be on the CPU");
-  TORCH_CHECK(qs.dtype() == at::kByte && qs.dim() == 2 && qs.is_contiguous(), "int4_linear: qs must be contiguous (N, K/2) uint8");
-  const int64_t N = qs.size(0), K = qs.size(1) * 2;
-  TORCH_CHECK(K % GROUP == 0, "int4_linear: K = ", K, " is not a multiple of ", GROUP);
-  TORCH_CHECK(scale_min.dtype() == at::kHalf && scale_min.is_contiguous() && scale_min.dim() == 3 &&
-              scale_min.size(0) == N && scale_min.size(1) == 2 && scale_min.size(2) == K / GROUP,
-              "int4_linear: scale_min must be contiguous (N, 2, K/32) float16");
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+              scales.size(2) == 2 && scales.size(3) == LANES,
+              "int4_linear: scales must be contiguous (N16/16, K/32, 2, 16) float16");
+  const int64_t blocks = scales.size(0), G = scales.size(1), K = G * GROUP;
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(0) == blocks &&
+              codes.size(1) == G * 256, "int4_linear: codes must be contiguous (N16/16, K/32*256) uint8");
+  TORCH_CHECK(N > (blocks - 1) * LANES && N <= blocks * LANES, "int4_linear: ", N, " rows do not fit ", blocks,
+              " blocks of 16");
   TORCH_CHECK(x_in.size(-1) == K, "int4_linear: x has ", x_in.size(-1), " features, the weight ", K);
   auto dtype = x_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -184,9 +213,9 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
   }
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (x.size(0) > 0) {
-    if (dtype == at::kFloat) run<float>(x, qs, scale_min, b, y);
-    else if (dtype == at::kBFloat16) run<c10::BFloat16>(x, qs, scale_min, b, y);
-    else run<c10::Half>(x, qs, scale_min, b, y);
+    if (dtype == at::kFloat) run<float>(x, codes, scales, b, N, two_pass, y);
+    else if (dtype == at::kBFloat16) run<c10::BFloat16>(x, codes, scales, b, N, two_pass, y);
+    else run<c10::Half>(x, codes, scales, b, N, two_pass, y);
   }
   return y.view(out_shape);
 }
@@ -201,6 +230,7 @@ bool cpu_supported() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x @ W.T, W 4-bit with a (scale, min) per 32, x quantized to int8 per 32",
-        py::arg("x"), py::arg("qs"), py::arg("scale_min"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("two_pass") = true);
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");
 }

@@ -60,8 +60,10 @@ class Int4Weight:
     """4-bit codes q (0..15) with a (scale, min) per 32 weights of a row: w = scale * q + min.
 
     Stored in the layout of the int4 kernel this process uses (engine.kernels.int4_backend()):
-      "vnni"  codes (out, in / 2) uint8, per group of 32 the 16 bytes q[j] | q[j + 16] << 4 (ggml's
-              order); scales (out, 2, in / 32) float16: each row's group scales, then its mins.
+      "vnni"  rows in blocks of 16 (the last padded with zero rows), engine/kernels/int4_vnni.cpp:
+              codes (out16 / 16, in / 32 * 256) uint8: per block and group of 32, four 64-byte vectors;
+              in vector v, row j's 4 bytes hold q[8v + t] | q[8v + 4 + t] << 4 for t = 0..3;
+              scales (out16 / 16, in / 32, 2, 16) float16: the block's 16 scales, then its 16 mins.
               engine.kernels.int4_linear: activations quantized to int8 per 32, integer dot products.
       "aten"  aten's CPU int4 layout: codes (out, in / 2) uint8 from _convert_weight_to_int4pack_for_cpu,
               scales (in / 32, out, 2) (scale, zero) in the compute dtype meaning w = (q - 8) * scale + zero;
@@ -77,7 +79,7 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.layout == "vnni":
-            return kernels.int4_linear(x, self.codes, self.scales, bias)  # (..., out)
+            return kernels.int4_linear(x, self.codes, self.scales, self.shape[0], bias)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.codes, GROUP, self.scales)
@@ -95,17 +97,27 @@ class Int4Weight:
         keeps its scales in; the vnni layout keeps them in float16)."""
         out, inner = codes.shape
         if kernels.int4_backend() == "vnni":
-            g = codes.to(torch.uint8).reshape(out, inner // GROUP, 2, GROUP // 2)  # (out, groups, 2, 16)
-            qs = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out, inner // 2)
-            scales = torch.stack([scale, minimum], dim=1).to(torch.float16)  # (out, 2, groups)
-            if not torch.isfinite(scales).all():
-                raise ValueError(f"int4: a group scale or minimum of a ({out}, {inner}) weight does not fit "
-                                 f"in float16 (|value| > 65504)")
-            return cls(qs.contiguous(), scales.contiguous(), (out, inner), "vnni")
+            return cls(*_vnni_layout(codes, scale, minimum), (out, inner), "vnni")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         zero = minimum + 8 * scale  # aten's kernel centres the codes: (q - 8) * scale + zero
         scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()  # (in/32, out, 2)
         return cls(packed, scale_zero, (out, inner), "aten")
+
+
+def _vnni_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of Int4Weight's "vnni" layout from codes (out, in) and scale, minimum (out, in / 32)."""
+    out, inner = codes.shape
+    groups, blocks = inner // GROUP, -(-out // 16)
+    pad = blocks * 16 - out  # zero rows: code 0, scale 0, min 0
+    q = F.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    q = q.reshape(blocks, 16, groups, 4, 2, 4)  # (block, row, group, v, low/high, t): k = 8 v + 4 half + t
+    q = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # (block, group, v, row, t)
+    sm = torch.stack([scale, minimum], dim=-1).float()  # (out, groups, 2)
+    if not torch.isfinite(sm.half()).all():
+        raise ValueError(f"int4: a group scale or minimum of a ({out}, {inner}) weight does not fit "
+                         f"in float16 (|value| > 65504)")
+    sm = F.pad(sm, (0, 0, 0, 0, 0, pad)).reshape(blocks, 16, groups, 2).permute(0, 2, 3, 1)  # (block, group, 2, row)
+    return q.reshape(blocks, groups * 256).contiguous(), sm.half().contiguous()
 
 
 class Int8Weight:
@@ -136,7 +148,10 @@ class Int8Weight:
 def int4_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Bytes of an (out, in) Int4Weight in this process's layout (`dtype`: the compute dtype)."""
     out, inner = shape
-    scale_bytes = 2 if kernels.int4_backend() == "vnni" else dtype.itemsize
+    if kernels.int4_backend() == "vnni":
+        out, scale_bytes = -(-out // 16) * 16, 2  # rows padded to blocks of 16; float16 scales
+    else:
+        scale_bytes = dtype.itemsize
     return out * inner // 2 + out * (inner // GROUP) * 2 * scale_bytes
 
 
