@@ -4,10 +4,14 @@ model streamed at a budget of 25% of its fp32 weights (default).
 1. Multi-turn chat over HTTP: 8 turns, each resending the history (previous prompts plus a fixed
    16-token assistant reply) with ~240 new tokens, so the prompt grows to ~2k tokens. Time to first
    token per turn from a server with prefix caching and one started with --no-enable-prefix-caching.
+   Each turn is asked --repeats times with different new tokens on the same history (the chat goes
+   on from the last one), the two servers alternating request by request; a turn's TTFT is the
+   median, so one step slowed by a neighbour on a shared machine does not make the ratio.
 2. Concurrency at a fixed budget: how many 256-token sequences run at once in the paged pool the
    planner sizes (measured: the engine's peak of running sequences), against what a slot cache of
    the same bytes holds (computed: one max_model_len reservation per sequence, as before #15).
-3. Aggregate generated tok/s over HTTP at 16 concurrent clients vs 1 (same server as 1).
+3. Aggregate generated tok/s over HTTP at 16 concurrent clients vs 1 (same server as 1), the two
+   levels alternating for --rounds rounds; each level's rate is its tokens over its time, all rounds.
 
     python -m bench.paged                    # all three; prints Markdown tables
     python -m bench.paged --parts chat       # only the chat
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import subprocess
 import sys
 import time
@@ -40,11 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--parts", default="chat,concurrency,throughput")
+    p.add_argument("--repeats", type=_at_least_one, default=3, help="chat: requests per turn (median TTFT)")
+    p.add_argument("--rounds", type=_at_least_one, default=2, help="throughput: alternations of the 1 and 16 levels")
     p.add_argument("--timeout", type=float, default=1800)
 
 
-def _turn_tokens(turn: int) -> list[int]:
-    return [(turn * 131 + i * 17) % 500 + 6 for i in range(TURN_TOKENS)]
+def _at_least_one(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {raw}")
+    return value
+
+
+def _turn_tokens(turn: int, variant: int = 0) -> list[int]:
+    """The turn's new tokens; variants differ in every token, so none shares a block with another."""
+    return [(turn * 131 + variant * 3 + i * 17) % 500 + 6 for i in range(TURN_TOKENS)]
 
 
 def launch(folder: Path, budget: int, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -66,9 +81,11 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-async def chat(urls: dict[str, str], turns: int, timeout: float) -> dict[str, list[tuple[int, float]]]:
-    """The same chat against each server, turn by turn in alternation, so that both see the same
-    machine load at each turn (this machine is shared)."""
+async def chat(urls: dict[str, str], turns: int, repeats: int, timeout: float) -> dict[str, list[tuple[int, float]]]:
+    """The same chat against each server, request by request in alternation, so that both see the
+    same machine load at each turn (this machine is shared). Each turn: `repeats` variants of its new
+    tokens on the same history, variant 0 (the one the chat continues from) last, so its blocks are
+    the most recently used when the next turn looks them up; the turn's TTFT is the median."""
     import httpx
 
     out: dict[str, list[tuple[int, float]]] = {name: [] for name in urls}
@@ -80,21 +97,27 @@ async def chat(urls: dict[str, str], turns: int, timeout: float) -> dict[str, li
             await one_request(client, url, warm, timeout)
         history: list[int] = []
         for turn in range(1, turns + 1):
-            prompt = history + _turn_tokens(turn)
-            for name, url in urls.items():
-                # Two tokens: TTFT is the figure; decoding the reply would only lengthen the run.
-                body = {"model": models[name], "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "logprobs": 0}
-                r = await one_request(client, url, body, timeout)
-                if not r.ok:
-                    raise RuntimeError(f"{name}, turn {turn}: {r.error}")
-                out[name].append((len(prompt), r.ttft))
-                print(f"    {name}, turn {turn}: prompt {len(prompt)} tokens, TTFT {r.ttft * 1000:.0f} ms", flush=True)
+            ttfts: dict[str, list[float]] = {name: [] for name in urls}
+            for variant in range(repeats - 1, -1, -1):
+                prompt = history + _turn_tokens(turn, variant)
+                for name, url in urls.items():
+                    # Two tokens: TTFT is the figure; decoding the reply would only lengthen the run.
+                    body = {"model": models[name], "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True, "logprobs": 0}
+                    r = await one_request(client, url, body, timeout)
+                    if not r.ok:
+                        raise RuntimeError(f"{name}, turn {turn}: {r.error}")
+                    ttfts[name].append(r.ttft)
+            for name, times in ttfts.items():
+                out[name].append((len(prompt), statistics.median(times)))
+                print(f"    {name}, turn {turn}: prompt {len(prompt)} tokens, TTFT "
+                      f"{' '.join(f'{t * 1000:.0f}' for t in times)} ms (median {statistics.median(times) * 1000:.0f})",
+                      flush=True)
             history = prompt + REPLY
     return out
 
 
-async def throughput(url: str, timeout: float) -> dict[int, float]:
+async def throughput(url: str, rounds: int, timeout: float) -> dict[int, float]:
     import httpx
 
     async with httpx.AsyncClient(timeout=30) as client:
@@ -102,14 +125,17 @@ async def throughput(url: str, timeout: float) -> dict[int, float]:
     body = {"model": model, "prompt": [(i * 7) % 500 + 6 for i in range(16)], "max_tokens": 64,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0}
     await run_level(url, {}, {**body, "max_tokens": 4}, 1, 1, timeout)  # warm-up
-    rates = {}
-    for c, n in ((1, 3), (16, 32)):
-        res = await run_level(url, {}, body, c, n, timeout)
-        if res.ok != n:
-            raise RuntimeError(f"concurrency {c}: {res.errors[:1]}")
-        rates[c] = res.tok_per_s
-        print(f"    concurrency {c}: {res.tok_per_s:.1f} tok/s aggregate", flush=True)
-    return rates
+    tokens = {1: 0, 16: 0}
+    seconds = {1: 0.0, 16: 0.0}
+    for r in range(rounds):  # alternated, so that load drifting on a shared machine hits both levels
+        for c, n in ((1, 3), (16, 32)):
+            res = await run_level(url, {}, body, c, n, timeout)
+            if res.ok != n:
+                raise RuntimeError(f"concurrency {c}: {res.errors[:1]}")
+            tokens[c] += res.tokens
+            seconds[c] += res.seconds
+            print(f"    round {r + 1}, concurrency {c}: {res.tok_per_s:.1f} tok/s aggregate", flush=True)
+    return {c: tokens[c] / seconds[c] for c in tokens}
 
 
 def concurrency(folder: Path, budget: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
@@ -159,14 +185,15 @@ def run(ns: argparse.Namespace) -> int:
                 servers[name] = launch(folder, budget, log, common + flags)
         if "chat" in parts:
             print("  chat:", flush=True)
-            ttft = asyncio.run(chat({name: url for name, (_, url) in servers.items()}, ns.turns, ns.timeout))
+            ttft = asyncio.run(chat({name: url for name, (_, url) in servers.items()}, ns.turns, ns.repeats,
+                                    ns.timeout))
         for name, (proc, _) in list(servers.items()):
             if name != "prefix caching":
                 stop(proc)
                 del servers[name]
         if "throughput" in parts:
             print("  throughput:", flush=True)
-            rates = asyncio.run(throughput(servers["prefix caching"][1], ns.timeout))
+            rates = asyncio.run(throughput(servers["prefix caching"][1], ns.rounds, ns.timeout))
     finally:
         for proc, _ in servers.values():
             stop(proc)
@@ -182,7 +209,8 @@ def run(ns: argparse.Namespace) -> int:
             b = off[i][1] if off else None
             rows.append([str(i + 1), str((on or off)[i][0]), fmt(a * 1000 if a else None, 0),
                          fmt(b * 1000 if b else None, 0), fmt(b / a if a and b else None, 1) + "x"])
-        print(table(["turn", "prompt tokens", "TTFT cached (ms)", "TTFT uncached (ms)", "uncached / cached"], rows))
+        print(table(["turn", "prompt tokens", f"TTFT cached (ms, median of {ns.repeats})",
+                     f"TTFT uncached (ms, median of {ns.repeats})", "uncached / cached"], rows))
         print()
     if conc:
         print(table(["KV pool", f"slot cache (max_model_len {ns.max_model_len} each)", "paged, measured peak", "ratio",
