@@ -12,6 +12,8 @@ model streamed at a budget of 25% of its fp32 weights (default).
    the same bytes holds (computed: one max_model_len reservation per sequence, as before #15).
 3. Aggregate generated tok/s over HTTP at 16 concurrent clients vs 1 (same server as 1), the two
    levels alternating for --rounds rounds; each level's rate is its tokens over its time, all rounds.
+   Then the same workload in-process (the engine stepped directly, no HTTP, server or client), so
+   that what the HTTP stack costs 16 streams shows as the difference between the two ratios.
 
     python -m bench.paged                    # all three; prints Markdown tables
     python -m bench.paged --parts chat       # only the chat
@@ -33,6 +35,10 @@ from .serving import one_request, run_level
 
 TURN_TOKENS = 240
 REPLY = [7] * 16  # the assistant's reply resent in the history (fixed: greedy ids are not returned)
+# Throughput workload: (concurrency, requests) levels, each request this prompt and 64 greedy tokens.
+LEVELS = ((1, 3), (16, 32))
+TP_PROMPT = [(i * 7) % 500 + 6 for i in range(16)]
+TP_TOKENS = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,13 +128,13 @@ async def throughput(url: str, rounds: int, timeout: float) -> dict[int, float]:
 
     async with httpx.AsyncClient(timeout=30) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-    body = {"model": model, "prompt": [(i * 7) % 500 + 6 for i in range(16)], "max_tokens": 64,
+    body = {"model": model, "prompt": TP_PROMPT, "max_tokens": TP_TOKENS,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0}
     await run_level(url, {}, {**body, "max_tokens": 4}, 1, 1, timeout)  # warm-up
     tokens = {1: 0, 16: 0}
     seconds = {1: 0.0, 16: 0.0}
     for r in range(rounds):  # alternated, so that load drifting on a shared machine hits both levels
-        for c, n in ((1, 3), (16, 32)):
+        for c, n in LEVELS:
             res = await run_level(url, {}, body, c, n, timeout)
             if res.ok != n:
                 raise RuntimeError(f"concurrency {c}: {res.errors[:1]}")
@@ -138,8 +144,33 @@ async def throughput(url: str, rounds: int, timeout: float) -> dict[int, float]:
     return {c: tokens[c] / seconds[c] for c in tokens}
 
 
-def concurrency(folder: Path, budget: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
-    """Peak running 256-token sequences in the planned paged pool, in-process (the engine's own count)."""
+def engine_rates(engine, rounds: int) -> dict[int, float]:
+    """The throughput workload stepped in-process: each level keeps `c` requests in flight until its
+    `n` are done, alternating levels for `rounds` rounds; tokens over time per level, all rounds."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=TP_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens = {c: 0 for c, _ in LEVELS}
+    seconds = {c: 0.0 for c, _ in LEVELS}
+    for r in range(rounds):
+        for c, n in LEVELS:
+            todo, t0 = n, time.perf_counter()
+            while todo or engine.has_unfinished():
+                while todo and engine.num_running() + engine.num_waiting() < c:
+                    engine.add_request(TP_PROMPT, params)
+                    todo -= 1
+                engine.step()
+            elapsed = time.perf_counter() - t0
+            seconds[c] += elapsed
+            tokens[c] += n * TP_TOKENS
+            print(f"    in-process, round {r + 1}, concurrency {c}: {n * TP_TOKENS / elapsed:.1f} tok/s aggregate",
+                  flush=True)
+    return {c: tokens[c] / seconds[c] for c in tokens}
+
+
+def in_process(folder: Path, budget: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+               parts: set[str], rounds: int) -> tuple[dict | None, dict[int, float]]:
+    """One engine on the benchmark's plan: the concurrency part, then the in-process throughput."""
     from engine.llm_engine import LLMEngine
     from engine.args import EngineArgs
     from engine.sampling_params import SamplingParams
@@ -148,22 +179,37 @@ def concurrency(folder: Path, budget: int, max_model_len: int, max_num_seqs: int
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   show_progress=False))
     try:
-        plan = engine.plan
-        bpt = plan.kv_cache_bytes // (plan.num_kv_blocks * plan.kv_block_size)
-        slot_seqs = plan.kv_cache_bytes // (max_model_len * bpt)
-        fits = plan.num_kv_blocks * plan.kv_block_size // 256
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        for i in range(fits + 4):  # distinct prompts: no prefix sharing inflates the count
-            engine.add_request([(i * 37 + j * 11) % 500 + 6 + (j == 0) * i for j in range(240)], params)
-        peak, t0 = 0, time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-            peak = max(peak, engine.num_running())
-        kv = engine.telemetry().kv
-        return dict(pool_bytes=plan.kv_cache_bytes, blocks=plan.num_kv_blocks, slot=slot_seqs, paged=peak,
-                    preemptions=kv.preemptions, seconds=time.perf_counter() - t0, requests=fits + 4)
+        conc = concurrency(engine, max_model_len) if "concurrency" in parts else None
+        rates = {}
+        if "throughput" in parts:
+            print("  throughput in-process:", flush=True)
+            engine.add_request(TP_PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            while engine.has_unfinished():  # first-step costs are no level's, as over HTTP
+                engine.step()
+            rates = engine_rates(engine, rounds)
+        return conc, rates
     finally:
         engine.close()
+
+
+def concurrency(engine, max_model_len: int) -> dict:
+    """Peak running 256-token sequences in the planned paged pool, in-process (the engine's own count)."""
+    from engine.sampling_params import SamplingParams
+
+    plan = engine.plan
+    bpt = plan.kv_cache_bytes // (plan.num_kv_blocks * plan.kv_block_size)
+    slot_seqs = plan.kv_cache_bytes // (max_model_len * bpt)
+    fits = plan.num_kv_blocks * plan.kv_block_size // 256
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i in range(fits + 4):  # distinct prompts: no prefix sharing inflates the count
+        engine.add_request([(i * 37 + j * 11) % 500 + 6 + (j == 0) * i for j in range(240)], params)
+    peak, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.num_running())
+    kv = engine.telemetry().kv
+    return dict(pool_bytes=plan.kv_cache_bytes, blocks=plan.num_kv_blocks, slot=slot_seqs, paged=peak,
+                preemptions=kv.preemptions, seconds=time.perf_counter() - t0, requests=fits + 4)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -197,8 +243,10 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    conc = (concurrency(folder, budget, ns.max_model_len, ns.max_num_seqs, ns.max_num_batched_tokens)
-            if "concurrency" in parts else None)
+    conc, local_rates = None, {}
+    if parts & {"concurrency", "throughput"}:
+        conc, local_rates = in_process(folder, budget, ns.max_model_len, ns.max_num_seqs, ns.max_num_batched_tokens,
+                                       parts, ns.rounds)
 
     print()
     if ttft:
@@ -220,8 +268,9 @@ def run(ns: argparse.Namespace) -> int:
                       str(conc["preemptions"])]]))
         print()
     if rates:
-        print(table(["concurrency", "aggregate tok/s", "vs 1"],
-                    [[str(c), fmt(r, 1), fmt(r / rates[1], 1) + "x"] for c, r in rates.items()]))
+        print(table(["concurrency", "aggregate tok/s over HTTP", "vs 1", "in-process tok/s (no HTTP)", "vs 1"],
+                    [[str(c), fmt(r, 1), fmt(r / rates[1], 1) + "x", fmt(local_rates[c], 1),
+                      fmt(local_rates[c] / local_rates[1], 1) + "x"] for c, r in rates.items()]))
     return 0
 
 
