@@ -70,9 +70,13 @@ def flash_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: i
     return mask + out + threads * tile
 
 
+# SDPA's own dispatch decision (private in torch): without it, assume the math path (the larger bound).
+_sdp_choice = getattr(torch, "_fused_sdp_choice", None)
+
+
 def uses_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether SDPA will run these on the CPU flash kernel (its own dispatch decision, ~5 us)."""
-    return q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v, attn_mask=mask) == _FLASH
+    return q.device.type == "cpu" and _sdp_choice is not None and _sdp_choice(q, k, v, attn_mask=mask) == _FLASH
 
 
 def split(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
