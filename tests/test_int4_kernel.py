@@ -108,6 +108,24 @@ def test_kernel_takes_half_activations_with_leading_dims_and_bias(dtype):
 
 
 @vnni
+def test_threads_split_rows_without_changing_a_bit():
+    """With several torch threads the row blocks are shared out (at::parallel_for); each output is
+    computed by one thread in the same order, so the result is bit-identical to one thread's."""
+    codes, scale, minimum = random_int4(1000, 1536, seed=9)  # 63 row blocks, the last one partial
+    w = Int4Weight.from_codes(codes, scale, minimum, torch.bfloat16)
+    x = torch.randn(3, 1536).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = w.linear(x)
+        torch.set_num_threads(2)
+        two = w.linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@vnni
 def test_kernel_zero_and_constant_groups():
     """A group of x that is all zero (scale 0) and a weight group whose codes are all equal (range 0,
     as quantize_int4 makes of a constant group) multiply exactly."""

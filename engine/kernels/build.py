@@ -25,6 +25,7 @@ from ..cache import cache_root
 
 log = logging.getLogger("layerstream")
 
+STALE_DAYS = 7
 # Explicit instruction sets rather than -march=native: the built library then runs on any CPU
 # that has them (a cache folder shared between machines), and the loader checks the CPU at run time.
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
@@ -60,6 +61,10 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS)
     folder = build_folder(name, source, cflags)
     library = folder / f"{name}.so"
     if library.exists():
+        try:
+            os.utime(folder)  # in use: not stale (see _prune)
+        except OSError:
+            pass  # a read-only cache still loads
         return _import(name, library)
     from torch.utils.cpp_extension import load
 
@@ -70,7 +75,17 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS)
     module = load(name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(folder),
                   verbose=False)
     log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)
-    for old in folder.parent.glob(f"{name}-*"):  # builds of earlier sources: never loaded again
-        if old != folder:
-            shutil.rmtree(old, ignore_errors=True)
+    _prune(name, folder)
     return module
+
+
+def _prune(name: str, keep: Path) -> None:
+    """Remove builds of this kernel that no process has loaded for STALE_DAYS (other sources or torch
+    versions; a build of another checkout that is still in use is kept: its loads touch it)."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in keep.parent.glob(f"{name}-*"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
