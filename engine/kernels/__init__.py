@@ -7,6 +7,7 @@ Interface:
       "aten"  torch's `_weight_int4pack_mm_for_cpu` and its layout, used when the CPU lacks
               AVX512-VNNI, when the kernel cannot be built (no compiler, no ninja, a build error),
               or when LAYERSTREAM_INT4_KERNEL=aten asks for it. The reason is logged once.
+  (LAYERSTREAM_INT4_KERNEL: auto, the default, or vnni, which is the same: the kernel where it can run.)
   int4_linear(x, codes, scales, out_features, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
 
 The choice fixes the int4 weight layout, so everything that stores int4 weights (the quantization

@@ -3,7 +3,7 @@
 A kernel's build folder is `cache_root()/kernels/<name>-<key>`, the key hashing its source, the
 compiler flags and torch's version, so a changed source or torch gets a fresh build and an
 unchanged one is only imported (no compiler, no ninja) by every later process. The first build
-logs one line and takes ~30-60 s (torch's headers); torch.utils.cpp_extension serialises
+logs one line and takes ~1-2 min on a 2-core machine (torch's headers); torch.utils.cpp_extension serialises
 concurrent builds of one folder with a lock file.
 """
 
