@@ -53,6 +53,9 @@ class ExpertReader:
         self.disk_seconds = 0.0
 
     def views(self, key: Key) -> dict[str, torch.Tensor]:
+        """The expert's tensors as stored, its pages faulted in with one call: copying them out one 4 KiB
+        fault at a time would make the fill, not the link, the slow part (as for a streamed block)."""
+        self.source.advise_expert(*key, MADV_POPULATE_READ)
         return self.source.expert_views(*key)
 
     def read(self, key: Key, out: dict[str, torch.Tensor]) -> int:
@@ -73,7 +76,6 @@ class ExpertReader:
         """The expert as zero-copy views of the page cache, its pages faulted in ahead of compute (as the
         CPU transport does for a streamed block), and the bytes that crossed the (simulated) link."""
         t0 = time.perf_counter()
-        self.source.advise_expert(*key, MADV_POPULATE_READ)
         views = self.views(key)
         n = sum(v.numel() * v.element_size() for v in views.values())
         self._link(t0, n)
