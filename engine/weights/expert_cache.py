@@ -13,7 +13,8 @@ taken before prefetch fills (guesses for the next block), so a wrong guess never
 more than the one fill in progress. A prefetch that compute then asks for is re-queued as demand.
 
 Thread roles: reserve/release/prefetch run on the compute thread, fills on the fetch thread; one
-lock and one condition cover the bookkeeping, and the fill itself (the byte copy) runs unlocked.
+lock covers the bookkeeping, with two conditions on it (fills queued, for the fetch thread; slots
+filled or freed, for compute), and the fill itself (the byte copy) runs unlocked.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ class ExpertCache:
         self.slots = slots
         self._fill_fn = fill
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)  # slots filled or freed: what the compute thread waits for
+        # Fills queued or stop: what the fetch thread waits for. Its own condition, so that compute
+        # releasing a group (every MoE block) does not wake the fetch thread for nothing: on a busy
+        # host every wake-up costs the compute thread a GIL hand-over.
+        self._work = threading.Condition(self._lock)
         self._slot_of: dict[Key, int] = {}
         self._key_of: list[Key | None] = [None] * slots
         self._free = list(range(slots - 1, -1, -1))
@@ -113,7 +118,8 @@ class ExpertCache:
                     self._start_fill(key, self._take_slot_locked(), prefetch=False)
                     self._pin(key)
             self._stats = _bump(self._stats, hits=hits, misses=misses, prefetch_used=used)
-            self._changed.notify_all()
+            if self._demand:
+                self._work.notify()
 
     def wait(self, keys: list[Key]) -> dict[Key, int]:
         """Wait until every (reserved) key is filled: key -> slot. A failed fill raises, unpinning the keys."""
@@ -163,7 +169,7 @@ class ExpertCache:
                 queued += 1
             if queued:
                 self._stats = _bump(self._stats, prefetch_fills=queued)
-                self._changed.notify_all()
+                self._work.notify()
         return queued
 
     def drop_prefetches(self) -> None:
@@ -177,6 +183,7 @@ class ExpertCache:
     def close(self) -> None:
         with self._lock:
             self._stop = True
+            self._work.notify_all()
             self._changed.notify_all()
         self._thread.join()
 
@@ -222,7 +229,7 @@ class ExpertCache:
         while True:
             with self._lock:
                 while not self._stop and not self._demand and not self._prefetch:
-                    self._changed.wait()
+                    self._work.wait()
                 if self._stop:
                     return
                 fill = self._demand.pop(0) if self._demand else self._prefetch.pop(0)
