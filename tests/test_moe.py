@@ -359,3 +359,24 @@ def test_bench_moe_measures_the_page_cache_share(tmp_path):
     assert dropped < 0.5
     f.read_bytes()
     assert page_cache_share(tmp_path) == 1.0
+
+
+def test_expert_slots_convert_a_bf16_checkpoint(tmp_path):
+    """A bf16 checkpoint computed in fp32: experts cannot be served as views of the page cache, so each
+    fill converts into a slot buffer; the result is the all-resident fp32 run's (converted at load)."""
+    folder = build(tmp_path / "bf16", "mixtral", dtype=torch.bfloat16)
+    kw = dict(max_model_len=128, max_num_seqs=4, show_progress=False, dtype="float32")
+    streamed = LLM(str(folder), max_device_memory=expert_budget(folder, slots=4, dtype="float32"), **kw)
+    resident = LLM(str(folder), **kw)
+    try:
+        assert streamed.plan.expert_slots == 4 and resident.plan.streamed_blocks == []
+        torch.testing.assert_close(prompt_logits(streamed, PROMPT), prompt_logits(resident, PROMPT),
+                                   atol=1e-6, rtol=1e-6)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert ([o.outputs[0].token_ids for o in streamed.generate(PROMPTS[:2], params)]
+                == [o.outputs[0].token_ids for o in resident.generate(PROMPTS[:2], params)])
+        total = streamed.telemetry().total
+        assert total.expert_misses > 4 and total.expert_bytes % (4 * 3 * 64 * 32) == 0  # fp32 bytes moved
+    finally:
+        streamed.close()
+        resident.close()

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 
 class ExpertReader:
-    """Copies one expert's bytes into cache tensors; returns the bytes it moved (compute dtype)."""
+    """One expert's bytes from the page cache: copied (converting the dtype) into cache tensors (read),
+    or handed over as zero-copy views (map); either returns the bytes moved in the compute dtype."""
 
     tier = HOST
 
