@@ -23,8 +23,8 @@ class StepInputs:
 
     input_ids: torch.Tensor  # (tokens,) int64
     positions: torch.Tensor  # (tokens,) int64, position of each token in its sequence
-    cos: torch.Tensor  # (tokens, head_dim) compute dtype
-    sin: torch.Tensor  # (tokens, head_dim)
+    cos: torch.Tensor  # (tokens, 1, head_dim) compute dtype
+    sin: torch.Tensor  # (tokens, 1, head_dim), its first half negated (rotary_cos_sin)
     # (tokens,) int64: where each token's K/V goes in a layer's pool viewed as (blocks * block_size,
     # kv_heads, head_dim): block_table[position // block_size] * block_size + position % block_size
     slot_mapping: torch.Tensor
@@ -57,16 +57,21 @@ def rotary_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def rotary_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (tokens, 1, head_dim) in `dtype` for apply_rotary, once per step; sin's first half
+    is negated so that apply_rotary needs no negation per block."""
     freqs = positions[:, None].float() * inv_freq[None, :]  # (tokens, head_dim / 2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (tokens, head_dim)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    half = freqs.shape[-1]
+    sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # negating after the cast: exact
+    return cos[:, None], sin[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x: (tokens, heads, head_dim); cos, sin: (tokens, 1, head_dim) from rotary_cos_sin.
+    The reference computes x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); here the halves
+    are swapped by roll and the sign sits in sin: (-x2) * s == x2 * (-s) bit for bit, so this is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,24 +96,35 @@ def attention(
 ) -> torch.Tensor:
     tokens = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
-    k = linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
-    v = linear(x, w["wv"], w.get("bv"))
-    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one norm over all heads, before the clip
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    if cfg.clip_qkv is not None:
-        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-    q, k, v = q.view(tokens, nh, hd), k.view(tokens, nkv, hd), v.view(tokens, nkv, hd)
-    if cfg.qk_norm and not cfg.qk_norm_whole:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q = apply_rotary(q, step.cos, step.sin)
-    k = apply_rotary(k, step.cos, step.sin)
+    fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.fuse)
+    if fused:
+        qkv = linear(x, w["wqkv"], w.get("bqkv"))  # (tokens, (heads + 2 kv_heads) * head_dim)
+        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)  # views
+    else:
+        q = linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
+        k = linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
+        v = linear(x, w["wv"], w.get("bv"))
+    if fused and not cfg.qk_norm and cfg.clip_qkv is None:
+        # q's and k's heads are adjacent in each row of qkv: one rotary over both.
+        qk = apply_rotary(qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv], step.cos, step.sin)
+        q, k, v = qk[:, :nh], qk[:, nh:], v.view(tokens, nkv, hd)  # (tokens, heads | kv_heads, head_dim)
+    else:
+        if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one norm over all heads, before the clip
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = q.view(tokens, nh, hd), k.view(tokens, nkv, hd), v.view(tokens, nkv, hd)
+        if cfg.qk_norm and not cfg.qk_norm_whole:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = apply_rotary(q, step.cos, step.sin)
+        k = apply_rotary(k, step.cos, step.sin)
 
     # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
-    k_cache.view(-1, nkv, hd)[step.slot_mapping] = k
-    v_cache.view(-1, nkv, hd)[step.slot_mapping] = v
+    # index_copy_ rather than indexed assignment: the same copy without advanced indexing's setup.
+    k_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, v)
 
     seqs, mq = step.block_tables.shape[0], step.max_query
     if step.pad_rows is not None:
@@ -141,8 +157,14 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: 
 
 
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-    """SwiGLU MLP over w[prefix + "w_gate" / "w_up" / "w_down"] (prefix "shared." for Qwen2-MoE's shared expert)."""
-    return linear(F.silu(linear(x, w[prefix + "w_gate"])) * linear(x, w[prefix + "w_up"]), w[prefix + "w_down"])
+    """SwiGLU MLP over w[prefix + "w_gate" / "w_up" / "w_down"] (prefix "shared." for Qwen2-MoE's shared
+    expert), or "w_gate_up" where gate and up were stacked at load (engine.weights.fuse)."""
+    gate_up = w.get(prefix + "w_gate_up")
+    if gate_up is not None:
+        gate, up = linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
+    else:
+        gate, up = linear(x, w[prefix + "w_gate"]), linear(x, w[prefix + "w_up"])
+    return linear(F.silu(gate) * up, w[prefix + "w_down"])
 
 
 def attention_residual(

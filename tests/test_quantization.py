@@ -48,7 +48,9 @@ def test_quantized_close_to_bf16(bf16_llama, mode):
     try:
         got = torch.log_softmax(prompt_logits(llm, PROMPT), -1)
         w = llm.engine.model.weights.acquire(0)
-        assert isinstance(w["w_up"], Int4Weight if mode == "int4" else Int8Weight)
+        # Resident: gate and up stacked at load (engine/weights/fuse.py), still packed.
+        assert isinstance(w["w_gate_up"], Int4Weight if mode == "int4" else Int8Weight)
+        assert isinstance(w["w_down"], Int4Weight if mode == "int4" else Int8Weight)
         assert isinstance(w["attn_norm"], torch.Tensor)
         assert isinstance(llm.engine.model.weights.globals.head, Int8Weight)
         # The plan holds the packed bytes: about 1/2 (int8) or 1/4 (int4) of bf16's.

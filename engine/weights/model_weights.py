@@ -223,8 +223,11 @@ class ModelWeights:
             self.globals = _place_globals(source, dtype, device, quantized)
             if on_progress:
                 on_progress(-1)
+            # On a CUDA device stacking would briefly hold a block's projections twice in device memory,
+            # which the plan does not budget: CPU only for now.
             self._streamer = BlockStreamer(self._transport, plan.resident_blocks, plan.streamed_blocks,
-                                           plan.prefetch_depth, on_progress=on_progress)
+                                           plan.prefetch_depth, on_progress=on_progress,
+                                           fuse=device.type == "cpu")
         except BaseException:
             self.close()  # the prefetch thread, reader threads, pinned memory
             raise

@@ -119,6 +119,18 @@ def _vnni_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
     sm = F.pad(sm, (0, 0, 0, 0, 0, pad)).reshape(blocks, 16, groups, 2).permute(0, 2, 3, 1)  # (block, group, 2, row)
     return q.reshape(blocks, groups * 256).contiguous(), sm.half().contiguous()
 
+    @classmethod
+    def stack_rows(cls, parts: list["Int4Weight"]) -> "Int4Weight | None":
+        """The parts' output rows stacked into one weight (engine.weights.fuse), or None if this layout
+        cannot stack them without repacking. aten's CPU layout packs rows in tiles of 64 (BLOCK_N):
+        packed bytes of separate tensors concatenate into the packing of the stacked rows exactly when
+        every part but the last is whole tiles (tests/test_fuse.py checks it against from_codes)."""
+        if any(p.shape[0] % 64 for p in parts[:-1]) or len({(p.shape[1], p.scale_zero.dtype) for p in parts}) != 1:
+            return None
+        packed = torch.cat([p.packed for p in parts])  # (sum out, in / 2)
+        scale_zero = torch.cat([p.scale_zero for p in parts], dim=1)  # (in / 32, sum out, 2)
+        return cls(packed, scale_zero, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
 
 class Int8Weight:
     """(out, in) int8 codes and (out,) scales: w = q * scale."""

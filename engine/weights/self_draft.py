@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from .fuse import fuse_projections
 from .quantize import quantize_block, quantize_head
 from .source import BlockSource
 from .streamer import StreamStats
@@ -48,8 +49,8 @@ class SelfDraftWeights:
         """copy_blocks: the blocks that get an int4 copy (the streamed ones; every block when none streams)."""
         copies = {}
         for b in copy_blocks:
-            copies[b] = quantize_block(to_compute(source.views(b), dtype, device, copy=False),
-                                       SELF_DRAFT_QUANTIZATION, dtype)
+            copies[b] = fuse_projections(quantize_block(to_compute(source.views(b), dtype, device, copy=False),
+                                                        SELF_DRAFT_QUANTIZATION, dtype))
             if on_progress:
                 on_progress(b)
         head = globals_.head

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .fuse import fuse_projections
 from .transport import DISK, Ticket, Transport
 
 
@@ -83,7 +84,7 @@ class _Failure:
 
 class BlockStreamer:
     def __init__(self, transport: Transport, resident: list[int], streamed: list[int], depth: int = 1,
-                 on_progress=None):
+                 on_progress=None, fuse: bool = False):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.transport = transport
@@ -92,7 +93,10 @@ class BlockStreamer:
         self.stats = StreamStats()
         self._resident: dict[int, dict[str, torch.Tensor]] = {}
         for i in resident:
-            self._resident[i] = transport.resident(i)
+            w = transport.resident(i)
+            # Stacked q/k/v and gate/up (fuse.py): fewer, larger matmuls per step. Resident blocks only:
+            # a streamed block is a view of its source, and stacking it would copy it every step.
+            self._resident[i] = fuse_projections(w) if fuse else w
             if on_progress:
                 on_progress(i)
         self._in_use: dict[int, Ticket] = {}
