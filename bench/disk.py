@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=8, help="greedy tokens per peer (the first is prefill's)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="layerstream: blocks read ahead of compute")
+    p.add_argument("--max-host-memory", default=None,
+                   help="layerstream peers: plan with this host memory budget (e.g. 100MB) instead of what the "
+                        "cgroup leaves at start-up; with a --cap roomy enough for the interpreter, both peers then "
+                        "get the same budget for weights, buffers and KV, whatever their imports left in the cgroup")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per peer")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -111,14 +115,14 @@ def _child_transformers(model: str, ids: list[int], n: int) -> dict:
                 peak_rss=peak_rss())
 
 
-def _child_layerstream(model: str, ids: list[int], n: int, depth: int) -> dict:
+def _child_layerstream(model: str, ids: list[int], n: int, depth: int, max_host_memory: str | None) -> dict:
     from engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=model, max_num_seqs=1, max_model_len=len(ids) + n + 16,
                                   max_num_batched_tokens=max(64, len(ids)), prefetch_depth=depth,
-                                  show_progress=False))
+                                  max_host_memory=max_host_memory, show_progress=False))
     load_s = time.perf_counter() - t0
     plan = engine.plan
     t0 = time.perf_counter()
@@ -160,7 +164,7 @@ def _child(ns: argparse.Namespace) -> int:
     if ns.child == "transformers":
         result = _child_transformers(ns.model, ids, ns.decode_tokens)
     else:
-        result = _child_layerstream(ns.model, ids, ns.decode_tokens, ns.prefetch_depth)
+        result = _child_layerstream(ns.model, ids, ns.decode_tokens, ns.prefetch_depth, ns.max_host_memory)
     print(json.dumps(result))
     return 0
 
@@ -225,6 +229,8 @@ def _run_peer(ns, peer: str, model: Path, ids: list[int], cap: int | None) -> di
             "transformers" if peer == "transformers" else "layerstream", "--model", str(model),
             "--ids", ",".join(map(str, ids)), "--decode-tokens", str(ns.decode_tokens),
             "--prefetch-depth", str(ns.prefetch_depth)]
+    if ns.max_host_memory and peer in ("layerstream", "layerstream-gguf"):
+        argv += ["--max-host-memory", ns.max_host_memory]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, preexec_fn=cg.join_fn(), capture_output=True, text=True, timeout=ns.timeout,
@@ -300,6 +306,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{len(ids)} prompt tokens, {ns.decode_tokens} greedy tokens", flush=True)
     if ns.gguf:
         print(f"GGUF {ns.gguf} ({Path(ns.gguf).stat().st_size / 1e9:.2f} GB) under the same cap", flush=True)
+    if ns.max_host_memory:
+        print(f"layerstream peers plan with a host memory budget of {ns.max_host_memory}", flush=True)
     load_before = _loadavg()
     results, disk = [], [measure()]
     for peer in peers:
@@ -340,6 +348,8 @@ def run(ns: argparse.Namespace) -> int:
             other = gguf_ref if packed else ref
             same = "yes" if r["tokens"] == other["tokens"] else f"no (first differs at {_first_difference(r, other)})"
         cap_s = "none" if r["cap"] is None else f"{r['cap'] / 1e9:.2f} GB"
+        if ns.max_host_memory and r["peer"] in ("layerstream", "layerstream-gguf"):
+            cap_s += f", budget {ns.max_host_memory}"
         busy = (f"{100 * r['reader_busy_s'] / r['decode_s']:.0f}%"
                 if r.get("disk_blocks") and r.get("decode_s") else "-")
         rss = f"{r['peak_rss'] / 1e9:.2f} GB" if r.get("peak_rss") else "-"

@@ -5,28 +5,45 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _cgroup_room() -> int | None:
-    """Bytes left under the memory cgroup this process is in (v1 or v2), if it has a limit."""
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes left under the memory cgroup this process is in (v1 or v2), if it has a limit: the limit
+    minus the working set. The cgroup's usage also counts page cache, and its inactive part (files
+    read once: the interpreter's imports, a tokenizer, checkpoint pages already used) is reclaimed
+    by the kernel before anything is refused, so it is not counted as used: left in, it moved the
+    room by tens of MiB from one start to the next with the same cap (README "Disk tier")."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = membership.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2 unified hierarchy
-            limit_f, usage_f = f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"
+            base = root / path.lstrip("/")
+            limit_f, usage_f, inactive = base / "memory.max", base / "memory.current", "inactive_file"
         elif "memory" in controllers.split(","):
-            base = f"/sys/fs/cgroup/memory{path}"
-            limit_f, usage_f = f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"
+            base = root / "memory" / path.lstrip("/")
+            limit_f, usage_f, inactive = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes", "total_inactive_file"
         else:
             continue
         try:
-            raw = Path(limit_f).read_text().strip()
+            raw = limit_f.read_text().strip()
             if raw != "max" and int(raw) < (1 << 60):
-                return int(raw) - int(Path(usage_f).read_text().strip())
+                return int(raw) - int(usage_f.read_text().strip()) + _stat(base / "memory.stat", inactive)
         except (OSError, ValueError):
             continue
     return None
+
+
+def _stat(path: Path, key: str) -> int:
+    """One counter of a cgroup's memory.stat, 0 when absent or unreadable."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def host_budget(max_host_memory: int | None) -> int:
