@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from engine import LLM
+from engine import LLM, kernels
 from engine import model as M
 from engine.weights.fuse import fuse_projections, stack_rows
 from engine.weights.packed import GGUFWeight, Int4Weight, Int8Weight
@@ -36,21 +36,39 @@ def _assert_stacks_exactly(parts, x):
                                atol=0, rtol=0)
 
 
-def test_int4_stacking_is_the_packing_of_the_stacked_codes():
-    """Stacked packed bytes equal packing the stacked codes at once (the layout's tiles line up)."""
+@pytest.fixture(params=["vnni", "aten"])
+def int4_layout(request, monkeypatch):
+    """Each int4 layout in turn (engine.kernels picks one per process; LAYERSTREAM_INT4_KERNEL forces aten)."""
+    kernels.int4_backend.cache_clear()
+    monkeypatch.setenv("LAYERSTREAM_INT4_KERNEL", "auto" if request.param == "vnni" else "aten")
+    if kernels.int4_backend() != request.param:
+        kernels.int4_backend.cache_clear()
+        pytest.skip("the int4 VNNI kernel is not available here")
+    yield request.param
+    monkeypatch.undo()
+    kernels.int4_backend.cache_clear()
+    kernels.int4_backend()
+
+
+def test_int4_stacking_is_the_packing_of_the_stacked_codes(int4_layout):
+    """Stacked packed bytes equal packing the stacked codes at once (the layout's row tiles line up)."""
     g = torch.Generator().manual_seed(0)
-    codes = [torch.randint(0, 16, (n, 64), generator=g) for n in (128, 64, 192)]
-    scales = [torch.rand(n, 2, generator=g) + 0.1 for n in (128, 64, 192)]
-    zeros = [torch.randn(n, 2, generator=g) for n in (128, 64, 192)]
-    parts = [Int4Weight.from_codes(c, s, z, torch.bfloat16) for c, s, z in zip(codes, scales, zeros)]
-    whole = Int4Weight.from_codes(torch.cat(codes), torch.cat(scales), torch.cat(zeros), torch.bfloat16)
+    # whole tiles (vnni 16 rows, aten 64), then a last part that is not (aten takes no part of < 16 rows at all)
+    rows = (128, 64, 72 if int4_layout == "vnni" else 80)
+    codes = [torch.randint(0, 16, (n, 64), generator=g) for n in rows]
+    scales = [torch.rand(n, 2, generator=g) + 0.1 for n in rows]
+    mins = [torch.randn(n, 2, generator=g) for n in rows]
+    parts = [Int4Weight.from_codes(c, s, m, torch.bfloat16) for c, s, m in zip(codes, scales, mins)]
+    whole = Int4Weight.from_codes(torch.cat(codes), torch.cat(scales), torch.cat(mins), torch.bfloat16)
     fused = Int4Weight.stack_rows(parts)
-    assert torch.equal(fused.packed, whole.packed) and torch.equal(fused.scale_zero, whole.scale_zero)
+    assert fused.layout == whole.layout == int4_layout
+    assert torch.equal(fused.codes, whole.codes) and torch.equal(fused.scales, whole.scales)
     _assert_stacks_exactly(parts, torch.randn(3, 64, generator=g).to(torch.bfloat16))
 
 
-def test_int4_parts_off_the_layout_tiles_stay_apart():
-    parts = [quantize_int4(w, torch.bfloat16) for w in _dense(1, [(32, 64), (64, 64)])]
+def test_int4_parts_off_the_layout_tiles_stay_apart(int4_layout):
+    first = 8 if int4_layout == "vnni" else 16  # not whole tiles
+    parts = [quantize_int4(w, torch.bfloat16) for w in _dense(1, [(first, 64), (64, 64)])]
     assert Int4Weight.stack_rows(parts) is None
 
 

@@ -90,6 +90,23 @@ class Int4Weight:
         return Int4Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
 
     @classmethod
+    def stack_rows(cls, parts: list["Int4Weight"]) -> "Int4Weight | None":
+        """The parts' output rows stacked into one weight (engine.weights.fuse), or None when this
+        layout cannot stack them without repacking. Both layouts pack rows in tiles (vnni: blocks of
+        16, the last padded; aten: BLOCK_N = 64), so the parts' packed bytes concatenate into the
+        packing of the stacked rows exactly when every part but the last is whole tiles
+        (tests/test_fuse.py checks it against from_codes)."""
+        layout = parts[0].layout
+        tile = 16 if layout == "vnni" else 64
+        if (any(p.shape[0] % tile for p in parts[:-1])
+                or len({(p.layout, p.shape[1], p.scales.dtype) for p in parts}) != 1):
+            return None
+        codes = torch.cat([p.codes for p in parts])  # vnni: (blocks, in / 32 * 256); aten: (out, in / 2)
+        # vnni: (blocks, in / 32, 2, 16); aten: (in / 32, out, 2)
+        scales = torch.cat([p.scales for p in parts], dim=0 if layout == "vnni" else 1)
+        return cls(codes, scales, (sum(p.shape[0] for p in parts), parts[0].shape[1]), layout)
+
+    @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                    dtype: torch.dtype) -> "Int4Weight":
         """codes (out, in) in 0..15; scale, minimum (out, in / 32) meaning w = q * scale + minimum,
@@ -118,18 +135,6 @@ def _vnni_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
                          f"in float16 (|value| > 65504)")
     sm = F.pad(sm, (0, 0, 0, 0, 0, pad)).reshape(blocks, 16, groups, 2).permute(0, 2, 3, 1)  # (block, group, 2, row)
     return q.reshape(blocks, groups * 256).contiguous(), sm.half().contiguous()
-
-    @classmethod
-    def stack_rows(cls, parts: list["Int4Weight"]) -> "Int4Weight | None":
-        """The parts' output rows stacked into one weight (engine.weights.fuse), or None if this layout
-        cannot stack them without repacking. aten's CPU layout packs rows in tiles of 64 (BLOCK_N):
-        packed bytes of separate tensors concatenate into the packing of the stacked rows exactly when
-        every part but the last is whole tiles (tests/test_fuse.py checks it against from_codes)."""
-        if any(p.shape[0] % 64 for p in parts[:-1]) or len({(p.shape[1], p.scale_zero.dtype) for p in parts}) != 1:
-            return None
-        packed = torch.cat([p.packed for p in parts])  # (sum out, in / 2)
-        scale_zero = torch.cat([p.scale_zero for p in parts], dim=1)  # (in / 32, sum out, 2)
-        return cls(packed, scale_zero, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
 
 class Int8Weight:
