@@ -11,6 +11,9 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
       Bytes of a block and of the globals in the compute dtype, and as stored: the planner's inputs.
   checkpoint.host_tiering(transport, device, dtype, depth) -> HostTiering | None
       How planning may split streamed blocks between host memory and disk for that transport.
+  Int4Weight, Int8Weight, quantize_int4
+      The packed weight types (each multiplies itself: `w.linear(x)`) and int4 quantization, for the
+      kernel micro-benchmark (bench/int4_kernel.py).
   checkpoint.measure_disk() -> (GB/s | None, note | None)
       The disk's sequential read speed, for a plan with a disk tier (cached per file system);
       measure_disk_bandwidth(files, ...) is the measurement itself, for benchmarks.
@@ -74,6 +77,8 @@ from .disk_bandwidth import DiskBandwidth
 from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
 from .formats import config_folder, open_checkpoint
 from .gguf_file import find_gguf
+from .packed import Int4Weight, Int8Weight
+from .quantize import quantize_int4
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
 from .self_draft import SELF_DRAFT_QUANTIZATION, SelfDraftWeights, self_draft_copies_every_block
 from .source import WeightSizes
@@ -87,4 +92,5 @@ __all__ = [
     "self_draft_copies_every_block", "StepEstimate", "StreamStats", "TRANSPORTS", "TensorInfo",
     "WeightSizes", "WeightsTelemetry", "check_transport", "efficiency", "expected_step", "floor_percent",
     "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth", "open_checkpoint",
+    "Int4Weight", "Int8Weight", "quantize_int4",
 ]
