@@ -4,6 +4,7 @@
              on the fly, 4-bit codes with a float16 (scale, min) per 32, integer dot products
   aten-int4  torch's _weight_int4pack_mm_for_cpu (group 32, bf16 scale/zero): what ran before
   int8       torch's _weight_int8pack_mm (per-row scale)
+  vnni-int8  the same kernel's int8-weight twin (per-row scale, the same int8 activations)
   bf16       F.linear on a bf16 weight
 
 Shapes default to SmolLM2-135M's: q/o 576x576, gate/up 1536x576, down 576x1536, the head
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = "576x576,1536x576,576x1536,49152x576"
-PEERS = ("vnni", "aten-int4", "int8", "bf16")
+PEERS = ("vnni", "aten-int4", "int8", "vnni-int8", "bf16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,21 +51,24 @@ def _weights(out: int, inner: int, copies: int, seed: int) -> dict[str, list]:
     codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(out, inner).to(torch.int32)
     aten_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     aten_sz = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    int8 = Int8Weight.quantize(w, torch.bfloat16)
+    int8 = Int8Weight.quantize(w, torch.bfloat16)  # the vnni layout here
+    i8_scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-30)
+    i8_codes = torch.round(w / i8_scales[:, None]).clamp(-127, 127).to(torch.int8)
     bf16 = w.to(torch.bfloat16)
     peers = {
         "vnni": lambda: Int4Weight(vnni.codes.clone(), vnni.scales.clone(), vnni.shape, "vnni"),
         "aten-int4": lambda: (aten_codes.clone(), aten_sz.clone()),
-        "int8": lambda: Int8Weight(int8.codes.clone(), int8.scales.clone()),
+        "int8": lambda: Int8Weight(i8_codes.clone(), i8_scales.to(torch.bfloat16)),
+        "vnni-int8": lambda: int8.clone(),
         "bf16": lambda: bf16.clone(),
     }
     sizes = {"vnni": vnni.nbytes, "aten-int4": aten_codes.numel() + aten_sz.numel() * 2,
-             "int8": int8.nbytes, "bf16": bf16.numel() * 2}
+             "int8": i8_codes.numel() + out * 2, "vnni-int8": int8.nbytes, "bf16": bf16.numel() * 2}
     return {p: [make() for _ in range(max(1, copies // sizes[p]) if copies else 1)] for p, make in peers.items()}
 
 
 def _call(peer: str, x: torch.Tensor, w) -> torch.Tensor:
-    if peer == "vnni" or peer == "int8":
+    if peer in ("vnni", "int8", "vnni-int8"):
         return w.linear(x)
     if peer == "aten-int4":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1])

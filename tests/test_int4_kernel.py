@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.weights.packed import GROUP, Int4Weight
+from engine.weights.packed import GROUP, Int4Weight, Int8Weight
 from engine.weights.quantize import quantize_int4
 
 vnni = pytest.mark.skipif(kernels.int4_backend() != "vnni", reason="the int4 VNNI kernel is not available here")
@@ -75,6 +75,49 @@ def test_kernel_matches_the_same_math(out, inner, m):
     # rounding error of max|x| / 65024 per value.
     dense = x @ dequantized(codes, scale, minimum).T
     assert (got - dense).abs().max() < 1e-4 * dense.abs().max()
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel's math in float64: the per-row int8 codes and scales of Int8Weight.quantize,
+    x as `reference` quantizes it (two passes)."""
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round(w / scales[:, None]).clamp(-127, 127)
+    m, inner = x.shape
+    xg = x.float().reshape(m, -1, GROUP)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    t = xg * inv[..., None]
+    xq = torch.round(t).clamp(-128, 127)
+    xq = xq * 256 + torch.round((t - xq) * 256).clamp(-128, 127)
+    xd = (xq.double() * (amax.double() / 127 / 256)[..., None]).reshape(m, inner)  # x as the kernel sees it
+    return (xd @ codes.double().T) * scales.double()  # (tokens, out)
+
+
+@vnni
+@pytest.mark.parametrize("out,inner", [(576, 576), (49, 96), (24, 32)])
+@pytest.mark.parametrize("m", [1, 5, 13])
+def test_int8_kernel_matches_the_same_math(out, inner, m):
+    w = torch.randn(out, inner, generator=torch.Generator().manual_seed(out + m)) * 0.05
+    q = Int8Weight.quantize(w, torch.bfloat16)
+    assert q.layout == "vnni" and q.shape == (out, inner)
+    x = torch.randn(m, inner, generator=torch.Generator().manual_seed(m))
+    ref = int8_reference(x, w)
+    got = q.linear(x)
+    assert got.shape == (m, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    assert (got - x @ w.T).abs().max() < 0.02 * (x @ w.T).abs().max()  # the int8 weights' own rounding
+    bias, xb = torch.randn(out).bfloat16(), x.bfloat16()
+    ref = int8_reference(xb.float(), w) + bias.double()
+    # One rounding of the output to bf16.
+    torch.testing.assert_close(q.linear(xb, bias).double(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+
+
+def test_int8_rows_not_a_multiple_of_32_use_aten():
+    q = Int8Weight.quantize(torch.randn(8, 40), torch.float32)
+    assert q.layout == "aten" and q.shape == (8, 40)
+    x = torch.randn(2, 40)
+    ref = x @ (q.codes.float() * q.scales[:, None]).T
+    torch.testing.assert_close(q.linear(x), ref, atol=1e-4, rtol=1e-4)
 
 
 @vnni
@@ -174,6 +217,7 @@ def test_forced_fallback_uses_aten_and_agrees(backend, caplog):
     with caplog.at_level(logging.WARNING, logger="layerstream"):
         assert kernels.int4_backend() == "aten"
     assert "using aten's _weight_int4pack_mm_for_cpu" in caplog.text and "LAYERSTREAM_INT4_KERNEL=aten" in caplog.text
+    assert Int8Weight.quantize(torch.randn(16, 64), torch.float32).layout == "aten"
     codes, scale, minimum = random_int4(48, 576, seed=5)
     w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
     assert w.layout == "aten"

@@ -9,6 +9,8 @@ Interface:
               or when LAYERSTREAM_INT4_KERNEL=aten asks for it. The reason is logged once.
   (LAYERSTREAM_INT4_KERNEL: auto, the default, or vnni, which is the same: the kernel where it can run.)
   int4_linear(x, codes, scales, out_features, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
+  int8_linear(x, codes, scales, out_features, bias)  its int8-weight twin (one scale per row; Int8Weight
+      "vnni"), used on the same condition; its fallback is aten's `_weight_int8pack_mm`.
 
 The choice fixes the int4 weight layout, so everything that stores int4 weights (the quantization
 cache) keys on it. Tests reset the choice with `int4_backend.cache_clear()`.
@@ -75,10 +77,20 @@ def int4_backend() -> str:
     return "aten"
 
 
+def _loaded():
+    if _module is None:
+        raise RuntimeError("the VNNI kernels are not loaded (int4_backend() chose aten)")
+    return _module
+
+
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
     """x (..., K) float32/bf16/fp16 @ W.T -> (..., out_features) in x's dtype; W in Int4Weight's
     "vnni" layout (engine/weights/packed.py)."""
-    if _module is None:
-        raise RuntimeError("the int4 VNNI kernel is not loaded (int4_backend() chose aten)")
-    return _module.int4_linear(x, codes, scales, out_features, bias, two_pass)
+    return _loaded().int4_linear(x, codes, scales, out_features, bias, two_pass)
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
+    """The same for Int8Weight's "vnni" layout (engine/weights/packed.py)."""
+    return _loaded().int8_linear(x, codes, scales, out_features, bias, two_pass)

@@ -41,6 +41,7 @@ struct QuantX {
   std::vector<int8_t> r;   // (M, K): the rounding residual in 1/256ths of a step (two-pass only)
   std::vector<float> dx;   // (M, G): the step, or the step / 256 in two passes
   std::vector<float> sx;   // (M, G)
+  std::vector<int32_t> qsum;  // (M, G): sum of the integer activations (q * 256 + r in two passes)
 };
 
 template <typename T> inline __m512 load16(const T* p);
@@ -65,6 +66,11 @@ inline void store16(c10::Half* p, __m512 v, __mmask16 k) {
   _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+inline int32_t sum_i8(const int8_t* p) {  // 32 values
+  return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))) +
+         _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, bool two_pass, QuantX& X) {
   const int64_t G = K / GROUP;
@@ -73,6 +79,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool two_pass, QuantX& X) {
   X.r.resize(two_pass ? M * K : 0);
   X.dx.resize(M * G);
   X.sx.resize(M * G);
+  X.qsum.resize(M * G);
   const __m512 k256 = _mm512_set1_ps(256.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
@@ -92,6 +99,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool two_pass, QuantX& X) {
         __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(tb, _mm512_cvtepi32_ps(qb)), k256));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(X.r.data() + at), _mm512_cvtsepi32_epi8(ra));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(X.r.data() + at + 16), _mm512_cvtsepi32_epi8(rb));
+        // The sums of what was stored (saturated), for the int8 weights' +128 offset.
+        X.qsum[m * G + g] = 256 * sum_i8(X.q.data() + at) + sum_i8(X.r.data() + at);
+      } else {
+        X.qsum[m * G + g] = sum_i8(X.q.data() + at);
       }
       X.dx[m * G + g] = two_pass ? amax / 127.f / 256.f : amax / 127.f;
       X.sx[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
@@ -147,6 +158,56 @@ void block_kernel(const uint8_t* codes, const uint16_t* sm, const float* bias, c
   for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m], b), k);
 }
 
+// int8 weights (Int8Weight "vnni"): codes (N16/16, G*512) uint8 = w + 128, per block and group eight
+// 64-byte vectors, vector v lane j = w[16b + j, 32g + 4v + t] + 128 for t = 0..3; one fp32 scale per
+// row, (N16/16, 16). vpdpbusd wants its unsigned operand first: (w + 128) . xq = w . xq + 128 sum(xq),
+// and the second term, a property of the activations alone, is subtracted once per group.
+template <int MT, bool TWO_PASS, typename T>
+void block_kernel_i8(const uint8_t* codes, const float* rowscale, const float* bias, const QuantX& X,
+                     int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+  const int64_t G = X.G, K = X.K;
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = codes + g * 512;
+    __m512i isum[MT], rsum[MT];
+    for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
+    for (int v = 0; v < 8; ++v) {
+      const __m512i wv = _mm512_loadu_si512(w + v * 64);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = (m0 + m) * K + g * GROUP + v * 4;
+        isum[m] = _mm512_dpbusd_epi32(isum[m], wv, bcast4(X.q.data() + at));
+        if (TWO_PASS) rsum[m] = _mm512_dpbusd_epi32(rsum[m], wv, bcast4(X.r.data() + at));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = (m0 + m) * G + g;
+      __m512i s = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]) : isum[m];
+      s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * X.qsum[i]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(X.dx[i]), acc[m]);
+    }
+  }
+  const __mmask16 k = static_cast<__mmask16>(nvalid >= LANES ? 0xFFFF : (1u << nvalid) - 1);
+  const __m512 sc = _mm512_loadu_ps(rowscale);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_fmadd_ps(acc[m], sc, b), k);
+}
+
+template <bool TWO_PASS, typename T>
+void tile_i8(int64_t mt, const uint8_t* codes, const float* sc, const float* bias, const QuantX& X,
+             int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+  switch (mt) {
+    case 1: return block_kernel_i8<1, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    case 2: return block_kernel_i8<2, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    case 3: return block_kernel_i8<3, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    case 4: return block_kernel_i8<4, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    case 5: return block_kernel_i8<5, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    case 6: return block_kernel_i8<6, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    case 7: return block_kernel_i8<7, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+    default: return block_kernel_i8<8, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
+  }
+}
+
 template <bool TWO_PASS, typename T>
 void tile(int64_t mt, const uint8_t* codes, const uint16_t* sm, const float* bias, const QuantX& X,
           int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
@@ -164,60 +225,88 @@ void tile(int64_t mt, const uint8_t* codes, const uint16_t* sm, const float* bia
 
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const float* bias, int64_t N,
-         bool two_pass, at::Tensor& y) {
+         bool two_pass, int bits, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, blocks = codes.size(0);
   thread_local QuantX X;  // reused across calls: no allocation per matmul once warm
   quantize_rows(x.data_ptr<T>(), M, K, two_pass, X);
   const uint8_t* w = codes.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* s = bits == 4 ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
+  const float* rs = bits == 8 ? scales.data_ptr<float>() : nullptr;
+  const int64_t block_bytes = G * (bits == 4 ? 256 : 512);
   T* out = y.data_ptr<T>();
   const QuantX& Xr = X;  // worker threads read the caller's buffers
   // Enough row blocks per task (~64 KiB of codes) to be worth a hand-off to another thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (G * 256));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * LANES, nvalid = std::min(LANES, N - n0);
       // Every activation tile passes over this block while its codes are in L1.
       for (int64_t m0 = 0; m0 < M; m0 += MTILE) {
         const int64_t mt = std::min(MTILE, M - m0);
-        if (two_pass) tile<true, T>(mt, w + b * G * 256, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
-        else tile<false, T>(mt, w + b * G * 256, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+        const uint8_t* wb = w + b * block_bytes;
+        if (bits == 8) {
+          if (two_pass) tile_i8<true, T>(mt, wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
+          else tile_i8<false, T>(mt, wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
+        } else if (two_pass) {
+          tile<true, T>(mt, wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+        } else {
+          tile<false, T>(mt, wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+        }
       }
     }
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
-                       const c10::optional<at::Tensor>& bias_in, bool two_pass) {
-  TORCH_CHECK(x_in.device().is_cpu(), "int4_linear: x must be on the CPU");
-  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
-              scales.size(2) == 2 && scales.size(3) == LANES,
-              "int4_linear: scales must be contiguous (N16/16, K/32, 2, 16) float16");
-  const int64_t blocks = scales.size(0), G = scales.size(1), K = G * GROUP;
-  TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(0) == blocks &&
-              codes.size(1) == G * 256, "int4_linear: codes must be contiguous (N16/16, K/32*256) uint8");
-  TORCH_CHECK(N > (blocks - 1) * LANES && N <= blocks * LANES, "int4_linear: ", N, " rows do not fit ", blocks,
+// Checks common to both weight formats; returns y, calling run() with the right element type.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t G,
+                  const c10::optional<at::Tensor>& bias_in, bool two_pass, int bits) {
+  const int64_t blocks = codes.size(0), K = G * GROUP;
+  TORCH_CHECK(x_in.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
+              "int4/int8 linear: a CPU kernel, given tensors on ", x_in.device(), " and ", codes.device());
+  TORCH_CHECK(N > (blocks - 1) * LANES && N <= blocks * LANES, "linear: ", N, " rows do not fit ", blocks,
               " blocks of 16");
-  TORCH_CHECK(x_in.size(-1) == K, "int4_linear: x has ", x_in.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x_in.size(-1) == K, "linear: x has ", x_in.size(-1), " features, the weight ", K);
   auto dtype = x_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "int4_linear: x must be float32, bfloat16 or float16");
+              "linear: x must be float32, bfloat16 or float16");
   at::Tensor x = x_in.reshape({-1, K}).contiguous();  // (M, K)
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({x.size(0), N}, x.options());  // (M, N)
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->numel() == N, "int4_linear: bias has ", bias_in->numel(), " values, expected ", N);
+    TORCH_CHECK(bias_in->numel() == N, "linear: bias has ", bias_in->numel(), " values, expected ", N);
     bias = bias_in->to(at::kFloat).contiguous();
   }
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (x.size(0) > 0) {
-    if (dtype == at::kFloat) run<float>(x, codes, scales, b, N, two_pass, y);
-    else if (dtype == at::kBFloat16) run<c10::BFloat16>(x, codes, scales, b, N, two_pass, y);
-    else run<c10::Half>(x, codes, scales, b, N, two_pass, y);
+    if (dtype == at::kFloat) run<float>(x, codes, scales, b, N, two_pass, bits, y);
+    else if (dtype == at::kBFloat16) run<c10::BFloat16>(x, codes, scales, b, N, two_pass, bits, y);
+    else run<c10::Half>(x, codes, scales, b, N, two_pass, bits, y);
   }
   return y.view(out_shape);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
+                       const c10::optional<at::Tensor>& bias, bool two_pass) {
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+              scales.size(2) == 2 && scales.size(3) == LANES,
+              "int4_linear: scales must be contiguous (N16/16, K/32, 2, 16) float16");
+  const int64_t G = scales.size(1);
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+              codes.size(0) == scales.size(0) && codes.size(1) == G * 256,
+              "int4_linear: codes must be contiguous (N16/16, K/32*256) uint8");
+  return linear(x, codes, scales, N, G, bias, two_pass, 4);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
+                       const c10::optional<at::Tensor>& bias, bool two_pass) {
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) % 512 == 0,
+              "int8_linear: codes must be contiguous (N16/16, K/32*512) uint8");
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == codes.size(0) && scales.size(1) == LANES,
+              "int8_linear: scales must be contiguous (N16/16, 16) float32");
+  return linear(x, codes, scales, N, codes.size(1) / 512, bias, two_pass, 8);
 }
 
 bool cpu_supported() {
@@ -230,6 +319,9 @@ bool cpu_supported() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x @ W.T, W 4-bit with a (scale, min) per 32, x quantized to int8 per 32",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("two_pass") = true);
+  m.def("int8_linear", &int8_linear, "y = x @ W.T, W int8 with a scale per row, x quantized to int8 per 32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("two_pass") = true);
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");

@@ -9,7 +9,8 @@ plain tensor or one of the classes here, each of which knows how to multiply its
   Int4Weight   4-bit codes with a (scale, min) per 32-weight group, multiplied without unpacking by
                our AVX512-VNNI kernel (engine.kernels: int8 activations, integer dot products), or
                by aten's `_weight_int4pack_mm_for_cpu` where that kernel cannot run.
-  Int8Weight   int8 codes with one scale per output row, multiplied by `_weight_int8pack_mm`.
+  Int8Weight   int8 codes with one scale per output row, multiplied by the same kernel's int8 twin, or
+               by `_weight_int8pack_mm`.
 
 Q4_0, Q4_1 and Q4_K carry exactly the kernel's information: a 4-bit code and, per 32 weights, a
 scale and a min (Q4_K's are products of a super-block scale and a 6-bit sub-scale). Repacking
@@ -138,20 +139,36 @@ def _vnni_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 
 
 class Int8Weight:
-    """(out, in) int8 codes and (out,) scales: w = q * scale."""
+    """int8 codes with one scale per output row: w = q * scale. Like Int4Weight, in the layout of this
+    process's kernel (engine.kernels.int4_backend()):
+      "vnni"  rows in blocks of 16 (the last padded with zero rows): codes (out16 / 16, in / 32 * 512)
+              uint8 = q + 128, per block and group of 32 eight 64-byte vectors, vector v row j's 4 bytes
+              being q[4v + t] + 128; scales (out16 / 16, 16) float32. engine.kernels.int8_linear.
+      "aten"  codes (out, in) int8, scales (out,) in the compute dtype; `_weight_int8pack_mm`. Also
+              used where the row is not a multiple of 32 (the activations are quantized per 32).
+    """
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.codes, self.scales, self.shape = codes, scales, tuple(codes.shape)
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int] | None = None,
+                 layout: str | None = None):
+        # The layout is in the codes' type: the vnni layout's are offset to uint8.
+        self.layout = layout or ("vnni" if codes.dtype == torch.uint8 else "aten")
+        self.codes, self.scales = codes, scales
+        self.shape = tuple(shape) if shape is not None else tuple(codes.shape)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layout == "vnni":
+            return kernels.int8_linear(x, self.codes, self.scales, self.shape[0], bias)  # (..., out)
         lead = x.shape[:-1]
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.codes, self.scales)
         y = y.reshape(*lead, self.shape[0])  # (..., out)
         return y if bias is None else y + bias
+
+    def clone(self) -> "Int8Weight":
+        return Int8Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, dtype: torch.dtype) -> "Int8Weight":
@@ -159,7 +176,23 @@ class Int8Weight:
         w = w.float()
         scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        out, inner = w.shape
+        if inner % GROUP == 0 and kernels.int4_backend() == "vnni":
+            blocks, pad = -(-out // 16), -out % 16
+            q = (F.pad(codes, (0, 0, 0, pad)).to(torch.int16) + 128).to(torch.uint8)
+            q = q.reshape(blocks, 16, inner // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # (block, group, v, row, t)
+            s = F.pad(scales, (0, pad)).reshape(blocks, 16)
+            return cls(q.reshape(blocks, -1).contiguous(), s.contiguous(), (out, inner), "vnni")
         return cls(codes.contiguous(), scales.to(dtype))
+
+
+def int8_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """Bytes of an (out, in) Int8Weight in this process's layout (`dtype`: the compute dtype)."""
+    out, inner = shape
+    if inner % GROUP == 0 and kernels.int4_backend() == "vnni":
+        out16 = -(-out // 16) * 16
+        return out16 * inner + out16 * 4
+    return out * inner + out * dtype.itemsize
 
 
 def int4_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:

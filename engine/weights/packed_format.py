@@ -24,7 +24,7 @@ import torch
 from .checkpoint import TensorInfo
 from .dequant import dequantize
 from .gguf_file import ggml_type
-from .packed import INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf, int4_nbytes
+from .packed import INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf, int4_nbytes, int8_nbytes
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class PackedFormat:
             return t.nbytes
         if ggml_type(t) in INT4_TYPES:
             return int4_nbytes(t.shape, self.dtype)
-        return numel + t.shape[0] * self.dtype.itemsize
+        return int8_nbytes(t.shape, self.dtype)
 
     def streamed(self, t: TensorInfo, rows: torch.Tensor):
         if t.quant is None:

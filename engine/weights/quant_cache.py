@@ -4,8 +4,8 @@ An entry is a folder `quantized-v{VERSION}/{key}` under engine.cache.cache_root(
 user's model files. It holds `model.safetensors` with every block's quantized projections and the
 int8 head (quantize.py says what is quantized and how), and `digest.json` with that file's sha256.
 The key hashes the checkpoint's identity (each file's name, size, modification time, first MiB and
-samples spread over its data), the mode, the compute dtype, torch's version and the int4 layout
-(engine.kernels.int4_backend(): our VNNI kernel's, or aten's, which may change with torch). A later
+samples spread over its data), the mode, the compute dtype, torch's version and the int4/int8 layout
+(engine.kernels.int4_backend(): our VNNI kernels', or aten's, which may change with torch). A later
 load maps the file (zero-copy views, paged in on use) instead of quantizing again; an entry whose
 file no longer matches its digest (truncated, overwritten) is removed and built again.
 """
@@ -33,7 +33,7 @@ from .transport import to_compute
 
 log = logging.getLogger("layerstream")
 
-VERSION = 2  # bump when what an entry holds changes (2: int4 parts named q4/q4_scales, layout in the key)
+VERSION = 3  # bump when what an entry holds changes (2: int4 parts q4/q4_scales; 3: int8 in the kernel's layout too)
 MARKER = "layerstream-quantized.json"
 DATA, DIGEST = "model.safetensors", "digest.json"
 HEAD_BYTES, SAMPLE_BYTES, SAMPLES = 1 << 20, 64 << 10, 16
@@ -57,14 +57,15 @@ def checkpoint_identity(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def int4_layout(mode: str) -> str:
-    """The layout an entry's int4 weights are stored in: the int4 kernel's of this process."""
-    return kernels.int4_backend() if mode == "int4" else ""
+def kernel_layout() -> str:
+    """The layout an entry's int4 and int8 weights (the head is int8 in every entry) are stored in:
+    this process's kernels'."""
+    return kernels.int4_backend()
 
 
 def entry_folder(source: BlockSource, mode: str, dtype: torch.dtype) -> Path:
     key = hashlib.sha256("\0".join([checkpoint_identity(source.files), mode, str(dtype),
-                                    torch.__version__, int4_layout(mode)]).encode()).hexdigest()[:32]
+                                    torch.__version__, kernel_layout()]).encode()).hexdigest()[:32]
     return cache_root() / f"quantized-v{VERSION}" / key
 
 
@@ -89,7 +90,7 @@ class QuantizedBlocks:
     def __init__(self, source: BlockSource, mode: str, dtype: torch.dtype,
                  on_progress: Callable[[int], None] | None = None):
         self.source, self.mode, self.dtype = source, mode, dtype
-        self.layout = int4_layout(mode)
+        self.layout = kernel_layout()
         self.folder = entry_folder(source, mode, dtype)
         self.built = False  # this load quantized (the cache had no usable entry)
         self._shapes = [source.shapes(b) for b in range(source.num_blocks)]
@@ -149,7 +150,7 @@ class QuantizedBlocks:
 
     def _weight(self, prefix: str, shape: tuple[int, ...]):
         if f"{prefix}.codes" in self._file.entries:
-            return Int8Weight(self._view(f"{prefix}.codes"), self._view(f"{prefix}.scales"))
+            return Int8Weight(self._view(f"{prefix}.codes"), self._view(f"{prefix}.scales"), shape)
         return Int4Weight(self._view(f"{prefix}.q4"), self._view(f"{prefix}.q4_scales"), shape, self.layout)
 
     def block(self, b: int) -> dict[str, object]:
@@ -158,8 +159,9 @@ class QuantizedBlocks:
 
     def head(self) -> Int8Weight:
         """The int8 head, copied out of the mapping (it is resident)."""
-        w = self._weight("lm_head", ())
-        return Int8Weight(w.codes.clone(), w.scales.clone())
+        glob = self.source.global_views()
+        shape = tuple(glob.get("lm_head", glob["embed"]).shape)  # (vocab, hidden)
+        return self._weight("lm_head", shape).clone()
 
     def nbytes(self, b: int) -> int:
         return sum(w.nbytes for w in self.block(b).values())

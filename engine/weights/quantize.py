@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .packed import GROUP, Int4Weight, Int8Weight, int4_nbytes
+from .packed import GROUP, Int4Weight, Int8Weight, int4_nbytes, int8_nbytes
 
 QUANTIZATIONS = ("int8", "int4")
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -48,8 +48,7 @@ def quantize_weight(w: torch.Tensor, mode: str, dtype: torch.dtype):
 
 def quantized_bytes(shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> int:
     if mode == "int8":
-        out, inner = shape
-        return out * inner + out * dtype.itemsize
+        return int8_nbytes(shape, dtype)
     return int4_nbytes(shape, dtype)
 
 

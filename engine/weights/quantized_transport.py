@@ -13,7 +13,6 @@ import mmap
 
 import torch
 
-from .packed import Int8Weight
 from .quant_cache import QuantizedBlocks
 from .quantize import PROJECTIONS
 from .safetensors_index import MADV_POPULATE_READ
@@ -22,8 +21,6 @@ from .transport import Ticket, Transport, nbytes_of, to_compute
 
 
 def _owned(w):
-    if isinstance(w, Int8Weight):
-        return Int8Weight(w.codes.clone(), w.scales.clone())
     return w.clone()
 
 
