@@ -72,6 +72,20 @@ def test_int4_parts_off_the_layout_tiles_stay_apart(int4_layout):
     assert Int4Weight.stack_rows(parts) is None
 
 
+def test_int8_stacking_is_the_quantization_of_the_stacked_rows(int4_layout):
+    """Int8Weight shares the layout choice: per-row codes and scales, in the vnni layout in blocks of
+    16 rows, so whole blocks then any last part stack into what quantizing the stacked rows gives."""
+    dense = _dense(6, [(32, 64), (16, 64), (40, 64)])
+    parts = [Int8Weight.quantize(w, torch.bfloat16) for w in dense]
+    whole = Int8Weight.quantize(torch.cat(dense), torch.bfloat16)
+    fused = Int8Weight.stack_rows(parts)
+    assert fused.layout == whole.layout == int4_layout and fused.shape == (88, 64)
+    assert torch.equal(fused.codes, whole.codes) and torch.equal(fused.scales, whole.scales)
+    _assert_stacks_exactly(parts, torch.randn(3, 64).to(torch.bfloat16))
+    off_blocks = [Int8Weight.quantize(w, torch.bfloat16) for w in _dense(7, [(8, 64), (16, 64)])]
+    assert (Int8Weight.stack_rows(off_blocks) is None) == (int4_layout == "vnni")
+
+
 @pytest.mark.parametrize("kind", ["dense", "int8", "q4_0", "q8_0"])
 def test_stacked_weight_computes_what_its_parts_compute(kind):
     dense = _dense(2)

@@ -38,9 +38,7 @@ def stack_rows(parts: list):
     if kind is Int4Weight:
         return Int4Weight.stack_rows(parts)
     if kind is Int8Weight:
-        if len({p.scales.dtype for p in parts}) != 1:
-            return None
-        return Int8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+        return Int8Weight.stack_rows(parts)
     if kind is GGUFWeight:
         if len({(p.qtype, p.dtype, p.data.shape[1]) for p in parts}) != 1:
             return None

@@ -171,6 +171,19 @@ class Int8Weight:
         return Int8Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
 
     @classmethod
+    def stack_rows(cls, parts: list["Int8Weight"]) -> "Int8Weight | None":
+        """The parts' output rows stacked into one weight (engine.weights.fuse), or None when this
+        layout cannot stack them without repacking: as for Int4Weight.stack_rows, the vnni layout's
+        blocks of 16 rows concatenate when every part but the last is whole blocks; aten's rows always."""
+        layout = parts[0].layout
+        if ((layout == "vnni" and any(p.shape[0] % 16 for p in parts[:-1]))
+                or len({(p.layout, p.shape[1], p.scales.dtype) for p in parts}) != 1):
+            return None
+        codes = torch.cat([p.codes for p in parts])  # vnni: (blocks, in / 32 * 512); aten: (out, in)
+        scales = torch.cat([p.scales for p in parts])  # vnni: (blocks, 16); aten: (out,)
+        return cls(codes, scales, (sum(p.shape[0] for p in parts), parts[0].shape[1]), layout)
+
+    @classmethod
     def quantize(cls, w: torch.Tensor, dtype: torch.dtype) -> "Int8Weight":
         """Symmetric per-output-row int8 of a dense (out, in) weight."""
         w = w.float()
