@@ -4,7 +4,7 @@ shape, naming the field) or served, while innocent requests in flight at the sam
 exactly as they do alone.
 
 One server for the module, with small limits so that every cap is cheap to reach: 2 slots + a
-queue of 2, an API key, 1 s header and keep-alive timeouts, a 5 s shutdown grace period. The last
+queue of 2, an API key, 1 s header and keep-alive timeouts, a 10 s shutdown grace period. The last
 test stops it with SIGTERM.
 """
 
@@ -33,7 +33,7 @@ def guarded(llama_dir, tmp_path_factory) -> Server:
                ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "256",
                 "--max-num-seqs", "2", "--max-queue", "2", "--api-key", KEY, "--max-n", "3", "--max-prompts", "3",
                 "--max-stop", "4", "--max-stop-chars", "16", "--header-timeout", "1", "--timeout-keep-alive", "1",
-                "--max-header-bytes", "8192", "--shutdown-grace", "5"], {})
+                "--max-header-bytes", "8192", "--shutdown-grace", "10"], {})
     s.model, s.api_key = "tiny", KEY
     yield s
     if s.proc.poll() is None:
@@ -297,7 +297,7 @@ def test_openapi_is_served_and_says_400_not_422(guarded):
 
 def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarded, alone):
     """On SIGTERM the server admits nothing new, a request that finishes within the grace period
-    (5 s) completes normally, and a stream still running at its end gets an error event and
+    (10 s) completes normally, and a stream still running at its end gets an error event and
     [DONE] instead of a cut connection."""
     long_body = {**INNOCENT, "max_tokens": 230, "stream": True}
 
@@ -307,7 +307,7 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
                 lines = long_stream.aiter_lines()
                 assert (await lines.__anext__()).startswith("data: ")
                 # 24 tokens: long enough to be seen running beside the stream before it ends, short enough
-                # to finish inside the 5 s grace period.
+                # to finish inside the grace period (10 s: 5 s was missed at load average 12 on 2 cores).
                 short = asyncio.ensure_future(c.post("/v1/completions", json={**INNOCENT, "max_tokens": 24}))
                 deadline = time.monotonic() + 20
                 while guarded.metric("layerstream_num_requests_running") < 2:  # both in the engine
@@ -324,7 +324,7 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
     last = json.loads(frames[-2][6:])
     if "error" in last:  # cut by the grace period: an error event, in OpenAI's shape
         assert last["error"]["code"] == 503 and "shut down" in last["error"]["message"]
-    else:  # the machine was fast enough to finish 230 tokens within 5 s
+    else:  # the machine was fast enough to finish 230 tokens within the grace period
         assert last["choices"][0]["finish_reason"] == "length"
     # uvicorn re-raises the signal it handled once shutdown is done, so the status is -SIGTERM.
     assert guarded.proc.wait(30) in (0, -signal.SIGTERM)
