@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -193,33 +194,19 @@ void block_kernel_i8(const uint8_t* codes, const float* rowscale, const float* b
   for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_fmadd_ps(acc[m], sc, b), k);
 }
 
-template <bool TWO_PASS, typename T>
-void tile_i8(int64_t mt, const uint8_t* codes, const float* sc, const float* bias, const QuantX& X,
-             int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+// f(std::integral_constant<int, MT>) for the activation tile's height, 1..8: each a kernel unrolled
+// over exactly its rows.
+template <typename F>
+void with_tile(int64_t mt, F&& f) {
   switch (mt) {
-    case 1: return block_kernel_i8<1, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    case 2: return block_kernel_i8<2, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    case 3: return block_kernel_i8<3, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    case 4: return block_kernel_i8<4, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    case 5: return block_kernel_i8<5, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    case 6: return block_kernel_i8<6, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    case 7: return block_kernel_i8<7, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-    default: return block_kernel_i8<8, TWO_PASS>(codes, sc, bias, X, m0, n0, nvalid, N, y);
-  }
-}
-
-template <bool TWO_PASS, typename T>
-void tile(int64_t mt, const uint8_t* codes, const uint16_t* sm, const float* bias, const QuantX& X,
-          int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
-  switch (mt) {
-    case 1: return block_kernel<1, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    case 2: return block_kernel<2, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    case 3: return block_kernel<3, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    case 4: return block_kernel<4, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    case 5: return block_kernel<5, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    case 6: return block_kernel<6, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    case 7: return block_kernel<7, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
-    default: return block_kernel<8, TWO_PASS>(codes, sm, bias, X, m0, n0, nvalid, N, y);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
 }
 
@@ -242,16 +229,18 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
       const int64_t n0 = b * LANES, nvalid = std::min(LANES, N - n0);
       // Every activation tile passes over this block while its codes are in L1.
       for (int64_t m0 = 0; m0 < M; m0 += MTILE) {
-        const int64_t mt = std::min(MTILE, M - m0);
         const uint8_t* wb = w + b * block_bytes;
-        if (bits == 8) {
-          if (two_pass) tile_i8<true, T>(mt, wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-          else tile_i8<false, T>(mt, wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-        } else if (two_pass) {
-          tile<true, T>(mt, wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
-        } else {
-          tile<false, T>(mt, wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
-        }
+        with_tile(std::min(MTILE, M - m0), [&](auto mt) {
+          constexpr int MT = decltype(mt)::value;
+          if (bits == 8) {
+            if (two_pass) block_kernel_i8<MT, true>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
+            else block_kernel_i8<MT, false>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
+          } else if (two_pass) {
+            block_kernel<MT, true>(wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+          } else {
+            block_kernel<MT, false>(wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+          }
+        });
       }
     }
   });
