@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .arch import ModelConfig
 from .attention_backend import attend
+from .kernels.fused_ops import fused_ops
 
 
 @dataclass
@@ -41,12 +42,37 @@ class StepInputs:
     attn_chunk_bytes: int | None = None  # bound on one attention call's temporaries (None: the default)
 
 
+def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether engine.kernels' fused CPU ops take these tensors: on the CPU, one floating dtype, last
+    dimension contiguous (the ops check the rest and raise)."""
+    return (x.is_cpu and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
+            and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in others) and fused_ops() is not None)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fusable(x, weight):
+        return fused_ops().rms_norm(x, weight, eps)  # the same math in one call (fused_ops.cpp)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Accumulate in fp32 as the reference does, so bf16/fp16 inputs round the same way.
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + r and rms_norm(h): a residual add and the norm after it, one call on the CPU."""
+    if _fusable(x, r, weight):
+        return fused_ops().add_rms_norm(x, r, weight, eps)
+    h = x + r
+    return h, _rms_norm_torch(h, weight, eps)
 
 
 def rotary_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -71,6 +97,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: (tokens, heads, head_dim); cos, sin: (tokens, 1, head_dim) from rotary_cos_sin.
     The reference computes x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); here the halves
     are swapped by roll and the sign sits in sin: (-x2) * s == x2 * (-s) bit for bit, so this is exact."""
+    if _fusable(x, cos, sin) and x.dim() == 3:
+        return fused_ops().rotary(x, cos, sin)  # (tokens, heads, head_dim), the same roundings
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
@@ -164,7 +192,14 @@ def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "") -> torch.
         gate, up = linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
     else:
         gate, up = linear(x, w[prefix + "w_gate"]), linear(x, w[prefix + "w_up"])
-    return linear(F.silu(gate) * up, w[prefix + "w_down"])
+    return linear(silu_mul(gate, up), w[prefix + "w_down"])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up: (tokens, intermediate), one call on the CPU."""
+    if _fusable(gate, up):
+        return fused_ops().silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def attention_residual(
@@ -257,8 +292,9 @@ def block_forward(
     cfg: ModelConfig,
 ) -> torch.Tensor:
     """One decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
-    h = attention_residual(x, w, k_cache, v_cache, step, cfg)
-    return h + mlp(rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps), w)
+    a = attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
+    h, hn = add_rms_norm(x, a, w["mlp_norm"], cfg.rms_norm_eps)  # h = x + a, hn = norm(h)
+    return h + mlp(hn, w)
 
 
 def final_logits(

@@ -1,0 +1,163 @@
+"""The fused CPU ops (engine/kernels/fused_ops.cpp) against the torch code they replace in engine/model.py.
+
+Stated tolerances: fp32 within 1e-6 (absolute + relative: RMSNorm's fp32 sum runs in another order and
+SiLU's expf may differ from torch's in the last bit); bf16 / fp16 results equal, or one ulp apart where
+that fp32 difference crosses a rounding boundary (rare; counted below). Rotary is the same sequence of
+roundings (no FMA) and must match exactly in every dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import model as M
+from engine.kernels import fused_ops as fo
+
+ops = fo.fused_ops()
+needs_ops = pytest.mark.skipif(ops is None, reason="the fused CPU ops could not be built here")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: how many representable values of a's dtype lie between a and b (same signs here)."""
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    return (a.view(bits).to(torch.int64) - b.view(bits).to(torch.int64)).abs()
+
+
+def assert_matches(fused: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> None:
+    assert fused.dtype == ref.dtype and fused.shape == ref.shape
+    if exact:
+        torch.testing.assert_close(fused, ref, atol=0, rtol=0)
+    elif fused.dtype == torch.float32:
+        torch.testing.assert_close(fused, ref, atol=1e-6, rtol=1e-6)
+    else:
+        apart = _ulps_apart(fused, ref)
+        assert int(apart.max()) <= 1, f"{int(apart.max())} ulps apart"
+        assert float((apart > 0).float().mean()) < 0.01  # one-ulp differences are rare, not systematic
+
+
+def _torch_rotary(x, cos, sin):
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (5, 576), (3, 64), (2, 37)])
+def test_rms_norm_and_residual_add_match_torch(dtype, rows, n):
+    x, r = _rand(rows, n, dtype=dtype, seed=1, scale=3.0), _rand(rows, n, dtype=dtype, seed=2)
+    w = _rand(n, dtype=dtype, seed=3)
+    assert_matches(ops.rms_norm(x, w, 1e-5), M._rms_norm_torch(x, w, 1e-5))
+    h, y = ops.add_rms_norm(x, r, w, 1e-5)
+    assert_matches(h, x + r, exact=True)
+    assert_matches(y, M._rms_norm_torch(x + r, w, 1e-5))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_strided_views_matches_torch(dtype):
+    """Per-head q/k norms (Qwen3) see heads viewed out of a stacked qkv row: rows not evenly strided."""
+    qkv = _rand(3, (4 + 2 * 2) * 16, dtype=dtype, seed=4)
+    q = qkv[:, :64].view(3, 4, 16)  # (tokens, heads, head_dim), row stride 128 per token
+    w = _rand(16, dtype=dtype, seed=5)
+    assert_matches(ops.rms_norm(q, w, 1e-6), M._rms_norm_torch(q, w, 1e-6))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch_on_stacked_and_separate_halves(dtype):
+    gate_up = _rand(5, 2 * 1536, dtype=dtype, seed=6, scale=4.0)
+    g, u = gate_up.chunk(2, dim=-1)  # views with row stride 3072, as mlp() makes them
+    assert_matches(ops.silu_mul(g, u), F.silu(g) * u)
+    g, u = g.contiguous(), u.contiguous()
+    assert_matches(ops.silu_mul(g, u), F.silu(g) * u)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_exactly_the_torch_code(dtype):
+    tokens, nh, nkv, hd = 4, 9, 3, 64
+    qkv = _rand(tokens, (nh + 2 * nkv) * hd, dtype=dtype, seed=7)
+    x = qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv]  # q and k heads, as attention() rotates them
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    cos, sin = M.rotary_cos_sin(torch.tensor([0, 7, 100, 2047]), inv_freq, 1.0, dtype)
+    assert_matches(ops.rotary(x, cos, sin), _torch_rotary(x, cos, sin), exact=True)
+
+
+@needs_ops
+def test_bad_input_is_refused():
+    x = _rand(2, 8)
+    with pytest.raises(RuntimeError, match="weight must have dtype"):
+        ops.rms_norm(x, _rand(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match=r"weight must be \(8,\)"):
+        ops.rms_norm(x, _rand(4), 1e-5)
+    with pytest.raises(RuntimeError, match="up must have gate's shape"):
+        ops.silu_mul(x, _rand(2, 4))
+    with pytest.raises(RuntimeError, match="contiguous in its last dimension"):
+        ops.silu_mul(x.t(), x.t())
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        ops.rotary(_rand(2, 3, 8), _rand(2, 8), _rand(2, 8))
+
+
+@needs_ops
+def test_model_functions_use_the_fused_ops_and_the_torch_code_alike(monkeypatch):
+    """engine/model.py's rms_norm / add_rms_norm / silu_mul / apply_rotary give the same with the ops
+    and with LAYERSTREAM_FUSED_OPS=torch, which turns them off (logged)."""
+    x, r, w = _rand(3, 96, seed=8), _rand(3, 96, seed=9), _rand(96, seed=10)
+    cos, sin = M.rotary_cos_sin(torch.tensor([1, 2, 3]), torch.rand(16), 1.0, torch.float32)
+    q = _rand(3, 2, 32, seed=11)
+
+    def run():
+        return (M.rms_norm(x, w, 1e-5), *M.add_rms_norm(x, r, w, 1e-5), M.silu_mul(x, r),
+                M.apply_rotary(q, cos, sin))
+
+    fused = run()
+    fo.fused_ops.cache_clear()
+    monkeypatch.setenv("LAYERSTREAM_FUSED_OPS", "torch")
+    try:
+        assert fo.fused_ops() is None
+        for a, b in zip(fused, run(), strict=True):
+            assert_matches(a, b)
+    finally:
+        monkeypatch.undo()
+        fo.fused_ops.cache_clear()
+        assert fo.fused_ops() is not None
+
+
+def test_forced_torch_fallback_is_logged_and_bad_setting_refused(monkeypatch, caplog):
+    fo.fused_ops.cache_clear()
+    try:
+        monkeypatch.setenv("LAYERSTREAM_FUSED_OPS", "torch")
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert fo.fused_ops() is None
+        assert "not the fused CPU ops: LAYERSTREAM_FUSED_OPS=torch" in caplog.text
+        fo.fused_ops.cache_clear()
+        monkeypatch.setenv("LAYERSTREAM_FUSED_OPS", "fast")
+        with pytest.raises(ValueError, match="LAYERSTREAM_FUSED_OPS must be auto or torch, got 'fast'"):
+            fo.fused_ops()
+    finally:
+        monkeypatch.undo()
+        fo.fused_ops.cache_clear()
+        fo.fused_ops()
+
+
+def test_a_source_that_does_not_compile_falls_back_logged(monkeypatch, tmp_path, caplog):
+    bad = tmp_path / "fused_ops.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(fo, "SOURCE", bad)
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+    fo.fused_ops.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert fo.fused_ops() is None
+        assert "not the fused CPU ops: they could not be built" in caplog.text
+    finally:
+        monkeypatch.undo()
+        fo.fused_ops.cache_clear()
+        fo.fused_ops()
