@@ -131,8 +131,8 @@ async def throughput(url: str, rounds: int, timeout: float) -> dict[int, float]:
     body = {"model": model, "prompt": TP_PROMPT, "max_tokens": TP_TOKENS,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0}
     await run_level(url, {}, {**body, "max_tokens": 4}, 1, 1, timeout)  # warm-up
-    tokens = {1: 0, 16: 0}
-    seconds = {1: 0.0, 16: 0.0}
+    tokens = {c: 0 for c, _ in LEVELS}
+    seconds = {c: 0.0 for c, _ in LEVELS}
     for r in range(rounds):  # alternated, so that load drifting on a shared machine hits both levels
         for c, n in LEVELS:
             res = await run_level(url, {}, body, c, n, timeout)
