@@ -123,8 +123,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q = q.reshape(seqs, nkv, group * mq, hd)  # (seqs, kv_heads, group * max_query, head_dim)
         mask = mask[:, :, None].expand(seqs, 1, group, mq, ctx).reshape(seqs, 1, group * mq, ctx)
     rows = q.shape[2]
-    cost_fn = flash_cpu_call_bytes if uses_flash_cpu(q, k, v, mask) else call_bytes
-    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes, cost_fn)
+    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
+    if (sp < seqs or rp < rows) and uses_flash_cpu(q, k, v, mask):
+        # Only a call the math path's bound would split asks SDPA's dispatch (~5 us, once per block
+        # per step otherwise): the CPU flash kernel takes far less, so split by its own bound.
+        sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes, flash_cpu_call_bytes)
     if sp >= seqs and rp >= rows:
         out = _sdpa(q, k, v, mask)
     else:
