@@ -310,9 +310,11 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
                 # to finish inside the grace period (10 s: 5 s was missed at load average 12 on 2 cores).
                 short = asyncio.ensure_future(c.post("/v1/completions", json={**INNOCENT, "max_tokens": 24}))
                 deadline = time.monotonic() + 20
-                while guarded.metric("layerstream_num_requests_running") < 2:  # both in the engine
+                # Polled on this loop (not a blocking call): the short request's response is read while
+                # it polls, and on an idle machine it runs for only ~0.1 s.
+                while await guarded.metric_async(c, "layerstream_num_requests_running") < 2:  # both in the engine
                     assert time.monotonic() < deadline and not short.done()
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.001)
                 guarded.proc.send_signal(signal.SIGTERM)
                 rest = [line async for line in lines]
             return rest, await short

@@ -43,12 +43,20 @@ class Server:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
 
     def metric(self, name: str, **labels) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                    return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return _metric_value(httpx.get(self.url + "/metrics").text, name, labels)
+
+    async def metric_async(self, client: httpx.AsyncClient, name: str, **labels) -> float:
+        """The same through an async client (its base_url this server's), so that polling inside an
+        event loop does not block the requests in flight on that loop."""
+        return _metric_value((await client.get("/metrics")).text, name, labels)
+
+
+def _metric_value(text: str, name: str, labels: dict) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def _start(tmp: Path, name: str, argv: list[str], env: dict[str, str]) -> Server:
