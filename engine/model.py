@@ -149,6 +149,11 @@ def attention(
         q = apply_rotary(q, step.cos, step.sin)
         k = apply_rotary(k, step.cos, step.sin)
 
+    if _decode_attention_applies(q, k, v, k_cache, step):
+        # One C++ call for the KV write and the attention of one token per sequence (fused_ops.cpp).
+        out = fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, step.block_tables,
+                                           step.positions, cfg.sliding_window or 0)  # (tokens, heads*head_dim)
+        return linear(out, w["wo"], w.get("bo"))
     # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
     # index_copy_ rather than indexed assignment: the same copy without advanced indexing's setup.
     k_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, k)
@@ -168,6 +173,16 @@ def attention(
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
     return linear(out, w["wo"], w.get("bo"))
+
+
+def _decode_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              step: StepInputs) -> bool:
+    """Whether this step's attention goes to the fused decode attention: one query token per sequence
+    (a decode step), on the CPU, in a 16-bit dtype (float32 is the exact mode, kept on SDPA, which the
+    reference tests hold to transformers). It beat the gather + SDPA at every context measured, most at
+    short ones (1 sequence: 10x at 20 keys, 2x at 200, 1.1x at 2000; 16 sequences at 2000: 1.2x)."""
+    return (step.max_query == 1 and step.pad_rows is None and q.dtype != torch.float32
+            and _fusable(q, k, v, k_cache))
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -12,13 +12,19 @@
 //   silu_mul(g, u)                 silu(g) * u                                             (rows, n)
 //   rotary(x, cos, sin)            x * cos + roll(x, hd / 2, -1) * sin   x: (tokens, heads, hd),
 //                                  cos, sin: (tokens, 1, hd)
+//   decode_attention(q, k, v, k_cache, v_cache, slots, tables, positions, window)
+//                                  one query token per sequence: writes k, v into the paged cache
+//                                  at slots, then softmax(q k^T / sqrt(hd)) v over the sequence's
+//                                  cached keys; (seqs, heads * hd). See decode_attention below.
 // Tensors: CPU, float32 / bfloat16 / float16, all of one dtype, last dimension contiguous (rows may
 // be strided, e.g. the halves of a stacked gate/up output); outputs are new contiguous tensors.
 
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -234,6 +240,219 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& c, const torch
   return y;
 }
 
+
+// Single-token attention over the paged KV cache, for decode steps (every sequence brings one query
+// token): the KV write, the gather through the block table and SDPA's dispatch cost more than the
+// arithmetic at short contexts (~2 ms of a ~9 ms SmolLM2 step). It computes what SDPA's CPU flash
+// kernel computes for one query row whose keys all fit one of its tiles (512 keys): fp32 scores
+// q . k * scale, their max, p = exp(s - max) summed in fp32, p rounded to the tensor dtype for the
+// p . V product (accumulated in fp32), and out = that / sum rounded once to the dtype. The sums run
+// in another order than its GEMMs and exp is exp_approx (within 2 ulp of the exact value, flash's
+// own is ~1 ulp), so results agree to fp32 rounding; past 512 keys flash rescales tile by tile and
+// rounds p against a running max, so there the two agree to the dtype's rounding
+// (tests/test_fused_ops.py).
+//
+// Per (sequence, KV head): the `group` query heads that share the KV head are done together, so
+// each cached key and value row is read once. Built for AVX-512, AVX2 and plain x86-64 like SiLU.
+template <typename T>
+struct DecodeArgs {
+  const T* q; int64_t q_seq, q_head;           // (seqs, heads, hd), last dim contiguous
+  const T* kc; const T* vc;                      // (blocks, block_size, kv_heads, hd) contiguous
+  const int64_t* tables; int64_t table_stride;   // (seqs, max_blocks)
+  const int64_t* positions;                      // (seqs,): each query's position; it attends to keys 0..pos
+  int64_t block_size, nkv, group, hd, window;    // window 0: none; else keys > pos - window only
+  float scale;
+  T* out;                                        // (seqs, heads * hd) contiguous
+};
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The kernels below read keys and values through row pointers (one per key, through the block
+// table), either fp32 rows or bf16 rows widened as they are read. Not templates: target_clones
+// builds each for AVX-512, AVX2 and plain x86-64 and picks one at load.
+//
+// s[g * stride + j] = scale * (q_g . k_j) for the group's heads g: 16 partial sums per dot product,
+// like norm_row, so it vectorizes without reassociation flags.
+#define LAYERSTREAM_SCORES(NAME, ELEM, LOAD)                                                              \
+  __attribute__((target_clones("avx512f", "avx2", "default")))                                            \
+  void NAME(const float* qf, const ELEM* const* rows, int64_t n, int64_t group, int64_t hd, float scale,  \
+            float* s, int64_t stride) {                                                                   \
+    constexpr int L = 16;                                                                                 \
+    for (int64_t j = 0; j < n; ++j) {                                                                     \
+      const ELEM* k = rows[j];                                                                            \
+      for (int64_t g = 0; g < group; ++g) {                                                               \
+        const float* qg = qf + g * hd;                                                                    \
+        float acc[L] = {0};                                                                               \
+        int64_t d = 0;                                                                                    \
+        for (; d + L <= hd; d += L)                                                                       \
+          for (int l = 0; l < L; ++l) acc[l] += qg[d + l] * LOAD(k[d + l]);                               \
+        float sum = 0;                                                                                    \
+        for (int l = 0; l < L; ++l) sum += acc[l];                                                        \
+        for (; d < hd; ++d) sum += qg[d] * LOAD(k[d]);                                                    \
+        s[g * stride + j] = sum * scale;                                                                  \
+      }                                                                                                   \
+    }                                                                                                     \
+  }
+// acc[g * hd + d] += p[g * stride + j] * v_j[d] over the keys j, for the group's heads g.
+#define LAYERSTREAM_ACCUMULATE(NAME, ELEM, LOAD)                                                          \
+  __attribute__((target_clones("avx512f", "avx2", "default")))                                            \
+  void NAME(const float* p, int64_t stride, const ELEM* const* rows, int64_t n, int64_t group, int64_t hd, \
+            float* acc) {                                                                                 \
+    for (int64_t j = 0; j < n; ++j) {                                                                     \
+      const ELEM* v = rows[j];                                                                            \
+      for (int64_t g = 0; g < group; ++g) {                                                               \
+        const float pg = p[g * stride + j];                                                               \
+        float* a = acc + g * hd;                                                                          \
+        for (int64_t d = 0; d < hd; ++d) a[d] += pg * LOAD(v[d]);                                         \
+      }                                                                                                   \
+    }                                                                                                     \
+  }
+#define LAYERSTREAM_AS_FLOAT(x) (x)
+LAYERSTREAM_SCORES(scores_f32, float, LAYERSTREAM_AS_FLOAT)
+LAYERSTREAM_SCORES(scores_bf16, uint16_t, bf16_bits_to_float)
+LAYERSTREAM_ACCUMULATE(accumulate_f32, float, LAYERSTREAM_AS_FLOAT)
+LAYERSTREAM_ACCUMULATE(accumulate_bf16, uint16_t, bf16_bits_to_float)
+
+// Row pointers of keys lo..lo+n-1 of one sequence's KV head, as the kernels read them: bf16 rows as
+// they lie in the cache, fp32 rows likewise, fp16 rows widened into `wide` first.
+template <typename T>
+void key_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t nkv, int64_t kvh, int64_t hd,
+              int64_t lo, int64_t n, std::vector<const void*>& rows, std::vector<float>& wide) {
+  rows.resize(n);
+  if (std::is_same_v<T, c10::Half>) wide.resize(n * hd);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t key = lo + j;
+    const T* r = cache + ((table[key / block_size] * block_size + key % block_size) * nkv + kvh) * hd;
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      for (int64_t d = 0; d < hd; ++d) wide[j * hd + d] = static_cast<float>(r[d]);
+      rows[j] = wide.data() + j * hd;
+    } else {
+      rows[j] = r;
+    }
+  }
+}
+
+template <typename T>
+void scores(const float* qf, const std::vector<const void*>& rows, int64_t group, int64_t hd, float scale,
+            float* s, int64_t stride) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    scores_bf16(qf, reinterpret_cast<const uint16_t* const*>(rows.data()), n, group, hd, scale, s, stride);
+  else
+    scores_f32(qf, reinterpret_cast<const float* const*>(rows.data()), n, group, hd, scale, s, stride);
+}
+
+template <typename T>
+void accumulate(const float* p, int64_t stride, const std::vector<const void*>& rows, int64_t group, int64_t hd,
+                float* acc) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    accumulate_bf16(p, stride, reinterpret_cast<const uint16_t* const*>(rows.data()), n, group, hd, acc);
+  else
+    accumulate_f32(p, stride, reinterpret_cast<const float* const*>(rows.data()), n, group, hd, acc);
+}
+
+template <typename T>
+void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
+  const int64_t pos = A.positions[seq], hd = A.hd, G = A.group;
+  const int64_t lo = A.window > 0 ? std::max<int64_t>(0, pos - A.window + 1) : 0, ctx = pos + 1 - lo;
+  thread_local std::vector<float> qf, s, acc, wide, sums;
+  thread_local std::vector<const void*> rows;
+  qf.resize(G * hd); s.resize(G * ctx); acc.assign(G * hd, 0.0f); sums.resize(G);
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qg = A.q + seq * A.q_seq + (kvh * G + g) * A.q_head;
+    for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = static_cast<float>(qg[d]);
+  }
+  const int64_t* table = A.tables + seq * A.table_stride;
+  key_rows(A.kc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
+  scores<T>(qf.data(), rows, G, hd, A.scale, s.data(), ctx);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.data() + g * ctx;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, sg[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < ctx; ++j) {
+      const float e = exp_approx(sg[j] - mx);
+      sum += e;
+      sg[j] = round_to<T>(e);  // flash multiplies V by p in the dtype
+    }
+    sums[g] = sum;
+  }
+  key_rows(A.vc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
+  accumulate<T>(s.data(), ctx, rows, G, hd, acc.data());
+  T* out = A.out + seq * (A.nkv * G * hd) + kvh * G * hd;
+  for (int64_t g = 0; g < G; ++g) {
+    const float r = 1.0f / sums[g];
+    for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = static_cast<T>(acc[g * hd + d] * r);
+  }
+}
+
+// Copies rows (seqs, kv_heads, hd) of src into the cache at slots (rows of (blocks * block_size, kv_heads, hd)).
+template <typename T>
+void write_slots(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t seqs) {
+  const int64_t nkv = src.size(1), hd = src.size(2);
+  const T* sp = src.data_ptr<T>();
+  T* cp = cache.data_ptr<T>();
+  for (int64_t i = 0; i < seqs; ++i)
+    for (int64_t h = 0; h < nkv; ++h)
+      std::memcpy(cp + (slots[i] * nkv + h) * hd, sp + i * src.stride(0) + h * src.stride(1), hd * sizeof(T));
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots_in,
+                               const torch::Tensor& tables_in, const torch::Tensor& positions_in, int64_t window) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &k_cache, &v_cache}) check(*t, "q, k, v and the caches", q);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(),
+              "decode_attention: q (seqs, heads, hd), k and v (seqs, kv_heads, hd), got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  const int64_t seqs = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1);
+  TORCH_CHECK(k.size(0) == seqs && k.size(2) == hd && nkv > 0 && nh % nkv == 0,
+              "decode_attention: ", nh, " query heads of ", hd, " do not group over k ", k.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == nkv && k_cache.size(3) == hd,
+              "decode_attention: caches must be contiguous (blocks, block_size, ", nkv, ", ", hd, "), got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  for (const torch::Tensor* t : {&slots_in, &tables_in, &positions_in})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong, "decode_attention: slots, tables and "
+                "positions must be int64 CPU tensors");
+  const torch::Tensor slots = slots_in.contiguous(), tables = tables_in.contiguous(), positions = positions_in.contiguous();
+  TORCH_CHECK(slots.numel() == seqs && positions.numel() == seqs && tables.dim() == 2 && tables.size(0) == seqs,
+              "decode_attention: one slot, position and block-table row per sequence (", seqs, "), got ",
+              slots.numel(), ", ", positions.numel(), ", ", tables.sizes());
+  const int64_t bs = k_cache.size(1), cache_rows = k_cache.size(0) * bs;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < seqs; ++i) {
+    // Checked here, not trusted: a bad index would read or write outside the pool.
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < cache_rows, "decode_attention: slot ", sp[i], " outside the cache");
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < tables.size(1) * bs, "decode_attention: position ", pp[i],
+                " beyond the block table");
+    for (int64_t b = 0; b <= pp[i] / bs; ++b)
+      TORCH_CHECK(tp[i * tables.size(1) + b] >= 0 && tp[i * tables.size(1) + b] < k_cache.size(0),
+                  "decode_attention: block ", tp[i * tables.size(1) + b], " outside the cache");
+  }
+  auto out = torch::empty({seqs, nh * hd}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    write_slots<scalar_t>(k, k_cache, sp, seqs);
+    write_slots<scalar_t>(v, v_cache, sp, seqs);
+    const DecodeArgs<scalar_t> A{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
+                                 v_cache.data_ptr<scalar_t>(), tp, tables.size(1), pp, bs, nkv, nh / nkv, hd,
+                                 window, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
+                                 out.data_ptr<scalar_t>()};
+    // One task per (sequence, KV head); a decode of a few short sequences stays on this thread.
+    at::parallel_for(0, seqs * nkv, 4, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) decode_attend_one(A, i / nkv, i % nkv);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -241,4 +460,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h, rms_norm(h)) for h = x + r");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary", &rotary, "x * cos + roll(x, head_dim / 2) * sin");
+  m.def("decode_attention", &decode_attention, "KV write and one-token attention over the paged cache",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("block_tables"), py::arg("positions"), py::arg("window") = 0);
 }
