@@ -11,11 +11,12 @@ Streamed blocks the plan keeps in host memory (the host tier) are handed to a Cp
 pages are faulted in once and never released. Both tiers convert into one shared BufferPool.
 With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filling pinned staging converts.
 
-Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read and handed to compute as
-`PackedFormat.streamed` weights viewing the staging buffer (unpacked by the matmul that uses them),
-so the disk moves packed bytes and nothing is converted on the host; host-tier blocks go through the
-PackedCpuTransport. With dtype=None the ticket holds the block's stored rows (engine row order) for
-the CUDA transport to stage.
+Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read, so the disk moves packed
+bytes. With a `repacker` (CPU fast mode, stream_repack.py) they are repacked from the staging buffer
+into their resident twins' compute form in a reusable slot; otherwise they are handed to compute as `PackedFormat.streamed` weights viewing the staging
+buffer (unpacked by the matmul that uses them). Host-tier blocks go through the PackedCpuTransport,
+which shares the repacker's slots. With dtype=None the ticket holds the block's stored rows (engine
+row order) for the CUDA transport to stage.
 """
 
 from __future__ import annotations
@@ -30,22 +31,24 @@ from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
 from .packed_format import PackedFormat
 from .packed_transport import PackedCpuTransport
 from .source import BlockSource
+from .stream_repack import StreamRepacker
 from .transport import DISK, CpuTransport, Ticket, Transport, nbytes_of, to_compute
 
 
 class DiskTransport(Transport):
     def __init__(self, source: BlockSource, dtype: torch.dtype | None, disk_blocks, depth: int = 1,
-                 direct: bool = True, fmt: PackedFormat | None = None):
+                 direct: bool = True, fmt: PackedFormat | None = None, repacker: StreamRepacker | None = None):
         self.source = source
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.disk_blocks = set(disk_blocks)
         self.fmt = fmt if dtype is not None else None
+        self.repacker = repacker if self.fmt is not None else None
         self.packed = source.packed
         self.pool = BufferPool(dtype) if dtype is not None and not self.packed else None
         self._host: Transport | None = None
         if dtype is not None:
-            self._host = (PackedCpuTransport(source, fmt) if self.packed
+            self._host = (PackedCpuTransport(source, fmt, repacker=self.repacker) if self.packed
                           else CpuTransport(source, dtype, pool=self.pool))
         self.plans: list[ReadPlan] = [plan_reads(source.tensors(b)) for b in range(source.num_blocks)]
         self.staging_bytes = max(p.buffer_bytes for p in self.plans)
@@ -96,6 +99,16 @@ class DiskTransport(Transport):
         except BaseException:
             self._free.put(buf)
             raise
+        if self.packed and self.repacker is not None:
+            try:
+                weights, slot = self.repacker.fill(block, views)
+            except BaseException:
+                self._free.put(buf)
+                raise
+            # The staging buffer is kept until retire(): tensors the repacker leaves as they are stored
+            # (norms already in the compute dtype) are views of it.
+            return Ticket(block, weights, self.source.streamed_bytes(block, self.dtype), tier=DISK, disk_bytes=nbytes,
+                          disk_seconds=seconds, staging=buf, repacked=slot)
         if self.packed:
             # Packed bytes stay in the staging buffer (views), which retire() gives back.
             weights = self._packed(block, views, self.fmt.streamed if self.fmt is not None else None)

@@ -126,6 +126,17 @@ class BlockSource:
         info = self._tensors[block][short]
         return self.reorder(short, byte_rows(self._reader.raw(info.name), info.shape))
 
+    def stored_rows(self, block: int) -> dict[str, torch.Tensor]:
+        """The block's tensors' stored bytes as (rows..., bytes per row) uint8 in the order the file
+        stores the rows (row_order() gives the engine's): zero-copy views of the mapping."""
+        return {short: byte_rows(self._reader.raw(info.name), info.shape)
+                for short, info in self._tensors[block].items()}
+
+    def row_order(self, short: str) -> torch.Tensor | None:
+        """Rows to take from a stored block tensor for the engine's row order, (rows,) int64, or None
+        when it is stored in that order (every tensor but llama-family GGUF's Q and K)."""
+        return self._row_orders.get(short)
+
     def reorder(self, short: str, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows of a block tensor (from the mapping or a disk read) in the engine's row order."""
         order = self._row_orders.get(short)

@@ -93,10 +93,17 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
                pin_host_memory: bool, host_budget: int | None, disk_gbps: float | None, fmt) -> Transport:
     if kind == "auto-cpu":
         kind = "disk" if plan.disk_blocks else "cpu"
+    repacker = None
+    if fmt is not None and kind != "cuda" and plan.streamed_blocks:
+        # CPU fast mode: streamed GGUF blocks repacked into their resident form on the prefetch thread
+        # (None where they stay dequantized per use). Made only when blocks stream: it may compile.
+        from .stream_repack import make_repacker
+
+        repacker = make_repacker(source, fmt)
     if kind == "disk":
         from .disk_transport import DiskTransport
 
-        return DiskTransport(source, dtype, plan.disk_blocks, plan.prefetch_depth, fmt=fmt)
+        return DiskTransport(source, dtype, plan.disk_blocks, plan.prefetch_depth, fmt=fmt, repacker=repacker)
     if kind == "cuda":
         from .cuda_transport import CudaTransport
 
@@ -106,7 +113,7 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
     if fmt is not None:
         from .packed_transport import PackedCpuTransport
 
-        return PackedCpuTransport(source, fmt, release_pages=plan.release_pages)
+        return PackedCpuTransport(source, fmt, release_pages=plan.release_pages, repacker=repacker)
     return CpuTransport(source, dtype, release_pages=plan.release_pages)
 
 

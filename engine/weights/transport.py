@@ -40,6 +40,7 @@ class Ticket:
     disk_seconds: float = 0.0  # wall time of those reads
     prepare_seconds: float = 0.0
     converted: dict[str, torch.Tensor] | None = None  # a BufferPool set (host conversion)
+    repacked: torch.Tensor | None = None  # a StreamRepacker slot the weights live in (packed, CPU fast mode)
     staging: object = None  # a disk_reader.StagingBuffer the weights view (disk tier)
     device_buffer: int | None = None  # slot of the CUDA transport's device ring
     trace: object = None  # cuda_transport.TraceRecord when tracing

@@ -1,0 +1,54 @@
+"""The C++ repack of streamed GGUF blocks into the VNNI kernels' layouts (ggml_repack.cpp), or None.
+
+Interface:
+  ggml_repack() -> module | None   the compiled repack, or None when streamed GGUF blocks keep their
+      GGML bytes and are dequantized by the matmul that uses them (the fallback): when the VNNI
+      kernels themselves do not run (int4_backend() == "aten": the layouts it writes are theirs), when
+      LAYERSTREAM_STREAM_REPACK=off asks for that (auto, the default: repack where it builds), or when
+      the extension cannot be built. The reason is logged once; decided once per process (tests reset it
+      with `ggml_repack.cache_clear()`).
+  The module: repack_int4(rows, qtype, K, codes, scales, order=None) for Q4_0/Q4_1/Q4_K and
+      repack_int8(rows, qtype, K, codes, scales, order=None) for Q8_0/Q5_0/Q5_1/Q5_K/Q6_K, writing into
+      the caller's `codes` / `scales` (Int4Weight / Int8Weight "vnni", engine/weights/packed.py); rows
+      (out, bytes per row) uint8 as stored, `order` the engine row order (rows to take, int64).
+
+Portable C++ (no instruction-set flags: it is byte shuffling and scalar fp32), built without FMA
+contraction so its arithmetic rounds as the torch code it replaces does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+from . import int4_backend
+from .build import compile_extension
+
+log = logging.getLogger("layerstream")
+
+SOURCE = Path(__file__).with_name("ggml_repack.cpp")
+NAME = "layerstream_ggml_repack"
+CFLAGS = ("-O3", "-ffp-contract=off")
+MODES = ("auto", "off")
+
+
+@functools.cache
+def ggml_repack() -> ModuleType | None:
+    wanted = os.environ.get("LAYERSTREAM_STREAM_REPACK", "auto")
+    if wanted not in MODES:
+        raise ValueError(f"LAYERSTREAM_STREAM_REPACK must be auto or off, got {wanted!r}")
+    if wanted == "off":
+        reason = "LAYERSTREAM_STREAM_REPACK=off"
+    elif int4_backend() != "vnni":
+        reason = "the VNNI kernels are not in use (aten's int4/int8 kernels are)"
+    else:
+        try:
+            return compile_extension(NAME, SOURCE, CFLAGS)
+        except Exception as e:  # noqa: BLE001 - any build failure means the fallback, loudly
+            last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
+            reason = f"it could not be built ({type(e).__name__}: {last})"
+    log.warning("streamed GGUF blocks: dequantized by each matmul, not repacked for the VNNI kernels: %s", reason)
+    return None
