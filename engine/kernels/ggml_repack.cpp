@@ -8,8 +8,9 @@
 // one pass per row, on the prefetch thread, into buffers the caller reuses (no allocation).
 //
 // Bit-for-bit equality with the torch code needs its roundings: fp32 throughout, a*b + c rounded twice
-// (built with -ffp-contract=off), float -> fp16 round to nearest even (c10::Half, as torch's .half()),
-// true division and nearbyint (torch.round) in the default rounding mode. tests/test_stream_repack.py
+// (built with -ffp-contract=off), float -> fp16 round to nearest even (F16C, as torch's .half()), true
+// division and round half to even (torch.round). Built with the VNNI kernels' AVX-512 flags: it only
+// runs beside them. tests/test_stream_repack.py
 // compares the bytes for every type.
 //
 // Output layouts (see int4_vnni.cpp): rows in blocks of 16, the last padded with zero rows.
@@ -22,6 +23,7 @@
 
 #include <torch/extension.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -71,38 +73,66 @@ inline void k_scale_min(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-// One row of Q4_0 / Q4_1 / Q4_K: its K codes (0..15) and, per 32 weights, w = scale * q + min
-// (packed.int4_from_gguf).
-void decode_int4_row(const uint8_t* row, int64_t qtype, int64_t K, uint8_t* q, float* scale, float* minimum) {
+// One lane's 4 bytes of a 64-byte vector of the int4 layout, from 8 stored bytes `a` holding the 8
+// codes of that vector in their low (or high) nibbles: byte t = code t | code 4 + t << 4.
+inline uint32_t lane_bytes(uint64_t a, bool high) {
+  constexpr uint64_t LOW = 0x0F0F0F0FULL;
+  if (!high) return static_cast<uint32_t>((a & LOW) | (((a >> 32) & LOW) << 4));
+  return static_cast<uint32_t>(((a >> 4) & LOW) | ((a >> 32) & (LOW << 4)));
+}
+
+inline uint64_t load8(const uint8_t* p) {
+  uint64_t a;
+  std::memcpy(&a, p, 8);
+  return a;
+}
+
+// float -> fp16 bits, round to nearest even (as torch's .half()).
+inline uint16_t to_f16(float v) { return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// One row of Q4_0 / Q4_1 / Q4_K written as lane j of its row block: the codes into `dst` (the row
+// block's codes, G * 256 bytes), and per 32 weights, w = scale * q + min (packed.int4_from_gguf), into
+// the block's fp16 scales (G, 2, 16). Returns false if a scale or min is not finite in fp16.
+bool pack_int4_row(const uint8_t* row, int64_t qtype, int64_t G, int64_t j, uint8_t* dst, uint16_t* sm) {
+  bool finite = true;
+  auto put = [&](int64_t g, float scale, float minimum, const uint8_t* qs8[4], bool high[4]) {
+    uint8_t* d = dst + g * 256 + j * 4;
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t u = lane_bytes(load8(qs8[v]), high[v]);
+      std::memcpy(d + v * 64, &u, 4);
+    }
+    const uint16_t s = to_f16(scale), m = to_f16(minimum);
+    finite &= (s & 0x7C00) != 0x7C00 && (m & 0x7C00) != 0x7C00;
+    sm[g * 2 * LANES + j] = s;
+    sm[g * 2 * LANES + LANES + j] = m;
+  };
   if (qtype == Q4_K) {
-    for (int64_t s0 = 0; s0 < K / 256; ++s0) {
+    for (int64_t s0 = 0; s0 < G / 8; ++s0) {
       const uint8_t* b = row + s0 * 144;
       const float d = f16(b), dmin = f16(b + 2);
       uint8_t sc[8], mn[8];
       k_scale_min(b + 4, sc, mn);
       for (int s = 0; s < 8; ++s) {
-        const int64_t g = s0 * 8 + s;
-        scale[g] = d * static_cast<float>(sc[s]);
-        minimum[g] = -(dmin * static_cast<float>(mn[s]));
+        // sub-block s: the low (s even) or high (s odd) nibbles of 32 bytes
         const uint8_t* qs = b + 16 + 32 * (s / 2);
-        const int shift = (s % 2) * 4;
-        for (int i = 0; i < 32; ++i) q[g * 32 + i] = (qs[i] >> shift) & 0x0F;
+        const uint8_t* qs8[4] = {qs, qs + 8, qs + 16, qs + 24};
+        bool high[4] = {s % 2 == 1, s % 2 == 1, s % 2 == 1, s % 2 == 1};
+        put(s0 * 8 + s, d * static_cast<float>(sc[s]), -(dmin * static_cast<float>(mn[s])), qs8, high);
       }
     }
-    return;
+    return finite;
   }
   const int64_t size = qtype == Q4_0 ? 18 : 20;
-  for (int64_t g = 0; g < K / 32; ++g) {
+  for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = row + g * size;
     const float d = f16(b);
-    scale[g] = d;
-    minimum[g] = qtype == Q4_0 ? -8.0f * d : f16(b + 2);
+    // codes 0..15 are the low nibbles of the 16 bytes, 16..31 their high nibbles
     const uint8_t* qs = b + (qtype == Q4_0 ? 2 : 4);
-    for (int i = 0; i < 16; ++i) {
-      q[g * 32 + i] = qs[i] & 0x0F;
-      q[g * 32 + 16 + i] = qs[i] >> 4;
-    }
+    const uint8_t* qs8[4] = {qs, qs + 8, qs, qs + 8};
+    bool high[4] = {false, false, true, true};
+    put(g, d, qtype == Q4_0 ? -8.0f * d : f16(b + 2), qs8, high);
   }
+  return finite;
 }
 
 // One row of Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K dequantized to fp32 exactly as dequant.py does it.
@@ -124,10 +154,13 @@ void dequantize_row(const uint8_t* row, int64_t qtype, int64_t K, float* w) {
         const float d = f16(b), m = one ? f16(b + 2) : 0.0f;
         const uint8_t* qh = b + (one ? 4 : 2);
         const uint8_t* qs = qh + 4;
+        uint32_t bits;
+        std::memcpy(&bits, qh, 4);  // bit i: the 5th bit of weight i
+        float* wg = w + g * 32;
         for (int i = 0; i < 32; ++i) {
-          const int low = i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
-          const int q = low | (((qh[i / 8] >> (i % 8)) & 1) << 4);
-          w[g * 32 + i] = one ? d * static_cast<float>(q) + m : d * static_cast<float>(q - 16);
+          const int low = (i < 16 ? qs[i] : qs[i - 16] >> 4) & 0x0F;
+          const int q = low | (((bits >> i) & 1) << 4);
+          wg[i] = one ? d * static_cast<float>(q) + m : d * static_cast<float>(q - 16);
         }
       }
       return;
@@ -160,11 +193,14 @@ void dequantize_row(const uint8_t* row, int64_t qtype, int64_t K, float* w) {
           const int h = s / 4, k = s % 4;
           const uint8_t* low = ql + 64 * h + 32 * (k % 2);
           const int shift = (k / 2) * 4;
-          for (int i = 0; i < 32; ++i) {
-            const int idx = s * 32 + i;
-            const float scale = d * static_cast<float>(scales[idx / 16]);
-            const int q = (((low[i] >> shift) & 0x0F) | (((qh[32 * h + i] >> (2 * k)) & 3) << 4)) - 32;
-            w[s0 * 256 + idx] = scale * static_cast<float>(q);
+          for (int half = 0; half < 2; ++half) {  // one int8 sub-scale per 16 weights
+            const float scale = d * static_cast<float>(scales[2 * s + half]);
+            const uint8_t *lo = low + 16 * half, *hi = qh + 32 * h + 16 * half;
+            float* ws = w + s0 * 256 + s * 32 + 16 * half;
+            for (int i = 0; i < 16; ++i) {
+              const int q = (((lo[i] >> shift) & 0x0F) | (((hi[i] >> (2 * k)) & 3) << 4)) - 32;
+              ws[i] = scale * static_cast<float>(q);
+            }
           }
         }
       }
@@ -220,30 +256,19 @@ void repack_int4(const torch::Tensor& rows, int64_t qtype, int64_t K, torch::Ten
   check_out(codes, torch::kUInt8, {blocks, G * 256}, "codes");
   check_out(scales, torch::kHalf, {blocks, G, 2, LANES}, "scales");
   uint8_t* out = codes.data_ptr<uint8_t>();
-  c10::Half* sm = scales.data_ptr<c10::Half>();
-  std::vector<uint8_t> q(K);
-  std::vector<float> scale(G), minimum(G);
+  uint16_t* sm = reinterpret_cast<uint16_t*>(scales.data_ptr<c10::Half>());
   for (int64_t n = 0; n < blocks * LANES; ++n) {
     const int64_t b = n / LANES, j = n % LANES;
+    uint8_t* dst = out + b * G * 256;
+    uint16_t* smb = sm + b * G * 2 * LANES;
     if (n < N) {
-      decode_int4_row(src.row(n), qtype, K, q.data(), scale.data(), minimum.data());
-    } else {
-      std::fill(q.begin(), q.end(), 0);
-      std::fill(scale.begin(), scale.end(), 0.0f);
-      std::fill(minimum.begin(), minimum.end(), 0.0f);
+      TORCH_CHECK_VALUE(pack_int4_row(src.row(n), qtype, G, j, dst, smb), "int4: a group scale or minimum of a (",
+                        N, ", ", K, ") weight does not fit in float16 (|value| > 65504)");
+      continue;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* qg = q.data() + g * GROUP;
-      uint8_t* dst = out + b * G * 256 + g * 256 + j * 4;
-      for (int v = 0; v < 4; ++v)
-        for (int t = 0; t < 4; ++t) dst[v * 64 + t] = qg[8 * v + t] | (qg[8 * v + 4 + t] << 4);
-      const c10::Half s(scale[g]), m(minimum[g]);
-      TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(s)) && std::isfinite(static_cast<float>(m)),
-                        "int4: a group scale or minimum of a (", N, ", ", K,
-                        ") weight does not fit in float16 (|value| > 65504)");
-      c10::Half* smg = sm + (b * G + g) * 2 * LANES;
-      smg[j] = s;
-      smg[LANES + j] = m;
+    for (int64_t g = 0; g < G; ++g) {  // padding: code 0, scale 0, min 0
+      for (int v = 0; v < 4; ++v) std::memset(dst + g * 256 + v * 64 + j * 4, 0, 4);
+      smb[g * 2 * LANES + j] = smb[g * 2 * LANES + LANES + j] = 0;
     }
   }
 }
@@ -265,12 +290,18 @@ void repack_int8(const torch::Tensor& rows, int64_t qtype, int64_t K, torch::Ten
     float s = 0.0f;
     if (n < N) {
       dequantize_row(src.row(n), qtype, K, w.data());
-      float amax = 0.0f;
-      for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(w[i]));
-      s = std::max(amax / 127.0f, FLT_MIN);  // Int8Weight.quantize: (amax / 127).clamp(min=tiny)
-      for (int64_t i = 0; i < K; ++i) {
-        const float c = std::min(std::max(std::nearbyint(w[i] / s), -127.0f), 127.0f);
-        q[i] = static_cast<uint8_t>(static_cast<int>(c) + 128);
+      __m512 vmax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < K; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(&w[i])));
+      // Int8Weight.quantize: scale (amax / 127).clamp(min=tiny), codes round(w / scale).clamp(-127, 127),
+      // a true division and round half to even, as torch's
+      s = std::max(_mm512_reduce_max_ps(vmax) / 127.0f, FLT_MIN);
+      const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+      for (int64_t i = 0; i < K; i += 16) {
+        __m512 c = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(&w[i]), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c = _mm512_min_ps(_mm512_max_ps(c, lo), hi);
+        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(c), _mm512_set1_epi32(128));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&q[i]), _mm512_cvtepi32_epi8(u));
       }
     } else {
       std::fill(q.begin(), q.end(), 128);

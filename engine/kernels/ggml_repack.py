@@ -12,8 +12,8 @@ Interface:
       the caller's `codes` / `scales` (Int4Weight / Int8Weight "vnni", engine/weights/packed.py); rows
       (out, bytes per row) uint8 as stored, `order` the engine row order (rows to take, int64).
 
-Portable C++ (no instruction-set flags: it is byte shuffling and scalar fp32), built without FMA
-contraction so its arithmetic rounds as the torch code it replaces does.
+Built with the VNNI kernels' instruction-set flags (it runs only beside them) and without FMA
+contraction, so its arithmetic rounds as the torch code it replaces does.
 """
 
 from __future__ import annotations
@@ -25,13 +25,17 @@ from pathlib import Path
 from types import ModuleType
 
 from . import int4_backend
+from . import build
 from .build import compile_extension
 
 log = logging.getLogger("layerstream")
 
 SOURCE = Path(__file__).with_name("ggml_repack.cpp")
 NAME = "layerstream_ggml_repack"
-CFLAGS = ("-O3", "-ffp-contract=off")
+# The VNNI kernels' instruction sets (it only runs where they do), so the loops vectorize; no FMA
+# contraction (a*b + c rounds twice, as torch's separate ops); no trapping math / errno, which change
+# no result but let nearbyint and the clamps compile to vector instructions.
+CFLAGS = (*build.CFLAGS, "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno")
 MODES = ("auto", "off")
 
 
