@@ -24,15 +24,31 @@ Four choices, each for a reason found reading the CUDA path against torch 2.11 (
   1.07-1.15x the CPU time of one call (measured side by side here), for memory the flash kernel
   never takes. The plan keeps the math path's
   bound (the most any backend takes), so a step's flash calls always fit inside it.
+- On a CPU with bf16 dot products (AVX512-BF16 or AMX), bf16 attention is not SDPA's at all: it is
+  two oneDNN matmuls around an fp32 softmax (`_attend_bf16_matmul`). SDPA's CPU flash kernel does its
+  bf16 x bf16 -> fp32 tile products through MKL, which on this AMD EPYC converts them to fp32 and
+  runs sgemm (perf: `mkl_blas_def_xgemm_bf16bf16f32` calling `sgemm_kernel_0_zen`, ~50% of the
+  kernel), so bf16 attention ran no faster than fp32 (~65 GFLOP/s for a 128-token chunk over 2000
+  keys). oneDNN runs the same products on the bf16 units: q k^T with fp32 inputs that are exact bf16
+  values under oneDNN's bf16 math mode (products exact, fp32 accumulation: the fp32 scores flash
+  computes), the softmax in fp32, the probabilities rounded to bf16 (as flash rounds them) times V
+  with fp32 accumulation. Its errors against float64 are no larger than flash's (measured: mean
+  4e-5 vs 6.5e-5, max 4.9e-4 vs 5.9e-4 at 2000 keys). Keys that every query row of the call may see
+  (`open_keys`: the cached prefix before the earliest chunk) skip the mask. fp32 (exact mode) and
+  fp16 keep SDPA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
+
+from .kernels import _cpu_flags
 
 log = logging.getLogger("layerstream")
 
@@ -79,6 +95,41 @@ def uses_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return q.device.type == "cpu" and _sdp_choice is not None and _sdp_choice(q, k, v, attn_mask=mask) == _FLASH
 
 
+def matmul_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int) -> int:
+    """Temporaries of one `_attend_bf16_matmul` call (same arguments as call_bytes), all in its
+    AttentionScratch but the last two: K and V in fp32, the scores and their softmax in fp32, then
+    the inverted mask and the fp32 output before its cast."""
+    return _scratch_floats(seqs, rows, ctx, heads, head_dim) * 4 + seqs * rows * ctx + seqs * heads * rows * head_dim * (4 + itemsize)
+
+
+def _scratch_floats(seqs: int, rows: int, ctx: int, heads: int, head_dim: int) -> int:
+    return seqs * heads * (2 * ctx * head_dim + 2 * rows * ctx)
+
+
+# At most this much per bf16 matmul call, whatever the plan allows. Measured here (one thread, a
+# 128-token chunk over 2032 keys, fresh temporaries per call): 11-12 ms in calls of 12-24 MiB, 21-25 ms
+# in calls of ~30 MB, ~40 ms in one call of ~45 MB, the larger calls paying page faults on memory the
+# allocator had returned to the system; more, smaller calls cost little (each re-reads only K and V).
+MATMUL_CPU_CALL_BYTES = 16 << 20
+
+
+class AttentionScratch:
+    """fp32 memory the bf16 matmul path reuses from call to call (a runner owns one, passed in through
+    StepInputs): fresh temporaries of several MiB per call are page-faulted in again whenever the
+    allocator has given them back to the system, which measured 9.7 ms against 16 ms for the same
+    call. It grows to the largest call's need, at most MATMUL_CPU_CALL_BYTES (within the plan's
+    attention workspace, which this memory is part of)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def take(self, floats: int) -> torch.Tensor:
+        """A flat fp32 tensor of `floats` elements, its contents undefined."""
+        if self._buf.numel() < floats:
+            self._buf = torch.empty(floats)
+        return self._buf[:floats]
+
+
 def split(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
           chunk_bytes: int | None = None, cost_fn=call_bytes) -> tuple[int, int]:
     """(sequences, query rows) per call so that cost_fn (call_bytes: the math path) stays under
@@ -100,6 +151,76 @@ def workspace_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, i
     return call_bytes(s, r, ctx, heads, head_dim, itemsize)
 
 
+def _bf16_dot_products() -> bool:
+    """Whether oneDNN runs bf16 products on bf16 units here (else its bf16 math mode would run them
+    in fp32: exact, but slower than SDPA's flash kernel)."""
+    flags = _cpu_flags()
+    return torch.backends.mkldnn.is_available() and bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+BF16_MATMUL_CPU = _bf16_dot_products()
+
+
+def uses_bf16_matmul_cpu(q: torch.Tensor) -> bool:
+    """Whether attend runs these queries through `_attend_bf16_matmul` rather than SDPA."""
+    return BF16_MATMUL_CPU and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def _fp32_matmul_as_bf16():
+    """oneDNN's bf16 math mode for fp32 matmuls, for the calls inside only. The setting is process
+    wide: the engine's one compute thread is the only one multiplying while it is set."""
+    mm = torch.backends.mkldnn.matmul
+    old = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mm.fp32_precision = old
+
+
+def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, open_keys: int,
+                        chunk_bytes: int | None, scratch: AttentionScratch | None) -> torch.Tensor:
+    """Folded attention (GQA already folded into q's rows) as two matmuls: q (seqs, kv_heads, rows,
+    head_dim) bf16; k, v (seqs, kv_heads, context, head_dim); mask (seqs, 1, rows, context), whose first
+    open_keys columns are all True. Returns (seqs, kv_heads, rows, head_dim) bf16."""
+    seqs, nkv, rows, hd = q.shape
+    ctx = k.shape[2]
+    bound = min(CHUNK_BYTES if chunk_bytes is None else chunk_bytes, MATMUL_CPU_CALL_BYTES)
+    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), bound, matmul_cpu_call_bytes)
+    buf = (scratch or AttentionScratch()).take(_scratch_floats(sp, rp, ctx, nkv, hd))
+    hidden = mask[..., open_keys:].logical_not() if open_keys < ctx else None  # (seqs, 1, rows, context - open_keys)
+    scale = hd ** -0.5
+    out = q.new_empty(q.shape)
+    with _fp32_matmul_as_bf16():
+        for a in range(0, seqs, sp):
+            n = min(sp, seqs - a)
+            kf, vf, rest = _carve(buf, (n, nkv, ctx, hd), (n, nkv, ctx, hd))
+            kf.copy_(k[a:a + n])  # exact: bf16 values in fp32
+            vf.copy_(v[a:a + n])
+            kt = kf.transpose(-1, -2)  # (n, kv_heads, head_dim, context)
+            for r in range(0, rows, rp):
+                m = min(rp, rows - r)
+                s_r, p_r, _ = _carve(rest, (n, nkv, m, ctx), (n, nkv, m, ctx))  # (n, kv_heads, m, context)
+                torch.matmul(q[a:a + n, :, r:r + m].float(), kt, out=s_r)  # fp32 scores, bf16 products
+                s_r.mul_(scale)  # in fp32 after the product, as flash scales
+                if hidden is not None:
+                    s_r[..., open_keys:].masked_fill_(hidden[a:a + n, :, r:r + m], float("-inf"))
+                torch.softmax(s_r, dim=-1, out=p_r)
+                out[a:a + n, :, r:r + m] = torch.matmul(p_r, vf)  # rounded to bf16 once
+    return out
+
+
+def _carve(buf: torch.Tensor, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Consecutive contiguous views of buf with these shapes, then the rest of buf."""
+    views, start = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(buf[start:start + n].view(shape))
+        start += n
+    return [*views, buf[start:]]
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled():
         # cuDNN SDPA off for the process, once, rather than an sdpa_kernel() context around every
@@ -112,9 +233,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           chunk_bytes: int | None = None) -> torch.Tensor:
+           chunk_bytes: int | None = None, open_keys: int = 0, scratch: AttentionScratch | None = None
+           ) -> torch.Tensor:
     """q: (seqs, heads, max_query, head_dim); k, v: (seqs, kv_heads, context, head_dim);
-    mask: (seqs, 1, max_query, context) bool, True = may attend. Returns (seqs, heads, max_query, head_dim)."""
+    mask: (seqs, 1, max_query, context) bool, True = may attend; its first open_keys columns must be
+    all True (a promise the bf16 matmul path relies on; 0 makes none); scratch: memory that path reuses.
+    Returns (seqs, heads, max_query, head_dim)."""
     seqs, nh, mq, hd = q.shape
     nkv, ctx = k.shape[1], k.shape[2]
     group = nh // nkv
@@ -123,6 +247,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q = q.reshape(seqs, nkv, group * mq, hd)  # (seqs, kv_heads, group * max_query, head_dim)
         mask = mask[:, :, None].expand(seqs, 1, group, mq, ctx).reshape(seqs, 1, group * mq, ctx)
     rows = q.shape[2]
+    if uses_bf16_matmul_cpu(q):
+        return _attend_bf16_matmul(q, k, v, mask, open_keys, chunk_bytes, scratch).reshape(seqs, nh, mq, hd)
     sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
     if (sp < seqs or rp < rows) and uses_flash_cpu(q, k, v, mask):
         # Only a call the math path's bound would split asks SDPA's dispatch (~5 us, once per block

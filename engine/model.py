@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .arch import ModelConfig
-from .attention_backend import attend
+from .attention_backend import AttentionScratch, attend
 from .kernels.fused_ops import fused_ops
 
 
@@ -40,6 +40,10 @@ class StepInputs:
     attn_mask: torch.Tensor  # (seqs, 1, max_query, context_len) bool, True = may attend
     logits_index: torch.Tensor  # (rows,) flat index of each token whose logits are needed
     attn_chunk_bytes: int | None = None  # bound on one attention call's temporaries (None: the default)
+    # Keys [0, open_keys) may be attended by every row of attn_mask (the cached prefix before the
+    # earliest chunk's start, when no sliding window cuts it): attention skips their mask.
+    open_keys: int = 0
+    attn_scratch: AttentionScratch | None = None  # memory attention reuses across calls (the runner's)
 
 
 def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -168,7 +172,8 @@ def attention(
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
     keys = gather_blocks(k_cache, step.block_tables, step.context_len)  # (seqs, kv_heads, context, head_dim)
     values = gather_blocks(v_cache, step.block_tables, step.context_len)
-    out = attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes)  # (seqs, heads, max_query, head_dim)
+    # (seqs, heads, max_query, head_dim)
+    out = attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)

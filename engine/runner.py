@@ -14,6 +14,7 @@ import torch
 
 from . import model as M
 from .arch import ModelConfig
+from .attention_backend import AttentionScratch
 from .block_manager import BlockCopy
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
@@ -62,6 +63,7 @@ class ModelRunner:
         self.inv_freq, self.rope_scaling = M.rotary_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         self.last_step: StepTiming | None = None
+        self.attn_scratch = AttentionScratch()
 
     def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
         ids, positions, slot_mapping, logits_index, prompt_rows = [], [], [], [], []
@@ -99,8 +101,10 @@ class ModelRunner:
         keys = torch.arange(ctx, device=dev)
         mask = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
         window = self.cfg.sliding_window
+        open_keys = min(starts)  # every row's causal mask admits the keys before the earliest chunk
         if window is not None and window < ctx:
             mask &= keys[None, None, :] > q_pos[:, :, None] - window
+            open_keys = 0
         # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
         mask[..., 0] |= ~valid
         return M.StepInputs(
@@ -116,6 +120,8 @@ class ModelRunner:
             attn_mask=mask[:, None],
             logits_index=logits_t,
             attn_chunk_bytes=self.attn_chunk_bytes,
+            open_keys=open_keys,
+            attn_scratch=self.attn_scratch,
         )
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,

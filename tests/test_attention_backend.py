@@ -159,10 +159,11 @@ def test_a_small_budget_bounds_each_call_to_an_eighth_of_it():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_steps_run_the_flash_kernel_within_its_bound(dtype):
+def test_cpu_steps_run_the_flash_kernel_within_its_bound(dtype, monkeypatch):
     """Every shape a step forms (decodes, mixed chunks, a long prefill chunk; GQA folded) goes to the
     CPU flash kernel, whose measured peak stays under flash_cpu_call_bytes; for a large call the
     bound is not a blanket margin (the per-thread tiles are a fixed part, so small calls are looser)."""
+    monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", False)  # a CPU without bf16 dot products
     problems = [padded_problem(*MIXED, heads=8, kv_heads=2, head_dim=16, dtype=dtype),
                 padded_problem([1] * 16, list(range(40, 56)), heads=16, kv_heads=4, head_dim=64, dtype=dtype),
                 padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=dtype)]
@@ -184,6 +185,7 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
     math-path calls; on the CPU the flash kernel runs, which needs a fraction of that, so attend
     makes one call (three re-read K/V with smaller tiles: 1.07-1.15x the time here) with the same result.
     Under sdpa_kernel(MATH) the math path runs, and the math bound splits it again."""
+    monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", False)  # a CPU without bf16 dot products
     q, k, v, mask = padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=torch.bfloat16)
     bound = 30_282_880
     sp, rp = split(1, 4 * 128, 2000, 4, 64, 2, bound)
@@ -200,3 +202,82 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
         assert len(calls) == 3
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), atol=2e-2, rtol=2e-2)
+
+
+# bf16 attention on a CPU with bf16 dot products: two oneDNN matmuls around an fp32 softmax. The
+# tests force the path on (BF16_MATMUL_CPU): without bf16 units oneDNN computes the same in fp32.
+BF16_PROBLEMS = {
+    "mixed": (MIXED, 8, 2, 16),
+    "decodes": (([1] * 16, list(range(40, 56))), 16, 4, 64),
+    "cached-chunk": (([128], [1872]), 16, 4, 64),
+    "two-chunks": (([64, 32], [900, 1500]), 16, 4, 64),
+}
+
+
+def abs_errors(out, want):
+    err = (out.double() - want).abs()
+    return err.max().item(), err.mean().item()
+
+
+@pytest.mark.parametrize("name", list(BF16_PROBLEMS))
+def test_bf16_matmul_path_is_at_least_as_accurate_as_flash(name, monkeypatch):
+    """Against float64, the matmul path's largest and mean errors are no larger than the CPU flash
+    kernel's on the same problem (its scores are the same fp32 products, its probabilities are not
+    rounded to bf16 before multiplying V); the keys before the earliest chunk skip the mask, which
+    changes nothing; the result is the same split into many calls; the oneDNN setting is restored."""
+    (counts, starts), nh, nkv, hd = BF16_PROBLEMS[name]
+    q, k, v, mask = padded_problem(counts, starts, heads=nh, kv_heads=nkv, head_dim=hd, dtype=torch.bfloat16)
+    want = reference_attention(q, k, v, mask)
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    with torch.inference_mode():
+        monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", False)
+        flash = attend(q, k, v, mask)
+        monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", True)
+        assert attention_backend.uses_bf16_matmul_cpu(q) and not attention_backend.uses_bf16_matmul_cpu(q.float())
+        scratch = attention_backend.AttentionScratch()
+        ours = attend(q, k, v, mask, open_keys=min(starts), scratch=scratch)
+        masked = attend(q, k, v, mask, open_keys=0, scratch=scratch)
+        split_calls = attend(q, k, v, mask, chunk_bytes=1, open_keys=min(starts), scratch=scratch)
+    assert torch.backends.mkldnn.matmul.fp32_precision == precision
+    assert ours.shape == q.shape and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, masked, atol=0, rtol=0)
+    torch.testing.assert_close(split_calls, ours, atol=2e-2, rtol=2e-2)
+    (mf, af), (mo, ao) = abs_errors(flash, want), abs_errors(ours, want)
+    assert mo <= mf and ao <= af, ((mo, ao), (mf, af))
+
+
+def test_bf16_matmul_path_reads_the_mask():
+    """The mask is applied, not assumed causal: a random mask (every row keeps key 0) gives the
+    reference's result, and ignoring it would not."""
+    q, k, v, _ = padded_problem([16, 8], [40, 50], heads=8, kv_heads=2, head_dim=16, dtype=torch.bfloat16, seed=5)
+    mask = torch.rand(2, 1, 16, 58, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask[..., 0] = True
+    with torch.inference_mode():
+        ours = attention_backend._attend_bf16_matmul(
+            q.reshape(2, 2, 64, 16), k, v, mask[:, :, None].expand(2, 1, 4, 16, 58).reshape(2, 1, 64, 58), 0, None, None)
+    want = reference_attention(q, k, v, mask)
+    torch.testing.assert_close(ours.reshape(q.shape).double(), want, atol=2e-2, rtol=2e-2)
+    assert (reference_attention(q, k, v, torch.ones_like(mask)) - want).abs().max() > 0.1
+
+
+def test_bf16_matmul_path_within_its_bound():
+    """A call's measured peak, with an empty scratch (so the scratch's allocation counts), stays
+    under matmul_cpu_call_bytes, which is not a blanket margin and is below the math path's formula
+    for the same call (the plan's workspace); a second call with the same scratch allocates far less."""
+    q, k, v, mask = padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    qf = q.reshape(1, 4, 512, 64)
+    mf = mask[:, :, None].expand(1, 1, 4, 128, 2000).reshape(1, 1, 512, 2000)
+    bound = 8 << 20  # splits the rows
+    sp, rp = split(1, 512, 2000, 4, 64, 2, bound, attention_backend.matmul_cpu_call_bytes)
+    assert rp < 512
+    scratch = attention_backend.AttentionScratch()
+    with torch.inference_mode():
+        first = peak_bytes(lambda: attention_backend._attend_bf16_matmul(qf, k, v, mf, 1872, bound, scratch))
+        again = peak_bytes(lambda: attention_backend._attend_bf16_matmul(qf, k, v, mf, 1872, bound, scratch))
+    limit = attention_backend.matmul_cpu_call_bytes(sp, rp, 2000, 4, 64, 2)
+    out_bytes = qf.numel() * 2  # the result, which outlives the call
+    assert first - out_bytes <= limit <= 2 * (first - out_bytes), (first, limit)
+    assert limit <= bound
+    for shape in [(sp, rp, 2000, 4, 64, 2), (16, 4, 80, 4, 64, 2), (1, 1, 4096, 8, 128, 2)]:  # per call, below
+        assert attention_backend.matmul_cpu_call_bytes(*shape) <= call_bytes(*shape)  # what the plan reserves
+    assert again < first / 4, (again, first)

@@ -44,6 +44,7 @@ def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
     if window is not None and window < ctx:
         mask &= keys[None, None, :] > q_pos[:, :, None] - window
     mask[..., 0] |= ~valid
+    open_keys = 0 if window is not None and window < ctx else min(starts)
     pad_rows = None
     if len(chunks) * mq != len(ids):
         pad_rows = torch.tensor([i * mq + j for i, n in enumerate(counts) for j in range(n)], dtype=torch.long,
@@ -54,7 +55,7 @@ def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
         input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=pos, cos=cos, sin=sin,
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
         block_tables=torch.tensor(tables, dtype=torch.long, device=dev), pad_rows=pad_rows, max_query=mq,
-        context_len=ctx, attn_mask=mask[:, None],
+        context_len=ctx, attn_mask=mask[:, None], open_keys=open_keys, attn_scratch=runner.attn_scratch,
         logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev))
 
 
@@ -140,6 +141,8 @@ def test_step_inputs_equal_the_per_field_construction(runner, chunks):
             torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
         else:
             assert got == want, name
+    step = runner._step_inputs(chunks)
+    assert step.open_keys == min(c.start for c in chunks) and step.attn_mask[..., :step.open_keys].all()
 
 
 def test_step_inputs_take_one_host_to_device_copy(runner):
