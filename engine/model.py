@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .arch import ModelConfig
 from .attention_backend import AttentionScratch, attend
+from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 
 
@@ -312,9 +313,39 @@ def block_forward(
     cfg: ModelConfig,
 ) -> torch.Tensor:
     """One decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
+    args = _decode_block_args(x, w, k_cache, v_cache, step, cfg)
+    if args is not None:
+        return decode_block().block(*args)  # the same ops in one C++ call (kernels/decode_block.cpp)
     a = attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
     h, hn = add_rms_norm(x, a, w["mlp_norm"], cfg.rms_norm_eps)  # h = x + a, hn = norm(h)
     return h + mlp(hn, w)
+
+
+def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       step: StepInputs, cfg: ModelConfig) -> tuple | None:
+    """decode_block().block's arguments when this block can run as one C++ call, else None: a decode
+    step (one token per sequence) on the CPU in a 16-bit dtype (float32, the exact mode, stays op by
+    op), q/k/v and gate/up stacked (engine.weights.fuse; the streamed blocks' repack does it too), no
+    per-head norms or clipping, and every matmul a dense weight of x's dtype or a VNNI-layout one."""
+    if (step.max_query != 1 or step.pad_rows is not None or x.dtype == torch.float32
+            or "wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
+            or not _fusable(x, w["attn_norm"], w["mlp_norm"], step.cos, k_cache) or decode_block() is None):
+        return None
+    weights = [_kernel_weight(w[name], x.dtype) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    if None in weights:
+        return None
+    wqkv, wo, w_gate_up, w_down = weights
+    return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
+            w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, step.block_tables, step.positions,
+            cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+
+def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
+    """(tensor, scales or None, out_features) as decode_block takes a weight, or None when it cannot."""
+    if isinstance(w, torch.Tensor):
+        return (w, None, w.shape[0]) if w.dtype == dtype and w.dim() == 2 else None
+    vnni_args = getattr(w, "vnni_args", None)
+    return vnni_args() if vnni_args is not None else None
 
 
 def final_logits(

@@ -31,9 +31,10 @@ STALE_DAYS = 7
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
 
 
-def build_folder(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS) -> Path:
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(cflags).encode(),
-                                     torch.__version__.encode(), sys.version.encode()])).hexdigest()[:16]
+def build_folder(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS, includes: tuple[Path, ...] = ()) -> Path:
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.read_bytes() for p in includes),
+                                     " ".join(cflags).encode(), torch.__version__.encode(),
+                                     sys.version.encode()])).hexdigest()[:16]
     return cache_root() / "kernels" / f"{name}-{key}"
 
 
@@ -55,10 +56,12 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS) -> ModuleType:
-    """The extension built from one C++ source file, compiled once per (source, flags, torch).
-    Raises whatever the build raises (no compiler, a compile error, no ninja)."""
-    folder = build_folder(name, source, cflags)
+def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
+                      includes: tuple[Path, ...] = ()) -> ModuleType:
+    """The extension built from one C++ source file, compiled once per (source, the files it
+    #includes from this folder, flags, torch). Raises whatever the build raises (no compiler, a
+    compile error, no ninja)."""
+    folder = build_folder(name, source, cflags, includes)
     library = folder / f"{name}.so"
     if library.exists():
         try:

@@ -455,6 +455,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 
 }  // namespace
 
+// decode_block.cpp includes this file for its functions and defines its own module.
+#ifndef LAYERSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) with fp32 accumulation");
   m.def("add_rms_norm", &add_rms_norm, "(h, rms_norm(h)) for h = x + r");
@@ -464,3 +466,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("block_tables"), py::arg("positions"), py::arg("window") = 0);
 }
+#endif

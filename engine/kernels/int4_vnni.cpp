@@ -306,6 +306,8 @@ bool cpu_supported() {
 
 }  // namespace
 
+// decode_block.cpp includes this file for its functions and defines its own module.
+#ifndef LAYERSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x @ W.T, W 4-bit with a (scale, min) per 32, x quantized to int8 per 32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
@@ -315,3 +317,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("two_pass") = true);
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");
 }
+#endif

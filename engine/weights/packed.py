@@ -87,6 +87,11 @@ class Int4Weight:
         y = y.reshape(*lead, self.shape[0])  # (..., out)
         return y if bias is None else y + bias
 
+    def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(codes, scales, out_features) for C++ callers of the VNNI kernel (engine/kernels/decode_block.cpp),
+        or None in aten's layout."""
+        return (self.codes, self.scales, self.shape[0]) if self.layout == "vnni" else None
+
     def clone(self) -> "Int4Weight":
         return Int4Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
 
@@ -166,6 +171,10 @@ class Int8Weight:
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.codes, self.scales)
         y = y.reshape(*lead, self.shape[0])  # (..., out)
         return y if bias is None else y + bias
+
+    def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """As Int4Weight.vnni_args: float32 scales tell the int8 layout from the int4 one."""
+        return (self.codes, self.scales, self.shape[0]) if self.layout == "vnni" else None
 
     def clone(self) -> "Int8Weight":
         return Int8Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)

@@ -1,0 +1,53 @@
+"""A decoder block of a decode step as one C++ call (decode_block.cpp), with a logged fallback.
+
+Interface:
+  decode_block() -> module | None   the compiled block, or None when engine/model.py must run the
+      block op by op: LAYERSTREAM_DECODE_BLOCK=off asks for that (auto, the default: the C++ block
+      where it builds), as do the fused CPU ops being off (it is made of them) and the AVX512-VNNI
+      kernels not being in use (it is made of them too, and built for their instruction sets); a
+      build failure likewise. The reason is logged once. Tests reset it with `decode_block.cache_clear()`.
+  module.block(x, attn_norm, mlp_norm, eps, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, k_cache,
+               v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim) -> (seqs, hidden)
+      a weight being (tensor, scales or None, out_features): see decode_block.cpp.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+from . import build, fused_ops, int4_backend
+
+log = logging.getLogger("layerstream")
+
+SOURCE = Path(__file__).with_name("decode_block.cpp")
+INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE)  # what decode_block.cpp #includes
+NAME = "layerstream_decode_block"
+# The kernels' instruction sets, and fused_ops' rounding flags (which leave the kernels' explicit
+# intrinsics alone).
+CFLAGS = build.CFLAGS + tuple(f for f in fused_ops.CFLAGS if f not in build.CFLAGS)
+MODES = ("auto", "off")
+
+
+@functools.cache
+def decode_block() -> ModuleType | None:
+    wanted = os.environ.get("LAYERSTREAM_DECODE_BLOCK", "auto")
+    if wanted not in MODES:
+        raise ValueError(f"LAYERSTREAM_DECODE_BLOCK must be auto or off, got {wanted!r}")
+    if wanted == "off":
+        reason = "LAYERSTREAM_DECODE_BLOCK=off"
+    elif fused_ops.fused_ops() is None:
+        reason = "the fused CPU ops are off"
+    elif int4_backend() != "vnni":
+        reason = "the AVX512-VNNI kernels are not in use"
+    else:
+        try:
+            return build.compile_extension(NAME, SOURCE, CFLAGS, INCLUDES)
+        except Exception as e:  # noqa: BLE001 - any build failure means the op-by-op block, loudly
+            last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
+            reason = f"it could not be built ({type(e).__name__}: {last})"
+    log.warning("decode steps: running each block op by op, not as one C++ call: %s", reason)
+    return None

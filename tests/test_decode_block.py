@@ -1,0 +1,171 @@
+"""A decode step's block as one C++ call (engine/kernels/decode_block.cpp) against engine/model.py's
+op-by-op block_forward: it calls the same functions in the same order, so outputs and KV caches must be
+bit-identical (dense, int4 and int8 weights; Qwen2's q/k/v bias; a sliding window), and a whole fast-mode
+run must give the same tokens and log-probabilities with it and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine import LLM, SamplingParams
+from engine import kernels
+from engine import model as M
+from engine.arch import ModelConfig
+from engine.kernels import decode_block as db
+from engine.weights import Int4Weight, Int8Weight
+from tests.test_gguf import tiny_gguf
+
+module = db.decode_block()
+needs_block = pytest.mark.skipif(module is None, reason="the C++ decode block is not available here")
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 64, 96, 4, 2, 16, 16
+
+
+def _cfg(window=None) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=HIDDEN, intermediate_size=INTER,
+                       num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+                       max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
+                       checkpoint_dtype=torch.bfloat16, sliding_window=window,
+                       rope_inv_freq=tuple((1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)).tolist()))
+
+
+def _weight(out, inner, kind, g):
+    dense = torch.randn(out, inner, generator=g) / inner ** 0.5
+    if kind == "dense":
+        return dense.bfloat16()
+    if kind == "int8":
+        return Int8Weight.quantize(dense, torch.bfloat16)
+    codes = torch.randint(0, 16, (out, inner), generator=g)
+    scale = torch.rand(out, inner // 32, generator=g) / (4 * inner ** 0.5)
+    return Int4Weight.from_codes(codes, scale, -8 * scale, torch.bfloat16)
+
+
+def _block(kind, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    w = {"attn_norm": (1 + torch.randn(HIDDEN, generator=g) / 10).bfloat16(),
+         "mlp_norm": (1 + torch.randn(HIDDEN, generator=g) / 10).bfloat16(),
+         "wqkv": _weight(qkv_rows, HIDDEN, kind, g), "wo": _weight(HIDDEN, HEADS * HEAD_DIM, kind, g),
+         "w_gate_up": _weight(2 * INTER, HIDDEN, kind, g), "w_down": _weight(HIDDEN, INTER, kind, g)}
+    if bias:
+        w["bqkv"] = torch.randn(qkv_rows, generator=g).bfloat16()
+    return w
+
+
+def _step(positions, tables, cfg):
+    positions, tables = torch.tensor(positions), torch.tensor(tables)
+    slots = tables.gather(1, (positions // BLOCK)[:, None])[:, 0] * BLOCK + positions % BLOCK
+    cos, sin = M.rotary_cos_sin(positions, *M.rotary_inv_freq(cfg), torch.bfloat16)
+    ctx = int(positions.max()) + 1
+    keys = torch.arange(ctx)
+    mask = keys[None, :] <= positions[:, None]  # (seqs, context)
+    if cfg.sliding_window:
+        mask &= keys[None, :] > positions[:, None] - cfg.sliding_window
+    return M.StepInputs(input_ids=torch.zeros(len(positions), dtype=torch.long), positions=positions, cos=cos,
+                        sin=sin, slot_mapping=slots, block_tables=tables, pad_rows=None, max_query=1,
+                        context_len=ctx, attn_mask=mask[:, None, None, :], logits_index=torch.arange(len(positions)))
+
+
+@needs_block
+@pytest.mark.parametrize("kind,bias,window", [("int4", False, None), ("int8", True, None), ("dense", False, None),
+                                              ("int4", True, 8)])
+def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, window):
+    if kind != "dense" and kernels.int4_backend() != "vnni":
+        pytest.skip("VNNI layouts need the VNNI kernels")
+    cfg = _cfg(window)
+    w = _block(kind, bias)
+    step = _step([37, 3, 20], [[5, 2, 7], [0, 0, 0], [1, 6, 0]], cfg)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, HIDDEN, generator=g).bfloat16()  # (seqs, hidden)
+    k_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    v_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    assert M._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fast = M.block_forward(x, w, kc, vc, step, cfg)
+    monkeypatch.setattr(M, "decode_block", lambda: None)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    ref = M.block_forward(x, w, kc2, vc2, step, cfg)
+    assert torch.equal(fast, ref)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@needs_block
+def test_blocks_it_cannot_run_stay_op_by_op():
+    cfg = _cfg()
+    w = _block("dense", False)
+    step = _step([5], [[0]], cfg)
+    x = torch.randn(1, HIDDEN).bfloat16()
+    kc = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
+    assert M._decode_block_args(x, w, kc, kc, step, cfg) is not None
+    assert M._decode_block_args(x.float(), {k: v.float() for k, v in w.items()}, kc.float(), kc.float(), step,
+                                cfg) is None  # float32: the exact mode
+    assert M._decode_block_args(x, {k: v for k, v in w.items() if k != "wqkv"}, kc, kc, step, cfg) is None
+    two = _step([5, 6], [[0], [1]], cfg)
+    prefill = M.StepInputs(**{**two.__dict__, "max_query": 2, "block_tables": two.block_tables[:1]})
+    assert M._decode_block_args(torch.randn(2, HIDDEN).bfloat16(), w, kc, kc, prefill, cfg) is None
+    qk_norm = ModelConfig(**{**cfg.__dict__, "qk_norm": True})
+    assert M._decode_block_args(x, w, kc, kc, step, qk_norm) is None
+
+
+@needs_block
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q4_0), ("qwen2", Q.Q8_0)])
+def test_fast_mode_run_is_the_same_with_and_without_it(monkeypatch, tmp_path, arch, qtype):
+    """Tokens and their log-probabilities of a batched fast-mode (bf16) run of a tiny GGUF model, two
+    sequences decoding side by side: equal with the C++ block and op by op; the C++ block ran."""
+    path = tiny_gguf(tmp_path, arch, qtype)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    calls = []
+
+    class Spy:
+        def block(self, *args):
+            calls.append(1)
+            return module.block(*args)
+
+    runs = []
+    for block in (Spy(), None):
+        monkeypatch.setattr(M, "decode_block", lambda: block)
+        llm = LLM(str(path), max_model_len=64, max_num_seqs=2)
+        try:
+            outs = llm.generate(["The quick brown fox", "Hello"], params)
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        finally:
+            llm.close()
+    assert calls
+    assert runs[0] == runs[1]
+
+
+def test_off_switch_and_bad_setting(monkeypatch, caplog):
+    db.decode_block.cache_clear()
+    try:
+        monkeypatch.setenv("LAYERSTREAM_DECODE_BLOCK", "off")
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert db.decode_block() is None
+        assert "not as one C++ call: LAYERSTREAM_DECODE_BLOCK=off" in caplog.text
+        db.decode_block.cache_clear()
+        monkeypatch.setenv("LAYERSTREAM_DECODE_BLOCK", "fast")
+        with pytest.raises(ValueError, match="LAYERSTREAM_DECODE_BLOCK must be auto or off, got 'fast'"):
+            db.decode_block()
+    finally:
+        monkeypatch.undo()
+        db.decode_block.cache_clear()
+        db.decode_block()
+
+
+def test_a_source_that_does_not_compile_falls_back_logged(monkeypatch, tmp_path, caplog):
+    if kernels.int4_backend() != "vnni":
+        pytest.skip("without the VNNI kernels it is not built at all")
+    bad = tmp_path / "decode_block.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(db, "SOURCE", bad)
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+    db.decode_block.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert db.decode_block() is None
+        assert "not as one C++ call: it could not be built" in caplog.text
+    finally:
+        monkeypatch.undo()
+        db.decode_block.cache_clear()
+        db.decode_block()
