@@ -204,8 +204,8 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
     torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), atol=2e-2, rtol=2e-2)
 
 
-# bf16 attention on a CPU with bf16 dot products: two oneDNN matmuls around an fp32 softmax. The
-# tests force the path on (BF16_MATMUL_CPU): without bf16 units oneDNN computes the same in fp32.
+# bf16 attention on a CPU with bf16 dot products: two fp32 oneDNN matmuls around an fp32 softmax. The
+# tests force the path on (BF16_MATMUL_CPU), whatever the CPU.
 BF16_PROBLEMS = {
     "mixed": (MIXED, 8, 2, 16),
     "decodes": (([1] * 16, list(range(40, 56))), 16, 4, 64),
