@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from .kernels import _cpu_flags
+from .kernels.attention_ops import attention_ops
 
 log = logging.getLogger("layerstream")
 
@@ -193,6 +194,7 @@ def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     buf = (scratch or AttentionScratch()).take(_scratch_floats(sp, rp, ctx, nkv, hd))
     hidden = mask[..., open_keys:].logical_not() if open_keys < ctx else None  # (seqs, 1, rows, context - open_keys)
     scale = hd ** -0.5
+    ops = attention_ops()  # the C++ softmax in place, or None: torch's ops
     out = q.new_empty(q.shape)
     with _fp32_matmul_as_bf16():
         for a in range(0, seqs, sp):
@@ -204,11 +206,16 @@ def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
             for r in range(0, rows, rp):
                 m = min(rp, rows - r)
                 s_r, p_r, _ = _carve(rest, (n, nkv, m, ctx), (n, nkv, m, ctx))  # (n, kv_heads, m, context)
-                torch.matmul(q[a:a + n, :, r:r + m].float(), kt, out=s_r)  # fp32 scores, bf16 products
-                s_r.mul_(scale)  # in fp32 after the product, as flash scales
-                if hidden is not None:
-                    s_r[..., open_keys:].masked_fill_(hidden[a:a + n, :, r:r + m], float("-inf"))
-                torch.softmax(s_r, dim=-1, out=p_r)
+                torch.matmul(q[a:a + n, :, r:r + m].float(), kt, out=s_r)  # fp32 scores of bf16 values
+                hide = hidden[a:a + n, :, r:r + m] if hidden is not None else None
+                if ops is not None:
+                    ops.softmax_(s_r, scale, open_keys, hide)  # in place: p_r unused
+                    p_r = s_r
+                else:
+                    s_r.mul_(scale)  # in fp32 after the product, as flash scales
+                    if hide is not None:
+                        s_r[..., open_keys:].masked_fill_(hide, float("-inf"))
+                    torch.softmax(s_r, dim=-1, out=p_r)
                 out[a:a + n, :, r:r + m] = torch.matmul(p_r, vf)  # rounded to bf16 once
     return out
 

@@ -21,9 +21,11 @@ def int4_kernel():
     """Build (first run: ~1 min) or load the int4 kernel once, under the real layerstream cache,
     before any test points LAYERSTREAM_CACHE at a folder of its own (which would build it again)."""
     from engine import kernels
+    from engine.kernels.attention_ops import attention_ops
     from engine.kernels.fused_ops import fused_ops
 
     fused_ops()  # the fused CPU ops likewise (engine/model.py's RMSNorm, SwiGLU, rotary)
+    attention_ops()  # and attention_backend's softmax
     return kernels.int4_backend()
 
 
