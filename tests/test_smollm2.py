@@ -68,3 +68,29 @@ def test_smollm2_fast_mode_close_to_exact(smollm2):
     top = exact.topk(5, dim=-1).indices  # the tokens that matter for sampling
     diff = (exact.gather(-1, top) - fast.gather(-1, top)).abs().max().item()
     assert 0 < diff < FAST_TOL
+
+
+def test_smollm2_streamed_blocks_compute_the_resident_run(smollm2):
+    """Fast mode with half the blocks streamed (page cache) or read from disk each step: the streamed
+    Q4_1 blocks are repacked for the same VNNI kernel as resident ones (engine/weights/stream_repack.py),
+    so the prompt logits and 24 greedy tokens are the all-resident run's, bit for bit."""
+    from engine.kernels.ggml_repack import ggml_repack
+
+    if ggml_repack() is None:
+        pytest.skip("streamed blocks are not repacked here (no VNNI kernels): a different fast computation")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = LLM(str(smollm2), max_model_len=256, max_num_seqs=1)
+    try:
+        prompt = llm.tokenizer.encode("The capital of Italy is")
+        ref_logits, budget = prompt_logits(llm, prompt), llm.plan.budget_keeping(15)
+        ref = llm.generate([prompt], params)[0].outputs[0].token_ids
+    finally:
+        llm.close()
+    for transport in ("cpu", "disk"):
+        llm = LLM(str(smollm2), max_model_len=256, max_num_seqs=1, transport=transport, max_device_memory=budget)
+        try:
+            assert len(llm.plan.streamed_blocks) == 15, llm.plan.describe()
+            assert torch.equal(prompt_logits(llm, prompt), ref_logits)
+            assert llm.generate([prompt], params)[0].outputs[0].token_ids == ref
+        finally:
+            llm.close()

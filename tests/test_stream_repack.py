@@ -2,8 +2,8 @@
 into exactly their resident twins' compute form: the repack's bytes equal the load-time repack's for
 every type, a streamed block's weights equal the resident block's (stacked q/k/v and gate/up included),
 and a capped or disk-tier run in fast mode computes the all-resident run's logits and tokens. Also the
-fallbacks (forced off, a failed build: streamed blocks dequantized per use) and bad input.
-~40 s once the extension is built (~50 s to build it on a 2-core machine)."""
+fallbacks (forced off, a failed build, aten's kernels: streamed blocks dequantized per use) and bad input.
+~20 s once the extension is built (~50 s to build it on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine import LLM
-from engine.kernels import int4_backend
+from engine import kernels
 from engine.kernels import ggml_repack as repack_module
+from engine.kernels.fused_ops import fused_ops
 from engine.weights.dequant import dequantize
 from engine.weights.disk_reader import StagingBuffer
 from engine.weights.fuse import fuse_projections
@@ -32,8 +33,13 @@ from tests.test_reference import PROMPT, prompt_logits
 
 REPACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
 
-pytestmark = pytest.mark.skipif(int4_backend() != "vnni" or repack_module.ggml_repack() is None,
-                                reason="the VNNI kernels or the repack extension do not run here (fallback tested below)")
+
+@pytest.fixture(scope="module")
+def repack():
+    """The compiled repack; the tests that need it skip where the VNNI kernels do not run."""
+    if kernels.int4_backend() != "vnni" or repack_module.ggml_repack() is None:
+        pytest.skip("the VNNI kernels or the repack do not run here (the fallbacks are tested below)")
+    return repack_module.ggml_repack()
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +51,10 @@ def gguf_root(tmp_path_factory):
 
 @pytest.mark.parametrize("rows", [48, 37], ids=["whole-blocks", "padded"])
 @pytest.mark.parametrize("qtype", REPACKED, ids=lambda q: q.name)
-def test_repack_equals_the_load_time_repack(qtype, rows):
+def test_repack_equals_the_load_time_repack(repack, qtype, rows):
     """Every byte of codes and scales (padding rows included, written over a dirty buffer) equals
     packed.int4_from_gguf / Int8Weight.quantize(dequantize(...)) of the same rows in engine order."""
-    module = repack_module.ggml_repack()
+    module = repack
     cols = 512
     raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=int(qtype)))
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
@@ -67,8 +73,8 @@ def test_repack_equals_the_load_time_repack(qtype, rows):
     assert torch.equal(codes, ref.codes)
 
 
-def test_repack_rejects_bad_input():
-    module = repack_module.ggml_repack()
+def test_repack_rejects_bad_input(repack):
+    module = repack
     raw = torch.from_numpy(random_blocks(Q.Q4_0, 16, 64, seed=1))  # (16, 36)
     codes, scales = torch.empty(1, 2 * 256, dtype=torch.uint8), torch.empty(1, 2, 2, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="is 54 bytes .*got 36"):
@@ -116,7 +122,7 @@ def _mixed_gguf(root: Path, arch: str, qtype: Q, mix: dict | None) -> Path:
 
 @pytest.mark.parametrize("arch,qtype,mix", BLOCK_CASES, ids=[f"{a}-{q.name}{'-mix' if m else ''}"
                                                               for a, q, m in BLOCK_CASES])
-def test_streamed_block_equals_the_resident_block(gguf_root, arch, qtype, mix):
+def test_streamed_block_equals_the_resident_block(repack, gguf_root, arch, qtype, mix):
     """From the mapping (page-cache tier) and from a disk read's staging buffer: the same weights,
     byte for byte, as the load-time repack plus fuse.py's stacking, name by name."""
     path = _mixed_gguf(gguf_root, arch, qtype, mix)
@@ -162,7 +168,7 @@ RUN_CASES = [("llama", Q.Q4_0), ("qwen2", Q.Q4_K), ("llama", Q.Q8_0)]
 
 
 @pytest.mark.parametrize("arch,qtype", RUN_CASES, ids=[f"{a}-{q.name}" for a, q in RUN_CASES])
-def test_streamed_runs_compute_the_resident_run(gguf_root, arch, qtype):
+def test_streamed_runs_compute_the_resident_run(repack, gguf_root, arch, qtype):
     """Fast mode (bf16): one block resident and the others streamed from the page cache, or read from
     disk each step, gives the all-resident run's prompt logits bit for bit and its greedy tokens; the
     disk tier still reads the packed bytes and the counters count them."""
@@ -193,10 +199,14 @@ def test_streamed_runs_compute_the_resident_run(gguf_root, arch, qtype):
 # -- fallbacks ------------------------------------------------------------------------------------
 
 @pytest.fixture
-def fresh_choice():
+def fresh_choice(monkeypatch):
+    """Decide the repack again under this test's environment; restore the process's choices after."""
     repack_module.ggml_repack.cache_clear()
-    yield
+    yield monkeypatch
+    monkeypatch.undo()
     repack_module.ggml_repack.cache_clear()
+    kernels.int4_backend.cache_clear()
+    kernels.int4_backend()
 
 
 def _streamed_kinds(llm) -> set[type]:
@@ -211,42 +221,47 @@ def _streamed_kinds(llm) -> set[type]:
     return {type(v) for k, v in w.items() if k.startswith("w")}
 
 
-def test_forced_off_and_failed_build_fall_back(gguf_root, fresh_choice, monkeypatch, tmp_path, caplog):
-    """LAYERSTREAM_STREAM_REPACK=off, or a repack source that does not compile: one warning, and
-    streamed blocks are GGUFWeight views dequantized per use again (still within the fast-mode
-    tolerance of the resident run); a bad value is refused."""
+@pytest.mark.parametrize("setup", ["off", "broken", "aten"])
+def test_fallbacks_dequantize_streamed_blocks_per_use(gguf_root, fresh_choice, tmp_path, caplog, setup):
+    """LAYERSTREAM_STREAM_REPACK=off, a repack source that does not compile, or aten's kernels
+    (LAYERSTREAM_INT4_KERNEL=aten, whose layouts the repack does not write): one warning, and streamed
+    blocks are GGUFWeight views dequantized per use again, within the fast-mode tolerance of the
+    all-resident run under the same setup. Runs on any CPU."""
+    monkeypatch = fresh_choice
+    if setup == "off":
+        monkeypatch.setenv("LAYERSTREAM_STREAM_REPACK", "off")
+    elif setup == "broken":
+        bad = tmp_path / "broken.cpp"
+        bad.write_text("#error this repack does not compile\n")
+        kernels.int4_backend(), fused_ops()  # decided (built) before the cache moves: only the repack builds there
+        monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr(repack_module, "SOURCE", bad)
+    else:
+        monkeypatch.setenv("LAYERSTREAM_INT4_KERNEL", "aten")
+        kernels.int4_backend.cache_clear()
     path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
     llm = LLM(str(path), **SHORT)
     try:
         ref, budget = prompt_logits(llm, PROMPT), llm.plan.budget_keeping(1)
     finally:
         llm.close()
-    bad = tmp_path / "broken.cpp"
-    bad.write_text("this is not C++\n")
-    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
-    for setup in ("off", "broken"):
-        repack_module.ggml_repack.cache_clear()
-        if setup == "off":
-            monkeypatch.setenv("LAYERSTREAM_STREAM_REPACK", "off")
-        else:
-            monkeypatch.delenv("LAYERSTREAM_STREAM_REPACK")
-            monkeypatch.setattr(repack_module, "SOURCE", bad)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="layerstream"):
-            llm = LLM(str(path), max_device_memory=budget, **SHORT)
-        try:
-            assert any("not repacked" in r.message for r in caplog.records)
-            assert _streamed_kinds(llm) == {GGUFWeight}
-            torch.testing.assert_close(prompt_logits(llm, PROMPT), ref, atol=0.15, rtol=0.05)
-        finally:
-            llm.close()
-    repack_module.ggml_repack.cache_clear()
-    monkeypatch.setenv("LAYERSTREAM_STREAM_REPACK", "sometimes")
-    with pytest.raises(ValueError, match="LAYERSTREAM_STREAM_REPACK"):
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        llm = LLM(str(path), max_device_memory=budget, **SHORT)
+    try:
+        assert any("not repacked" in r.message for r in caplog.records)
+        assert _streamed_kinds(llm) == {GGUFWeight}
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref, atol=0.15, rtol=0.05)
+    finally:
+        llm.close()
+
+
+def test_bad_repack_setting(fresh_choice):
+    fresh_choice.setenv("LAYERSTREAM_STREAM_REPACK", "sometimes")
+    with pytest.raises(ValueError, match="auto or off, got 'sometimes'"):
         repack_module.ggml_repack()
 
 
-def test_exact_mode_streams_gguf_weights(gguf_root):
+def test_exact_mode_streams_gguf_weights(repack, gguf_root):
     """fp32 stays the exact reference mode: streamed blocks are dequantized per use, no repacker."""
     path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
     index = GGUFIndex(path)
