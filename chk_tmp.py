@@ -1,31 +1,10 @@
-import time, torch, sys
-from gguf import GGMLQuantizationType as Q
-from engine.kernels.ggml_repack import ggml_repack
-from engine.weights.packed import int4_from_gguf, Int8Weight, INT4_TYPES
-from engine.weights.dequant import dequantize
-from tests.gguf_models import random_blocks
-torch.set_num_threads(1)
-m = ggml_repack()
-def best(f, n=20):
-    ts = []
-    for _ in range(n):
-        t0 = time.thread_time(); f(); ts.append(time.thread_time() - t0)
-    return min(ts) * 1e3
-for qt in (Q.Q4_1, Q.Q4_0, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q6_K):
-    rows, cols = 1536, 768
-    raw = torch.from_numpy(random_blocks(qt, rows, cols, seed=1))
-    if qt in INT4_TYPES:
-        ref = int4_from_gguf(raw, qt, (rows, cols), torch.bfloat16)
-        c, s = torch.empty_like(ref.codes), torch.empty_like(ref.scales)
-        cpp = best(lambda: m.repack_int4(raw, int(qt), cols, c, s))
-    else:
-        ref = Int8Weight.quantize(dequantize(raw, qt, (rows, cols)), torch.bfloat16)
-        c, s = torch.empty_like(ref.codes), torch.empty_like(ref.scales)
-        cpp = best(lambda: m.repack_int8(raw, int(qt), cols, c, s))
-    assert torch.equal(c, ref.codes) and torch.equal(s.view(torch.uint8), ref.scales.view(torch.uint8))
-    if len(sys.argv) > 1:
-        py = best(lambda: (int4_from_gguf(raw, qt, (rows, cols), torch.bfloat16) if qt in INT4_TYPES else Int8Weight.quantize(dequantize(raw, qt, (rows, cols)), torch.bfloat16)), 5)
-        deq = best(lambda: dequantize(raw, qt, (rows, cols)).to(torch.bfloat16), 5)
-        print(f"{qt.name} {rows}x{cols}: C++ repack {cpp:.3f} ms, python repack {py:.2f} ms, dequantize to bf16 {deq:.2f} ms")
-    else:
-        print(f"{qt.name} {rows}x{cols}: C++ repack {cpp:.3f} ms")
+import argparse, sys
+from pathlib import Path
+from bench.disk import _run_peer, PROMPT
+from transformers import AutoTokenizer
+ids = AutoTokenizer.from_pretrained("/var/tmp/layerstream-bench/smollm2/bf16").encode(PROMPT * 4)[:16]
+ns = argparse.Namespace(gguf="/var/tmp/layerstream-bench/smollm2/SmolLM2-135M-Instruct.Q4_0.gguf", decode_tokens=16,
+                        prefetch_depth=2, max_host_memory="100MB", timeout=600)
+for peer, cap in (("layerstream-gguf", 10**9), ("layerstream-gguf", None), ("layerstream-gguf-uncapped", 10**9)):
+    r = _run_peer(ns, peer, Path("/var/tmp/layerstream-bench/smollm2/bf16"), ids, cap)
+    print(peer, cap, r.get("tokens"), r.get("disk_blocks"), r.get("error"), r.get("stderr_tail", "")[-300:])

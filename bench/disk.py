@@ -117,6 +117,7 @@ def _child_transformers(model: str, ids: list[int], n: int) -> dict:
 
 def _child_layerstream(model: str, ids: list[int], n: int, depth: int, max_host_memory: str | None) -> dict:
     from engine import EngineArgs, LLMEngine
+    from engine.kernels.ggml_repack import ggml_repack
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -139,7 +140,8 @@ def _child_layerstream(model: str, ids: list[int], n: int, depth: int, max_host_
                   stall_s=stream.stall_seconds, reader_busy_s=stream.disk_read_seconds,
                   peak_rss=peak_rss(), resident_blocks=len(plan.resident_blocks),
                   host_blocks=len(plan.host_blocks), disk_blocks=len(plan.disk_blocks),
-                  planned_disk_bytes_per_step=plan.disk_bytes_per_step, plan=plan.describe())
+                  planned_disk_bytes_per_step=plan.disk_bytes_per_step, plan=plan.describe(),
+                  stream_repack=ggml_repack() is not None)
     engine.close()
     if plan.disk_blocks:
         result.update(zip(("read_only_bytes", "read_only_s"), _read_only_pass(model, plan.disk_blocks)))
@@ -308,6 +310,14 @@ def run(ns: argparse.Namespace) -> int:
         print(f"GGUF {ns.gguf} ({Path(ns.gguf).stat().st_size / 1e9:.2f} GB) under the same cap", flush=True)
     if ns.max_host_memory:
         print(f"layerstream peers plan with a host memory budget of {ns.max_host_memory}", flush=True)
+    if any(p.startswith("layerstream") for p in peers):
+        # The native kernels compile on first use, and a compile needs ~1 GB: built here, outside the
+        # peers' cgroups, where it would fail under the cap and the child would silently take a fallback.
+        from engine.kernels import int4_backend
+        from engine.kernels.fused_ops import fused_ops
+        from engine.kernels.ggml_repack import ggml_repack
+
+        int4_backend(), fused_ops(), ggml_repack()
     load_before = _loadavg()
     results, disk = [], [measure()]
     for peer in peers:
@@ -319,6 +329,10 @@ def run(ns: argparse.Namespace) -> int:
             print("    " + r["stderr_tail"].strip().replace("\n", "\n    "), flush=True)
         if r.get("plan"):
             print("    " + r["plan"].replace("\n", "\n    "), flush=True)
+        if peer == "layerstream-gguf" and "stream_repack" in r:
+            print("    streamed GGUF blocks: " + ("repacked for the VNNI kernels (engine/weights/stream_repack.py)"
+                                                 if r["stream_repack"] else "dequantized by each matmul (fallback)"),
+                  flush=True)
         if "reader_busy_s" in r and "error" not in r:
             rate = r["decode_read_bytes"] / r["reader_busy_s"] / 1e9 if r["reader_busy_s"] else 0.0
             print(f"    decode {r['decode_s']:.1f} s: disk reads in progress {r['reader_busy_s']:.1f} s "

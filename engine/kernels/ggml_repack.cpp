@@ -283,8 +283,10 @@ void repack_int8(const torch::Tensor& rows, int64_t qtype, int64_t K, torch::Ten
   check_out(scales, torch::kFloat, {blocks, LANES}, "scales");
   uint8_t* out = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
-  std::vector<float> w(K);
-  std::vector<uint8_t> q(K);
+  thread_local std::vector<float> w;  // one row: reused from call to call (the prefetch thread's)
+  thread_local std::vector<uint8_t> q;
+  w.resize(K);
+  q.resize(K);
   for (int64_t n = 0; n < blocks * LANES; ++n) {
     const int64_t b = n / LANES, j = n % LANES;
     float s = 0.0f;

@@ -6,9 +6,11 @@ A decode step on a small model is bound by per-op overhead as much as by the mat
 and k together (they are adjacent in wqkv's output). Stacking output rows changes no arithmetic:
 each output element is still the same dot product over the same input, in the same kernel.
 
-Only resident blocks are fused, once at load: a streamed block is a zero-copy view of the mapped
-file (or its packed bytes), and stacking it would cost a copy of the block on every step. Model math
-takes either form (engine.model.attention / mlp look for the fused names first).
+Resident blocks are fused here, once at load. A streamed block is a zero-copy view of the mapped file
+(or its packed bytes), and stacking it would cost a copy of the block on every step; except streamed
+GGUF blocks in CPU fast mode, which are copied anyway (repacked for the VNNI kernels) and so are
+stacked by the same rules as they are written (stream_repack.py). Model math takes either form
+(engine.model.attention / mlp look for the fused names first).
 
 Fused only where the parts are the same kind of weight with the same packing (a Q4_K_M file mixes
 Q4_K and Q6_K rows: those parts stay apart).

@@ -4,8 +4,9 @@ The model math calls `linear(x, w, bias)` and `embedding(ids, w)` (engine.model)
 plain tensor or one of the classes here, each of which knows how to multiply itself:
 
   GGUFWeight   GGML blocks as they lie in the file; dequantized to the compute dtype at each use.
-               This is how a streamed GGUF block is computed, and, in float32, the exact
-               reference mode (bit-identical dequantization, then an fp32 matmul).
+               How a streamed GGUF block is computed in float32, the exact reference mode
+               (bit-identical dequantization, then an fp32 matmul), on a GPU, and in fast mode
+               without the VNNI kernels (with them, stream_repack.py repacks it like a resident one).
   Int4Weight   4-bit codes with a (scale, min) per 32-weight group, multiplied without unpacking by
                our AVX512-VNNI kernel (engine.kernels: int8 activations, integer dot products), or
                by aten's `_weight_int4pack_mm_for_cpu` where that kernel cannot run.

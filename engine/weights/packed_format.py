@@ -3,8 +3,10 @@
   exact (float32): dense fp32, dequantized bit-exactly (once at load for resident blocks, at each use
                    for streamed ones) - the reference mode;
   fast (bf16/fp16): Q4_0/Q4_1/Q4_K repacked at load for the int4 kernel (codes kept), other
-                   quantized types requantized at load to per-row int8 for aten's int8 kernel;
-                   streamed blocks keep their GGML bytes and are dequantized to the compute dtype on use.
+                   quantized types requantized at load to per-row int8 for the int8 kernel;
+                   streamed blocks move their GGML bytes and, with the VNNI kernels, are put in this
+                   same resident form by the prefetch thread (stream_repack.py, in C++); without
+                   them (aten's kernels) they are dequantized to the compute dtype on use (`streamed`).
 Norms and other 1-D tensors are dequantized to the compute dtype; F32/F16/BF16 tensors are cast.
 
 On a CUDA device there is no int4/int8 weight-only kernel here (aten's are CPU kernels): fast mode keeps
