@@ -314,11 +314,12 @@ def run(ns: argparse.Namespace) -> int:
         # The native kernels compile on first use, and a compile needs ~1 GB: built here, outside the
         # peers' cgroups, where it would fail under the cap and the child would silently take a fallback.
         from engine.kernels import int4_backend
+        from engine.kernels.attention_ops import attention_ops
         from engine.kernels.decode_block import decode_block
         from engine.kernels.fused_ops import fused_ops
         from engine.kernels.ggml_repack import ggml_repack
 
-        int4_backend(), fused_ops(), decode_block(), ggml_repack()
+        int4_backend(), fused_ops(), decode_block(), attention_ops(), ggml_repack()
     load_before = _loadavg()
     results, disk = [], [measure()]
     for peer in peers:

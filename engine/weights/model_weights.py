@@ -289,7 +289,8 @@ class ModelWeights:
 
     def telemetry(self) -> WeightsTelemetry:
         t = self._transport
-        pool = t.pool
+        # Host buffer sets: dtype conversion (BufferPool) or, for packed blocks, the repack's slots.
+        pool = t.pool if t.pool is not None else getattr(t, "repacker", None)
         pinned = t.host_bytes + (self._experts.host_bytes if self._experts is not None else 0)
         return WeightsTelemetry(type(t).__name__, self.stream_stats, self.links, pinned,
                                 pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache)

@@ -126,13 +126,16 @@ class StreamRepacker:
         self._layouts = [_Layout(source.tensors(b), fmt) for b in range(source.num_blocks)]
         self.slot_bytes = max((lay.nbytes for lay in self._layouts), default=0)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        self.slots_made = 0  # stays <= the streamer's depth + 1
+        # Named as BufferPool's, for the weights telemetry (host buffer sets, blocks converted on the host).
+        self.sets_made = 0  # slots allocated: stays <= the streamer's depth + 1
+        self.takes = 0  # blocks repacked
 
     def _take(self) -> torch.Tensor:
+        self.takes += 1
         try:
             return self._free.get_nowait()
         except queue.Empty:
-            self.slots_made += 1
+            self.sets_made += 1
             return torch.empty(self.slot_bytes, dtype=torch.uint8)  # (slot_bytes,) pages untouched until written
 
     def give(self, slot: torch.Tensor) -> None:
