@@ -1,10 +1,18 @@
-import argparse, sys
-from pathlib import Path
-from bench.disk import _run_peer, PROMPT
-from transformers import AutoTokenizer
-ids = AutoTokenizer.from_pretrained("/var/tmp/layerstream-bench/smollm2/bf16").encode(PROMPT * 4)[:16]
-ns = argparse.Namespace(gguf="/var/tmp/layerstream-bench/smollm2/SmolLM2-135M-Instruct.Q4_0.gguf", decode_tokens=16,
-                        prefetch_depth=2, max_host_memory="100MB", timeout=600)
-for peer, cap in (("layerstream-gguf", 10**9), ("layerstream-gguf", None), ("layerstream-gguf-uncapped", 10**9)):
-    r = _run_peer(ns, peer, Path("/var/tmp/layerstream-bench/smollm2/bf16"), ids, cap)
-    print(peer, cap, r.get("tokens"), r.get("disk_blocks"), r.get("error"), r.get("stderr_tail", "")[-300:])
+import sys, torch
+from engine import LLM, SamplingParams
+from tests.test_reference import prompt_logits
+path = "/var/tmp/layerstream-bench/smollm2/SmolLM2-135M-Instruct.Q4_0.gguf"
+ex = LLM(path, max_model_len=128, max_num_seqs=1, dtype="float32")
+ids = ex.tokenizer.encode("The capital of Italy is")
+ref = torch.log_softmax(prompt_logits(ex, ids).float(), -1); ex.close()
+llm = LLM(path, max_model_len=128, max_num_seqs=1)
+budget = llm.plan.budget_keeping(15)
+r = torch.log_softmax(prompt_logits(llm, ids).float(), -1); llm.close()
+llm = LLM(path, max_model_len=128, max_num_seqs=1, max_device_memory=budget)
+c = torch.log_softmax(prompt_logits(llm, ids).float(), -1)
+p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+print(llm.generate([ids], p)[0].outputs[0].text)
+llm.close()
+top = ref.topk(5, -1).indices
+print("resident fast vs exact", (ref.gather(-1, top) - r.gather(-1, top)).abs().max().item())
+print("capped fast vs exact", (ref.gather(-1, top) - c.gather(-1, top)).abs().max().item())
