@@ -24,8 +24,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from . import int4_backend
-from . import build
+from . import build, int4_backend
 from .build import compile_extension
 
 log = logging.getLogger("layerstream")

@@ -13,10 +13,10 @@ With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filli
 
 Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read, so the disk moves packed
 bytes. With a `repacker` (CPU fast mode, stream_repack.py) they are repacked from the staging buffer
-into their resident twins' compute form in a reusable slot; otherwise they are handed to compute as `PackedFormat.streamed` weights viewing the staging
-buffer (unpacked by the matmul that uses them). Host-tier blocks go through the PackedCpuTransport,
-which shares the repacker's slots. With dtype=None the ticket holds the block's stored rows (engine
-row order) for the CUDA transport to stage.
+into their resident twins' compute form in a reusable slot; otherwise they are handed to compute as
+`PackedFormat.streamed` weights viewing the staging buffer (unpacked by the matmul that uses them).
+Host-tier blocks go through the PackedCpuTransport, which shares the repacker's slots. With
+dtype=None the ticket holds the block's stored rows (engine row order) for the CUDA transport to stage.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ layouts this does not write; the transports then hand out GGUFWeight views as be
 
 from __future__ import annotations
 
+import math
 import queue
 from dataclasses import dataclass
 
@@ -107,10 +108,7 @@ class _Layout:
     def _sizes(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
         """Bytes of (codes, scales), or (values, 0)."""
         if kind in ("dense", "bias"):
-            n = 1
-            for s in shape:
-                n *= s
-            return n * dtype.itemsize, 0
+            return math.prod(shape) * dtype.itemsize, 0
         out, inner = shape
         blocks = -(-out // LANES)
         if kind == "int4":
@@ -159,10 +157,7 @@ class StreamRepacker:
         return weights, slot
 
     def _region(self, slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        return slot[offset:offset + n * dtype.itemsize].view(dtype).reshape(shape)
+        return slot[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
     def _write(self, out: _Output, infos: dict[str, TensorInfo], stored: dict[str, torch.Tensor],
                slot: torch.Tensor):
