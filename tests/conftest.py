@@ -23,9 +23,11 @@ def int4_kernel():
     from engine import kernels
     from engine.kernels.attention_ops import attention_ops
     from engine.kernels.fused_ops import fused_ops
+    from engine.kernels.ggml_repack import ggml_repack
 
     fused_ops()  # the fused CPU ops likewise (engine/model.py's RMSNorm, SwiGLU, rotary)
     attention_ops()  # and attention_backend's softmax
+    ggml_repack()  # and the repack of streamed GGUF blocks (engine/weights/stream_repack.py)
     return kernels.int4_backend()
 
 
