@@ -128,6 +128,10 @@ def test_fast_mode_run_is_the_same_with_and_without_it(monkeypatch, tmp_path, ar
         monkeypatch.setattr(M, "decode_block", lambda: block)
         llm = LLM(str(path), max_model_len=64, max_num_seqs=2)
         try:
+            if qtype == Q.Q4_0 and kernels.int4_backend() == "vnni":
+                weights = llm.engine.model.weights
+                assert weights.acquire(0)["wqkv"].scales.dim() == 3  # resident Q4_0: the symmetric layout
+                weights.release(0)
             outs = llm.generate(["The quick brown fox", "Hello"], params)
             runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
         finally:

@@ -242,3 +242,30 @@ def test_bad_backend_name(backend):
     backend.setenv("LAYERSTREAM_INT4_KERNEL", "avx9")
     with pytest.raises(ValueError, match="auto, vnni or aten, got 'avx9'"):
         kernels.int4_backend()
+
+
+@vnni
+@pytest.mark.parametrize("m", [1, 13])
+def test_symmetric_layout_drops_the_mins_and_no_bit(m):
+    """Int4Weight.without_min (Q4_0: every min -8 * scale): scales only, 10% fewer bytes, and the kernel's
+    own -8 * scale gives the asymmetric layout's results bit for bit, stacked (fuse) or not; weights
+    with other mins keep them (fuse.drop_symmetric_mins leaves them alone)."""
+    from engine.weights.fuse import drop_symmetric_mins, stack_rows
+
+    codes, scale, _ = random_int4(40, 576, seed=m)  # 40 rows: the last block padded
+    w = Int4Weight.from_codes(codes, scale, -8 * scale, torch.bfloat16)
+    sym = w.without_min()
+    assert sym.scales.shape == (3, 18, 16) and sym.nbytes == w.nbytes - 3 * 18 * 16 * 2
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(40).bfloat16()
+    assert torch.equal(sym.linear(x, bias), w.linear(x, bias))
+    other = Int4Weight.from_codes(*random_int4(48, 576, seed=2), torch.bfloat16)
+    assert other.without_min() is other
+    assert stack_rows([sym, other]) is None  # one layout per stacked weight
+    part = Int4Weight.from_codes(codes[:32], scale[:32], -8 * scale[:32], torch.bfloat16).without_min()
+    stacked = stack_rows([part, sym])
+    assert torch.equal(stacked.linear(x), torch.cat([part.linear(x), sym.linear(x)], dim=-1))
+    block = drop_symmetric_mins({"wo": w, "w_down": other, "attn_norm": bias})
+    assert block["wo"].scales.dim() == 3 and block["w_down"] is other and block["attn_norm"] is bias
+    with pytest.raises(RuntimeError, match=r"or, symmetric, \(N16/16, K/32, 16\)"):
+        kernels.int4_linear(x, sym.codes, sym.scales[..., :8].contiguous(), 40)

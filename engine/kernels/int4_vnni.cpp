@@ -13,7 +13,9 @@
 //   codes  (N16/16, G*256) uint8: per row block and group of 32, four 64-byte vectors v = 0..3;
 //          in vector v, lane j (row 16b + j) holds 4 bytes, byte t = q[8v + t] | q[8v + 4 + t] << 4
 //          (so one broadcast of 4 activation bytes meets the low nibbles, the next 4 the high)
-//   scales (N16/16, G, 2, 16) fp16: per row block and group, the 16 rows' scales, then their mins
+//   scales (N16/16, G, 2, 16) fp16: per row block and group, the 16 rows' scales, then their mins;
+//          or (N16/16, G, 16), scales only, for symmetric weights (Q4_0: min = -8 * scale), whose
+//          mins would be a tenth of the bytes a decode step reads
 // K = 32 G need not be a multiple of 256 (any number of groups).
 
 #include <torch/extension.h>
@@ -118,7 +120,8 @@ inline __m512i bcast4(const int8_t* p) {
 }
 
 // One block of 16 weight rows times activation rows [m0, m0 + MT); writes y[m, n0 .. n0 + nvalid).
-template <int MT, bool TWO_PASS, typename T>
+// HAS_MIN false: the symmetric layout (Q4_0), scales only, (N16/16, G, 16), min = -8 * scale.
+template <int MT, bool TWO_PASS, bool HAS_MIN, typename T>
 void block_kernel(const uint8_t* codes, const uint16_t* sm, const float* bias, const QuantX& X,
                   int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
   const int64_t G = X.G, K = X.K;
@@ -146,8 +149,13 @@ void block_kernel(const uint8_t* codes, const uint16_t* sm, const float* bias, c
     // Two passes: q . codes * 256 + r . codes, exact in int32 (|.| < 2^24, so exact in fp32 too).
     if (TWO_PASS)
       for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32)));
-    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * 32 + 16)));
+    constexpr int SG = HAS_MIN ? 32 : 16;  // float16 values per group of a row block
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * SG)));
+    // -8 * d is exactly the float16 min the asymmetric layout would store for it (a power of two
+    // times a float16 that fits: from_codes refuses scales whose min overflows), so both layouts
+    // give the same bits.
+    const __m512 mn = HAS_MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * SG + 16)))
+                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
     for (int m = 0; m < MT; ++m) {
       const int64_t i = (m0 + m) * G + g;
       acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(X.dx[i])), d, acc[m]);
@@ -218,6 +226,8 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
   quantize_rows(x.data_ptr<T>(), M, K, two_pass, X);
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const uint16_t* s = bits == 4 ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
+  const bool has_min = bits == 4 && scales.dim() == 4;  // else the symmetric int4 layout, (N16/16, G, 16)
+  const int64_t sm_stride = has_min ? G * 32 : G * 16;  // float16 values per row block
   const float* rs = bits == 8 ? scales.data_ptr<float>() : nullptr;
   const int64_t block_bytes = G * (bits == 4 ? 256 : 512);
   T* out = y.data_ptr<T>();
@@ -235,10 +245,12 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
           if (bits == 8) {
             if (two_pass) block_kernel_i8<MT, true>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
             else block_kernel_i8<MT, false>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-          } else if (two_pass) {
-            block_kernel<MT, true>(wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+          } else if (has_min) {
+            if (two_pass) block_kernel<MT, true, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+            else block_kernel<MT, false, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
           } else {
-            block_kernel<MT, false>(wb, s + b * G * 32, bias, Xr, m0, n0, nvalid, N, out);
+            if (two_pass) block_kernel<MT, true, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+            else block_kernel<MT, false, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
           }
         });
       }
@@ -278,9 +290,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
                        const c10::optional<at::Tensor>& bias, bool two_pass) {
-  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
-              scales.size(2) == 2 && scales.size(3) == LANES,
-              "int4_linear: scales must be contiguous (N16/16, K/32, 2, 16) float16");
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() &&
+              ((scales.dim() == 4 && scales.size(2) == 2 && scales.size(3) == LANES) ||
+               (scales.dim() == 3 && scales.size(2) == LANES)),
+              "int4_linear: scales must be contiguous (N16/16, K/32, 2, 16) or, symmetric, (N16/16, K/32, 16) float16");
   const int64_t G = scales.size(1);
   TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
               codes.size(0) == scales.size(0) && codes.size(1) == G * 256,

@@ -69,3 +69,11 @@ def fuse_projections(w: dict) -> dict:
         if biases:
             out[bias_name] = torch.cat(biases)  # (sum out,)
     return out
+
+
+def drop_symmetric_mins(w: dict) -> dict:
+    """A resident block's weights with every int4 weight whose mins are all -8 * scale (Q4_0) in the
+    symmetric layout (Int4Weight.without_min): the same products from 10% fewer bytes, which a
+    memory-bound decode step reads. Streamed blocks keep the stored mins (stream_repack.py fills
+    fixed slots); both compute the same bits."""
+    return {k: v.without_min() if isinstance(v, Int4Weight) else v for k, v in w.items()}

@@ -65,7 +65,9 @@ class Int4Weight:
       "vnni"  rows in blocks of 16 (the last padded with zero rows), engine/kernels/int4_vnni.cpp:
               codes (out16 / 16, in / 32 * 256) uint8: per block and group of 32, four 64-byte vectors;
               in vector v, row j's 4 bytes hold q[8v + t] | q[8v + 4 + t] << 4 for t = 0..3;
-              scales (out16 / 16, in / 32, 2, 16) float16: the block's 16 scales, then its 16 mins.
+              scales (out16 / 16, in / 32, 2, 16) float16: the block's 16 scales, then its 16 mins;
+              or, symmetric (without_min: every min is -8 * scale, as in Q4_0), (out16 / 16, in / 32, 16)
+              float16, the scales only: the kernel computes the min, 10% fewer bytes per weight.
               engine.kernels.int4_linear: activations quantized to int8 per 32, integer dot products.
       "aten"  aten's CPU int4 layout: codes (out, in / 2) uint8 from _convert_weight_to_int4pack_for_cpu,
               scales (in / 32, out, 2) (scale, zero) in the compute dtype meaning w = (q - 8) * scale + zero;
@@ -93,6 +95,17 @@ class Int4Weight:
         or None in aten's layout."""
         return (self.codes, self.scales, self.shape[0]) if self.layout == "vnni" else None
 
+    def without_min(self) -> "Int4Weight":
+        """This weight in the symmetric vnni layout when every min is exactly -8 * its scale (Q4_0's
+        d * q - 8 d), else itself: the same products (the kernel's -8 * scale is the stored min, bit
+        for bit) from 0.5625 instead of 0.625 bytes per weight, which a memory-bound decode step reads."""
+        if self.layout != "vnni" or self.scales.dim() != 4:
+            return self
+        scale, minimum = self.scales[:, :, 0], self.scales[:, :, 1]  # (blocks, in / 32, 16) float16
+        if not torch.equal(minimum, scale * -8):  # float16 * -8 is exact where it does not overflow
+            return self
+        return Int4Weight(self.codes, scale.contiguous(), self.shape, self.layout)
+
     def clone(self) -> "Int4Weight":
         return Int4Weight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
 
@@ -106,7 +119,7 @@ class Int4Weight:
         layout = parts[0].layout
         tile = 16 if layout == "vnni" else 64
         if (any(p.shape[0] % tile for p in parts[:-1])
-                or len({(p.layout, p.shape[1], p.scales.dtype) for p in parts}) != 1):
+                or len({(p.layout, p.shape[1], p.scales.dtype, p.scales.dim()) for p in parts}) != 1):
             return None
         codes = torch.cat([p.codes for p in parts])  # vnni: (blocks, in / 32 * 256); aten: (out, in / 2)
         # vnni: (blocks, in / 32, 2, 16); aten: (in / 32, out, 2)

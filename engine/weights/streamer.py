@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .fuse import fuse_projections
+from .fuse import drop_symmetric_mins, fuse_projections
 from .transport import DISK, Ticket, Transport
 
 
@@ -96,7 +96,8 @@ class BlockStreamer:
             w = transport.resident(i)
             # Stacked q/k/v and gate/up (fuse.py): fewer, larger matmuls per step. Resident blocks only:
             # a streamed block is a view of its source, and stacking it would copy it every step.
-            self._resident[i] = fuse_projections(w) if fuse else w
+            # Q4_0's implied mins dropped (drop_symmetric_mins): 10% fewer bytes per decode step.
+            self._resident[i] = drop_symmetric_mins(fuse_projections(w)) if fuse else w
             if on_progress:
                 on_progress(i)
         self._in_use: dict[int, Ticket] = {}
