@@ -149,6 +149,7 @@ def test_the_checker_is_not_vacuous():
 NOT_THE_ENGINE = {
     ("server/http_protocol.py", "transport"): "asyncio's transport of a client connection",
     ("tests/test_server_app.py", "runner"): "fault injection: a forward pass that fails on demand",
+    ("bench/decode_profile.py", "runner"): "a profiler: it times the model's parts on the runner's weights and KV cache",
 }
 
 

@@ -1,0 +1,128 @@
+"""Where a single-stream decode step's time goes on the CPU, by the decoding thread's CPU time, one thread:
+the whole `engine.step()` (median decode step of a 33-token greedy run), and the model's blocks, the matmuls
+inside them and the LM head each timed alone (one decode row at a short context), in one process, medians of
+--rounds. The whole step is also timed with the blocks op by op (the C++ decode block off) and op by op with
+SDPA (the fused decode attention off too), alternating with the default: an A/B on the same weights even on a
+shared machine.
+
+Default model: the Q4_0 GGUF that bench-packed makes (run it once first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .common import BENCH_ROOT
+
+PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
+POSITION = 40  # the decode row's position: a short context, as in bench-packed's 32-token decodes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(BENCH_ROOT / "smollm2" / "SmolLM2-135M-Instruct.Q4_0.gguf"))
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every measurement; medians reported")
+    p.add_argument("--calls", type=int, default=20, help="calls per round of each timed part")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def run(ns: argparse.Namespace) -> int:
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine import model as M
+
+    if not Path(ns.model).exists():
+        sys.exit(f"{ns.model} not found (bench-packed makes it)")
+    torch.set_num_threads(1)
+    llm = LLM(ns.model, max_model_len=512, max_num_seqs=1)
+    try:
+        engine, runner = llm.engine, llm.engine.model.runner
+        cfg, weights = runner.cfg, runner.weights
+        blocks = []
+        for i in range(cfg.num_layers):
+            blocks.append(weights.acquire(i))
+            weights.release(i)  # resident blocks stay valid; a streamed one would not (say so below)
+        if cfg.num_layers > len(engine.plan.resident_blocks):
+            print("note: some blocks are streamed; the parts time their last prepared copies")
+        bs = runner.kv.block_size
+        pos = torch.tensor([POSITION])
+        tables = torch.arange(POSITION // bs + 1)[None]  # (1, blocks)
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        cos, sin = M.rotary_cos_sin(pos, runner.inv_freq, runner.rope_scaling, runner.dtype)
+        keys = torch.arange(POSITION + 1)
+        step = M.StepInputs(input_ids=torch.zeros(1, dtype=torch.long), positions=pos, cos=cos, sin=sin,
+                            slot_mapping=slots, block_tables=tables, pad_rows=None, max_query=1,
+                            context_len=POSITION + 1, attn_mask=(keys[None, :] <= pos[:, None])[:, None, None, :],
+                            logits_index=torch.arange(1))
+        x0 = torch.randn(1, cfg.hidden_size).to(runner.dtype)  # (1, hidden)
+        act = torch.randn(1, cfg.intermediate_size).to(runner.dtype)  # (1, intermediate)
+
+        def whole_step() -> float:
+            engine.add_request(PROMPT, SamplingParams(max_tokens=33, temperature=0, ignore_eos=True), str(time.time()))
+            steps = []
+            while engine.has_unfinished():
+                t = time.thread_time()
+                engine.step()
+                steps.append(time.thread_time() - t)
+            return _median(steps[1:])  # decode steps only
+
+        def blocks_once():
+            x = x0
+            for i, w in enumerate(blocks):
+                k_cache, v_cache = runner.kv.layer(i)
+                x = M.block_forward(x, w, k_cache, v_cache, step, cfg)
+
+        def matmuls_once():
+            for w in blocks:
+                for name, x in (("wqkv", x0), ("wo", x0), ("w_gate_up", x0), ("w_down", act)):
+                    if name in w:
+                        M.linear(x, w[name])
+
+        def head_once():
+            M.linear(x0, runner.globals.head)
+
+        real_block, real_attention = M.decode_block, M._decode_attention_applies
+        modes = {"whole step (engine.step)": (real_block, real_attention),
+                 "whole step, blocks op by op": (lambda: None, real_attention),
+                 "whole step, op by op, SDPA attention": (lambda: None, lambda *a: False)}
+        parts = {"blocks (default path)": blocks_once, "  of which their matmuls alone": matmuls_once,
+                 "LM head": head_once}
+        times: dict[str, list[float]] = {k: [] for k in (*modes, *parts)}
+        whole_step()  # warm
+        for _ in range(ns.rounds):
+            for name, (block, attention) in modes.items():
+                M.decode_block, M._decode_attention_applies = block, attention
+                try:
+                    times[name].append(whole_step())
+                finally:
+                    M.decode_block, M._decode_attention_applies = real_block, real_attention
+            for name, fn in parts.items():
+                t = time.thread_time()
+                for _ in range(ns.calls):
+                    fn()
+                times[name].append((time.thread_time() - t) / ns.calls)
+    finally:
+        llm.close()
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    print(f"{Path(ns.model).name}: one decode row at position {POSITION}, 1 thread, thread CPU time, medians of "
+          f"{ns.rounds}; load average {load}")
+    for name, xs in times.items():
+        print(f"{name:<36} {_median(xs) * 1e3:8.2f} ms")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .common import bench_main
+
+    return bench_main("bench-decode-profile", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
