@@ -67,3 +67,40 @@ def test_attend_same_with_the_torch_softmax(monkeypatch):
         plain = attention_backend.attend(q, k, v, mask, open_keys=40)
     torch.testing.assert_close(fused, plain, atol=1e-2, rtol=1e-2)  # bf16 outputs: at most an ulp apart
     assert (fused.float() - plain.float()).abs().max() <= 2 ** -7 * plain.float().abs().max()
+
+
+def test_forced_torch_fallback_is_logged_and_bad_setting_refused(monkeypatch, caplog):
+    from engine.kernels import attention_ops as ao
+
+    ao.attention_ops.cache_clear()
+    try:
+        monkeypatch.setenv("LAYERSTREAM_ATTENTION_OPS", "torch")
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert ao.attention_ops() is None
+        assert "not the fused C++ softmax: LAYERSTREAM_ATTENTION_OPS=torch" in caplog.text
+        ao.attention_ops.cache_clear()
+        monkeypatch.setenv("LAYERSTREAM_ATTENTION_OPS", "fast")
+        with pytest.raises(ValueError, match="LAYERSTREAM_ATTENTION_OPS must be auto or torch, got 'fast'"):
+            ao.attention_ops()
+    finally:
+        monkeypatch.undo()
+        ao.attention_ops.cache_clear()
+        ao.attention_ops()
+
+
+def test_a_source_that_does_not_compile_falls_back_logged(monkeypatch, tmp_path, caplog):
+    from engine.kernels import attention_ops as ao
+
+    bad = tmp_path / "attention_ops.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(ao, "SOURCE", bad)
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+    ao.attention_ops.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="layerstream"):
+            assert ao.attention_ops() is None
+        assert "not the fused C++ softmax: it could not be built" in caplog.text
+    finally:
+        monkeypatch.undo()
+        ao.attention_ops.cache_clear()
+        ao.attention_ops()
