@@ -82,6 +82,17 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
     return module
 
 
+def compile_or_reason(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
+                      includes: tuple[Path, ...] = ()) -> tuple[ModuleType | None, str]:
+    """(the extension, "") or (None, why it could not be built: one line for the fallback's warning).
+    Any build failure (no compiler, no ninja, a compile error) means a fallback, said loudly."""
+    try:
+        return compile_extension(name, source, cflags, includes), ""
+    except Exception as e:  # noqa: BLE001 - every failure is reported, none is fatal
+        last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
+        return None, f"could not be built ({type(e).__name__}: {last})"
+
+
 def _prune(name: str, keep: Path) -> None:
     """Remove builds of this kernel that no process has loaded for STALE_DAYS (other sources or torch
     versions; a build of another checkout that is still in use is kept: its loads touch it)."""

@@ -44,10 +44,9 @@ def decode_block() -> ModuleType | None:
     elif int4_backend() != "vnni":
         reason = "the AVX512-VNNI kernels are not in use"
     else:
-        try:
-            return build.compile_extension(NAME, SOURCE, CFLAGS, INCLUDES)
-        except Exception as e:  # noqa: BLE001 - any build failure means the op-by-op block, loudly
-            last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
-            reason = f"it could not be built ({type(e).__name__}: {last})"
+        module, why = build.compile_or_reason(NAME, SOURCE, CFLAGS, INCLUDES)
+        if module is not None:
+            return module
+        reason = f"it {why}"
     log.warning("decode steps: running each block op by op, not as one C++ call: %s", reason)
     return None

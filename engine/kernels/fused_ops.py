@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from .build import compile_extension
+from .build import compile_or_reason
 
 log = logging.getLogger("layerstream")
 
@@ -41,10 +41,9 @@ def fused_ops() -> ModuleType | None:
     if wanted == "torch":
         reason = "LAYERSTREAM_FUSED_OPS=torch"
     else:
-        try:
-            return compile_extension(NAME, SOURCE, CFLAGS)
-        except Exception as e:  # noqa: BLE001 - any build failure means the torch code, loudly
-            last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
-            reason = f"they could not be built ({type(e).__name__}: {last})"
+        module, why = compile_or_reason(NAME, SOURCE, CFLAGS)
+        if module is not None:
+            return module
+        reason = f"they {why}"
     log.warning("RMSNorm, SwiGLU and rotary: using torch ops, not the fused CPU ops: %s", reason)
     return None
