@@ -37,7 +37,7 @@ Four choices, each for a reason found reading the CUDA path against torch 2.11 (
   times V would there be rounded as flash rounds them. Errors against float64, measured here, are
   below flash's (mean 4e-5 vs 6.5e-5, max 4.9e-4 vs 5.9e-4 at 2000 keys). Keys that every query row
   of the call may see (`open_keys`: the cached prefix before the earliest chunk) skip the mask.
-  fp32 (exact mode) and fp16 keep SDPA.
+  fp32 (exact mode) and fp16 keep SDPA, and so does everything with LAYERSTREAM_CPU_ATTENTION=sdpa.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -161,7 +162,19 @@ def _bf16_dot_products() -> bool:
     return torch.backends.mkldnn.is_available() and bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-BF16_MATMUL_CPU = _bf16_dot_products()
+CPU_ATTENTION_MODES = ("auto", "sdpa")
+
+
+def cpu_attention_mode() -> str:
+    """LAYERSTREAM_CPU_ATTENTION: auto (the default: the matmul path for bf16 where the CPU is of the
+    kind it was measured on) or sdpa (SDPA for every dtype, as before; for A/B runs of a benchmark)."""
+    mode = os.environ.get("LAYERSTREAM_CPU_ATTENTION", "auto")
+    if mode not in CPU_ATTENTION_MODES:
+        raise ValueError(f"LAYERSTREAM_CPU_ATTENTION must be auto or sdpa, got {mode!r}")
+    return mode
+
+
+BF16_MATMUL_CPU = cpu_attention_mode() == "auto" and _bf16_dot_products()
 
 
 def uses_bf16_matmul_cpu(q: torch.Tensor) -> bool:

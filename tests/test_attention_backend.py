@@ -281,3 +281,14 @@ def test_bf16_matmul_path_within_its_bound():
     for shape in [(sp, rp, 2000, 4, 64, 2), (16, 4, 80, 4, 64, 2), (1, 1, 4096, 8, 128, 2)]:  # per call, below
         assert attention_backend.matmul_cpu_call_bytes(*shape) <= call_bytes(*shape)  # what the plan reserves
     assert again < first / 4, (again, first)
+
+
+def test_cpu_attention_setting(monkeypatch):
+    """LAYERSTREAM_CPU_ATTENTION picks the matmul path (auto) or SDPA; anything else is refused by name."""
+    monkeypatch.setenv("LAYERSTREAM_CPU_ATTENTION", "sdpa")
+    assert attention_backend.cpu_attention_mode() == "sdpa"
+    monkeypatch.delenv("LAYERSTREAM_CPU_ATTENTION")
+    assert attention_backend.cpu_attention_mode() == "auto"
+    monkeypatch.setenv("LAYERSTREAM_CPU_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="LAYERSTREAM_CPU_ATTENTION must be auto or sdpa, got 'flash'"):
+        attention_backend.cpu_attention_mode()
