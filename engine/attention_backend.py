@@ -43,6 +43,7 @@ Four choices, each for a reason found reading the CUDA path against torch 2.11 (
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -99,15 +100,18 @@ def uses_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return q.device.type == "cpu" and _sdp_choice is not None and _sdp_choice(q, k, v, attn_mask=mask) == _FLASH
 
 
-def matmul_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int) -> int:
+def matmul_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
+                          probs: bool = True) -> int:
     """Temporaries of one `_attend_bf16_matmul` call (same arguments as call_bytes), all in its
-    AttentionScratch but the last two: K and V in fp32, the scores and their softmax in fp32, then
-    the inverted mask and the fp32 output before its cast."""
-    return _scratch_floats(seqs, rows, ctx, heads, head_dim) * 4 + seqs * rows * ctx + seqs * heads * rows * head_dim * (4 + itemsize)
+    AttentionScratch but the last two: K and V in fp32, the scores in fp32 and, unless the C++
+    softmax overwrites them in place (probs=False), their softmax; then the inverted mask and the
+    fp32 output before its cast."""
+    return (_scratch_floats(seqs, rows, ctx, heads, head_dim, probs) * 4 + seqs * rows * ctx
+            + seqs * heads * rows * head_dim * (4 + itemsize))
 
 
-def _scratch_floats(seqs: int, rows: int, ctx: int, heads: int, head_dim: int) -> int:
-    return seqs * heads * (2 * ctx * head_dim + 2 * rows * ctx)
+def _scratch_floats(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, probs: bool = True) -> int:
+    return seqs * heads * (2 * ctx * head_dim + (2 if probs else 1) * rows * ctx)
 
 
 # At most this much per bf16 matmul call, whatever the plan allows. Measured here (one thread, a
@@ -203,11 +207,13 @@ def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     seqs, nkv, rows, hd = q.shape
     ctx = k.shape[2]
     bound = min(CHUNK_BYTES if chunk_bytes is None else chunk_bytes, MATMUL_CPU_CALL_BYTES)
-    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), bound, matmul_cpu_call_bytes)
-    buf = (scratch or AttentionScratch()).take(_scratch_floats(sp, rp, ctx, nkv, hd))
+    ops = attention_ops()  # the C++ softmax in place, or None: torch's ops
+    probs = ops is None  # torch's softmax writes a second (rows x context) buffer
+    cost = functools.partial(matmul_cpu_call_bytes, probs=probs)
+    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), bound, cost)
+    buf = (scratch or AttentionScratch()).take(_scratch_floats(sp, rp, ctx, nkv, hd, probs))
     hidden = mask[..., open_keys:].logical_not() if open_keys < ctx else None  # (seqs, 1, rows, context - open_keys)
     scale = hd ** -0.5
-    ops = attention_ops()  # the C++ softmax in place, or None: torch's ops
     out = q.new_empty(q.shape)
     with _fp32_matmul_as_bf16():
         for a in range(0, seqs, sp):
@@ -218,7 +224,8 @@ def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
             kt = kf.transpose(-1, -2)  # (n, kv_heads, head_dim, context)
             for r in range(0, rows, rp):
                 m = min(rp, rows - r)
-                s_r, p_r, _ = _carve(rest, (n, nkv, m, ctx), (n, nkv, m, ctx))  # (n, kv_heads, m, context)
+                # (n, kv_heads, m, context) scores, and their softmax where torch's writes it apart
+                s_r, p_r, _ = _carve(rest, (n, nkv, m, ctx), (n, nkv, m, ctx) if probs else (0,))
                 torch.matmul(q[a:a + n, :, r:r + m].float(), kt, out=s_r)  # fp32 scores of bf16 values
                 hide = hidden[a:a + n, :, r:r + m] if hidden is not None else None
                 if ops is not None:
