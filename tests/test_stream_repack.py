@@ -276,3 +276,34 @@ def test_exact_mode_streams_gguf_weights(repack, gguf_root):
         assert make_repacker(source, PackedFormat(torch.bfloat16)) is not None
     finally:
         index.close()
+
+
+def test_disk_tier_reads_the_next_block_while_repacking(repack, gguf_root):
+    """The disk tier starts the next disk block's read before repacking the current one, in the
+    streamer's cyclic order; a block asked for out of that order (after a reset) is read then and
+    still comes out as its resident twin; staging buffers are all free between blocks."""
+    from engine.weights.disk_transport import DiskTransport
+
+    path = tiny_gguf(gguf_root, "qwen2", Q.Q4_K)
+    index = GGUFIndex(path)
+    try:
+        source = BlockSource(index, index.model_config())
+        fmt = PackedFormat(torch.bfloat16)
+        transport = DiskTransport(source, torch.bfloat16, [1, 2, 3], depth=2, direct=False, fmt=fmt,
+                                  repacker=make_repacker(source, fmt))
+        host = PackedCpuTransport(source, fmt)
+        try:
+            for block, ahead in [(1, 2), (2, 3), (3, 1), (2, 3), (1, 2)]:  # (2 after 3: a reset)
+                ticket = transport.prepare(block)
+                assert transport._ahead[0] == ahead
+                assert ticket.staging is None and transport._free.qsize() == 3 - 1  # one buffer reading ahead
+                resident = fuse_projections(host.resident(block))
+                assert all(_same(ticket.weights[k], resident[k]) for k in resident)
+                transport.retire(ticket)
+            # 8 reads: the 5 blocks asked for, 2 reads ahead the resets wasted, 1 still ahead
+            assert transport.reader.stats.bytes_read >= 8 * source.nbytes(1)
+        finally:
+            transport.close()
+        assert transport._free.qsize() == 3
+    finally:
+        index.close()

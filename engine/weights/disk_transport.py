@@ -13,7 +13,8 @@ With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filli
 
 Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read, so the disk moves packed
 bytes. With a `repacker` (CPU fast mode, stream_repack.py) they are repacked from the staging buffer
-into their resident twins' compute form in a reusable slot; otherwise they are handed to compute as
+into their resident twins' compute form in a reusable slot (the next disk block's read overlapping
+that repack, and the staging buffer free again once it is done); otherwise they are handed to compute as
 `PackedFormat.streamed` weights viewing the staging buffer (unpacked by the matmul that uses them).
 Host-tier blocks go through the PackedCpuTransport, which shares the repacker's slots. With
 dtype=None the ticket holds the block's stored rows (engine row order) for the CUDA transport to stage.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -53,6 +55,10 @@ class DiskTransport(Transport):
         self.plans: list[ReadPlan] = [plan_reads(source.tensors(b)) for b in range(source.num_blocks)]
         self.staging_bytes = max(p.buffer_bytes for p in self.plans)
         self.reader = DiskReader(source.files, direct=direct)
+        self._disk_order = sorted(self.disk_blocks)
+        self._ahead: tuple[int, Future, StagingBuffer] | None = None  # (block, its read, the buffer it fills)
+        self._ahead_pool = (ThreadPoolExecutor(1, thread_name_prefix="layerstream-read-ahead")
+                            if self.repacker is not None and self.disk_blocks else None)
         # Buffers are allocated lazily (untouched pages cost nothing anyway) and recycled through
         # a queue: retire() runs on the compute thread, prepare() on the prefetch thread.
         self._free: queue.Queue[StagingBuffer] = queue.Queue()
@@ -93,22 +99,14 @@ class DiskTransport(Transport):
     def prepare(self, block: int) -> Ticket:
         if block not in self.disk_blocks:
             return self._host.prepare(block)
+        if self.repacker is not None:
+            return self._prepare_repacked(block)
         buf = self._free.get()
         try:
             views, nbytes, seconds = self._read(block, buf)
         except BaseException:
             self._free.put(buf)
             raise
-        if self.packed and self.repacker is not None:
-            try:
-                weights, slot = self.repacker.fill(block, views)
-            except BaseException:
-                self._free.put(buf)
-                raise
-            # The staging buffer is kept until retire(): tensors the repacker leaves as they are stored
-            # (norms already in the compute dtype) are views of it.
-            return Ticket(block, weights, self.source.streamed_bytes(block, self.dtype), tier=DISK, disk_bytes=nbytes,
-                          disk_seconds=seconds, staging=buf, repacked=slot)
         if self.packed:
             # Packed bytes stay in the staging buffer (views), which retire() gives back.
             weights = self._packed(block, views, self.fmt.streamed if self.fmt is not None else None)
@@ -127,6 +125,61 @@ class DiskTransport(Transport):
         return Ticket(block, converted, nbytes_of(converted), tier=DISK, disk_bytes=nbytes, disk_seconds=seconds,
                       converted=converted)
 
+    # -- packed blocks repacked on the host (CPU fast mode) --------------------------------------------
+    # The prefetch thread would otherwise wait for a block's read, then repack it, then wait for the
+    # next read: with the repack taking about a third of the read's time, the next disk block's read is
+    # started before this one is repacked (one read ahead, in the cyclic order the streamer visits
+    # blocks; a reset() that breaks the order just wastes that read). A repacked block needs its staging
+    # buffer no longer, so two of the depth + 1 buffers are ever in use.
+
+    def _prepare_repacked(self, block: int) -> Ticket:
+        buf, views, nbytes, seconds = self._take_read(block)
+        try:
+            self._read_ahead(self._next_disk_block(block))
+            weights, slot = self.repacker.fill(block, views)
+            # Tensors the repacker leaves as stored (norms already in the compute dtype) view the buffer.
+            weights = {k: w.clone() if isinstance(w, torch.Tensor) and _views(w, buf) else w for k, w in weights.items()}
+        finally:
+            self._free.put(buf)
+        return Ticket(block, weights, self.source.streamed_bytes(block, self.dtype), tier=DISK, disk_bytes=nbytes,
+                      disk_seconds=seconds, repacked=slot)
+
+    def _take_read(self, block: int) -> tuple[StagingBuffer, dict[str, torch.Tensor], int, float]:
+        """Block `block` read into a staging buffer: by the read ahead if that was this block's, else now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead_block, future, buf = ahead
+            try:
+                views, nbytes, seconds = future.result()
+            except BaseException:
+                self._free.put(buf)
+                if ahead_block == block:
+                    raise
+            else:
+                if ahead_block == block:
+                    return buf, views, nbytes, seconds
+                self._free.put(buf)  # read for a block the streamer no longer asks for next (a reset)
+        buf = self._free.get()
+        try:
+            views, nbytes, seconds = self._read(block, buf)
+        except BaseException:
+            self._free.put(buf)
+            raise
+        return buf, views, nbytes, seconds
+
+    def _read_ahead(self, block: int) -> None:
+        try:
+            buf = self._free.get_nowait()
+        except queue.Empty:
+            return
+        self._ahead = (block, self._ahead_pool.submit(self._read, block, buf), buf)
+
+    def _next_disk_block(self, block: int) -> int:
+        """The disk block the streamer prepares after `block`: it visits streamed blocks in ascending
+        order, cyclically."""
+        later = [b for b in self._disk_order if b > block]
+        return later[0] if later else self._disk_order[0]
+
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}
         if ticket.staging is not None:
@@ -139,4 +192,17 @@ class DiskTransport(Transport):
             self._host.retire(ticket)  # host-tier pages (release_pages is off for the host tier)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            _, future, buf = self._ahead
+            self._ahead = None
+            future.exception()  # wait: the read writes into buf
+            self._free.put(buf)
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)
         self.reader.close()
+
+
+def _views(t: torch.Tensor, buf: StagingBuffer) -> bool:
+    """Whether tensor t lies in staging buffer buf's memory."""
+    start = buf.tensor.data_ptr()
+    return start <= t.data_ptr() < start + buf.nbytes
