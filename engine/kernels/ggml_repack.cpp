@@ -319,11 +319,13 @@ void repack_int8(const torch::Tensor& rows, int64_t qtype, int64_t K, torch::Ten
 
 }  // namespace
 
+// The GIL is released while a repack runs: it runs on the prefetch thread, and holding the GIL would
+// stall the compute thread's Python between kernels for the whole repack.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_int4", &repack_int4, "Q4_0/Q4_1/Q4_K rows -> the int4 VNNI layout, into codes and scales",
         py::arg("rows"), py::arg("qtype"), py::arg("K"), py::arg("codes"), py::arg("scales"),
-        py::arg("order") = py::none());
+        py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("repack_int8", &repack_int8, "Q8_0/Q5_0/Q5_1/Q5_K/Q6_K rows -> per-row int8 in the VNNI layout",
         py::arg("rows"), py::arg("qtype"), py::arg("K"), py::arg("codes"), py::arg("scales"),
-        py::arg("order") = py::none());
+        py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
