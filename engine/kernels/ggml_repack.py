@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from . import build, int4_backend
-from .build import compile_extension
+from .build import compile_or_reason
 
 log = logging.getLogger("layerstream")
 
@@ -48,10 +48,9 @@ def ggml_repack() -> ModuleType | None:
     elif int4_backend() != "vnni":
         reason = "the VNNI kernels are not in use (aten's int4/int8 kernels are)"
     else:
-        try:
-            return compile_extension(NAME, SOURCE, CFLAGS)
-        except Exception as e:  # noqa: BLE001 - any build failure means the fallback, loudly
-            last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
-            reason = f"it could not be built ({type(e).__name__}: {last})"
+        module, why = compile_or_reason(NAME, SOURCE, CFLAGS)
+        if module is not None:
+            return module
+        reason = f"it {why}"
     log.warning("streamed GGUF blocks: dequantized by each matmul, not repacked for the VNNI kernels: %s", reason)
     return None
