@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from .build import CFLAGS, compile_extension
+from .build import CFLAGS, compile_or_reason
 
 log = logging.getLogger("layerstream")
 
@@ -36,13 +36,9 @@ def attention_ops() -> ModuleType | None:
     if wanted == "torch":
         reason = "LAYERSTREAM_ATTENTION_OPS=torch"
     else:
-        try:
-            module = compile_extension(NAME, SOURCE, BUILD_FLAGS)
-            if module.cpu_supported():
-                return module
-            reason = "the CPU lacks AVX-512 F/BW/DQ"
-        except Exception as e:  # noqa: BLE001 - any build failure means the torch ops, loudly
-            last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
-            reason = f"it could not be built ({type(e).__name__}: {last})"
+        module, why = compile_or_reason(NAME, SOURCE, BUILD_FLAGS)
+        if module is not None and module.cpu_supported():
+            return module
+        reason = f"it {why}" if module is None else "the CPU lacks AVX-512 F/BW/DQ"
     log.warning("attention softmax: using torch ops, not the fused C++ softmax: %s", reason)
     return None
