@@ -75,6 +75,15 @@ class DiskTransport(Transport):
         nbytes = self.reader.read(plan, buf)
         return plan.views(buf), nbytes, time.perf_counter() - t0
 
+    def _read_free(self, block: int) -> tuple[StagingBuffer, dict[str, torch.Tensor], int, float]:
+        """Block `block` read into a free staging buffer (waiting for one): (buffer, views, bytes, seconds)."""
+        buf = self._free.get()
+        try:
+            return (buf, *self._read(block, buf))
+        except BaseException:
+            self._free.put(buf)
+            raise
+
     def _converts(self, views: dict[str, torch.Tensor]) -> bool:
         return self.dtype is not None and any(v.dtype != self.dtype for v in views.values())
 
@@ -101,12 +110,7 @@ class DiskTransport(Transport):
             return self._host.prepare(block)
         if self.repacker is not None:
             return self._prepare_repacked(block)
-        buf = self._free.get()
-        try:
-            views, nbytes, seconds = self._read(block, buf)
-        except BaseException:
-            self._free.put(buf)
-            raise
+        buf, views, nbytes, seconds = self._read_free(block)
         if self.packed:
             # Packed bytes stay in the staging buffer (views), which retire() gives back.
             weights = self._packed(block, views, self.fmt.streamed if self.fmt is not None else None)
@@ -159,13 +163,7 @@ class DiskTransport(Transport):
                 if ahead_block == block:
                     return buf, views, nbytes, seconds
                 self._free.put(buf)  # read for a block the streamer no longer asks for next (a reset)
-        buf = self._free.get()
-        try:
-            views, nbytes, seconds = self._read(block, buf)
-        except BaseException:
-            self._free.put(buf)
-            raise
-        return buf, views, nbytes, seconds
+        return self._read_free(block)
 
     def _read_ahead(self, block: int) -> None:
         try:
