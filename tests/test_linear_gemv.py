@@ -1,0 +1,51 @@
+"""model.linear's one-row bf16 path: torch's own matrix-vector kernel instead of oneDNN's (faster on
+this kind of CPU for a single row), with the process-wide oneDNN switch always put back."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import model as M
+
+
+def _weights(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    return w, b
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (96, 160)])
+def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
+    w, b = _weights(*shape)
+    x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        expected = F.linear(x, w, b)  # torch's kernel, as the one-row path runs it
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+    got = M.linear(x, w, b)
+    assert torch.equal(got, expected)
+    reference = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), reference, atol=0.05 * reference.abs().max().item(), rtol=1e-2)
+    assert torch._C._get_mkldnn_enabled()
+
+
+def test_only_single_bf16_rows_on_the_cpu_take_it():
+    assert M._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.bfloat16))
+    assert not M._one_bf16_row_on_cpu(torch.zeros(2, 8, dtype=torch.bfloat16))  # oneDNN is faster from 2 rows
+    assert not M._one_bf16_row_on_cpu(torch.zeros(1, 8))  # fp32: the exact mode keeps its path
+    assert not M._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.float16))  # not measured
+
+
+def test_the_onednn_switch_is_restored_when_the_product_fails():
+    w, _ = _weights(16, 32)
+    with pytest.raises(RuntimeError):
+        M.linear(torch.zeros(1, 31, dtype=torch.bfloat16), w)  # wrong inner size
+    assert torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)  # a caller that had it off keeps it off
+    try:
+        M.linear(torch.zeros(1, 32, dtype=torch.bfloat16), w)
+        assert not torch._C._get_mkldnn_enabled()
+    finally:
+        torch._C._set_mkldnn_enabled(True)
