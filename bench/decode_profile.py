@@ -75,18 +75,21 @@ def run(ns: argparse.Namespace) -> int:
 
         def blocks_once():
             x = x0
-            for i, w in enumerate(blocks):
-                k_cache, v_cache = runner.kv.layer(i)
-                x = M.block_forward(x, w, k_cache, v_cache, step, cfg)
+            with M.single_row_products(x0):  # as runner.execute runs them
+                for i, w in enumerate(blocks):
+                    k_cache, v_cache = runner.kv.layer(i)
+                    x = M.block_forward(x, w, k_cache, v_cache, step, cfg)
 
         def matmuls_once():
-            for w in blocks:
-                for name, x in (("wqkv", x0), ("wo", x0), ("w_gate_up", x0), ("w_down", act)):
-                    if name in w:
-                        M.linear(x, w[name])
+            with M.single_row_products(x0):
+                for w in blocks:
+                    for name, x in (("wqkv", x0), ("wo", x0), ("w_gate_up", x0), ("w_down", act)):
+                        if name in w:
+                            M.linear(x, w[name])
 
         def head_once():
-            M.linear(x0, runner.globals.head)
+            with M.single_row_products(x0):
+                M.linear(x0, runner.globals.head)
 
         real_block, real_attention = M.decode_block, M._decode_attention_applies
         modes = {"whole step (engine.step)": (real_block, real_attention),

@@ -111,25 +111,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed)
     that multiplies itself with its own kernel."""
-    if not isinstance(w, torch.Tensor):
-        return w.linear(x, bias)
-    if _one_bf16_row_on_cpu(x):
-        with _without_onednn():
-            return F.linear(x, w, bias)
-    return F.linear(x, w, bias)
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
 
 
 def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
-    """A single bf16 row on the CPU: a matrix-vector product, which torch's own bf16 kernel runs
-    1.3-2x faster than oneDNN's here (it reads the weight at up to ~40 GB/s on 2 threads; measured
-    for SmolLM2's and the benchmark model's shapes, 1 and 2 threads). From 2 rows on oneDNN is faster."""
+    """A single bf16 row on the CPU: every dense product of the step is a matrix-vector product, which
+    torch's own bf16 kernel runs 1.3-2x faster than oneDNN's here (it reads the weight at up to ~40 GB/s
+    on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads). From 2
+    rows on oneDNN is faster."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]
 
 
 @contextlib.contextmanager
-def _without_onednn():
-    """torch's matmuls without oneDNN for the calls inside. The switch is process-wide: the engine's
-    one compute thread is the only one multiplying while it is off."""
+def single_row_products(x: torch.Tensor):
+    """Around a step's forward whose activations are x (tokens, hidden): for a single bf16 row on the
+    CPU, torch's dense products (F.linear here, at::linear in kernels/decode_block.cpp) without oneDNN;
+    otherwise nothing. The switch is process-wide: the engine's one compute thread is the only one
+    multiplying while it is off."""
+    if not _one_bf16_row_on_cpu(x):
+        yield
+        return
     was = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
@@ -340,9 +341,6 @@ def block_forward(
     """One decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
     args = _decode_block_args(x, w, k_cache, v_cache, step, cfg)
     if args is not None:
-        if _one_bf16_row_on_cpu(x):  # its dense matmuls (at::linear) then take torch's gemv, as linear() does
-            with _without_onednn():
-                return decode_block().block(*args)
         return decode_block().block(*args)  # the same ops in one C++ call (kernels/decode_block.cpp)
     a = attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
     h, hn = add_rms_norm(x, a, w["mlp_norm"], cfg.rms_norm_eps)  # h = x + a, hn = norm(h)

@@ -156,20 +156,21 @@ class ModelRunner:
         before = self.weights.stream_stats
         step = self._step_inputs(chunks)
         x = self.globals.embed(step.input_ids)  # (tokens, hidden)
-        try:
-            for block in range(self.cfg.num_layers):
-                w = self.weights.acquire(block)
-                k_cache, v_cache = self.kv.layer(block)
-                if self.cfg.is_moe_layer(block):
-                    x = self._moe_block(block, x, w, k_cache, v_cache, step)
-                else:
-                    x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
-                self.weights.release(block)
-        except BaseException:
-            # A half-finished pass leaves the prefetcher ahead of where the next step starts.
-            self.weights.reset()
-            raise
-        logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg.rms_norm_eps)
+        with M.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's
+            try:
+                for block in range(self.cfg.num_layers):
+                    w = self.weights.acquire(block)
+                    k_cache, v_cache = self.kv.layer(block)
+                    if self.cfg.is_moe_layer(block):
+                        x = self._moe_block(block, x, w, k_cache, v_cache, step)
+                    else:
+                        x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
+                    self.weights.release(block)
+            except BaseException:
+                # A half-finished pass leaves the prefetcher ahead of where the next step starts.
+                self.weights.reset()
+                raise
+            logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg.rms_norm_eps)
         if logits.device.type == "cuda":
             # The step's device: the thread's current device defaults to cuda:0 whatever the model's.
             torch.cuda.current_stream(logits.device).synchronize()

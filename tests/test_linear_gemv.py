@@ -1,5 +1,5 @@
-"""model.linear's one-row bf16 path: torch's own matrix-vector kernel instead of oneDNN's (faster on
-this kind of CPU for a single row), with the process-wide oneDNN switch always put back."""
+"""model.single_row_products: a step of one bf16 row takes torch's own matrix-vector kernel instead of
+oneDNN's (faster on this kind of CPU for a single row), with the process-wide oneDNN switch always put back."""
 
 import pytest
 import torch
@@ -24,7 +24,8 @@ def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
         expected = F.linear(x, w, b)  # torch's kernel, as the one-row path runs it
     finally:
         torch._C._set_mkldnn_enabled(True)
-    got = M.linear(x, w, b)
+    with M.single_row_products(x):
+        got = M.linear(x, w, b)
     assert torch.equal(got, expected)
     reference = F.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(got.double(), reference, atol=0.05 * reference.abs().max().item(), rtol=1e-2)
@@ -40,12 +41,46 @@ def test_only_single_bf16_rows_on_the_cpu_take_it():
 
 def test_the_onednn_switch_is_restored_when_the_product_fails():
     w, _ = _weights(16, 32)
+    x = torch.zeros(1, 31, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
-        M.linear(torch.zeros(1, 31, dtype=torch.bfloat16), w)  # wrong inner size
+        with M.single_row_products(x):
+            M.linear(x, w)  # wrong inner size
     assert torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)  # a caller that had it off keeps it off
     try:
-        M.linear(torch.zeros(1, 32, dtype=torch.bfloat16), w)
+        x = torch.zeros(1, 32, dtype=torch.bfloat16)
+        with M.single_row_products(x):
+            M.linear(x, w)
         assert not torch._C._get_mkldnn_enabled()
     finally:
         torch._C._set_mkldnn_enabled(True)
+
+
+def test_a_one_row_bf16_step_runs_without_onednn(llama_dir, monkeypatch):
+    from engine import LLM, SamplingParams
+
+    seen = []  # (rows, oneDNN enabled inside) per step
+    real = M.single_row_products
+
+    def spy(x):
+        cm = real(x)
+
+        class Recorder:
+            def __enter__(self):
+                cm.__enter__()
+                seen.append((x.shape[0], torch._C._get_mkldnn_enabled()))
+
+            def __exit__(self, *exc):
+                return cm.__exit__(*exc)
+
+        return Recorder()
+
+    monkeypatch.setattr(M, "single_row_products", spy)
+    llm = LLM(str(llama_dir), dtype="bfloat16", max_model_len=64, max_num_seqs=1)
+    try:
+        llm.generate([[3, 5, 7, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    finally:
+        llm.close()
+    assert seen[0] == (4, True)  # the prompt's 4 rows keep oneDNN
+    assert seen[1:] and all(s == (1, False) for s in seen[1:])  # decode steps: one row, oneDNN off
+    assert torch._C._get_mkldnn_enabled()
