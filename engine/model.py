@@ -116,9 +116,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
     """A single bf16 row on the CPU: every dense product of the step is a matrix-vector product, which
-    torch's own bf16 kernel runs 1.3-2x faster than oneDNN's here (it reads the weight at up to ~40 GB/s
-    on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads). From 2
-    rows on oneDNN is faster."""
+    torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's here (it reads the weight at up to ~40 GB/s
+    on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads: bench/bf16_rows.py). At
+    2 rows the two are about even, from 4 on oneDNN is faster."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]
 
 
