@@ -1,7 +1,8 @@
 """bf16 products of a few rows on the CPU: oneDNN's kernel (torch's default) against torch's own, which
-engine.model.single_row_products chooses for a step of one row. Each shape is cycled through enough
-distinct weights that every call reads its weight from memory, as a decode step does; best of --rounds
-rounds, microseconds per product, 1 and 2 threads.
+engine.model.single_row_products chooses for a step of one row, and against engine/kernels/bf16_rows.cpp,
+which engine.model.linear chooses for 2-8 rows ("-" where it does not apply). Each shape is cycled
+through enough distinct weights that every call reads its weight from memory, as a decode step does;
+best of --rounds rounds, microseconds per product, 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ CYCLE_BYTES = 200 << 20  # well past the last-level cache
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", default="1,2,4,16", help="rows of x (comma separated)")
+    p.add_argument("--rows", default="1,2,4,8,16", help="rows of x (comma separated)")
     p.add_argument("--threads", default="1,2", help="torch thread counts (comma separated)")
     p.add_argument("--rounds", type=int, default=3)
 
@@ -25,23 +26,33 @@ def run(ns: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    def best_us(ws: list, x: torch.Tensor, onednn: bool) -> float:
+    from engine.kernels.bf16_rows import bf16_rows
+
+    rows_kernel = bf16_rows()
+
+    def best_us(ws: list, x: torch.Tensor, onednn: bool, product=F.linear) -> float:
         torch._C._set_mkldnn_enabled(onednn)
         try:
             for w in ws[:3]:
-                F.linear(x, w)
+                product(x, w)
             best = float("inf")
             for _ in range(ns.rounds):
                 t = time.perf_counter()
                 for w in ws:
-                    F.linear(x, w)
+                    product(x, w)
                 best = min(best, (time.perf_counter() - t) / len(ws))
             return best * 1e6
         finally:
             torch._C._set_mkldnn_enabled(True)
 
+    def ours(ws: list, x: torch.Tensor) -> str:
+        if rows_kernel is None or not rows_kernel.applies(x, ws[0]):
+            return "-"
+        return f"{best_us(ws, x, True, rows_kernel.linear):.0f}"
+
     rows = [int(r) for r in ns.rows.split(",")]
-    print(f"bf16 F.linear, weights read from memory, best of {ns.rounds}, µs per product (oneDNN / torch's kernel); "
+    print(f"bf16 F.linear, weights read from memory, best of {ns.rounds}, µs per product (oneDNN / torch's kernel / "
+          f"bf16_rows.cpp); "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     g = torch.Generator().manual_seed(0)
     for shape in SHAPES:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .arch import ModelConfig
 from .attention_backend import AttentionScratch, attend
+from .kernels.bf16_rows import bf16_rows
 from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 
@@ -111,14 +112,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed)
     that multiplies itself with its own kernel."""
-    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.linear(x, bias)
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, bias)
+    if _few_bf16_rows(x):
+        return bf16_rows().linear(x, w, bias)  # its kernel where it applies, else F.linear's (bf16_rows.cpp)
+    return F.linear(x, w, bias)
+
+
+def _few_bf16_rows(x: torch.Tensor) -> bool:
+    """2-8 bf16 rows on the CPU with the AVX512-BF16 kernel built: a decode step of a few sequences,
+    whose products kernels/bf16_rows.cpp runs 1.3-2x faster than oneDNN here (bench/bf16_rows.py)."""
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and 2 <= x.shape[0] <= _FEW_ROWS and x.is_cpu
+            and bf16_rows() is not None)
+
+
+_FEW_ROWS = 8  # bf16_rows.cpp's MAX_ROWS
 
 
 def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
     """A single bf16 row on the CPU: every dense product of the step is a matrix-vector product, which
     torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's here (it reads the weight at up to ~40 GB/s
-    on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads: bench/bf16_rows.py). At
-    2 rows the two are about even, from 4 on oneDNN is faster."""
+    on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads: bench/bf16_rows.py). From
+    2 rows on it runs row by row; 2-8 rows take kernels/bf16_rows.cpp (linear), more take oneDNN."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]
 
 
@@ -363,7 +378,7 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     wqkv, wo, w_gate_up, w_down = weights
     return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
             w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, step.block_tables, step.positions,
-            cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
 
 
 def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:

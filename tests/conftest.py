@@ -22,12 +22,14 @@ def int4_kernel():
     before any test points LAYERSTREAM_CACHE at a folder of its own (which would build it again)."""
     from engine import kernels
     from engine.kernels.attention_ops import attention_ops
+    from engine.kernels.bf16_rows import bf16_rows
     from engine.kernels.decode_block import decode_block
     from engine.kernels.fused_ops import fused_ops
     from engine.kernels.ggml_repack import ggml_repack
 
     fused_ops()  # the fused CPU ops likewise (engine/model.py's RMSNorm, SwiGLU, rotary)
     attention_ops()  # and attention_backend's softmax
+    bf16_rows()  # and the bf16 products of 2-8 rows (engine/model.py linear)
     ggml_repack()  # and the repack of streamed GGUF blocks (engine/weights/stream_repack.py)
     decode_block()  # and a decode step's block as one C++ call (engine/model.py block_forward)
     return kernels.int4_backend()

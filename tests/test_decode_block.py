@@ -70,10 +70,15 @@ def _step(positions, tables, cfg):
 
 @needs_block
 @pytest.mark.parametrize("kind,bias,window", [("int4", False, None), ("int8", True, None), ("dense", False, None),
-                                              ("int4", True, 8)])
+                                              ("int4", True, 8), ("dense, F.linear", True, None)])
 def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, window):
-    if kind != "dense" and kernels.int4_backend() != "vnni":
+    """Dense bf16 weights of 3 sequences take bf16_rows.cpp's kernel on both paths where it is loaded;
+    "dense, F.linear" turns it off for both (the block is told by its few_rows argument)."""
+    if not kind.startswith("dense") and kernels.int4_backend() != "vnni":
         pytest.skip("VNNI layouts need the VNNI kernels")
+    if kind == "dense, F.linear":
+        monkeypatch.setattr(M, "bf16_rows", lambda: None)
+        kind = "dense"
     cfg = _cfg(window)
     w = _block(kind, bias)
     step = _step([37, 3, 20], [[5, 2, 7], [0, 0, 0], [1, 6, 0]], cfg)

@@ -2,7 +2,8 @@
 // ~40 small torch ops, and on a 135M model their Python dispatch cost as much as the block's
 // arithmetic besides the matmuls. This is engine/model.py's block_forward for the stacked weights
 // (wqkv, w_gate_up), calling the same functions in the same order (the fused CPU ops of fused_ops.cpp
-// and the VNNI kernels of int4_vnni.cpp, both included here, or at::linear for dense weights), so
+// and the VNNI kernels of int4_vnni.cpp, both included here, or for dense weights at::linear, or
+// bf16_rows.cpp's kernel where few_rows says engine/model.py's linear uses it too), so
 // its result is bit-identical to the op-by-op path (tests/test_decode_block.py):
 //
 //   hn  = rms_norm(x, attn_norm)                          (seqs, hidden)
@@ -20,14 +21,17 @@
 #define LAYERSTREAM_NO_MODULE
 #include "int4_vnni.cpp"
 #include "fused_ops.cpp"
+#include "bf16_rows.cpp"
 
 namespace {
 
 using Weight = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t>;
 
-at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at::Tensor>& bias, bool few_rows) {
   const auto& [tensor, scales, out] = w;
-  if (!scales.has_value() || !scales->defined()) return at::linear(x, tensor, bias);
+  if (!scales.has_value() || !scales->defined()) {
+    return few_rows ? bf16_rows::linear(x, tensor, bias) : at::linear(x, tensor, bias);
+  }
   if (scales->scalar_type() == at::kHalf) return int4_linear(x, tensor, *scales, out, bias, true);
   return int8_linear(x, tensor, *scales, out, bias, true);
 }
@@ -37,22 +41,22 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& attn_norm, const at::Ten
                  const c10::optional<at::Tensor>& bo, const Weight& w_gate_up, const Weight& w_down,
                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                  const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& positions, int64_t window,
-                 int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, bool few_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode block: x must be contiguous (seqs, hidden), got ", x.sizes());
   const int64_t seqs = x.size(0), qk_heads = heads + kv_heads;
   TORCH_CHECK(std::get<2>(wqkv) == (heads + 2 * kv_heads) * head_dim, "decode block: wqkv has ",
               std::get<2>(wqkv), " rows, expected (", heads, " + 2 * ", kv_heads, ") * ", head_dim);
   const at::Tensor hn = rms_norm(x, attn_norm, eps);
-  const at::Tensor qkv = project(hn, wqkv, bqkv).view({seqs, qk_heads + kv_heads, head_dim});
+  const at::Tensor qkv = project(hn, wqkv, bqkv, few_rows).view({seqs, qk_heads + kv_heads, head_dim});
   const at::Tensor qk = rotary(qkv.narrow(1, 0, qk_heads), cos, sin);  // (seqs, heads + kv_heads, hd)
   const at::Tensor attn = decode_attention(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads),
                                            qkv.narrow(1, qk_heads, kv_heads), k_cache, v_cache, slots, tables,
                                            positions, window);  // (seqs, heads * hd)
-  const auto [h, hn2] = add_rms_norm(x, project(attn, wo, bo), mlp_norm, eps);
-  const at::Tensor gate_up = project(hn2, w_gate_up, c10::nullopt);  // (seqs, 2 * intermediate)
+  const auto [h, hn2] = add_rms_norm(x, project(attn, wo, bo, few_rows), mlp_norm, eps);
+  const at::Tensor gate_up = project(hn2, w_gate_up, c10::nullopt, few_rows);  // (seqs, 2 * intermediate)
   const int64_t inter = gate_up.size(1) / 2;
   const at::Tensor act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
-  return h + project(act, w_down, c10::nullopt);
+  return h + project(act, w_down, c10::nullopt, few_rows);
 }
 
 }  // namespace
@@ -62,6 +66,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"),
         py::arg("wo"), py::arg("bo"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("positions"),
-        py::arg("window"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"));
+        py::arg("window"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("few_rows"));
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");
 }

@@ -7,8 +7,9 @@ Interface:
       kernels not being in use (it is made of them too, and built for their instruction sets); a
       build failure likewise. The reason is logged once. Tests reset it with `decode_block.cache_clear()`.
   module.block(x, attn_norm, mlp_norm, eps, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, k_cache,
-               v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim) -> (seqs, hidden)
-      a weight being (tensor, scales or None, out_features): see decode_block.cpp.
+               v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim, few_rows) -> (seqs, hidden)
+      a weight being (tensor, scales or None, out_features): see decode_block.cpp; few_rows: dense bf16
+      products of 2-8 rows take bf16_rows.cpp's kernel (as engine/model.py's linear does when it is loaded).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from . import build, fused_ops, int4_backend
 log = logging.getLogger("layerstream")
 
 SOURCE = Path(__file__).with_name("decode_block.cpp")
-INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE)  # what decode_block.cpp #includes
+INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE,  # what decode_block.cpp #includes
+            Path(__file__).with_name("bf16_rows.cpp"))
 NAME = "layerstream_decode_block"
 # The kernels' instruction sets, and fused_ops' rounding flags (which leave the kernels' explicit
 # intrinsics alone).
