@@ -63,7 +63,7 @@ def run(ns: argparse.Namespace) -> int:
             cells = []
             for m in rows:
                 x = torch.randn(m, shape[1], generator=g).bfloat16()
-                cells.append(f"M={m} {best_us(ws, x, True):.0f} / {best_us(ws, x, False):.0f}")
+                cells.append(f"M={m} {best_us(ws, x, True):.0f} / {best_us(ws, x, False):.0f} / {ours(ws, x)}")
             print(f"{shape[0]}x{shape[1]}, {threads} thread(s): " + "  ".join(cells), flush=True)
         del ws
     return 0
