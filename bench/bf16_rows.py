@@ -12,7 +12,8 @@ import os
 import sys
 import time
 
-SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (2816, 1024))  # SmolLM2's and the bench model's
+# SmolLM2-135M's (q/k/v/o, gate and up, down, head) and the benchmark model's (stacked qkv, stacked gate_up, down)
+SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (1536, 1024), (5632, 1024), (1024, 2816))
 CYCLE_BYTES = 200 << 20  # well past the last-level cache
 
 

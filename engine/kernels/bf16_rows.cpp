@@ -20,8 +20,9 @@
 //
 //   linear(x, w, bias) -> (M, N) bf16   when applies(x, w), else at::linear(x, w, bias) (the caller need
 //                                        not check: engine/model.py and decode_block.cpp call this)
-//   applies(x, w)                        x (M, K) bf16 contiguous, 2 <= M <= MAX_ROWS (8); w (N, K) bf16
-//                                        contiguous; K % 32 == 0; the CPU has AVX512-BF16
+//   applies(x, w)                        x (M, K) bf16 contiguous, 2 <= M <= 4, or M <= MAX_ROWS (8) with
+//                                        N >= K; w (N, K) bf16 contiguous; K % 32 == 0; the CPU has
+//                                        AVX512-BF16
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,7 +40,7 @@ constexpr int64_t SLICE = 32;            // bf16 values per VDPBF16PS operand
 constexpr int64_t X_BLOCK_BYTES = 16384;  // the slices of x one K block keeps in L1
 constexpr int64_t PREFETCH = 4096;        // weights prefetched this many values ahead in a row (8 KB)
 
-#define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+#define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 // Sums of the 16 lanes of a, b, c, d, as one 4-lane vector.
 LAYERSTREAM_BF16_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -144,7 +145,8 @@ LAYERSTREAM_BF16_TARGET void run(const uint16_t* x, int64_t M, int64_t K, const 
 bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16");
 }
 
 // The CPU, checked once per process (LAYERSTREAM_BF16_ROWS=off is decided in Python: bf16_rows.py).
@@ -154,10 +156,16 @@ bool enabled() {
 }
 
 bool applies(const at::Tensor& x, const at::Tensor& w) {
-  return enabled() && x.device().is_cpu() && w.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
-         w.scalar_type() == at::kBFloat16 && x.dim() == 2 && w.dim() == 2 && x.size(0) >= 2 &&
-         x.size(0) <= MAX_ROWS && x.size(1) == w.size(1) && x.size(1) % SLICE == 0 && x.is_contiguous() &&
-         w.is_contiguous();
+  if (!(enabled() && x.device().is_cpu() && w.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
+        w.scalar_type() == at::kBFloat16 && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
+        x.size(1) % SLICE == 0 && x.is_contiguous() && w.is_contiguous())) {
+    return false;
+  }
+  const int64_t rows = x.size(0);
+  // 5-8 rows only where the weight is at least as tall as it is wide: at 8 rows oneDNN was faster on the
+  // wide down projections (1024x2816: 315 vs 393 us, 576x1536: 124 vs 153; the same alternating run had
+  // 5632x1024 at 563 vs 966), and at 2-4 rows this kernel was as fast or faster on every shape.
+  return rows >= 2 && (rows <= 4 || (rows <= MAX_ROWS && w.size(0) >= w.size(1)));
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -182,7 +190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &bf16_rows::linear, "x @ w.T + bias for 2-8 bf16 rows, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("applies", &bf16_rows::applies, "whether linear runs this kernel for (x, w)");
-  m.def("cpu_supported", &bf16_rows::cpu_supported, "whether this CPU has AVX512 F/BW/DQ and AVX512-BF16");
+  m.def("cpu_supported", &bf16_rows::cpu_supported, "whether this CPU has AVX512 F/BW/DQ/VL and AVX512-BF16");
   m.attr("MAX_ROWS") = bf16_rows::MAX_ROWS;
 }
 #endif
