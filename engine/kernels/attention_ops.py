@@ -12,33 +12,19 @@ Interface:
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
-from .build import CFLAGS, compile_or_reason
-
-log = logging.getLogger("layerstream")
+from .build import CFLAGS, optional_kernel
 
 SOURCE = Path(__file__).with_name("attention_ops.cpp")
 NAME = "layerstream_attention_ops"
 # ATen's vector types in their AVX-512 form (the CPU_CAPABILITY a torch build compiles per ISA).
 BUILD_FLAGS = (*CFLAGS, "-mavx512dq", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512")
-MODES = ("auto", "torch")
 
 
 @functools.cache
 def attention_ops() -> ModuleType | None:
-    wanted = os.environ.get("LAYERSTREAM_ATTENTION_OPS", "auto")
-    if wanted not in MODES:
-        raise ValueError(f"LAYERSTREAM_ATTENTION_OPS must be auto or torch, got {wanted!r}")
-    if wanted == "torch":
-        reason = "LAYERSTREAM_ATTENTION_OPS=torch"
-    else:
-        module, why = compile_or_reason(NAME, SOURCE, BUILD_FLAGS)
-        if module is not None and module.cpu_supported():
-            return module
-        reason = f"it {why}" if module is None else "the CPU lacks AVX-512 F/BW/DQ"
-    log.warning("attention softmax: using torch ops, not the fused C++ softmax: %s", reason)
-    return None
+    return optional_kernel("LAYERSTREAM_ATTENTION_OPS", "torch",
+                           "attention softmax: using torch ops, not the fused C++ softmax", NAME, SOURCE, BUILD_FLAGS,
+                           cpu_check="the CPU lacks AVX-512 F/BW/DQ")

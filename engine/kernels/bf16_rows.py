@@ -14,31 +14,17 @@ Interface:
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
-from .build import CFLAGS, compile_or_reason
-
-log = logging.getLogger("layerstream")
+from .build import CFLAGS, optional_kernel
 
 SOURCE = Path(__file__).with_name("bf16_rows.cpp")
 NAME = "layerstream_bf16_rows"
-MODES = ("auto", "off")
 
 
 @functools.cache
 def bf16_rows() -> ModuleType | None:
-    wanted = os.environ.get("LAYERSTREAM_BF16_ROWS", "auto")
-    if wanted not in MODES:
-        raise ValueError(f"LAYERSTREAM_BF16_ROWS must be auto or off, got {wanted!r}")
-    if wanted == "off":
-        reason = "LAYERSTREAM_BF16_ROWS=off"
-    else:
-        module, why = compile_or_reason(NAME, SOURCE, CFLAGS)
-        if module is not None and module.cpu_supported():
-            return module
-        reason = f"it {why}" if module is None else "the CPU lacks AVX512-BF16"
-    log.warning("bf16 products of 2-8 rows: using F.linear, not the AVX512-BF16 kernel: %s", reason)
-    return None
+    return optional_kernel("LAYERSTREAM_BF16_ROWS", "off",
+                           "bf16 products of 2-8 rows: using F.linear, not the AVX512-BF16 kernel", NAME, SOURCE,
+                           CFLAGS, cpu_check="the CPU lacks AVX512-BF16")

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -91,6 +92,28 @@ def compile_or_reason(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
     except Exception as e:  # noqa: BLE001 - every failure is reported, none is fatal
         last = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
         return None, f"could not be built ({type(e).__name__}: {last})"
+
+
+def optional_kernel(setting: str, off: str, what: str, name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
+                    includes: tuple[Path, ...] = (), *, blocked: Callable[[], str | None] | None = None,
+                    cpu_check: str | None = None, subject: str = "it") -> ModuleType | None:
+    """A kernel with a logged fallback, decided as each engine.kernels loader decides it (once per process:
+    the loaders cache it). The environment variable `setting` is auto (the default) or `off` (any other
+    value: ValueError). None, with f"{what}: {reason}" logged once, when it says `off`, when blocked()
+    gives a reason (a kernel this one is made of is not in use), when the source cannot be built ("{subject}
+    could not be built (...)"), or, with cpu_check given, when the module's cpu_supported() is false (the
+    reason then being cpu_check); else the module."""
+    wanted = os.environ.get(setting, "auto")
+    if wanted not in ("auto", off):
+        raise ValueError(f"{setting} must be auto or {off}, got {wanted!r}")
+    reason = f"{setting}={off}" if wanted == off else (blocked() if blocked is not None else None)
+    if reason is None:
+        module, why = compile_or_reason(name, source, cflags, includes)
+        if module is not None and (cpu_check is None or module.cpu_supported()):
+            return module
+        reason = f"{subject} {why}" if module is None else cpu_check
+    log.warning("%s: %s", what, reason)
+    return None
 
 
 def _prune(name: str, keep: Path) -> None:

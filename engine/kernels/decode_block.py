@@ -15,14 +15,10 @@ Interface:
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 from . import build, fused_ops, int4_backend
-
-log = logging.getLogger("layerstream")
 
 SOURCE = Path(__file__).with_name("decode_block.cpp")
 INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE,  # what decode_block.cpp #includes
@@ -31,24 +27,19 @@ NAME = "layerstream_decode_block"
 # The kernels' instruction sets, and fused_ops' rounding flags (which leave the kernels' explicit
 # intrinsics alone).
 CFLAGS = build.CFLAGS + tuple(f for f in fused_ops.CFLAGS if f not in build.CFLAGS)
-MODES = ("auto", "off")
+
+
+def _blocked() -> str | None:
+    """Why not to build it: it is made of the fused ops and the VNNI kernels."""
+    if fused_ops.fused_ops() is None:
+        return "the fused CPU ops are off"
+    if int4_backend() != "vnni":
+        return "the AVX512-VNNI kernels are not in use"
+    return None
 
 
 @functools.cache
 def decode_block() -> ModuleType | None:
-    wanted = os.environ.get("LAYERSTREAM_DECODE_BLOCK", "auto")
-    if wanted not in MODES:
-        raise ValueError(f"LAYERSTREAM_DECODE_BLOCK must be auto or off, got {wanted!r}")
-    if wanted == "off":
-        reason = "LAYERSTREAM_DECODE_BLOCK=off"
-    elif fused_ops.fused_ops() is None:
-        reason = "the fused CPU ops are off"
-    elif int4_backend() != "vnni":
-        reason = "the AVX512-VNNI kernels are not in use"
-    else:
-        module, why = build.compile_or_reason(NAME, SOURCE, CFLAGS, INCLUDES)
-        if module is not None:
-            return module
-        reason = f"it {why}"
-    log.warning("decode steps: running each block op by op, not as one C++ call: %s", reason)
-    return None
+    return build.optional_kernel("LAYERSTREAM_DECODE_BLOCK", "off",
+                                 "decode steps: running each block op by op, not as one C++ call", NAME, SOURCE,
+                                 CFLAGS, INCLUDES, blocked=_blocked)

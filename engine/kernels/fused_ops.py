@@ -15,14 +15,10 @@ Portable C++ (no instruction-set flags), so the one build runs on any CPU torch 
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
-from .build import compile_or_reason
-
-log = logging.getLogger("layerstream")
+from .build import optional_kernel
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
 NAME = "layerstream_fused_ops"
@@ -30,20 +26,10 @@ NAME = "layerstream_fused_ops"
 # and no errno from math functions: neither changes a result, and without them GCC will not vectorize
 # SiLU's exp (its clamps and floor count as control flow that may trap).
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno")
-MODES = ("auto", "torch")
 
 
 @functools.cache
 def fused_ops() -> ModuleType | None:
-    wanted = os.environ.get("LAYERSTREAM_FUSED_OPS", "auto")
-    if wanted not in MODES:
-        raise ValueError(f"LAYERSTREAM_FUSED_OPS must be auto or torch, got {wanted!r}")
-    if wanted == "torch":
-        reason = "LAYERSTREAM_FUSED_OPS=torch"
-    else:
-        module, why = compile_or_reason(NAME, SOURCE, CFLAGS)
-        if module is not None:
-            return module
-        reason = f"they {why}"
-    log.warning("RMSNorm, SwiGLU and rotary: using torch ops, not the fused CPU ops: %s", reason)
-    return None
+    return optional_kernel("LAYERSTREAM_FUSED_OPS", "torch",
+                           "RMSNorm, SwiGLU and rotary: using torch ops, not the fused CPU ops", NAME, SOURCE, CFLAGS,
+                           subject="they")

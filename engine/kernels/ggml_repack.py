@@ -19,15 +19,10 @@ contraction, so its arithmetic rounds as the torch code it replaces does.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 from . import build, int4_backend
-from .build import compile_or_reason
-
-log = logging.getLogger("layerstream")
 
 SOURCE = Path(__file__).with_name("ggml_repack.cpp")
 NAME = "layerstream_ggml_repack"
@@ -35,22 +30,14 @@ NAME = "layerstream_ggml_repack"
 # contraction (a*b + c rounds twice, as torch's separate ops); no trapping math / errno, which change
 # no result but let nearbyint and the clamps compile to vector instructions.
 CFLAGS = (*build.CFLAGS, "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno")
-MODES = ("auto", "off")
+
+
+def _blocked() -> str | None:
+    return None if int4_backend() == "vnni" else "the VNNI kernels are not in use (aten's int4/int8 kernels are)"
 
 
 @functools.cache
 def ggml_repack() -> ModuleType | None:
-    wanted = os.environ.get("LAYERSTREAM_STREAM_REPACK", "auto")
-    if wanted not in MODES:
-        raise ValueError(f"LAYERSTREAM_STREAM_REPACK must be auto or off, got {wanted!r}")
-    if wanted == "off":
-        reason = "LAYERSTREAM_STREAM_REPACK=off"
-    elif int4_backend() != "vnni":
-        reason = "the VNNI kernels are not in use (aten's int4/int8 kernels are)"
-    else:
-        module, why = compile_or_reason(NAME, SOURCE, CFLAGS)
-        if module is not None:
-            return module
-        reason = f"it {why}"
-    log.warning("streamed GGUF blocks: dequantized by each matmul, not repacked for the VNNI kernels: %s", reason)
-    return None
+    return build.optional_kernel("LAYERSTREAM_STREAM_REPACK", "off",
+                                 "streamed GGUF blocks: dequantized by each matmul, not repacked for the VNNI kernels",
+                                 NAME, SOURCE, CFLAGS, blocked=_blocked)
