@@ -127,6 +127,8 @@ def test_model_linear_routes_two_to_eight_bf16_rows(monkeypatch):
     calls = []
 
     class Spy:
+        MAX_ROWS = 8
+
         def linear(self, x, w, bias=None):
             calls.append(x.shape[0])
             return F.linear(x, w, bias)
@@ -156,6 +158,8 @@ def test_a_decode_step_of_four_sequences_is_unchanged_in_tokens(monkeypatch, tmp
     real = module
 
     class Spy:
+        MAX_ROWS = 8
+
         def linear(self, x, w, bias=None):
             calls.append(x.shape[0])
             return real.linear(x, w, bias)

@@ -1,5 +1,5 @@
 // bf16 products of a few rows, y = x @ w.T + bias, for decode steps of 2-8 sequences on CPUs with
-// AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends ~2.5x a one-row
+// AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends 1.5-2.7x a one-row
 // product on 4 rows (bench/bf16_rows.py), and torch's own matrix-vector kernel (single_row_products)
 // runs row by row. Here every weight byte is read from memory once per call, whatever the row count,
 // and multiplied against all rows while in L1:

@@ -7,8 +7,9 @@ Interface:
       builds and runs). The reason is logged once. Decided once per process; tests reset it with
       `bf16_rows.cache_clear()`. decode_block.cpp has the kernel built in and is told per call whether
       to use it (engine/model.py passes `bf16_rows() is not None`).
-  The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 2-8
-      contiguous rows, K a multiple of 32), at::linear otherwise; MAX_ROWS.
+  The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 2-4
+      contiguous rows, or 5-8 on a weight at least as tall as wide; K a multiple of 32), at::linear
+      otherwise; MAX_ROWS (8).
 """
 
 from __future__ import annotations
