@@ -1,13 +1,12 @@
 """The AVX512-BF16 kernel for 2-8 bf16 rows (engine/kernels/bf16_rows.cpp) against a float64 reference
 and against F.linear; where it applies and where it hands over to at::linear; engine/model.py's linear
-routing decode steps of a few sequences to it; its off switch and its fallback when it cannot be built.
+routing decode steps of a few sequences to it. Its off switch and its fallback when it cannot be built
+are in tests/test_optional_kernels.py, with the other optional kernels'.
 
-Where the kernel cannot run (no AVX512-BF16, no compiler) the kernel tests skip and the fallback tests
-still run. The first run of a fresh cache compiles it (~1 min)."""
+Where the kernel cannot run (no AVX512-BF16, no compiler) the kernel tests skip and the routing test
+still runs. The first run of a fresh cache compiles it (~1 min)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -178,34 +177,3 @@ def test_a_decode_step_of_four_sequences_is_unchanged_in_tokens(monkeypatch, tmp
         for la, lb in zip(a.logprobs, b.logprobs):
             assert abs(la.logprob - lb.logprob) < 0.05  # bf16 logits: ~3 significant digits
             assert abs(la.logprob - lb.logprob) <= 0.02 * abs(lb.logprob) + 0.01
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """Decide the kernel again under this test's environment; restore the process's choice after."""
-    br.bf16_rows.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    br.bf16_rows.cache_clear()
-    br.bf16_rows()
-
-
-def test_off_switch_and_bad_setting(fresh, caplog):
-    fresh.setenv("LAYERSTREAM_BF16_ROWS", "off")
-    with caplog.at_level(logging.WARNING, logger="layerstream"):
-        assert br.bf16_rows() is None
-    assert "using F.linear, not the AVX512-BF16 kernel: LAYERSTREAM_BF16_ROWS=off" in caplog.text
-    br.bf16_rows.cache_clear()
-    fresh.setenv("LAYERSTREAM_BF16_ROWS", "fast")
-    with pytest.raises(ValueError, match="LAYERSTREAM_BF16_ROWS must be auto or off, got 'fast'"):
-        br.bf16_rows()
-
-
-def test_a_source_that_does_not_compile_falls_back_logged(fresh, tmp_path, caplog):
-    bad = tmp_path / "bf16_rows.cpp"
-    bad.write_text("#error this kernel does not compile\n")
-    fresh.setattr(br, "SOURCE", bad)
-    fresh.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="layerstream"):
-        assert br.bf16_rows() is None
-    assert "using F.linear, not the AVX512-BF16 kernel: it could not be built" in caplog.text

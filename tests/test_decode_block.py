@@ -143,38 +143,3 @@ def test_fast_mode_run_is_the_same_with_and_without_it(monkeypatch, tmp_path, ar
             llm.close()
     assert calls
     assert runs[0] == runs[1]
-
-
-def test_off_switch_and_bad_setting(monkeypatch, caplog):
-    db.decode_block.cache_clear()
-    try:
-        monkeypatch.setenv("LAYERSTREAM_DECODE_BLOCK", "off")
-        with caplog.at_level("WARNING", logger="layerstream"):
-            assert db.decode_block() is None
-        assert "not as one C++ call: LAYERSTREAM_DECODE_BLOCK=off" in caplog.text
-        db.decode_block.cache_clear()
-        monkeypatch.setenv("LAYERSTREAM_DECODE_BLOCK", "fast")
-        with pytest.raises(ValueError, match="LAYERSTREAM_DECODE_BLOCK must be auto or off, got 'fast'"):
-            db.decode_block()
-    finally:
-        monkeypatch.undo()
-        db.decode_block.cache_clear()
-        db.decode_block()
-
-
-def test_a_source_that_does_not_compile_falls_back_logged(monkeypatch, tmp_path, caplog):
-    if kernels.int4_backend() != "vnni":
-        pytest.skip("without the VNNI kernels it is not built at all")
-    bad = tmp_path / "decode_block.cpp"
-    bad.write_text("this is not C++\n")
-    monkeypatch.setattr(db, "SOURCE", bad)
-    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
-    db.decode_block.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="layerstream"):
-            assert db.decode_block() is None
-        assert "not as one C++ call: it could not be built" in caplog.text
-    finally:
-        monkeypatch.undo()
-        db.decode_block.cache_clear()
-        db.decode_block()

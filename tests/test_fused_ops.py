@@ -128,36 +128,3 @@ def test_model_functions_use_the_fused_ops_and_the_torch_code_alike(monkeypatch)
         monkeypatch.undo()
         fo.fused_ops.cache_clear()
         assert fo.fused_ops() is not None
-
-
-def test_forced_torch_fallback_is_logged_and_bad_setting_refused(monkeypatch, caplog):
-    fo.fused_ops.cache_clear()
-    try:
-        monkeypatch.setenv("LAYERSTREAM_FUSED_OPS", "torch")
-        with caplog.at_level("WARNING", logger="layerstream"):
-            assert fo.fused_ops() is None
-        assert "not the fused CPU ops: LAYERSTREAM_FUSED_OPS=torch" in caplog.text
-        fo.fused_ops.cache_clear()
-        monkeypatch.setenv("LAYERSTREAM_FUSED_OPS", "fast")
-        with pytest.raises(ValueError, match="LAYERSTREAM_FUSED_OPS must be auto or torch, got 'fast'"):
-            fo.fused_ops()
-    finally:
-        monkeypatch.undo()
-        fo.fused_ops.cache_clear()
-        fo.fused_ops()
-
-
-def test_a_source_that_does_not_compile_falls_back_logged(monkeypatch, tmp_path, caplog):
-    bad = tmp_path / "fused_ops.cpp"
-    bad.write_text("this is not C++\n")
-    monkeypatch.setattr(fo, "SOURCE", bad)
-    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
-    fo.fused_ops.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="layerstream"):
-            assert fo.fused_ops() is None
-        assert "not the fused CPU ops: they could not be built" in caplog.text
-    finally:
-        monkeypatch.undo()
-        fo.fused_ops.cache_clear()
-        fo.fused_ops()
