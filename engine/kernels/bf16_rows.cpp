@@ -34,7 +34,7 @@
 
 namespace bf16_rows {
 
-// From 16 rows on, oneDNN's product was as fast or faster (compute-bound there; bench/bf16_rows.py).
+// At 16 rows oneDNN's product was as fast or faster on most shapes (README, "bf16 products of 2-8 rows").
 constexpr int64_t MAX_ROWS = 8;
 constexpr int64_t SLICE = 32;            // bf16 values per VDPBF16PS operand
 constexpr int64_t X_BLOCK_BYTES = 16384;  // the slices of x one K block keeps in L1
@@ -164,7 +164,8 @@ bool applies(const at::Tensor& x, const at::Tensor& w) {
   const int64_t rows = x.size(0);
   // 5-8 rows only where the weight is at least as tall as it is wide: at 8 rows oneDNN was faster on the
   // wide down projections (1024x2816: 315 vs 393 us, 576x1536: 124 vs 153; the same alternating run had
-  // 5632x1024 at 563 vs 966), and at 2-4 rows this kernel was as fast or faster on every shape.
+  // 5632x1024 at 563 vs 966). At 2-4 rows this kernel was faster on the other shapes and about even on
+  // the down projections.
   return rows >= 2 && (rows <= 4 || (rows <= MAX_ROWS && w.size(0) >= w.size(1)));
 }
 

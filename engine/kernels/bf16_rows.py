@@ -6,7 +6,7 @@ Interface:
       build error), or LAYERSTREAM_BF16_ROWS=off asks for that (auto, the default: the kernel where it
       builds and runs). The reason is logged once. Decided once per process; tests reset it with
       `bf16_rows.cache_clear()`. decode_block.cpp has the kernel built in and is told per call whether
-      to use it (engine/model.py passes `bf16_rows() is not None`).
+      to use it (engine/model.py passes `_few_bf16_rows(x)`, what its linear decides).
   The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 2-4
       contiguous rows, or 5-8 on a weight at least as tall as wide; K a multiple of 32), at::linear
       otherwise; MAX_ROWS (8).
