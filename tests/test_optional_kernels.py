@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import types
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,24 @@ def test_a_blocking_reason_and_a_cpu_it_cannot_use(monkeypatch, caplog):
     assert "test kernel: its parts are off" in caplog.text and "test kernel: the CPU lacks it" in caplog.text
     assert build.optional_kernel("LAYERSTREAM_TEST_KERNEL", "off", "test kernel", "k", build.Path("k.cpp")) is fake
     assert built == ["k", "k"]
+
+
+def _int4_module():
+    return kernels._module if kernels.int4_backend() == "vnni" else None
+
+
+# The kernels that split their work with at::parallel_for (decode_block holds fused_ops' and bf16_rows' code).
+PARALLEL = [("fused_ops", fo.fused_ops), ("attention_ops", ao.attention_ops), ("bf16_rows", br.bf16_rows),
+            ("decode_block", db.decode_block), ("int4_vnni", _int4_module)]
+
+
+@pytest.mark.parametrize("name,loaded", PARALLEL, ids=[p[0] for p in PARALLEL])
+def test_the_kernels_are_built_to_run_on_torchs_threads(name, loaded):
+    """at::parallel_for compiles to a loop on the calling thread unless the kernel is built with OpenMP
+    (build.PARALLEL); all of them once ran on one core of two that way. Built right, the library calls
+    into libgomp's parallel region."""
+    module = loaded()
+    if module is None:
+        pytest.skip(f"{name} is not in use on this machine")
+    assert b"GOMP_parallel" in Path(module.__file__).read_bytes()
+    assert "-fopenmp" in build._with_parallel(fo.CFLAGS)

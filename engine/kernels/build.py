@@ -30,11 +30,20 @@ STALE_DAYS = 7
 # Explicit instruction sets rather than -march=native: the built library then runs on any CPU
 # that has them (a cache folder shared between machines), and the loader checks the CPU at run time.
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
+# Every kernel is built with OpenMP, whatever its own flags: at::parallel_for is a header template whose
+# OpenMP body compiles only under _OPENMP; without the flag it silently runs the whole range on the
+# calling thread (each kernel used one core of two until this was found). The symbols resolve to the
+# libgomp torch itself loads, so there is one thread pool, sized by torch.set_num_threads.
+PARALLEL = ("-fopenmp",)
+
+
+def _with_parallel(cflags: tuple[str, ...]) -> tuple[str, ...]:
+    return (*cflags, *(f for f in PARALLEL if f not in cflags))
 
 
 def build_folder(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS, includes: tuple[Path, ...] = ()) -> Path:
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.read_bytes() for p in includes),
-                                     " ".join(cflags).encode(), torch.__version__.encode(),
+                                     " ".join(_with_parallel(cflags)).encode(), torch.__version__.encode(),
                                      sys.version.encode()])).hexdigest()[:16]
     return cache_root() / "kernels" / f"{name}-{key}"
 
@@ -76,7 +85,7 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
     folder.mkdir(parents=True, exist_ok=True)
     log.info("compiling the %s kernel once into %s (about a minute) ...", name, folder)
     start = time.monotonic()
-    module = load(name=name, sources=[str(source)], extra_cflags=list(cflags), build_directory=str(folder),
+    module = load(name=name, sources=[str(source)], extra_cflags=list(_with_parallel(cflags)), build_directory=str(folder),
                   verbose=False)
     log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)
     _prune(name, folder)
