@@ -120,9 +120,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 
 def _few_bf16_rows(x: torch.Tensor) -> bool:
-    """2-8 bf16 rows on the CPU with the AVX512-BF16 kernel built: a decode step of a few sequences,
-    whose products kernels/bf16_rows.cpp runs up to 2.1x faster than oneDNN here, about as fast on the
-    down projections (bench/bf16_rows.py; the kernel itself turns down the shapes where it lost)."""
+    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel built: a decode step of a few sequences,
+    whose products kernels/bf16_rows.cpp runs 1.2-2.2x faster than oneDNN here (bench/bf16_rows.py, 2
+    threads; at 16 rows 1.3-1.8x the cost of one row on torch's matrix-vector kernel)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
         return False
     kernel = bf16_rows()
@@ -133,7 +133,7 @@ def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
     """A single bf16 row on the CPU: every dense product of the step is a matrix-vector product, which
     torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's here (it reads the weight at up to ~40 GB/s
     on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads: bench/bf16_rows.py). From
-    2 rows on it runs row by row; 2-8 rows take kernels/bf16_rows.cpp (linear), more take oneDNN."""
+    2 rows on it runs row by row; 2-16 rows take kernels/bf16_rows.cpp (linear), more take oneDNN."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]
 
 

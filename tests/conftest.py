@@ -29,7 +29,7 @@ def int4_kernel():
 
     fused_ops()  # the fused CPU ops likewise (engine/model.py's RMSNorm, SwiGLU, rotary)
     attention_ops()  # and attention_backend's softmax
-    bf16_rows()  # and the bf16 products of 2-8 rows (engine/model.py linear)
+    bf16_rows()  # and the bf16 products of 2-16 rows (engine/model.py linear)
     ggml_repack()  # and the repack of streamed GGUF blocks (engine/weights/stream_repack.py)
     decode_block()  # and a decode step's block as one C++ call (engine/model.py block_forward)
     return kernels.int4_backend()

@@ -1,8 +1,8 @@
-// bf16 products of a few rows, y = x @ w.T + bias, for decode steps of 2-8 sequences on CPUs with
-// AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends 1.5-2.7x a one-row
-// product on 4 rows (bench/bf16_rows.py), and torch's own matrix-vector kernel (single_row_products)
-// runs row by row. Here every weight byte is read from memory once per call, whatever the row count,
-// and multiplied against all rows while in L1:
+// bf16 products of a few rows, y = x @ w.T + bias, for decode steps of 2-16 sequences on CPUs with
+// AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends 1.4-2.7x a one-row
+// product on 4-16 rows (bench/bf16_rows.py, 2 threads), and torch's own matrix-vector kernel
+// (single_row_products) runs row by row. Here every weight byte is read from memory once per call,
+// whatever the row count, and multiplied against all rows while in L1:
 //
 //   x (M, K) bf16 is first laid out in 32-wide k-slices, each slice holding that slice of every row
 //   (one contiguous 64-byte line per row and slice: rows at a power-of-two stride would share L1 sets);
@@ -20,9 +20,8 @@
 //
 //   linear(x, w, bias) -> (M, N) bf16   when applies(x, w), else at::linear(x, w, bias) (the caller need
 //                                        not check: engine/model.py and decode_block.cpp call this)
-//   applies(x, w)                        x (M, K) bf16 contiguous, 2 <= M <= 4, or M <= MAX_ROWS (8) with
-//                                        N >= K; w (N, K) bf16 contiguous; K % 32 == 0; the CPU has
-//                                        AVX512-BF16
+//   applies(x, w)                        x (M, K) bf16 contiguous, 2 <= M <= MAX_ROWS (16); w (N, K) bf16
+//                                        contiguous; K % 32 == 0; the CPU has AVX512-BF16
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -34,11 +33,15 @@
 
 namespace bf16_rows {
 
-// At 16 rows oneDNN's product was as fast or faster on most shapes (README, "bf16 products of 2-8 rows").
-constexpr int64_t MAX_ROWS = 8;
+// Up to 16 rows, a decode step of 16 sequences; prefill chunks keep oneDNN. (Before the kernels were built
+// with OpenMP this kernel ran on one core and lost to oneDNN from 5-8 rows on; on two it no longer does.)
+constexpr int64_t MAX_ROWS = 16;
 constexpr int64_t SLICE = 32;            // bf16 values per VDPBF16PS operand
 constexpr int64_t X_BLOCK_BYTES = 16384;  // the slices of x one K block keeps in L1
-constexpr int64_t PREFETCH = 4096;        // weights prefetched this many values ahead in a row (8 KB)
+// Weights are prefetched this many values ahead in a row (8 KB), or one 4-row tile ahead where that is
+// further (K > 1024): the same place in the next tile. At 16 rows the shorter distance left the down
+// projections (K = 2816) at 380-410 us against 300-310 (1024x2816, 2 threads, throwaway A/B).
+constexpr int64_t PREFETCH = 4096;
 
 #define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -55,17 +58,18 @@ LAYERSTREAM_BF16_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 
 
 // part[m][n] (+)= x rows [0, MB) . w rows [0, NB) over k in [k0, k1). xs: the packed x at this group's
 // first row, each slice `slice_stride` values apart; w: the tile's first weight row, rows K apart.
-// The group prefetches weight rows g, g + G, ... of the tile, PREFETCH values ahead.
+// The group prefetches weight rows g, g + G, ... of the tile, `ahead` values ahead.
 template <int MB, int NB>
 LAYERSTREAM_BF16_TARGET inline void tile(const uint16_t* xs, int64_t slice_stride, const uint16_t* w, int64_t K,
                                          int64_t k0, int64_t k1, int g, int G, float (*part)[4]) {
+  const int64_t ahead = std::max(PREFETCH, 4 * K);  // at least the same place in the next 4-row tile
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; k += SLICE) {
     __m512bh wv[NB];
     for (int n = 0; n < NB; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k);
-    for (int n = g; n < NB; n += G) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k + PREFETCH), _MM_HINT_T0);
+    for (int n = g; n < NB; n += G) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k + ahead), _MM_HINT_T0);
     const uint16_t* xk = xs + (k / SLICE) * slice_stride;
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xk + m * SLICE);
@@ -105,6 +109,17 @@ LAYERSTREAM_BF16_TARGET inline uint16_t to_bf16(float v) {
   return static_cast<uint16_t>(_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(v))) & 0xFFFF);
 }
 
+// v + bias[n] (bias in fp32), rounded once to bf16; bias may be null.
+LAYERSTREAM_BF16_TARGET inline uint16_t with_bias(float v, const uint16_t* bias, int64_t n) {
+  if (bias != nullptr) {
+    const uint32_t bits = static_cast<uint32_t>(bias[n]) << 16;
+    float b;
+    std::memcpy(&b, &bits, sizeof(b));
+    v += b;
+  }
+  return to_bf16(v);
+}
+
 LAYERSTREAM_BF16_TARGET void run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                                  const uint16_t* bias, uint16_t* y) {
   // x in k-slices: xp[s][m][0..32) = x[m][32 s .. 32 s + 32)
@@ -128,16 +143,7 @@ LAYERSTREAM_BF16_TARGET void run(const uint16_t* x, int64_t M, int64_t K, const 
         default: column_tile<1>(xp, M, K, block, wt, part); break;
       }
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < nb; ++n) {
-          float v = part[m][n];
-          if (bias != nullptr) {
-            uint32_t bits = static_cast<uint32_t>(bias[n0 + n]) << 16;
-            float b;
-            std::memcpy(&b, &bits, sizeof(b));
-            v += b;
-          }
-          y[m * N + n0 + n] = to_bf16(v);
-        }
+        for (int64_t n = 0; n < nb; ++n) y[m * N + n0 + n] = with_bias(part[m][n], bias, n0 + n);
     }
   });
 }
@@ -161,12 +167,7 @@ bool applies(const at::Tensor& x, const at::Tensor& w) {
         x.size(1) % SLICE == 0 && x.is_contiguous() && w.is_contiguous())) {
     return false;
   }
-  const int64_t rows = x.size(0);
-  // 5-8 rows only where the weight is at least as tall as it is wide: at 8 rows oneDNN was faster on the
-  // wide down projections (1024x2816: 315 vs 393 us, 576x1536: 124 vs 153; the same alternating run had
-  // 5632x1024 at 563 vs 966). At 2-4 rows this kernel was faster on the other shapes and about even on
-  // the down projections.
-  return rows >= 2 && (rows <= 4 || (rows <= MAX_ROWS && w.size(0) >= w.size(1)));
+  return x.size(0) >= 2 && x.size(0) <= MAX_ROWS;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -188,7 +189,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 // decode_block.cpp includes this file for bf16_rows::linear and defines its own module.
 #ifndef LAYERSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &bf16_rows::linear, "x @ w.T + bias for 2-8 bf16 rows, else at::linear",
+  m.def("linear", &bf16_rows::linear, "x @ w.T + bias for 2-16 bf16 rows, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("applies", &bf16_rows::applies, "whether linear runs this kernel for (x, w)");
   m.def("cpu_supported", &bf16_rows::cpu_supported, "whether this CPU has AVX512 F/BW/DQ/VL and AVX512-BF16");

@@ -9,7 +9,7 @@ Interface:
   module.block(x, attn_norm, mlp_norm, eps, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, k_cache,
                v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim, few_rows) -> (seqs, hidden)
       a weight being (tensor, scales or None, out_features): see decode_block.cpp; few_rows: dense bf16
-      products of 2-8 rows take bf16_rows.cpp's kernel (as engine/model.py's linear does when it is loaded).
+      products of 2-16 rows take bf16_rows.cpp's kernel (as engine/model.py's linear does when it is loaded).
 """
 
 from __future__ import annotations
