@@ -72,16 +72,18 @@ def _fused(q, k, v, k_cache, v_cache, slots, tables, positions, window=0):
 
 
 @needs_ops
-@pytest.mark.parametrize("seqs,ctx,nh,nkv,window", [
-    (1, 1, 9, 3, 0),       # the first token: one key
-    (1, 37, 9, 3, 0),      # SmolLM2's heads, a short decode
-    (4, 100, 8, 8, 0),     # no GQA
-    (3, 300, 8, 2, 64),    # sliding window
-    (2, 1300, 4, 1, 0),    # past one flash tile of 512 keys
+@pytest.mark.parametrize("seqs,ctx,nh,nkv,window,hd", [
+    (1, 1, 9, 3, 0, 64),       # the first token: one key
+    (1, 37, 9, 3, 0, 64),      # SmolLM2's heads, a short decode
+    (4, 100, 8, 8, 0, 64),     # no GQA
+    (3, 300, 8, 2, 64, 64),    # sliding window
+    (2, 1300, 4, 1, 0, 64),    # past one flash tile of 512 keys
+    (3, 200, 8, 2, 0, 128),    # bf16 on AVX-512: 8 vectors a row
+    (2, 90, 6, 3, 0, 40),      # a head_dim the AVX-512 bf16 loops do not take: the generic ones
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_attention_matches_the_sdpa_path(seqs, ctx, nh, nkv, window, dtype):
-    args = _case(seqs, ctx, nh=nh, nkv=nkv, dtype=dtype, seed=ctx)
+def test_decode_attention_matches_the_sdpa_path(seqs, ctx, nh, nkv, window, hd, dtype):
+    args = _case(seqs, ctx, nh=nh, nkv=nkv, hd=hd, dtype=dtype, seed=ctx)
     out, kc, vc = _fused(*args, window)
     ref, rkc, rvc = _torch_path(*args, window)
     assert torch.equal(kc, rkc) and torch.equal(vc, rvc)  # the KV write is a copy

@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -337,24 +338,109 @@ void key_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t 
   }
 }
 
+// bf16 caches on AVX-512 with head_dim a multiple of 16 (up to 256): each key and value row is widened
+// to fp32 once for the whole group of query heads (the loops above widen it once per head), the dot
+// products are FMA chains over 16-lane vectors reduced once each, and p . V is an FMA per 16 values.
+// The generic loops ran at ~30 GFLOP/s on two cores here (16 sequences, 16 heads of 64, 64-2000 keys:
+// 136 us to 7.2 ms a layer); sums in another order and with fused multiply-adds, so the results agree
+// with them, and with flash, to fp32 rounding (tests/test_decode_attention.py).
+#define LAYERSTREAM_ATTN_AVX512 __attribute__((target("avx512f")))
+constexpr int64_t AVX512_MAX_HD = 256;
+
+bool attention_avx512(int64_t hd) {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return cpu && hd % 16 == 0 && hd <= AVX512_MAX_HD;
+}
+
+LAYERSTREAM_ATTN_AVX512 inline __m512 widen_bf16x16(const uint16_t* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
+LAYERSTREAM_ATTN_AVX512 void scores_bf16_avx512(const float* qf, const uint16_t* const* rows, int64_t n,
+                                                int64_t group, int64_t hd, float scale, float* s, int64_t stride) {
+  const int64_t C = hd / 16;
+  __m512 kz[AVX512_MAX_HD / 16];
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t c = 0; c < C; ++c) kz[c] = widen_bf16x16(rows[j] + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * hd;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kz[0]);
+      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kz[c], acc);
+      s[g * stride + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+LAYERSTREAM_ATTN_AVX512 void accumulate_bf16_avx512(const float* p, int64_t stride, const uint16_t* const* rows,
+                                                    int64_t n, int64_t group, int64_t hd, float* acc) {
+  const int64_t C = hd / 16;
+  __m512 vz[AVX512_MAX_HD / 16];
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t c = 0; c < C; ++c) vz[c] = widen_bf16x16(rows[j] + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * stride + j]);
+      float* a = acc + g * hd;
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(pg, vz[c], _mm512_loadu_ps(a + 16 * c)));
+    }
+  }
+}
+
 template <typename T>
 void scores(const float* qf, const std::vector<const void*>& rows, int64_t group, int64_t hd, float scale,
             float* s, int64_t stride) {
   const int64_t n = static_cast<int64_t>(rows.size());
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    scores_bf16(qf, reinterpret_cast<const uint16_t* const*>(rows.data()), n, group, hd, scale, s, stride);
-  else
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const auto* r = reinterpret_cast<const uint16_t* const*>(rows.data());
+    if (attention_avx512(hd)) {
+      scores_bf16_avx512(qf, r, n, group, hd, scale, s, stride);
+    } else {
+      scores_bf16(qf, r, n, group, hd, scale, s, stride);
+    }
+  } else {
     scores_f32(qf, reinterpret_cast<const float* const*>(rows.data()), n, group, hd, scale, s, stride);
+  }
 }
 
 template <typename T>
 void accumulate(const float* p, int64_t stride, const std::vector<const void*>& rows, int64_t group, int64_t hd,
                 float* acc) {
   const int64_t n = static_cast<int64_t>(rows.size());
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    accumulate_bf16(p, stride, reinterpret_cast<const uint16_t* const*>(rows.data()), n, group, hd, acc);
-  else
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const auto* r = reinterpret_cast<const uint16_t* const*>(rows.data());
+    if (attention_avx512(hd)) {
+      accumulate_bf16_avx512(p, stride, r, n, group, hd, acc);
+    } else {
+      accumulate_bf16(p, stride, r, n, group, hd, acc);
+    }
+  } else {
     accumulate_f32(p, stride, reinterpret_cast<const float* const*>(rows.data()), n, group, hd, acc);
+  }
+}
+
+// p = exp(s - max s) over one row of scores, in place, then rounded to bf16 or fp16 when asked; returns
+// the fp32 sum of the unrounded p. Separate loops and 16 partial sums, so that each vectorizes (one
+// scalar loop of exp, sum and rounding took about as long as the products at 2000 keys).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float softmax_row(float* s, int64_t n, bool round_bf16, bool round_f16) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_approx(s[j] - mx);
+  constexpr int L = 16;
+  float part[L] = {0};
+  int64_t j = 0;
+  for (; j + L <= n; j += L)
+    for (int l = 0; l < L; ++l) part[l] += s[j + l];
+  float sum = 0;
+  for (int l = 0; l < L; ++l) sum += part[l];
+  for (; j < n; ++j) sum += s[j];
+  if (round_bf16) for (int64_t k = 0; k < n; ++k) s[k] = round_to<c10::BFloat16>(s[k]);
+  if (round_f16) for (int64_t k = 0; k < n; ++k) s[k] = round_to<c10::Half>(s[k]);
+  return sum;
 }
 
 template <typename T>
@@ -371,18 +457,8 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
   const int64_t* table = A.tables + seq * A.table_stride;
   key_rows(A.kc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
   scores<T>(qf.data(), rows, G, hd, A.scale, s.data(), ctx);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s.data() + g * ctx;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, sg[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < ctx; ++j) {
-      const float e = exp_approx(sg[j] - mx);
-      sum += e;
-      sg[j] = round_to<T>(e);  // flash multiplies V by p in the dtype
-    }
-    sums[g] = sum;
-  }
+  for (int64_t g = 0; g < G; ++g)  // flash multiplies V by p in the dtype
+    sums[g] = softmax_row(s.data() + g * ctx, ctx, std::is_same_v<T, c10::BFloat16>, std::is_same_v<T, c10::Half>);
   key_rows(A.vc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
   accumulate<T>(s.data(), ctx, rows, G, hd, acc.data());
   T* out = A.out + seq * (A.nkv * G * hd) + kvh * G * hd;
