@@ -34,7 +34,8 @@ def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
 
 def test_only_single_bf16_rows_on_the_cpu_take_it():
     assert M._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.bfloat16))
-    assert not M._one_bf16_row_on_cpu(torch.zeros(2, 8, dtype=torch.bfloat16))  # 2-16 rows: bf16_rows.cpp (linear); more: oneDNN
+    # 2-16 rows: bf16_rows.cpp (linear); more: oneDNN
+    assert not M._one_bf16_row_on_cpu(torch.zeros(2, 8, dtype=torch.bfloat16))
     assert not M._one_bf16_row_on_cpu(torch.zeros(1, 8))  # fp32: the exact mode keeps its path
     assert not M._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.float16))  # not measured
 

@@ -85,8 +85,8 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
     folder.mkdir(parents=True, exist_ok=True)
     log.info("compiling the %s kernel once into %s (about a minute) ...", name, folder)
     start = time.monotonic()
-    module = load(name=name, sources=[str(source)], extra_cflags=list(_with_parallel(cflags)), build_directory=str(folder),
-                  verbose=False)
+    module = load(name=name, sources=[str(source)], extra_cflags=list(_with_parallel(cflags)),
+                  build_directory=str(folder), verbose=False)
     log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)
     _prune(name, folder)
     return module

