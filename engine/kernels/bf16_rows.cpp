@@ -34,7 +34,8 @@
 namespace bf16_rows {
 
 // Up to 16 rows, a decode step of 16 sequences; prefill chunks keep oneDNN. (Before the kernels were built
-// with OpenMP this kernel ran on one core and lost to oneDNN from 5-8 rows on; on two it no longer does.)
+// with OpenMP this kernel ran on one core and lost to oneDNN at 5-8 rows of wide weights and at 16 rows;
+// on two it no longer does: bench/bf16_rows.py.)
 constexpr int64_t MAX_ROWS = 16;
 constexpr int64_t SLICE = 32;            // bf16 values per VDPBF16PS operand
 constexpr int64_t X_BLOCK_BYTES = 16384;  // the slices of x one K block keeps in L1
