@@ -49,7 +49,7 @@ def _torch_rotary(x, cos, sin):
 
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n", [(1, 576), (5, 576), (3, 64), (2, 37)])
+@pytest.mark.parametrize("rows,n", [(1, 576), (5, 576), (3, 64), (2, 37), (16, 1024), (130, 40)])
 def test_rms_norm_and_residual_add_match_torch(dtype, rows, n):
     x, r = _rand(rows, n, dtype=dtype, seed=1, scale=3.0), _rand(rows, n, dtype=dtype, seed=2)
     w = _rand(n, dtype=dtype, seed=3)
@@ -88,6 +88,51 @@ def test_rotary_is_exactly_the_torch_code(dtype):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     cos, sin = M.rotary_cos_sin(torch.tensor([0, 7, 100, 2047]), inv_freq, 1.0, dtype)
     assert_matches(ops.rotary(x, cos, sin), _torch_rotary(x, cos, sin), exact=True)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_over_threads_give_what_one_thread_gives(dtype):
+    """A 16-sequence step or a prefill chunk is split over torch's threads (fused_ops.cpp's for_rows);
+    each row is computed as on one thread, so the results are the same bits, and match torch."""
+    x, r = _rand(128, 1024, dtype=dtype, seed=8, scale=3.0), _rand(128, 1024, dtype=dtype, seed=9)
+    w = _rand(1024, dtype=dtype, seed=10)
+    g, u = _rand(128, 2816, dtype=dtype, seed=11, scale=4.0).chunk(2, dim=-1)
+    q = _rand(128, 16, 64, dtype=dtype, seed=12)
+    cos, sin = _rand(128, 1, 64, dtype=dtype, seed=13), _rand(128, 1, 64, dtype=dtype, seed=14)
+
+    def run():
+        return (ops.rms_norm(x, w, 1e-5), *ops.add_rms_norm(x, r, w, 1e-5), ops.silu_mul(g, u), ops.rotary(q, cos, sin))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, threads))
+        split = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, split):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert_matches(split[0], M._rms_norm_torch(x, w, 1e-5))
+    assert_matches(split[3], F.silu(g) * u)
+    assert_matches(split[4], _torch_rotary(q, cos, sin), exact=True)
+
+
+@needs_ops
+def test_bf16_nan_and_inf_come_out_as_torch_makes_them():
+    """The AVX-512 bf16 rows round as c10::BFloat16 does, NaN included (the scalar loops' conversion)."""
+    x = _rand(16, 64, dtype=torch.float32, seed=15)
+    x[0, 3], x[1, 5], x[2, 7] = float("nan"), float("inf"), -float("inf")
+    x = x.bfloat16()
+    u = _rand(16, 64, dtype=torch.bfloat16, seed=16)
+    got, ref = ops.silu_mul(x, u), F.silu(x) * u
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert_matches(got.nan_to_num(), ref.nan_to_num())
+    cos, sin = _rand(16, 1, 64, dtype=torch.bfloat16, seed=17), _rand(16, 1, 64, dtype=torch.bfloat16, seed=18)
+    got, ref = ops.rotary(x.view(16, 1, 64), cos, sin), _torch_rotary(x.view(16, 1, 64), cos, sin)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(got.nan_to_num(), ref.nan_to_num())
 
 
 @needs_ops

@@ -64,6 +64,57 @@ torch::Tensor as_rows(const torch::Tensor& x) { return row_stride(x) < 0 ? x.con
 
 int64_t rows_of(const torch::Tensor& x) { return x.size(-1) == 0 ? 0 : x.numel() / x.size(-1); }
 
+// f(begin, end) over rows [0, rows), split over torch's threads when the op has enough values to pay
+// for the fork (a few us of OpenMP's): one sequence's decode step stays on this thread, 16 sequences'
+// and prefill chunks split (at 16 rows these ops cost 2-3x the one-row step's, ~2.5 ms of a 16-sequence
+// step on one thread). Each row is computed as on one thread, so results do not depend on the split.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_values, const F& f) {
+  constexpr int64_t PARALLEL_VALUES = 4096;  // per task; below twice that the op runs here
+  if (rows * row_values < 2 * PARALLEL_VALUES) {
+    f(0, rows);
+    return;
+  }
+  at::parallel_for(0, rows, std::max<int64_t>(1, PARALLEL_VALUES / std::max<int64_t>(1, row_values)), f);
+}
+
+// bf16 rows on AVX-512 (this file is otherwise built for plain x86-64, where the bf16 <-> fp32
+// conversions of the row loops below run one value at a time: at 16 rows RMSNorm took ~2.5 us a row).
+// The same arithmetic, 16 values at a time: widening is exact, narrowing rounds to nearest even with
+// NaN kept as torch's c10::BFloat16 does, and products and sums are separate roundings as in the
+// scalar loops (no FMA), so results are bit for bit theirs (tests/test_fused_ops.py).
+#define LAYERSTREAM_BF16_AVX512 __attribute__((target("avx512f")))
+
+bool bf16_avx512() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return cpu;
+}
+
+LAYERSTREAM_BF16_AVX512 inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
+// The bf16 bits of v (in the low half of each lane): round to nearest even, NaN -> 0x7FC0.
+LAYERSTREAM_BF16_AVX512 inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+LAYERSTREAM_BF16_AVX512 inline __m512 round_bf16x16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+
+LAYERSTREAM_BF16_AVX512 inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
 // One row of RMSNorm over fp32 values h (already rounded to T), written to y as T.
 template <typename T>
 void norm_row(const float* h, const T* w, T* y, int64_t n, float eps) {
@@ -83,6 +134,48 @@ void norm_row(const float* h, const T* w, T* y, int64_t n, float eps) {
   }
 }
 
+// rms_norm_impl's row for bf16 on AVX-512: h = x (+ r, rounded; written to hout), then norm_row.
+// The 16 lanes of `acc` are norm_row's 16 partial sums, summed in the same order.
+LAYERSTREAM_BF16_AVX512 void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::BFloat16* w,
+                                           c10::BFloat16* hout, c10::BFloat16* y, float* h, int64_t n, float eps) {
+  const int64_t vn = n / 16 * 16;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < vn; k += 16) {
+    __m512 v = load_bf16x16(xr + k);
+    if (rr != nullptr) {
+      v = round_bf16x16(_mm512_add_ps(v, load_bf16x16(rr + k)));  // x + r in dtype
+      store_bf16x16(hout + k, v);
+    }
+    _mm512_storeu_ps(h + k, v);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  for (int64_t k = vn; k < n; ++k) {
+    float v = static_cast<float>(xr[k]);
+    if (rr != nullptr) {
+      const c10::BFloat16 s = static_cast<c10::BFloat16>(v + static_cast<float>(rr[k]));
+      hout[k] = s;
+      v = static_cast<float>(s);
+    }
+    h[k] = v;
+  }
+  float part[16];
+  _mm512_storeu_ps(part, acc);
+  float sum = 0;
+  for (int j = 0; j < 16; ++j) sum += part[j];
+  for (int64_t k = vn; k < n; ++k) sum += h[k] * h[k];
+  const float mean = sum / static_cast<float>(n);
+  const float r = 1.0f / std::sqrt(mean + eps);
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t k = 0; k < vn; k += 16) {
+    const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(h + k), rv));
+    store_bf16x16(y + k, _mm512_mul_ps(load_bf16x16(w + k), normed));
+  }
+  for (int64_t k = vn; k < n; ++k) {
+    const float normed = round_to<c10::BFloat16>(h[k] * r);
+    y[k] = static_cast<c10::BFloat16>(static_cast<float>(w[k]) * normed);
+  }
+}
+
 template <typename T>
 void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* r, const torch::Tensor& w, torch::Tensor& h_out,
                    torch::Tensor& y, double eps) {
@@ -93,21 +186,30 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* r, const torch::
   const T* wp = w.data_ptr<T>();
   T* hp = r ? h_out.data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
-  std::vector<float> h(n);
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* xr = xp + m * xs;
-    if (rp) {
-      const T* rr = rp + m * rs;
-      for (int64_t k = 0; k < n; ++k) {
-        const T s = static_cast<T>(static_cast<float>(xr[k]) + static_cast<float>(rr[k]));  // x + r in dtype
-        hp[m * n + k] = s;
-        h[k] = static_cast<float>(s);
+  for_rows(rows, n, [&](int64_t m0, int64_t m1) {
+    std::vector<float> h(n);
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = xp + m * xs;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (bf16_avx512()) {
+          norm_row_bf16(xr, rp ? rp + m * rs : nullptr, wp, rp ? hp + m * n : nullptr, yp + m * n, h.data(), n,
+                        static_cast<float>(eps));
+          continue;
+        }
       }
-    } else {
-      for (int64_t k = 0; k < n; ++k) h[k] = static_cast<float>(xr[k]);
+      if (rp) {
+        const T* rr = rp + m * rs;
+        for (int64_t k = 0; k < n; ++k) {
+          const T s = static_cast<T>(static_cast<float>(xr[k]) + static_cast<float>(rr[k]));  // x + r in dtype
+          hp[m * n + k] = s;
+          h[k] = static_cast<float>(s);
+        }
+      } else {
+        for (int64_t k = 0; k < n; ++k) h[k] = static_cast<float>(xr[k]);
+      }
+      norm_row<T>(h.data(), wp, yp + m * n, n, static_cast<float>(eps));
     }
-    norm_row<T>(h.data(), wp, yp + m * n, n, static_cast<float>(eps));
-  }
+  });
 }
 
 std::vector<int64_t> out_shape(const torch::Tensor& x) { return x.sizes().vec(); }
@@ -165,11 +267,29 @@ inline float exp_approx(float x) {
 // One row of silu(g) * u in fp32 from values widened from T; built for AVX-512, AVX2 and plain x86-64,
 // picked at load by the CPU (the loop is the same C++; only the vector width changes).
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void silu_mul_row(const float* g, const float* u, float* y, int64_t n, bool round_bf16, bool round_f16) {
+void silu_row(const float* g, float* y, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = g[k] / (1.0f + exp_approx(-g[k]));
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void silu_mul_row(const float* g, const float* u, float* y, int64_t n, bool round_bf16, bool round_f16) {
+  silu_row(g, y, n);
   if (round_bf16) for (int64_t k = 0; k < n; ++k) y[k] = round_to<c10::BFloat16>(y[k]);  // F.silu in dtype
   if (round_f16) for (int64_t k = 0; k < n; ++k) y[k] = round_to<c10::Half>(y[k]);
   for (int64_t k = 0; k < n; ++k) y[k] = y[k] * u[k];
+}
+
+// silu_mul_impl's row for bf16 on AVX-512: g widened, silu_row, then (silu rounded to bf16) * u rounded.
+LAYERSTREAM_BF16_AVX512 void silu_mul_row_bf16(const c10::BFloat16* gr, const c10::BFloat16* ur, c10::BFloat16* yr,
+                                               float* gf, float* yf, int64_t n) {
+  const int64_t vn = n / 16 * 16;
+  for (int64_t k = 0; k < vn; k += 16) _mm512_storeu_ps(gf + k, load_bf16x16(gr + k));
+  for (int64_t k = vn; k < n; ++k) gf[k] = static_cast<float>(gr[k]);
+  silu_row(gf, yf, n);
+  for (int64_t k = 0; k < vn; k += 16)
+    store_bf16x16(yr + k, _mm512_mul_ps(round_bf16x16(_mm512_loadu_ps(yf + k)), load_bf16x16(ur + k)));
+  for (int64_t k = vn; k < n; ++k)
+    yr[k] = static_cast<c10::BFloat16>(round_to<c10::BFloat16>(yf[k]) * static_cast<float>(ur[k]));
 }
 
 template <typename T>
@@ -179,16 +299,25 @@ void silu_mul_impl(const torch::Tensor& g, const torch::Tensor& u, torch::Tensor
   const T* gp = g.data_ptr<T>();
   const T* up = u.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  std::vector<float> gf(n), uf(n), yf(n);
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* gr = gp + m * gs;
-    const T* ur = up + m * us;
-    for (int64_t k = 0; k < n; ++k) gf[k] = static_cast<float>(gr[k]);
-    for (int64_t k = 0; k < n; ++k) uf[k] = static_cast<float>(ur[k]);
-    silu_mul_row(gf.data(), uf.data(), yf.data(), n, std::is_same_v<T, c10::BFloat16>, std::is_same_v<T, c10::Half>);
-    T* yr = yp + m * n;
-    for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<T>(yf[k]);  // * up, in dtype
-  }
+  for_rows(rows, n, [&](int64_t m0, int64_t m1) {
+    std::vector<float> gf(n), uf(n), yf(n);
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* gr = gp + m * gs;
+      const T* ur = up + m * us;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (bf16_avx512()) {
+          silu_mul_row_bf16(gr, ur, yp + m * n, gf.data(), yf.data(), n);
+          continue;
+        }
+      }
+      for (int64_t k = 0; k < n; ++k) gf[k] = static_cast<float>(gr[k]);
+      for (int64_t k = 0; k < n; ++k) uf[k] = static_cast<float>(ur[k]);
+      silu_mul_row(gf.data(), uf.data(), yf.data(), n, std::is_same_v<T, c10::BFloat16>,
+                   std::is_same_v<T, c10::Half>);
+      T* yr = yp + m * n;
+      for (int64_t k = 0; k < n; ++k) yr[k] = static_cast<T>(yf[k]);  // * up, in dtype
+    }
+  });
 }
 
 torch::Tensor silu_mul(const torch::Tensor& g_in, const torch::Tensor& u_in) {
@@ -202,6 +331,18 @@ torch::Tensor silu_mul(const torch::Tensor& g_in, const torch::Tensor& u_in) {
   return y;
 }
 
+// rotary_impl's (token, head) row for bf16 on AVX-512, head_dim a multiple of 32 (each half whole vectors).
+LAYERSTREAM_BF16_AVX512 void rotary_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* c, const c10::BFloat16* s,
+                                             c10::BFloat16* yr, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16x16(xr + d), load_bf16x16(c + d)));  // x * cos
+    const int64_t rolled = d < half ? d + half : d - half;
+    const __m512 b = round_bf16x16(_mm512_mul_ps(load_bf16x16(xr + rolled), load_bf16x16(s + d)));  // rolled * sin
+    store_bf16x16(yr + d, _mm512_add_ps(a, b));
+  }
+}
+
 template <typename T>
 void rotary_impl(const torch::Tensor& x, const torch::Tensor& c, const torch::Tensor& s, torch::Tensor& y) {
   const int64_t tokens = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
@@ -210,21 +351,29 @@ void rotary_impl(const torch::Tensor& x, const torch::Tensor& c, const torch::Te
   const T* cp = c.data_ptr<T>();
   const T* sp = s.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const T* ctr = cp + t * ct;
-    const T* str = sp + t * st;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* xr = xp + t * xt + h * xh;
-      T* yr = yp + (t * heads + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) {
-        // roll by half: element d of the rolled row is x[(d + half) % hd]
-        const float a = round_to<T>(static_cast<float>(xr[d]) * static_cast<float>(ctr[d]));  // x * cos
-        const float b = round_to<T>(static_cast<float>(xr[d < half ? d + half : d - half]) *
-                                    static_cast<float>(str[d]));                             // rolled * sin
-        yr[d] = static_cast<T>(a + b);
+  for_rows(tokens, heads * hd, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* ctr = cp + t * ct;
+      const T* str = sp + t * st;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = xp + t * xt + h * xh;
+        T* yr = yp + (t * heads + h) * hd;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (hd % 32 == 0 && bf16_avx512()) {
+            rotary_row_bf16(xr, ctr, str, yr, hd);
+            continue;
+          }
+        }
+        for (int64_t d = 0; d < hd; ++d) {
+          // roll by half: element d of the rolled row is x[(d + half) % hd]
+          const float a = round_to<T>(static_cast<float>(xr[d]) * static_cast<float>(ctr[d]));  // x * cos
+          const float b = round_to<T>(static_cast<float>(xr[d < half ? d + half : d - half]) *
+                                      static_cast<float>(str[d]));                             // rolled * sin
+          yr[d] = static_cast<T>(a + b);
+        }
       }
     }
-  }
+  });
 }
 
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& c, const torch::Tensor& s) {
