@@ -470,8 +470,17 @@ LAYERSTREAM_SCORES(scores_bf16, uint16_t, bf16_bits_to_float)
 LAYERSTREAM_ACCUMULATE(accumulate_f32, float, LAYERSTREAM_AS_FLOAT)
 LAYERSTREAM_ACCUMULATE(accumulate_bf16, uint16_t, bf16_bits_to_float)
 
+// A decode step's cached keys and values come from memory, not cache (the streamed weights pass
+// through it between one layer's attention and the next), one short row per key and KV head through
+// the block table: asked for all at once, their misses overlap instead of following one another.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // Row pointers of keys lo..lo+n-1 of one sequence's KV head, as the kernels read them: bf16 rows as
-// they lie in the cache, fp32 rows likewise, fp16 rows widened into `wide` first.
+// they lie in the cache, fp32 rows likewise (prefetched as the pointers are made), fp16 rows widened
+// into `wide` first.
 template <typename T>
 void key_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t nkv, int64_t kvh, int64_t hd,
               int64_t lo, int64_t n, std::vector<const void*>& rows, std::vector<float>& wide) {
@@ -485,8 +494,18 @@ void key_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t 
       rows[j] = wide.data() + j * hd;
     } else {
       rows[j] = r;
+      prefetch_row(r, hd * sizeof(T));
     }
   }
+}
+
+// Every row of keys lo..lo+n-1 of one sequence's KV head asked from memory now, before it is read.
+template <typename T>
+void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t nkv, int64_t kvh, int64_t hd,
+                   int64_t lo, int64_t n) {
+  for (int64_t key = lo; key < lo + n; ++key)
+    prefetch_row(cache + ((table[key / block_size] * block_size + key % block_size) * nkv + kvh) * hd,
+                 hd * sizeof(T));
 }
 
 // bf16 caches on AVX-512 with head_dim a multiple of 16 (up to 256): each key and value row is widened
@@ -607,6 +626,7 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
     for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = static_cast<float>(qg[d]);
   }
   const int64_t* table = A.tables + seq * A.table_stride;
+  prefetch_rows(A.vc, table, A.block_size, A.nkv, kvh, hd, lo, ctx);  // read after the scores
   key_rows(A.kc, table, A.block_size, A.nkv, kvh, hd, lo, ctx, rows, wide);
   scores<T>(qf.data(), rows, G, hd, A.scale, s.data(), ctx);
   for (int64_t g = 0; g < G; ++g)  // flash multiplies V by p in the dtype
