@@ -121,3 +121,34 @@ def test_failed_load_stops_the_prefetch_thread(llama_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="no room"):
         LLM(str(llama_dir), max_model_len=64, max_num_seqs=1, max_device_memory=budget)
     assert {t for t in threading.enumerate() if t.name == "layerstream-prefetch"} == before
+
+
+def test_cpu_transport_makes_a_blocks_views_once_and_lets_go_at_close(llama_dir):
+    """Zero-copy streamed blocks: the views of the mapping are made on the first prepare and reused every
+    step after (making and freeing them each step cost ~1-2 ms); close() drops them, so the mapping can
+    be unmapped when the checkpoint closes."""
+    import gc
+    import weakref
+
+    from engine.weights.model_weights import ModelCheckpoint
+    from engine.weights.transport import CpuTransport
+
+    ckpt = ModelCheckpoint(llama_dir)
+    try:
+        views = ckpt.source.views(0)
+        dtype = next(iter(views.values())).dtype
+        transport = CpuTransport(ckpt.source, dtype)
+        first = transport.prepare(0)
+        w1 = first.weights
+        transport.retire(first)
+        second = transport.prepare(0)
+        assert all(second.weights[k] is w1[k] for k in w1)  # the same tensors, not remade
+        assert all(torch.equal(second.weights[k], views[k]) for k in views)
+        transport.retire(second)
+        watched = weakref.ref(w1["wq"])
+        del first, second, w1, views
+        transport.close()
+        gc.collect()
+        assert watched() is None  # nothing of the transport's still views the mapping
+    finally:
+        ckpt.close()
