@@ -84,7 +84,9 @@ void for_rows(int64_t rows, int64_t row_values, const F& f) {
 // conversions of the row loops below run one value at a time: at 16 rows RMSNorm took ~2.5 us a row).
 // The same arithmetic, 16 values at a time: widening is exact, narrowing rounds to nearest even with
 // NaN kept as torch's c10::BFloat16 does, and products and sums are separate roundings as in the
-// scalar loops (no FMA), so results are bit for bit theirs (tests/test_fused_ops.py).
+// scalar loops (no FMA), so results are bit for bit theirs (compared once against a build of the scalar
+// loops, NaN, inf and subnormals included: a throwaway script; tests/test_fused_ops.py holds the
+// results to torch's).
 #define LAYERSTREAM_BF16_AVX512 __attribute__((target("avx512f")))
 
 bool bf16_avx512() {
@@ -302,7 +304,7 @@ void silu_mul_impl(const torch::Tensor& g, const torch::Tensor& u, torch::Tensor
   const T* up = u.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   for_rows(rows, n, [&](int64_t m0, int64_t m1) {
-    std::vector<float> gf(n), uf(n), yf(n);
+    std::vector<float> gf(n), uf(n), yf(n);  // uf: the scalar loops' only
     for (int64_t m = m0; m < m1; ++m) {
       const T* gr = gp + m * gs;
       const T* ur = up + m * us;
