@@ -197,6 +197,8 @@ class DiskTransport(Transport):
             self._free.put(buf)
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
+        if self._host is not None:
+            self._host.close()  # its views of the mapping, so the checkpoint can unmap it
         self.reader.close()
 
 
