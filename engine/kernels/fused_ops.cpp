@@ -89,6 +89,7 @@ void for_rows(int64_t rows, int64_t row_values, const F& f) {
 // results to torch's).
 #define LAYERSTREAM_BF16_AVX512 __attribute__((target("avx512f")))
 
+// The CPU has AVX-512 F (checked once): these rows and decode attention's AVX-512 loops.
 bool bf16_avx512() {
   static const bool cpu = [] {
     __builtin_cpu_init();
@@ -97,9 +98,14 @@ bool bf16_avx512() {
   return cpu;
 }
 
-LAYERSTREAM_BF16_AVX512 inline __m512 load_bf16x16(const c10::BFloat16* p) {
+// 16 bf16 values (raw bits or c10::BFloat16) widened to fp32: exact.
+LAYERSTREAM_BF16_AVX512 inline __m512 load_bf16x16(const uint16_t* p) {
   const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
+LAYERSTREAM_BF16_AVX512 inline __m512 load_bf16x16(const c10::BFloat16* p) {
+  return load_bf16x16(reinterpret_cast<const uint16_t*>(p));
 }
 
 // The bf16 bits of v (in the low half of each lane): round to nearest even, NaN -> 0x7FC0.
@@ -480,6 +486,13 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+// Key `key`'s row of KV head kvh in a paged cache (blocks, block_size, nkv, hd), through the block table.
+template <typename T>
+inline const T* cached_row(const T* cache, const int64_t* table, int64_t block_size, int64_t nkv, int64_t kvh,
+                           int64_t hd, int64_t key) {
+  return cache + ((table[key / block_size] * block_size + key % block_size) * nkv + kvh) * hd;
+}
+
 // Row pointers of keys lo..lo+n-1 of one sequence's KV head, as the kernels read them: bf16 rows as
 // they lie in the cache, fp32 rows likewise (prefetched as the pointers are made), fp16 rows widened
 // into `wide` first.
@@ -490,7 +503,7 @@ void key_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t 
   if (std::is_same_v<T, c10::Half>) wide.resize(n * hd);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t key = lo + j;
-    const T* r = cache + ((table[key / block_size] * block_size + key % block_size) * nkv + kvh) * hd;
+    const T* r = cached_row(cache, table, block_size, nkv, kvh, hd, key);
     if constexpr (std::is_same_v<T, c10::Half>) {
       for (int64_t d = 0; d < hd; ++d) wide[j * hd + d] = static_cast<float>(r[d]);
       rows[j] = wide.data() + j * hd;
@@ -506,8 +519,7 @@ template <typename T>
 void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t nkv, int64_t kvh, int64_t hd,
                    int64_t lo, int64_t n) {
   for (int64_t key = lo; key < lo + n; ++key)
-    prefetch_row(cache + ((table[key / block_size] * block_size + key % block_size) * nkv + kvh) * hd,
-                 hd * sizeof(T));
+    prefetch_row(cached_row(cache, table, block_size, nkv, kvh, hd, key), hd * sizeof(T));
 }
 
 // bf16 caches on AVX-512 with head_dim a multiple of 16 (up to 256): each key and value row is widened
@@ -516,28 +528,16 @@ void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int
 // The generic loops ran at ~30 GFLOP/s on two cores here (16 sequences, 16 heads of 64, 64-2000 keys:
 // 136 us to 7.2 ms a layer); sums in another order and with fused multiply-adds, so the results agree
 // with them, and with flash, to fp32 rounding (tests/test_decode_attention.py).
-#define LAYERSTREAM_ATTN_AVX512 __attribute__((target("avx512f")))
 constexpr int64_t AVX512_MAX_HD = 256;
 
-bool attention_avx512(int64_t hd) {
-  static const bool cpu = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return cpu && hd % 16 == 0 && hd <= AVX512_MAX_HD;
-}
+bool attention_avx512(int64_t hd) { return bf16_avx512() && hd % 16 == 0 && hd <= AVX512_MAX_HD; }
 
-LAYERSTREAM_ATTN_AVX512 inline __m512 widen_bf16x16(const uint16_t* p) {
-  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-}
-
-LAYERSTREAM_ATTN_AVX512 void scores_bf16_avx512(const float* qf, const uint16_t* const* rows, int64_t n,
+LAYERSTREAM_BF16_AVX512 void scores_bf16_avx512(const float* qf, const uint16_t* const* rows, int64_t n,
                                                 int64_t group, int64_t hd, float scale, float* s, int64_t stride) {
   const int64_t C = hd / 16;
   __m512 kz[AVX512_MAX_HD / 16];
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t c = 0; c < C; ++c) kz[c] = widen_bf16x16(rows[j] + 16 * c);
+    for (int64_t c = 0; c < C; ++c) kz[c] = load_bf16x16(rows[j] + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf + g * hd;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kz[0]);
@@ -547,12 +547,12 @@ LAYERSTREAM_ATTN_AVX512 void scores_bf16_avx512(const float* qf, const uint16_t*
   }
 }
 
-LAYERSTREAM_ATTN_AVX512 void accumulate_bf16_avx512(const float* p, int64_t stride, const uint16_t* const* rows,
+LAYERSTREAM_BF16_AVX512 void accumulate_bf16_avx512(const float* p, int64_t stride, const uint16_t* const* rows,
                                                     int64_t n, int64_t group, int64_t hd, float* acc) {
   const int64_t C = hd / 16;
   __m512 vz[AVX512_MAX_HD / 16];
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t c = 0; c < C; ++c) vz[c] = widen_bf16x16(rows[j] + 16 * c);
+    for (int64_t c = 0; c < C; ++c) vz[c] = load_bf16x16(rows[j] + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * stride + j]);
       float* a = acc + g * hd;
