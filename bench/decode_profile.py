@@ -91,21 +91,21 @@ def run(ns: argparse.Namespace) -> int:
             with M.single_row_products(x0):
                 M.linear(x0, runner.globals.head)
 
-        real_block, real_attention = M.decode_block, M._decode_attention_applies
+        real_block, real_attention = M.decode_block, M._tokenwise_tables
         modes = {"whole step (engine.step)": (real_block, real_attention),
                  "whole step, blocks op by op": (lambda: None, real_attention),
-                 "whole step, op by op, SDPA attention": (lambda: None, lambda *a: False)}
+                 "whole step, op by op, SDPA attention": (lambda: None, lambda *a: None)}
         parts = {"blocks (default path)": blocks_once, "  of which their matmuls alone": matmuls_once,
                  "LM head": head_once}
         times: dict[str, list[float]] = {k: [] for k in (*modes, *parts)}
         whole_step()  # warm
         for _ in range(ns.rounds):
             for name, (block, attention) in modes.items():
-                M.decode_block, M._decode_attention_applies = block, attention
+                M.decode_block, M._tokenwise_tables = block, attention
                 try:
                     times[name].append(whole_step())
                 finally:
-                    M.decode_block, M._decode_attention_applies = real_block, real_attention
+                    M.decode_block, M._tokenwise_tables = real_block, real_attention
             for name, fn in parts.items():
                 t = time.thread_time()
                 for _ in range(ns.calls):

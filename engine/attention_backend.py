@@ -181,6 +181,26 @@ def cpu_attention_mode() -> str:
 BF16_MATMUL_CPU = cpu_attention_mode() == "auto" and _bf16_dot_products()
 
 
+# A step with prompt chunks attends token by token (engine.model._tokenwise_tables) when its chunks' tokens
+# read at most this many keys in all. Measured here on the benchmark model (20 blocks, 16 heads of 64 over
+# 4 KV heads, bf16; one 128-token chunk a step, both paths alternated in one process): token by token
+# costs ~1.5 ms a step more per 1000 keys, the padded path stays at ~180-190 ms a step whatever the
+# start; 171 vs 208 ms at 8256 keys (a chunk from position 0), 211 vs 189 at 24640 (from 128). A step of
+# 8 prompts of 16 tokens: 139 vs 149 ms; 7 prompt tokens beside 16 decodes: 50 vs 66 ms.
+TOKENWISE_MAX_KEYS = 12288
+
+
+def tokenwise_attention_pays(device: torch.device, dtype: torch.dtype, prefill_keys: int) -> bool:
+    """Whether a step with prompt chunks (maybe beside decodes) should attend token by token, as decode
+    steps do, rather than through the padded batch `attend` takes; prefill_keys: the keys its chunks'
+    tokens read in all (decode tokens are not counted: token by token is their better path at any
+    context). Token by token, a chunk's tokens each read their keys again (no reuse of a key across a
+    chunk's rows); the padded path pays a fixed cost per call (gathering K/V, mask, padding, fp32
+    copies, two small matmuls) and then reuses every key across the chunk: short prompts go token by
+    token, long ones keep `attend`. The CPU in a 16-bit dtype only: that kernel's domain."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and prefill_keys <= TOKENWISE_MAX_KEYS
+
+
 def uses_bf16_matmul_cpu(q: torch.Tensor) -> bool:
     """Whether attend runs these queries through `_attend_bf16_matmul` rather than SDPA."""
     return BF16_MATMUL_CPU and q.dtype == torch.bfloat16 and q.device.type == "cpu"

@@ -47,6 +47,9 @@ class StepInputs:
     # earliest chunk's start, when no sliding window cuts it): attention skips their mask.
     open_keys: int = 0
     attn_scratch: AttentionScratch | None = None  # memory attention reuses across calls (the runner's)
+    # (tokens, max_blocks) int64: each token's row of block_tables, when the runner chose token-by-token
+    # attention for a step with several tokens in some sequence (tokenwise_attention_pays); else None.
+    token_tables: torch.Tensor | None = None
 
 
 def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -195,9 +198,10 @@ def attention(
         q = apply_rotary(q, step.cos, step.sin)
         k = apply_rotary(k, step.cos, step.sin)
 
-    if _decode_attention_applies(q, k, v, k_cache, step):
-        # One C++ call for the KV write and the attention of one token per sequence (fused_ops.cpp).
-        out = fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, step.block_tables,
+    tables = _tokenwise_tables(step, q, k, v, k_cache)
+    if tables is not None:
+        # One C++ call for the KV write and the attention of each token (fused_ops.cpp).
+        out = fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, tables,
                                            step.positions, cfg.sliding_window or 0)  # (tokens, heads*head_dim)
         return linear(out, w["wo"], w.get("bo"))
     # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
@@ -222,14 +226,21 @@ def attention(
     return linear(out, w["wo"], w.get("bo"))
 
 
-def _decode_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                              step: StepInputs) -> bool:
-    """Whether this step's attention goes to the fused decode attention: one query token per sequence
-    (a decode step), on the CPU, in a 16-bit dtype (float32 is the exact mode, kept on SDPA, which the
-    reference tests hold to transformers). It beat the gather + SDPA at every context measured, most at
-    short ones (1 sequence: 10x at 20 keys, 2x at 200, 1.1x at 2000; 16 sequences at 2000: 1.2x)."""
-    return (step.max_query == 1 and step.pad_rows is None and q.dtype != torch.float32
-            and _fusable(q, k, v, k_cache))
+def _tokenwise_tables(step: StepInputs, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor | None:
+    """The block table of each token's sequence, (tokens, max_blocks), when this step's attention goes
+    to the fused CPU kernel token by token, else None. That kernel writes every token's K/V first, then
+    attends each token over its own sequence's cache up to its own position: causal attention, so a
+    chunk of prompt tokens is as many one-token attentions. It runs on the CPU in a 16-bit dtype
+    (float32 is the exact mode, kept on SDPA, which the reference tests hold to transformers), for a
+    decode step (one token per sequence: the block tables are already per token) and for the steps
+    where the runner found it pays (tokenwise_attention_pays). Decode: it beat the gather + SDPA at
+    every context measured, most at short ones (1 sequence: 10x at 20 keys, 2x at 200, 1.1x at 2000;
+    16 sequences at 2000: 1.2x)."""
+    if x.dtype == torch.float32 or not _fusable(x, *others):
+        return None
+    if step.max_query == 1 and step.pad_rows is None:
+        return step.block_tables
+    return step.token_tables
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -364,20 +375,23 @@ def block_forward(
 
 def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
                        step: StepInputs, cfg: ModelConfig) -> tuple | None:
-    """decode_block().block's arguments when this block can run as one C++ call, else None: a decode
-    step (one token per sequence) on the CPU in a 16-bit dtype (float32, the exact mode, stays op by
-    op), q/k/v and gate/up stacked (engine.weights.fuse; the streamed blocks' repack does it too), no
-    per-head norms or clipping, and every matmul a dense weight of x's dtype or a VNNI-layout one."""
-    if (step.max_query != 1 or step.pad_rows is not None or x.dtype == torch.float32
-            or "wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
-            or not _fusable(x, w["attn_norm"], w["mlp_norm"], step.cos, k_cache) or decode_block() is None):
+    """decode_block().block's arguments when this block can run as one C++ call, else None: a step whose
+    attention runs token by token (_tokenwise_tables: decode steps, and the short prefill chunks the
+    runner chose it for) on the CPU in a 16-bit dtype (float32, the exact mode, stays op by op), q/k/v
+    and gate/up stacked (engine.weights.fuse; the streamed blocks' repack does it too), no per-head
+    norms or clipping, and every matmul a dense weight of x's dtype or a VNNI-layout one."""
+    if ("wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
+            or decode_block() is None):
+        return None
+    tables = _tokenwise_tables(step, x, w["attn_norm"], w["mlp_norm"], step.cos, k_cache)
+    if tables is None:
         return None
     weights = [_kernel_weight(w[name], x.dtype) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
     if None in weights:
         return None
     wqkv, wo, w_gate_up, w_down = weights
     return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
-            w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, step.block_tables, step.positions,
+            w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables, step.positions,
             cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
 
 

@@ -14,7 +14,7 @@ import torch
 
 from . import model as M
 from .arch import ModelConfig
-from .attention_backend import AttentionScratch
+from .attention_backend import AttentionScratch, tokenwise_attention_pays
 from .block_manager import BlockCopy
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
@@ -48,6 +48,21 @@ def upload(groups: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     flat = [v for g in groups for v in g]
     host = torch.tensor(flat, dtype=torch.long, pin_memory=device.type == "cuda")  # (total,)
     return list(torch.split(host.to(device, non_blocking=True), [len(g) for g in groups]))
+
+
+def _prefill_keys(starts: list[int], counts: list[int], window: int | None) -> int:
+    """The keys the tokens of a step's multi-token chunks attend to in all: a chunk of `count` tokens
+    from position `start` reads start + 1, ..., start + count keys (at most `window` each). One-token
+    chunks (decodes) are left out: token by token is their measured better path at any context."""
+    total = 0
+    for start, count in zip(starts, counts):
+        if count == 1:
+            continue
+        if window is None or start + count <= window:
+            total += count * start + count * (count + 1) // 2
+        else:
+            total += sum(min(p + 1, window) for p in range(start, start + count))
+    return total
 
 
 class ModelRunner:
@@ -107,13 +122,17 @@ class ModelRunner:
             open_keys = 0
         # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
         mask[..., 0] |= ~valid
+        block_tables = tables_t.view(len(chunks), max_blocks)
+        token_tables = None
+        if mq > 1 and tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, window)):
+            token_tables = block_tables.repeat_interleave(counts_t, dim=0)  # (tokens, max_blocks)
         return M.StepInputs(
             input_ids=ids_t,
             positions=pos,
             cos=cos,
             sin=sin,
             slot_mapping=slot_mapping_t,
-            block_tables=tables_t.view(len(chunks), max_blocks),
+            block_tables=block_tables,
             pad_rows=pad_t if pad_rows is not None else None,
             max_query=mq,
             context_len=ctx,
@@ -122,6 +141,7 @@ class ModelRunner:
             attn_chunk_bytes=self.attn_chunk_bytes,
             open_keys=open_keys,
             attn_scratch=self.attn_scratch,
+            token_tables=token_tables,
         )
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,

@@ -108,8 +108,8 @@ def test_model_attention_takes_the_fused_path_for_16_bit_decode_steps(monkeypatc
                       max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
                       checkpoint_dtype=dtype, rope_inv_freq=tuple((1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)).tolist()))
     taken = []
-    applies = M._decode_attention_applies
-    monkeypatch.setattr(M, "_decode_attention_applies", lambda *a: taken.append(applies(*a)) or taken[-1])
+    tables_for = M._tokenwise_tables
+    monkeypatch.setattr(M, "_tokenwise_tables", lambda *a: taken.append(tables_for(*a) is not None) or tables_for(*a))
     g = torch.Generator().manual_seed(1)
     w = {"wqkv": (torch.randn((4 + 2 * 2) * 16, 64, generator=g) / 8).to(dtype),  # (q + k + v rows, hidden)
          "wo": (torch.randn(64, 64, generator=g) / 8).to(dtype)}
@@ -125,7 +125,7 @@ def test_model_attention_takes_the_fused_path_for_16_bit_decode_steps(monkeypatc
     kc, vc = k_cache.clone(), v_cache.clone()
     out = M.attention(x, w, kc, vc, step, cfg)
     assert taken == [dtype == torch.bfloat16]
-    monkeypatch.setattr(M, "_decode_attention_applies", lambda *a: False)  # the SDPA path for the same step
+    monkeypatch.setattr(M, "_tokenwise_tables", lambda *a: None)  # the SDPA path for the same step
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     ref = M.attention(x, w, kc2, vc2, step, cfg)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)

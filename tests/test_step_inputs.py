@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from engine import LLM
+from engine import attention_backend
 from engine import model as M
 from engine.runner import TokenIdError
 from engine.scheduler import ScheduledChunk, Sequence
@@ -51,12 +52,18 @@ def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
                                 device=dev)
     max_blocks = -(-ctx // bs)
     tables = [(c.seq.block_table + [0] * max_blocks)[:max_blocks] for c in chunks]
+    # no sliding window in these models: a chunk's tokens read start + 1, ..., start + count keys
+    prefill_keys = sum(sum(range(c.start + 1, c.start + c.count + 1)) for c in chunks if c.count > 1)
+    token_tables = None
+    if mq > 1 and attention_backend.tokenwise_attention_pays(dev, runner.dtype, prefill_keys):
+        token_tables = torch.tensor([tables[i] for i, c in enumerate(chunks) for _ in range(c.count)],
+                                    dtype=torch.long, device=dev)
     return M.StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=pos, cos=cos, sin=sin,
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
         block_tables=torch.tensor(tables, dtype=torch.long, device=dev), pad_rows=pad_rows, max_query=mq,
         context_len=ctx, attn_mask=mask[:, None], open_keys=open_keys, attn_scratch=runner.attn_scratch,
-        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev))
+        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev), token_tables=token_tables)
 
 
 class CountTransfers(TorchFunctionMode):
@@ -129,8 +136,17 @@ def fields(step: M.StepInputs) -> dict:
     return {k: getattr(step, k) for k in M.StepInputs.__dataclass_fields__}
 
 
+def with_dtype(runner, dtype: torch.dtype):
+    """The runner as if it computed in dtype (only the step inputs are built with it)."""
+    runner = copy.copy(runner)
+    runner.dtype = dtype
+    return runner
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunks", [mixed_chunks(), mixed_chunks()[1:2]], ids=["mixed", "one-decode"])
-def test_step_inputs_equal_the_per_field_construction(runner, chunks):
+def test_step_inputs_equal_the_per_field_construction(runner, chunks, dtype):
+    runner = with_dtype(runner, dtype)
     with torch.inference_mode():
         ours, ref = fields(runner._step_inputs(chunks)), fields(reference_step_inputs(runner, chunks))
     assert ours.keys() == ref.keys()
@@ -143,6 +159,24 @@ def test_step_inputs_equal_the_per_field_construction(runner, chunks):
             assert got == want, name
     step = runner._step_inputs(chunks)
     assert step.open_keys == min(c.start for c in chunks) and step.attn_mask[..., :step.open_keys].all()
+
+
+def test_token_tables_only_for_short_prompt_chunks_in_16_bit(runner, monkeypatch):
+    """Token-by-token attention is chosen for a step with prompt chunks in bf16 while their tokens read
+    few keys (each token gets its sequence's block-table row); not in fp32 (the exact mode), not past
+    the bound (the decode's keys do not count), and never for a decode-only step (its tables are per
+    token already)."""
+    chunks = mixed_chunks()  # prompt chunks read 15 + 9 keys, the decode 9
+    with torch.inference_mode():
+        step = with_dtype(runner, torch.bfloat16)._step_inputs(chunks)
+        rows = [0] * 5 + [1] + [2] * 2  # each token's chunk
+        assert torch.equal(step.token_tables, step.block_tables[rows])
+        assert with_dtype(runner, torch.float32)._step_inputs(chunks).token_tables is None
+        assert with_dtype(runner, torch.bfloat16)._step_inputs(chunks[1:2]).token_tables is None
+        monkeypatch.setattr(attention_backend, "TOKENWISE_MAX_KEYS", 24)
+        assert with_dtype(runner, torch.bfloat16)._step_inputs(chunks).token_tables is not None
+        monkeypatch.setattr(attention_backend, "TOKENWISE_MAX_KEYS", 23)
+        assert with_dtype(runner, torch.bfloat16)._step_inputs(chunks).token_tables is None
 
 
 def test_step_inputs_take_one_host_to_device_copy(runner):

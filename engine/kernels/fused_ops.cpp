@@ -13,9 +13,12 @@
 //   rotary(x, cos, sin)            x * cos + roll(x, hd / 2, -1) * sin   x: (tokens, heads, hd),
 //                                  cos, sin: (tokens, 1, hd)
 //   decode_attention(q, k, v, k_cache, v_cache, slots, tables, positions, window)
-//                                  one query token per sequence: writes k, v into the paged cache
-//                                  at slots, then softmax(q k^T / sqrt(hd)) v over the sequence's
-//                                  cached keys; (seqs, heads * hd). See decode_attention below.
+//                                  one query token per row, each with its sequence's block-table row
+//                                  (a decode step's sequences, or every token of short prompt chunks:
+//                                  engine/model.py _tokenwise_tables): writes all k, v into the paged
+//                                  cache at slots first, then softmax(q k^T / sqrt(hd)) v over that
+//                                  row's cached keys up to its position; (rows, heads * hd). See
+//                                  decode_attention below.
 // Tensors: CPU, float32 / bfloat16 / float16, all of one dtype, last dimension contiguous (rows may
 // be strided, e.g. the halves of a stacked gate/up output); outputs are new contiguous tensors.
 
