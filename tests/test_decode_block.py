@@ -97,6 +97,40 @@ def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, wi
 
 
 @needs_block
+def test_prompt_chunks_attending_token_by_token_run_as_the_block(monkeypatch):
+    """A step of prompt chunks whose attention goes token by token (StepInputs.token_tables: each token's
+    sequence's block-table row) runs as the one C++ block call, bit-identical to op by op, causal within
+    each chunk; without token tables (the padded path) it stays op by op."""
+    cfg = _cfg()
+    w = _block("dense", True)
+    tables = torch.tensor([[5, 2, 7], [1, 6, 0]])  # two sequences' blocks
+    rows = [0, 0, 0, 1, 1]  # each token's sequence: a 3-token chunk at 14-16, a 2-token one at 0-1
+    per_token = _step([14, 15, 16, 0, 1], tables[rows].tolist(), cfg)
+    step = M.StepInputs(**{**per_token.__dict__, "max_query": 3, "block_tables": tables,
+                           "pad_rows": torch.arange(5), "token_tables": tables[rows]})
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, HIDDEN, generator=g).bfloat16()  # (tokens, hidden)
+    k_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    v_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    assert M._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
+    assert M._decode_block_args(x, w, k_cache, v_cache, M.StepInputs(**{**step.__dict__, "token_tables": None}),
+                                cfg) is None
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fast = M.block_forward(x, w, kc, vc, step, cfg)
+    monkeypatch.setattr(M, "decode_block", lambda: None)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    ref = M.block_forward(x, w, kc2, vc2, step, cfg)
+    assert torch.equal(fast, ref)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # causal: the chunk's first token does not see the two after it (their K/V changed, its output not)
+    kc3, vc3 = k_cache.clone(), v_cache.clone()
+    later = x.clone()
+    later[1:3] += 1
+    assert torch.equal(M.block_forward(later, w, kc3, vc3, step, cfg)[0], ref[0])
+    assert not torch.equal(M.block_forward(later, w, k_cache.clone(), v_cache.clone(), step, cfg)[2], ref[2])
+
+
+@needs_block
 def test_blocks_it_cannot_run_stay_op_by_op():
     cfg = _cfg()
     w = _block("dense", False)

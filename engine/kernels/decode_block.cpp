@@ -1,11 +1,11 @@
 // One decoder block of a decode step (one token per sequence; or of short prompt chunks, whose tokens
 // each attend as one with their sequence's block-table row: engine/model.py _tokenwise_tables) as
 // one C++ call: at decode a block is ~40 small torch ops, and on a 135M model their Python dispatch
-// cost as much as the block's arithmetic besides the matmuls. This is engine/model.py's block_forward for the stacked weights
-// (wqkv, w_gate_up), calling the same functions in the same order (the fused CPU ops of fused_ops.cpp
-// and the VNNI kernels of int4_vnni.cpp, both included here, or for dense weights at::linear, or
-// bf16_rows.cpp's kernel where few_rows says engine/model.py's linear uses it too), so
-// its result is bit-identical to the op-by-op path (tests/test_decode_block.py):
+// cost as much as the block's arithmetic besides the matmuls. This is engine/model.py's block_forward
+// for the stacked weights (wqkv, w_gate_up), calling the same functions in the same order (the fused
+// CPU ops of fused_ops.cpp and the VNNI kernels of int4_vnni.cpp, both included here, or for dense
+// weights at::linear, or bf16_rows.cpp's kernel where few_rows says engine/model.py's linear uses it
+// too), so its result is bit-identical to the op-by-op path (tests/test_decode_block.py):
 //
 //   hn  = rms_norm(x, attn_norm)                          (seqs, hidden)
 //   qkv = hn @ wqkv.T + bqkv                              (seqs, (heads + 2 kv_heads) * hd)
