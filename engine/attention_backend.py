@@ -184,7 +184,7 @@ BF16_MATMUL_CPU = cpu_attention_mode() == "auto" and _bf16_dot_products()
 # A step with prompt chunks attends token by token (engine.model._tokenwise_tables) when its chunks' tokens
 # read at most this many keys in all. Measured here on the benchmark model (20 blocks, 16 heads of 64 over
 # 4 KV heads, bf16; one 128-token chunk a step, both paths alternated in one process): token by token
-# costs ~1.7 ms a step more per 1000 keys, the padded path stays at ~180-190 ms a step whatever the
+# costs ~1.7 ms a step more per 1000 keys, the padded path stays at 176-208 ms a step whatever the
 # start; 171 vs 208 ms at 8256 keys (a chunk from position 0), 211 vs 189 at 24640 (from 128). A step of
 # 8 prompts of 16 tokens: 139 vs 149 ms; 7 prompt tokens beside 16 decodes: 50 vs 66 ms.
 TOKENWISE_MAX_KEYS = 12288

@@ -68,6 +68,20 @@ def _step(positions, tables, cfg):
                         context_len=ctx, attn_mask=mask[:, None, None, :], logits_index=torch.arange(len(positions)))
 
 
+def assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg) -> torch.Tensor:
+    """The step runs as the one C++ block call, and its output and cache writes are bit for bit the
+    op-by-op path's (which stays switched on afterwards); returns that output."""
+    assert M._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fast = M.block_forward(x, w, kc, vc, step, cfg)
+    monkeypatch.setattr(M, "decode_block", lambda: None)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    ref = M.block_forward(x, w, kc2, vc2, step, cfg)
+    assert torch.equal(fast, ref)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    return ref
+
+
 @needs_block
 @pytest.mark.parametrize("kind,bias,window", [("int4", False, None), ("int8", True, None), ("dense", False, None),
                                               ("int4", True, 8), ("dense, F.linear", True, None)])
@@ -86,14 +100,7 @@ def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, wi
     x = torch.randn(3, HIDDEN, generator=g).bfloat16()  # (seqs, hidden)
     k_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
     v_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
-    assert M._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
-    kc, vc = k_cache.clone(), v_cache.clone()
-    fast = M.block_forward(x, w, kc, vc, step, cfg)
-    monkeypatch.setattr(M, "decode_block", lambda: None)
-    kc2, vc2 = k_cache.clone(), v_cache.clone()
-    ref = M.block_forward(x, w, kc2, vc2, step, cfg)
-    assert torch.equal(fast, ref)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg)
 
 
 @needs_block
@@ -112,16 +119,9 @@ def test_prompt_chunks_attending_token_by_token_run_as_the_block(monkeypatch):
     x = torch.randn(5, HIDDEN, generator=g).bfloat16()  # (tokens, hidden)
     k_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
     v_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
-    assert M._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
     assert M._decode_block_args(x, w, k_cache, v_cache, M.StepInputs(**{**step.__dict__, "token_tables": None}),
                                 cfg) is None
-    kc, vc = k_cache.clone(), v_cache.clone()
-    fast = M.block_forward(x, w, kc, vc, step, cfg)
-    monkeypatch.setattr(M, "decode_block", lambda: None)
-    kc2, vc2 = k_cache.clone(), v_cache.clone()
-    ref = M.block_forward(x, w, kc2, vc2, step, cfg)
-    assert torch.equal(fast, ref)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    ref = assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg)  # op by op from here
     # causal: the chunk's first token does not see the two after it (their K/V changed, its output not)
     kc3, vc3 = k_cache.clone(), v_cache.clone()
     later = x.clone()
