@@ -2,21 +2,31 @@
 // AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends 1.4-2.7x a one-row
 // product on 4-16 rows (bench/bf16_rows.py, 2 threads), and torch's own matrix-vector kernel
 // (single_row_products) runs row by row. Here every weight byte is read from memory once per call,
-// whatever the row count, and multiplied against all rows while in L1:
+// whatever the row count, and multiplied against all rows at once:
 //
-//   x (M, K) bf16 is first laid out in 32-wide k-slices, each slice holding that slice of every row
-//   (one contiguous 64-byte line per row and slice: rows at a power-of-two stride would share L1 sets);
-//   w (N, K) bf16 is taken as it is (a mapped checkpoint, no repacking), 4 output rows at a time;
-//   for each 4-row weight tile, K is cut into blocks small enough that the block's slices of x stay
-//   in L1 (~16 KB), and within a block every group of 4 x rows runs a 4x4 register tile of
-//   VDPBF16PS (16 fp32 accumulators, each summing 32-element pair products), reduced to 4 sums at once;
-//   the tile's weights further on are prefetched, a quarter of them by each group, so the memory
-//   stream stays even while the later groups reuse the tile from L1.
+//   x (M, K) bf16 is first laid out as K/2 pairs, each pair of every row side by side: one vector
+//   (8 rows in a ymm register, 16 in a zmm) per pair, row m in lane m;
+//   w (N, K) bf16 is taken as it is (a mapped checkpoint, no repacking), 16 output rows (a tile) at a
+//   time; for each pair of k, the x vector is loaded once and each of the tile's 16 outputs adds
+//   VDPBF16PS(x vector, its own weight pair broadcast) into its accumulator: lane m of output n's
+//   accumulator is y[m][n]. No horizontal sums, one x load per 16 instructions, and 16 weight rows
+//   streamed side by side, 4 bytes of each per step;
+//   the next tile's bytes are prefetched into L2 in address order, evenly over the k loop, so the
+//   memory stream runs under the arithmetic.
 //
-// Accuracy: products of bf16 values are exact in fp32; sums are fp32 in a different order than
-// oneDNN's, the result (plus bias, in fp32) rounds once to bf16 (nearest even): the same error class
-// as F.linear (tests/test_bf16_rows.py holds both to a float64 reference). VDPBF16PS treats bf16
-// subnormal inputs as zero, as oneDNN's AVX512-BF16 kernels do.
+// Measured against the 4x4-register-tile kernel this replaced (two 16-row tiles of x against 4 weight
+// rows, horizontal sums per K block), both built here, weights read from memory, 2 threads, AMD EPYC
+// (Zen 4: VDPBF16PS at one zmm or two ymm per cycle per core): at 16 rows 2816x1024 537 -> 332 us,
+// 1024x2816 442 -> 282, 1024x1024 205 -> 129, 8192x1024 1452 -> 877; at 2-8 rows 1.0-1.45x faster.
+// The old kernel left the memory stream and the arithmetic serialised (a 2816x1024 product at 16 rows
+// took about its in-cache time plus its memory time); prefetching each row's own lines ahead instead
+// of the next tile in address order, or not prefetching, did the same in a throwaway A/B.
+//
+// Accuracy: products of bf16 values are exact in fp32; each output sums its K/2 pair products in
+// fp32, in k order, a different order than oneDNN's; the result (plus bias, in fp32) rounds once to
+// bf16 (nearest even): the same error class as F.linear (tests/test_bf16_rows.py holds both to a
+// float64 reference). VDPBF16PS treats bf16 subnormal inputs as zero, as oneDNN's AVX512-BF16
+// kernels do.
 //
 //   linear(x, w, bias) -> (M, N) bf16   when applies(x, w), else at::linear(x, w, bias) (the caller need
 //                                        not check: engine/model.py and decode_block.cpp call this)
@@ -33,76 +43,75 @@
 
 namespace bf16_rows {
 
-// Up to 16 rows, a decode step of 16 sequences; prefill chunks keep oneDNN. (Before the kernels were built
-// with OpenMP this kernel ran on one core and lost to oneDNN at 5-8 rows of wide weights and at 16 rows;
-// on two it no longer does: bench/bf16_rows.py.)
+// Up to 16 rows, a decode step of 16 sequences; prefill chunks keep oneDNN.
 constexpr int64_t MAX_ROWS = 16;
-constexpr int64_t SLICE = 32;            // bf16 values per VDPBF16PS operand
-constexpr int64_t X_BLOCK_BYTES = 16384;  // the slices of x one K block keeps in L1
-// Weights are prefetched this many values ahead in a row (8 KB), or one 4-row tile ahead where that is
-// further (K > 1024): the same place in the next tile. At 16 rows the shorter distance left the down
-// projections (K = 2816) at 380-410 us against 300-310 (1024x2816, 2 threads, throwaway A/B).
-constexpr int64_t PREFETCH = 4096;
+constexpr int64_t SLICE = 32;  // K must be a multiple of this: a k loop step reads one 64-byte line of each weight row
+constexpr int64_t TILE = 16;   // weight rows per tile: 16 accumulators, one per output
 
 #define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
-// Sums of the 16 lanes of a, b, c, d, as one 4-lane vector.
-LAYERSTREAM_BF16_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+// The vector a row lane lives in: 8 rows in a ymm register, 16 in a zmm (VDPBF16PS runs two ymm or one
+// zmm per cycle here, the same arithmetic either way, so up to 8 rows pay for no idle lanes).
+template <int L> struct Lanes;
+template <> struct Lanes<8> {
+  using V = __m256;
+  LAYERSTREAM_BF16_TARGET static V zero() { return _mm256_setzero_ps(); }
+  LAYERSTREAM_BF16_TARGET static V dot(V acc, const uint32_t* xp, uint32_t w) {
+    return _mm256_dpbf16_ps(acc, (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(xp)),
+                            (__m256bh)_mm256_set1_epi32(static_cast<int>(w)));
+  }
+  LAYERSTREAM_BF16_TARGET static void store(float* out, V v) { _mm256_storeu_ps(out, v); }
+};
+template <> struct Lanes<16> {
+  using V = __m512;
+  LAYERSTREAM_BF16_TARGET static V zero() { return _mm512_setzero_ps(); }
+  LAYERSTREAM_BF16_TARGET static V dot(V acc, const uint32_t* xp, uint32_t w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(xp), (__m512bh)_mm512_set1_epi32(static_cast<int>(w)));
+  }
+  LAYERSTREAM_BF16_TARGET static void store(float* out, V v) { _mm512_storeu_ps(out, v); }
+};
+
+inline uint32_t pair(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// part[m][n] (+)= x rows [0, MB) . w rows [0, NB) over k in [k0, k1). xs: the packed x at this group's
-// first row, each slice `slice_stride` values apart; w: the tile's first weight row, rows K apart.
-// The group prefetches weight rows g, g + G, ... of the tile, `ahead` values ahead.
-template <int MB, int NB>
-LAYERSTREAM_BF16_TARGET inline void tile(const uint16_t* xs, int64_t slice_stride, const uint16_t* w, int64_t K,
-                                         int64_t k0, int64_t k1, int g, int G, float (*part)[4]) {
-  const int64_t ahead = std::max(PREFETCH, 4 * K);  // at least the same place in the next 4-row tile
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += SLICE) {
-    __m512bh wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k);
-    for (int n = g; n < NB; n += G) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k + ahead), _MM_HINT_T0);
-    const uint16_t* xk = xs + (k / SLICE) * slice_stride;
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xk + m * SLICE);
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    if constexpr (NB == 4) {
-      _mm_storeu_ps(part[m], _mm_add_ps(_mm_loadu_ps(part[m]), sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3])));
-    } else {
-      for (int n = 0; n < NB; ++n) part[m][n] += _mm512_reduce_add_ps(acc[m][n]);
-    }
-  }
-}
-
-template <int NB>
-LAYERSTREAM_BF16_TARGET void column_tile(const uint16_t* xp, int64_t M, int64_t K, int64_t block, const uint16_t* w,
-                                         float (*part)[4]) {
-  const int G = static_cast<int>((M + 3) / 4);
-  for (int64_t k0 = 0; k0 < K; k0 += block) {
-    const int64_t k1 = std::min(K, k0 + block);
-    for (int64_t m = 0; m < M; m += 4) {
-      const uint16_t* xs = xp + m * SLICE;
-      const int g = static_cast<int>(m / 4);
-      switch (std::min<int64_t>(4, M - m)) {
-        case 4: tile<4, NB>(xs, M * SLICE, w, K, k0, k1, g, G, part + m); break;
-        case 3: tile<3, NB>(xs, M * SLICE, w, K, k0, k1, g, G, part + m); break;
-        case 2: tile<2, NB>(xs, M * SLICE, w, K, k0, k1, g, G, part + m); break;
-        default: tile<1, NB>(xs, M * SLICE, w, K, k0, k1, g, G, part + m); break;
+// out[n][lane] = sum over k of x[lane][k] * w[n][k], for the TILE weight rows from w (rows K apart).
+// xp holds x as K/2 pairs, each pair of every row lane: one vector load per pair, shared by the
+// tile's 16 outputs, each of which multiplies it by its own broadcast weight pair. Accumulators are
+// per output, lanes per row: no horizontal sums. `next` is the memory that follows (the next tile):
+// its lines are prefetched into L2 (T1) in address order, evenly over this tile's k loop. Into L1
+// (T0) it was 25% slower, two tiles ahead 15% (2816x1024 at 16 rows, throwaway A/B).
+template <int L>
+LAYERSTREAM_BF16_TARGET inline void tile(const uint32_t* xp, const uint16_t* w, int64_t K, const char* next,
+                                         float* out) {
+  using T = Lanes<L>;
+  typename T::V acc[TILE];
+  for (int n = 0; n < TILE; ++n) acc[n] = T::zero();
+  for (int64_t k0 = 0; k0 < K; k0 += SLICE) {
+    for (int n = 0; n < TILE; ++n) _mm_prefetch(next + (k0 / SLICE) * (TILE * 64) + n * 64, _MM_HINT_T1);
+    const uint32_t* xk = xp + (k0 / 2) * L;
+    const uint16_t* wa = w + k0;
+    const uint16_t* wb = w + 8 * K + k0;
+    for (int p = 0; p < SLICE / 2; ++p, xk += L, wa += 2, wb += 2) {
+      for (int n = 0; n < 8; ++n) {
+        acc[n] = T::dot(acc[n], xk, pair(wa + n * K));
+        acc[n + 8] = T::dot(acc[n + 8], xk, pair(wb + n * K));
       }
     }
   }
+  for (int n = 0; n < TILE; ++n) T::store(out + n * L, acc[n]);
+}
+
+// The last N % TILE weight rows, one at a time (the models' widths are multiples of 16; small test
+// shapes are not).
+template <int L>
+LAYERSTREAM_BF16_TARGET inline void row(const uint32_t* xp, const uint16_t* w, int64_t K, float* out) {
+  using T = Lanes<L>;
+  typename T::V acc = T::zero();
+  for (int64_t k = 0; k < K; k += 2) acc = T::dot(acc, xp + (k / 2) * L, pair(w + k));
+  T::store(out, acc);
 }
 
 // fp32 -> bf16, round to nearest even (NaN stays NaN): the rounding torch's bf16 results get.
@@ -121,33 +130,57 @@ LAYERSTREAM_BF16_TARGET inline uint16_t with_bias(float v, const uint16_t* bias,
   return to_bf16(v);
 }
 
-LAYERSTREAM_BF16_TARGET void run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                                 const uint16_t* bias, uint16_t* y) {
-  // x in k-slices: xp[s][m][0..32) = x[m][32 s .. 32 s + 32)
-  std::vector<uint16_t> packed(M * K);
-  uint16_t* xp = packed.data();
-  for (int64_t s = 0; s < K / SLICE; ++s)
-    for (int64_t m = 0; m < M; ++m)
-      std::memcpy(xp + (s * M + m) * SLICE, x + m * K + s * SLICE, SLICE * sizeof(uint16_t));
-  const int64_t block = std::max<int64_t>(SLICE, X_BLOCK_BYTES / (2 * M) / SLICE * SLICE);
-  const int64_t tiles = (N + 3) / 4;
-  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
-    float part[MAX_ROWS][4];
+// y[m][n] = bf16(out[n][m] + bias[n]) for the tile's 16 outputs n of every row m < M: one gather of a
+// row's 16 sums, the bias added in fp32, and one rounding (nearest even, as to_bf16) per row.
+template <int L>
+LAYERSTREAM_BF16_TARGET inline void store_tile(const float* out, int64_t M, const uint16_t* bias, uint16_t* y,
+                                               int64_t N) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(L));
+  const __m512 b = bias == nullptr ? _mm512_setzero_ps()
+                                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16));
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(m))), out, 4);
+    if (bias != nullptr) v = _mm512_add_ps(v, b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+template <int L>
+LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                                       const uint16_t* bias, uint16_t* y) {
+  // x as pairs: xp[p][m] = (x[m][2p], x[m][2p + 1]), lanes past M zero. (K / 2, L) uint32, aligned
+  // for the vector loads.
+  std::vector<uint32_t> storage(K / 2 * L + 16, 0);
+  uint32_t* xp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < K / 2; ++p) xp[p * L + m] = pair(x + m * K + 2 * p);
+  const int64_t tiles = N / TILE;
+  at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
+    alignas(64) float out[TILE * L];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * 4, nb = std::min<int64_t>(4, N - n0);
-      std::memset(part, 0, sizeof(part));
-      const uint16_t* wt = w + n0 * K;
-      switch (nb) {
-        case 4: column_tile<4>(xp, M, K, block, wt, part); break;
-        case 3: column_tile<3>(xp, M, K, block, wt, part); break;
-        case 2: column_tile<2>(xp, M, K, block, wt, part); break;
-        default: column_tile<1>(xp, M, K, block, wt, part); break;
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < nb; ++n) y[m * N + n0 + n] = with_bias(part[m][n], bias, n0 + n);
+      const uint16_t* wt = w + t * TILE * K;
+      tile<L>(xp, wt, K, reinterpret_cast<const char*>(wt + TILE * K), out);
+      store_tile<L>(out, M, bias == nullptr ? nullptr : bias + t * TILE, y + t * TILE, N);
     }
   });
+  alignas(64) float out[L];
+  for (int64_t n = tiles * TILE; n < N; ++n) {
+    row<L>(xp, w + n * K, K, out);
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = with_bias(out[m], bias, n);
+  }
 }
+
+LAYERSTREAM_BF16_TARGET void run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                                 const uint16_t* bias, uint16_t* y) {
+  if (M <= 8) {
+    run_lanes<8>(x, M, K, w, N, bias, y);
+  } else {
+    run_lanes<16>(x, M, K, w, N, bias, y);
+  }
+}
+
 
 bool cpu_supported() {
   __builtin_cpu_init();
