@@ -33,7 +33,11 @@ DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 # A dry run has no device time to save, and CI machines are shared: wider limits there.
 [ "$DRY" -eq 1 ] && LIMIT=${GPU_CHECK_LIMIT:-900}
-NEEDED="torch transformers accelerate safetensors tokenizers tqdm jinja2 huggingface_hub pytest"
+# Module names. gguf: the engine's weights package imports it (GGUF constants); the GPU image lacks it
+# and has no network, so its wheel (pure Python; numpy, yaml and tqdm it finds there) is committed in .whl/.
+NEEDED="torch transformers accelerate safetensors tokenizers tqdm jinja2 huggingface_hub pytest gguf yaml numpy"
+# Where carried wheels are installed (a test points it at its own folder)
+SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$DRY" -eq 0 ]; then
@@ -77,11 +81,13 @@ EOF
 }
 fit "$PY" || { echo "gpu_check: $PY has no torch" >&2; exit 1; }
 need=$(missing $NEEDED)
-if [ -n "$need" ] && [ "$DRY" -eq 0 ]; then
+# The carried wheels are installed by a dry run too, so CI proves they are enough; only the network
+# install is left to the GPU machine.
+if [ -n "$need" ] && { [ "$DRY" -eq 0 ] || ls .whl/*.whl >/dev/null 2>&1; }; then
   echo "gpu_check: $PY lacks: $need; installing"
   if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/gpu_check_site .whl/*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:$SITE"
   else
     # pip names are the module names here, but for huggingface_hub; a short timeout when offline.
     "$PY" -m pip install -q --timeout 20 --retries 1 $(echo "$need" | sed 's/huggingface_hub/huggingface-hub/')

@@ -14,8 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-# What the device image holds is listed in the device notes; these it does not have.
-ABSENT_ON_GPU_IMAGE = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic_core", "openai")
+# What the device image holds is listed in the device notes; these it does not have. gguf the engine
+# imports: the script installs it from the wheel committed in .whl/ (a GPU run failed at import for want of it).
+ABSENT_ON_GPU_IMAGE = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic_core", "openai", "gguf")
 
 
 def run_script(*args: str, env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -27,17 +28,25 @@ def run_script(*args: str, env_extra: dict[str, str], tmp_path: Path) -> subproc
 
 
 def without(tmp_path: Path, packages: tuple[str, ...]) -> dict[str, str]:
-    """Environment for a Python that cannot import `packages` (a sitecustomize that refuses them)."""
-    block = tmp_path / "block"
+    """Environment for a Python that cannot import `packages` (a sitecustomize that refuses them) but
+    from the folder the script installs carried wheels into, as on the GPU image."""
+    block, site = tmp_path / "block", tmp_path / "site"
     block.mkdir()
     (block / "sitecustomize.py").write_text(
         "import sys\n"
         "class Absent:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name.split('.')[0] in {packages!r}:\n"
-        "            raise ImportError('not installed here: ' + name)\n"
+        f"        if name.split('.')[0] not in {packages!r}:\n"
+        "            return None\n"
+        "        for finder in sys.meta_path:\n"
+        "            spec = None if finder is self else finder.find_spec(name, path, target)\n"
+        "            if spec is not None:\n"
+        f"                if (spec.origin or '').startswith({str(site)!r}):\n"
+        "                    return spec\n"
+        "                break\n"
+        "        raise ImportError('not installed here: ' + name)\n"
         "sys.meta_path.insert(0, Absent())\n")
-    return {"PYTHON": sys.executable, "PYTHONPATH": str(block)}
+    return {"PYTHON": sys.executable, "PYTHONPATH": str(block), "GPU_CHECK_SITE": str(site)}
 
 
 @pytest.mark.timeout(900)
@@ -65,6 +74,7 @@ def test_dry_run_without_server_packages(tmp_path):
         assert f"{n_copy} skipped" in copy_part and "test_no_buffer_reuse_hazard_under_stress" in copy_part, copy_part
         assert f"{n_ref} skipped" in ref_part and "test_matches_transformers_on_gpu" in ref_part, ref_part
     assert "bench.gpu loads" in out and "tests rc=0, benchmark rc=0" in out, out
+    assert "lacks: gguf; installing" in out and any((tmp_path / "site").glob("gguf-*.dist-info")), out
 
 
 def test_check_runs_offline():
