@@ -123,9 +123,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 
 def _few_bf16_rows(x: torch.Tensor) -> bool:
-    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel built: a decode step of a few sequences,
-    whose products kernels/bf16_rows.cpp runs 1.2-2.3x faster than oneDNN here (bench/bf16_rows.py, 2
-    threads; at 16 rows 1.3-1.9x the cost of one row on torch's matrix-vector kernel)."""
+    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
+    whose products kernels/bf16_rows.cpp runs 1.2-2.3x faster than oneDNN on a CPU without AMX (AMD
+    EPYC: bench/bf16_rows.py, 2 threads; at 16 rows 1.3-1.9x the cost of one row on torch's
+    matrix-vector kernel). With AMX, oneDNN is the faster and bf16_rows() is None."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
         return False
     kernel = bf16_rows()

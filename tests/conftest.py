@@ -22,7 +22,7 @@ def int4_kernel():
     before any test points LAYERSTREAM_CACHE at a folder of its own (which would build it again)."""
     from engine import kernels
     from engine.kernels.attention_ops import attention_ops
-    from engine.kernels.bf16_rows import bf16_rows
+    from engine.kernels.bf16_rows import bf16_rows, built
     from engine.kernels.decode_block import decode_block
     from engine.kernels.fused_ops import fused_ops
     from engine.kernels.ggml_repack import ggml_repack
@@ -30,6 +30,7 @@ def int4_kernel():
     fused_ops()  # the fused CPU ops likewise (engine/model.py's RMSNorm, SwiGLU, rotary)
     attention_ops()  # and attention_backend's softmax
     bf16_rows()  # and the bf16 products of 2-16 rows (engine/model.py linear)
+    built()  # (the same kernel; tests use it on AMX CPUs too, where bf16_rows() is None)
     ggml_repack()  # and the repack of streamed GGUF blocks (engine/weights/stream_repack.py)
     decode_block()  # and a decode step's block as one C++ call (engine/model.py block_forward)
     return kernels.int4_backend()

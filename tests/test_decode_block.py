@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine import kernels
 from engine import model as M
 from engine.arch import ModelConfig
+from engine.kernels import bf16_rows as br
 from engine.kernels import decode_block as db
 from engine.weights import Int4Weight, Int8Weight
 from tests.test_gguf import tiny_gguf
@@ -86,10 +87,13 @@ def assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg
 @pytest.mark.parametrize("kind,bias,window", [("int4", False, None), ("int8", True, None), ("dense", False, None),
                                               ("int4", True, 8), ("dense, F.linear", True, None)])
 def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, window):
-    """Dense bf16 weights of 3 sequences take bf16_rows.cpp's kernel on both paths where it is loaded;
-    "dense, F.linear" turns it off for both (the block is told by its few_rows argument)."""
+    """Dense bf16 weights of 3 sequences take bf16_rows.cpp's kernel on both paths where it builds (also
+    on an AMX CPU, whose engine leaves them to oneDNN); "dense, F.linear" turns it off for both (the
+    block is told by its few_rows argument)."""
     if not kind.startswith("dense") and kernels.int4_backend() != "vnni":
         pytest.skip("VNNI layouts need the VNNI kernels")
+    if kind == "dense":
+        monkeypatch.setattr(M, "bf16_rows", br.built)
     if kind == "dense, F.linear":
         monkeypatch.setattr(M, "bf16_rows", lambda: None)
         kind = "dense"

@@ -69,6 +69,7 @@ def test_a_source_that_does_not_compile_falls_back_logged(redecide, monkeypatch,
     bad = tmp_path / f"{name}.cpp"
     bad.write_text("#error this kernel does not compile\n")
     loader = redecide(getattr(module, name))
+    monkeypatch.setattr(br, "onednn_has_amx", lambda: False)  # an AMX CPU would not build it at all
     monkeypatch.setattr(module, "SOURCE", bad)
     monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="layerstream"):
@@ -104,7 +105,7 @@ def _int4_module():
 
 
 # The kernels that split their work with at::parallel_for (decode_block holds fused_ops' and bf16_rows' code).
-PARALLEL = [("fused_ops", fo.fused_ops), ("attention_ops", ao.attention_ops), ("bf16_rows", br.bf16_rows),
+PARALLEL = [("fused_ops", fo.fused_ops), ("attention_ops", ao.attention_ops), ("bf16_rows", br.built),
             ("decode_block", db.decode_block), ("int4_vnni", _int4_module)]
 
 
@@ -118,3 +119,20 @@ def test_the_kernels_are_built_to_run_on_torchs_threads(name, loaded):
         pytest.skip(f"{name} is not in use on this machine")
     assert b"GOMP_parallel" in Path(module.__file__).read_bytes()
     assert "-fopenmp" in build._with_parallel(fo.CFLAGS)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_bf16_rows_leaves_an_amx_cpu_to_onednn(redecide, monkeypatch, caplog, amx):
+    """Where oneDNN has AMX tiles it multiplies 2-16 bf16 rows faster than bf16_rows.cpp, so the engine's
+    loader gives None with that reason, logged; built() is the kernel either way (its tests and bench)."""
+    loader = redecide(br.bf16_rows)
+    monkeypatch.setattr(br, "onednn_has_amx", lambda: amx)
+    monkeypatch.delenv("LAYERSTREAM_BF16_ROWS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        got = loader()
+    if amx:
+        assert got is None and f"{br.WHAT}: oneDNN multiplies them on this CPU's AMX tiles" in caplog.text
+    else:
+        kernel = br.built()
+        assert (got is None) == (kernel is None) and "AMX" not in caplog.text  # (None where it cannot build)
+        assert got is None or got.__file__ == kernel.__file__

@@ -2,11 +2,15 @@
 
 Interface:
   bf16_rows() -> module | None   the compiled kernel, or None when engine/model.py keeps F.linear: the
-      CPU lacks AVX512-BF16 (or AVX512 F/BW/DQ), the extension cannot be built (no compiler, no ninja, a
-      build error), or LAYERSTREAM_BF16_ROWS=off asks for that (auto, the default: the kernel where it
-      builds and runs). The reason is logged once. Decided once per process; tests reset it with
-      `bf16_rows.cache_clear()`. decode_block.cpp has the kernel built in and is told per call whether
-      to use it (engine/model.py passes `_few_bf16_rows(x)`, what its linear decides).
+      CPU lacks AVX512-BF16 (or AVX512 F/BW/DQ), the CPU has AMX (oneDNN then multiplies 2-16 rows with
+      its tile unit, at about the cost of one row and faster than this kernel: onednn_has_amx), the
+      extension cannot be built (no compiler, no ninja, a build error), or LAYERSTREAM_BF16_ROWS=off asks
+      for that (auto, the default: the kernel where it builds, runs and beats oneDNN). The reason is
+      logged once. Decided once per process; tests reset it with `bf16_rows.cache_clear()`.
+      decode_block.cpp has the kernel built in and is told per call whether to use it (engine/model.py
+      passes `_few_bf16_rows(x)`, what its linear decides).
+  built() -> module | None   the kernel wherever it builds and runs, AMX or not: for its tests and
+      bench/bf16_rows.py, which compare it with oneDNN.
   The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 2-16
       contiguous rows, K a multiple of 32), at::linear otherwise; MAX_ROWS (16).
 """
@@ -17,14 +21,36 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from .build import CFLAGS, optional_kernel
 
 SOURCE = Path(__file__).with_name("bf16_rows.cpp")
 NAME = "layerstream_bf16_rows"
 
 
+WHAT = "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel"
+
+
+def onednn_has_amx() -> bool:
+    """Whether torch's oneDNN can use AMX tiles here (Intel Sapphire Rapids and later). On such a CPU
+    (2 cores, ~20 GB/s) oneDNN took 16 rows of 5632x1024 in 667 us against this kernel's 939, and 1
+    row in 607 (bench/bf16_rows.py); the benchmark's 16 streams ran 331 tok/s against 273 with it."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so probed: absent means no
+    return bool(probe is not None and probe())
+
+
+def _blocked() -> str | None:
+    return "oneDNN multiplies them on this CPU's AMX tiles, faster" if onednn_has_amx() else None
+
+
 @functools.cache
 def bf16_rows() -> ModuleType | None:
-    return optional_kernel("LAYERSTREAM_BF16_ROWS", "off",
-                           "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel", NAME, SOURCE,
-                           CFLAGS, cpu_check="the CPU lacks AVX512-BF16")
+    return optional_kernel("LAYERSTREAM_BF16_ROWS", "off", WHAT, NAME, SOURCE, CFLAGS, blocked=_blocked,
+                           cpu_check="the CPU lacks AVX512-BF16")
+
+
+@functools.cache
+def built() -> ModuleType | None:
+    return optional_kernel("LAYERSTREAM_BF16_ROWS", "off", WHAT, NAME, SOURCE, CFLAGS,
+                           cpu_check="the CPU lacks AVX512-BF16")
