@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .arch import ModelConfig
 from .attention_backend import AttentionScratch, attend
-from .kernels.bf16_rows import bf16_rows
+from .kernels.bf16_rows import bf16_rows, onednn_has_amx
 from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 
@@ -134,11 +134,14 @@ def _few_bf16_rows(x: torch.Tensor) -> bool:
 
 
 def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
-    """A single bf16 row on the CPU: every dense product of the step is a matrix-vector product, which
-    torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's here (it reads the weight at up to ~40 GB/s
-    on 2 threads; measured for SmolLM2's and the benchmark model's shapes, 1 and 2 threads: bench/bf16_rows.py). From
-    2 rows on it runs row by row; 2-16 rows take kernels/bf16_rows.cpp (linear), more take oneDNN."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]
+    """A single bf16 row on a CPU without AMX: every dense product of the step is a matrix-vector
+    product, which torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's there (AMD EPYC: it reads
+    the weight at up to ~40 GB/s on 2 threads; measured for SmolLM2's and the benchmark model's shapes,
+    1 and 2 threads: bench/bf16_rows.py). From 2 rows on it runs row by row; 2-16 rows take
+    kernels/bf16_rows.cpp (linear), more take oneDNN. With AMX, oneDNN is the faster at one row too:
+    the benchmark model's one-sequence decode step took 34.8 ms with it against 42.7 ms with torch's
+    kernel (in-process A/B, alternated six times, Intel Xeon with AMX, 2 threads)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and not onednn_has_amx()
 
 
 @contextlib.contextmanager

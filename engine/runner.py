@@ -176,7 +176,7 @@ class ModelRunner:
         before = self.weights.stream_stats
         step = self._step_inputs(chunks)
         x = self.globals.embed(step.input_ids)  # (tokens, hidden)
-        with M.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's
+        with M.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
             try:
                 for block in range(self.cfg.num_layers):
                     w = self.weights.acquire(block)

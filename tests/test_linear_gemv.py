@@ -1,11 +1,18 @@
 """model.single_row_products: a step of one bf16 row takes torch's own matrix-vector kernel instead of
-oneDNN's (faster on this kind of CPU for a single row), with the process-wide oneDNN switch always put back."""
+oneDNN's (faster for a single row on a CPU without AMX; with AMX oneDNN is the faster and is kept), with the
+process-wide oneDNN switch always put back."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import model as M
+
+
+@pytest.fixture(autouse=True)
+def without_amx(monkeypatch):
+    """The switch as a CPU without AMX makes it, wherever the tests run (test_amx_keeps_onednn: with)."""
+    monkeypatch.setattr(M, "onednn_has_amx", lambda: False)
 
 
 def _weights(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,3 +92,12 @@ def test_a_one_row_bf16_step_runs_without_onednn(llama_dir, monkeypatch):
     assert seen[0] == (4, True)  # the prompt's 4 rows keep oneDNN
     assert seen[1:] and all(s == (1, False) for s in seen[1:])  # decode steps: one row, oneDNN off
     assert torch._C._get_mkldnn_enabled()
+
+
+def test_amx_keeps_onednn_for_one_row(monkeypatch):
+    """With AMX, oneDNN's product is the faster at one row too: the switch is not touched."""
+    monkeypatch.setattr(M, "onednn_has_amx", lambda: True)
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not M._one_bf16_row_on_cpu(x)
+    with M.single_row_products(x):
+        assert torch._C._get_mkldnn_enabled()

@@ -32,6 +32,7 @@ NAME = "layerstream_bf16_rows"
 WHAT = "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel"
 
 
+@functools.cache
 def onednn_has_amx() -> bool:
     """Whether torch's oneDNN can use AMX tiles here (Intel Sapphire Rapids and later). On such a CPU
     (2 cores, ~20 GB/s) oneDNN took 16 rows of 5632x1024 in 667 us against this kernel's 939, and 1
