@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .kernels import _cpu_flags
+from .kernels import _cpu_flags, onednn_has_amx
 from .kernels.attention_ops import attention_ops
 
 log = logging.getLogger("layerstream")
@@ -92,7 +92,7 @@ def flash_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: i
     mask = seqs * rows * ctx * itemsize
     out = seqs * heads * rows * (head_dim * itemsize + 4)
     tile = FLASH_CPU_Q_TILE * (FLASH_CPU_KV_TILE * (4 + itemsize) + 2 * head_dim * 4 + 8)
-    packed = 2 * seqs * heads * (ctx + 1) * head_dim * itemsize if itemsize < 4 and "amx_bf16" in _cpu_flags() else 0
+    packed = 2 * seqs * heads * (ctx + 1) * head_dim * itemsize if itemsize < 4 and onednn_has_amx() else 0
     return mask + out + threads * tile + packed
 
 
@@ -172,7 +172,7 @@ def _bf16_dot_products() -> bool:
     really rounds the fp32 inputs to bf16 (mean error 7.4e-4 against flash's 6.4e-4 on the mixed
     test problem). Elsewhere SDPA keeps running, unmeasured against it."""
     flags = _cpu_flags()
-    return torch.backends.mkldnn.is_available() and "avx512_bf16" in flags and "amx_bf16" not in flags
+    return torch.backends.mkldnn.is_available() and "avx512_bf16" in flags and not onednn_has_amx()
 
 
 CPU_ATTENTION_MODES = ("auto", "sdpa")

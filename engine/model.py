@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from .arch import ModelConfig
 from .attention_backend import AttentionScratch, attend
-from .kernels.bf16_rows import bf16_rows, onednn_has_amx
+from .kernels import onednn_has_amx
+from .kernels.bf16_rows import bf16_rows
 from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 

@@ -208,7 +208,7 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
 # tests force the path on (BF16_MATMUL_CPU), whatever the CPU. Its accuracy and memory claims hold where
 # the engine uses it, a CPU without AMX: with AMX, oneDNN's bf16 math mode rounds the fp32 inputs to
 # bf16 (in temporaries of its own), and the engine takes SDPA's flash kernel instead.
-AMX = "amx_bf16" in attention_backend._cpu_flags()
+AMX = attention_backend.onednn_has_amx()
 BF16_PROBLEMS = {
     "mixed": (MIXED, 8, 2, 16),
     "decodes": (([1] * 16, list(range(40, 56))), 16, 4, 64),
@@ -301,3 +301,24 @@ def test_cpu_attention_setting(monkeypatch):
     monkeypatch.setenv("LAYERSTREAM_CPU_ATTENTION", "flash")
     with pytest.raises(ValueError, match="LAYERSTREAM_CPU_ATTENTION must be auto or sdpa, got 'flash'"):
         attention_backend.cpu_attention_mode()
+
+
+@pytest.mark.parametrize("flags,amx,matmul", [({"avx512_bf16"}, False, True), ({"avx512_bf16", "amx_bf16"}, True, False),
+                                              (set(), False, False)], ids=["avx512-bf16", "amx", "neither"])
+def test_the_matmul_path_is_for_bf16_dot_products_without_amx(monkeypatch, flags, amx, matmul):
+    """AVX512-BF16 without AMX: the matmul path. With AMX, SDPA's flash kernel (faster there, and oneDNN's
+    bf16 math mode rounds); neither: SDPA, unmeasured against it. With AMX the flash bound counts the
+    packed K/V copies."""
+    monkeypatch.setattr(attention_backend, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(attention_backend, "onednn_has_amx", lambda: amx)
+    assert attention_backend._bf16_dot_products() == (matmul and torch.backends.mkldnn.is_available())
+    plain = attention_backend.flash_cpu_call_bytes(1, 512, 2000, 4, 64, 2, threads=2)
+    monkeypatch.setattr(attention_backend, "onednn_has_amx", lambda: not amx)
+    other = attention_backend.flash_cpu_call_bytes(1, 512, 2000, 4, 64, 2, threads=2)
+    packed = 2 * 4 * 2001 * 64 * 2
+    assert (plain - other) == (packed if amx else -packed)
+    fp32 = []
+    for has in (True, False):  # fp32 is never packed
+        monkeypatch.setattr(attention_backend, "onednn_has_amx", lambda has=has: has)
+        fp32.append(attention_backend.flash_cpu_call_bytes(1, 512, 2000, 4, 64, 4, threads=2))
+    assert fp32[0] == fp32[1]

@@ -11,6 +11,8 @@ Interface:
   int4_linear(x, codes, scales, out_features, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
   int8_linear(x, codes, scales, out_features, bias)  its int8-weight twin (one scale per row; Int8Weight
       "vnni"), used on the same condition; its fallback is aten's `_weight_int8pack_mm`.
+  onednn_has_amx() -> bool   whether oneDNN can use AMX tiles here, for the choices that turn on it
+      (bf16_rows.py, model.single_row_products, attention_backend).
 
 The choice fixes the int4 weight layout, so everything that stores int4 weights (the quantization
 cache) keys on it. Tests reset the choice with `int4_backend.cache_clear()`.
@@ -43,6 +45,16 @@ def _cpu_flags() -> set[str]:
         return set()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def onednn_has_amx() -> bool:
+    """Whether torch's oneDNN can use AMX tiles here (Intel Sapphire Rapids and later; the OS must
+    allow them too, which torch's probe asks). Where it can, oneDNN's bf16 products and SDPA's CPU
+    flash kernel (which packs K and V for them) beat the engine's own bf16 paths: bf16_rows.py and
+    attention_backend.py say by how much."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so probed: absent means no
+    return bool(probe is not None and probe())
 
 
 def _why_not_vnni() -> str | None:

@@ -21,8 +21,7 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
+from . import onednn_has_amx
 from .build import CFLAGS, optional_kernel
 
 SOURCE = Path(__file__).with_name("bf16_rows.cpp")
@@ -32,16 +31,9 @@ NAME = "layerstream_bf16_rows"
 WHAT = "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel"
 
 
-@functools.cache
-def onednn_has_amx() -> bool:
-    """Whether torch's oneDNN can use AMX tiles here (Intel Sapphire Rapids and later). On such a CPU
-    (2 cores, ~20 GB/s) oneDNN took 16 rows of 5632x1024 in 667 us against this kernel's 939, and 1
-    row in 607 (bench/bf16_rows.py); the benchmark's 16 streams ran 331 tok/s against 273 with it."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so probed: absent means no
-    return bool(probe is not None and probe())
-
-
 def _blocked() -> str | None:
+    # With AMX (2 cores, ~20 GB/s) oneDNN took 16 rows of 5632x1024 in 667 us against this kernel's
+    # 939, and 1 row in 607 (bench/bf16_rows.py); bench.paged's 16 streams ran 331 tok/s against 273.
     return "oneDNN multiplies them on this CPU's AMX tiles, faster" if onednn_has_amx() else None
 
 
