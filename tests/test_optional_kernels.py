@@ -124,14 +124,16 @@ def test_the_kernels_are_built_to_run_on_torchs_threads(name, loaded):
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 def test_bf16_rows_leaves_an_amx_cpu_to_onednn(redecide, monkeypatch, caplog, amx):
     """Where oneDNN has AMX tiles it multiplies 2-16 bf16 rows faster than bf16_rows.cpp, so the engine's
-    loader gives None with that reason, logged; built() is the kernel either way (its tests and bench)."""
+    loader gives None with that reason, logged at INFO (the better choice, not a fallback); built() is
+    the kernel either way (its tests and bench)."""
     loader = redecide(br.bf16_rows)
     monkeypatch.setattr(br, "onednn_has_amx", lambda: amx)
     monkeypatch.delenv("LAYERSTREAM_BF16_ROWS", raising=False)
-    with caplog.at_level(logging.WARNING, logger="layerstream"):
+    with caplog.at_level(logging.INFO, logger="layerstream"):
         got = loader()
     if amx:
         assert got is None and f"{br.WHAT}: oneDNN multiplies them on this CPU's AMX tiles" in caplog.text
+        assert [r.levelno for r in caplog.records if br.WHAT in r.getMessage()] == [logging.INFO]
     else:
         kernel = br.built()
         assert (got is None) == (kernel is None) and "AMX" not in caplog.text  # (None where it cannot build)

@@ -18,6 +18,7 @@ Interface:
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -40,7 +41,7 @@ def _blocked() -> str | None:
 @functools.cache
 def bf16_rows() -> ModuleType | None:
     return optional_kernel("LAYERSTREAM_BF16_ROWS", "off", WHAT, NAME, SOURCE, CFLAGS, blocked=_blocked,
-                           cpu_check="the CPU lacks AVX512-BF16")
+                           cpu_check="the CPU lacks AVX512-BF16", blocked_level=logging.INFO)
 
 
 @functools.cache

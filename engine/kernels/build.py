@@ -105,18 +105,24 @@ def compile_or_reason(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
 
 def optional_kernel(setting: str, off: str, what: str, name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
                     includes: tuple[Path, ...] = (), *, blocked: Callable[[], str | None] | None = None,
-                    cpu_check: str | None = None, subject: str = "it") -> ModuleType | None:
+                    cpu_check: str | None = None, subject: str = "it",
+                    blocked_level: int = logging.WARNING) -> ModuleType | None:
     """A kernel with a logged fallback, decided as each engine.kernels loader decides it (once per process:
     the loaders cache it). The environment variable `setting` is auto (the default) or `off` (any other
     value: ValueError). None, with f"{what}: {reason}" logged once, when it says `off`, when blocked()
     gives a reason (a kernel this one is made of is not in use), when the source cannot be built ("{subject}
     could not be built (...)"), or, with cpu_check given, when the module's cpu_supported() is false (the
-    reason then being cpu_check); else the module."""
+    reason then being cpu_check); else the module. A blocked() reason is logged at blocked_level (INFO
+    where it names a better choice, not a fallback)."""
     wanted = os.environ.get(setting, "auto")
     if wanted not in ("auto", off):
         raise ValueError(f"{setting} must be auto or {off}, got {wanted!r}")
-    reason = f"{setting}={off}" if wanted == off else (blocked() if blocked is not None else None)
-    if reason is None:
+    if wanted == off:
+        reason = f"{setting}={off}"
+    elif blocked is not None and (reason := blocked()) is not None:
+        log.log(blocked_level, "%s: %s", what, reason)
+        return None
+    else:
         module, why = compile_or_reason(name, source, cflags, includes)
         if module is not None and (cpu_check is None or module.cpu_supported()):
             return module
