@@ -87,7 +87,8 @@ def flash_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: i
     tile of fp32 scores (plus its half-precision copy) and fp32 output rows, and, in half precision on
     a CPU with AMX, K and V copied into oneDNN's packed layout (torch packs them there for calls of at
     least 64 rows and keys: a 128-token chunk over 2000 keys peaked at 4.92 MB on an Intel Xeon with
-    AMX, over the 4.16 MB the rest accounts for)."""
+    AMX, over the 4.16 MB the rest accounts for, as test_cpu_steps_run_the_flash_kernel_within_its_bound
+    printed before these copies were counted)."""
     threads = torch.get_num_threads() if threads is None else threads
     mask = seqs * rows * ctx * itemsize
     out = seqs * heads * rows * (head_dim * itemsize + 4)
@@ -167,10 +168,11 @@ def workspace_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, i
 def _bf16_dot_products() -> bool:
     """Whether this CPU is of the kind the matmul path was measured faster on: bf16 dot products
     (AVX512-BF16) without AMX. With AMX, SDPA's flash kernel packs K and V for oneDNN's AMX
-    micro-kernels and is the faster (a 128-token chunk over 2000 keys: 1.90 ms against the matmul
-    path's 2.76, median 2.09 vs 2.96, Intel Xeon, 2 threads), and oneDNN's bf16 math mode there
-    really rounds the fp32 inputs to bf16 (mean error 7.4e-4 against flash's 6.4e-4 on the mixed
-    test problem). Elsewhere SDPA keeps running, unmeasured against it."""
+    micro-kernels and is the faster (a 128-token chunk over 2000 keys: 2.31 ms against the matmul
+    path's 3.33, median 2.51 vs 3.69, Intel Xeon, 2 threads: `python -m bench.amx`), and oneDNN's
+    bf16 math mode there really rounds the fp32 inputs to bf16 (mean error 7.4e-4 against flash's
+    6.4e-4 on the mixed problem of test_bf16_matmul_path_is_at_least_as_accurate_as_flash, which failed
+    on it). Elsewhere SDPA keeps running, unmeasured against it."""
     flags = _cpu_flags()
     return torch.backends.mkldnn.is_available() and "avx512_bf16" in flags and not onednn_has_amx()
 

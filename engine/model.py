@@ -139,16 +139,16 @@ def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
     product, which torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's there (AMD EPYC: it reads
     the weight at up to ~40 GB/s on 2 threads; measured for SmolLM2's and the benchmark model's shapes,
     1 and 2 threads: bench/bf16_rows.py). From 2 rows on it runs row by row; 2-16 rows take
-    kernels/bf16_rows.cpp (linear), more take oneDNN. With AMX, oneDNN is the faster at one row too:
-    the benchmark model's one-sequence decode step took 34.8 ms with it against 42.7 ms with torch's
-    kernel (in-process A/B, alternated six times, Intel Xeon with AMX, 2 threads)."""
+    kernels/bf16_rows.cpp (linear), more take oneDNN. With AMX, oneDNN is the faster at one row too (or
+    no slower): the benchmark model's one-sequence decode step took 36.1 ms with it against 44.8 ms with
+    torch's kernel all resident, 43.4 against 45.2 streamed (`python -m bench.amx`, Intel Xeon, 2 threads)."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and not onednn_has_amx()
 
 
 @contextlib.contextmanager
 def single_row_products(x: torch.Tensor):
-    """Around a step's forward whose activations are x (tokens, hidden): for a single bf16 row on the
-    CPU, torch's dense products (F.linear here, at::linear in kernels/decode_block.cpp) without oneDNN;
+    """Around a step's forward whose activations are x (tokens, hidden): for a single bf16 row on a
+    CPU without AMX, torch's dense products (F.linear here, at::linear in kernels/decode_block.cpp) without oneDNN;
     otherwise nothing. The switch is process-wide: the engine's one compute thread is the only one
     multiplying while it is off."""
     if not _one_bf16_row_on_cpu(x):

@@ -24,6 +24,8 @@ SUBCOMMANDS = {
                              "C++ block vs op by op"),
     "bench-bf16-rows": ("bench.bf16_rows", "bf16 products of 1-16 rows: oneDNN's kernel vs torch's own vs "
                         "bf16_rows.cpp, 1 and 2 threads"),
+    "bench-amx": ("bench.amx", "the CPU choices AMX turns: one bf16 row on oneDNN vs torch's kernel, flash vs the "
+                  "bf16 matmul attention path"),
     "bench-int4": ("bench.int4_kernel", "one int4 matmul: the AVX512-VNNI kernel vs aten int4 / int8 / bf16, one thread"),
     "bench-moe": ("bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
     "bench-spec": ("bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "

@@ -266,7 +266,7 @@ def test_bf16_matmul_path_reads_the_mask():
     assert (reference_attention(q, k, v, torch.ones_like(mask)) - want).abs().max() > 0.1
 
 
-@pytest.mark.skipif(AMX, reason="with AMX oneDNN's bf16 math mode adds temporaries; the engine takes flash there")
+@pytest.mark.skipif(AMX, reason="with AMX oneDNN's bf16 math mode adds temporaries (flash runs there)")
 def test_bf16_matmul_path_within_its_bound():
     """A call's measured peak, with an empty scratch (so the scratch's allocation counts), stays
     under matmul_cpu_call_bytes, which is not a blanket margin and is below the math path's formula
@@ -303,7 +303,8 @@ def test_cpu_attention_setting(monkeypatch):
         attention_backend.cpu_attention_mode()
 
 
-@pytest.mark.parametrize("flags,amx,matmul", [({"avx512_bf16"}, False, True), ({"avx512_bf16", "amx_bf16"}, True, False),
+@pytest.mark.parametrize("flags,amx,matmul", [({"avx512_bf16"}, False, True),
+                                              ({"avx512_bf16", "amx_bf16"}, True, False),
                                               (set(), False, False)], ids=["avx512-bf16", "amx", "neither"])
 def test_the_matmul_path_is_for_bf16_dot_products_without_amx(monkeypatch, flags, amx, matmul):
     """AVX512-BF16 without AMX: the matmul path. With AMX, SDPA's flash kernel (faster there, and oneDNN's
