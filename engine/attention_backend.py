@@ -169,7 +169,7 @@ def _bf16_dot_products() -> bool:
     """Whether this CPU is of the kind the matmul path was measured faster on: bf16 dot products
     (AVX512-BF16) without AMX. With AMX, SDPA's flash kernel packs K and V for oneDNN's AMX
     micro-kernels and is the faster (a 128-token chunk over 2000 keys: 2.31 ms against the matmul
-    path's 3.33, median 2.51 vs 3.69, Intel Xeon, 2 threads: `python -m bench.amx`), and oneDNN's
+    path's 3.33, median 2.51 vs 3.69, Intel Xeon, 2 threads: `python -m layerstream.bench.amx`), and oneDNN's
     bf16 math mode there really rounds the fp32 inputs to bf16 (mean error 7.4e-4 against flash's
     6.4e-4 on the mixed problem of test_bf16_matmul_path_is_at_least_as_accurate_as_flash, which failed
     on it). Elsewhere SDPA keeps running, unmeasured against it."""

@@ -126,7 +126,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def _few_bf16_rows(x: torch.Tensor) -> bool:
     """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
     whose products kernels/bf16_rows.cpp runs 1.2-2.3x faster than oneDNN on a CPU without AMX (AMD
-    EPYC: bench/bf16_rows.py, 2 threads; at 16 rows 1.3-1.9x the cost of one row on torch's
+    EPYC: layerstream/bench/bf16_rows.py, 2 threads; at 16 rows 1.3-1.9x the cost of one row on torch's
     matrix-vector kernel). With AMX, oneDNN is the faster and bf16_rows() is None."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
         return False
@@ -138,10 +138,10 @@ def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
     """A single bf16 row on a CPU without AMX: every dense product of the step is a matrix-vector
     product, which torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's there (AMD EPYC: it reads
     the weight at up to ~40 GB/s on 2 threads; measured for SmolLM2's and the benchmark model's shapes,
-    1 and 2 threads: bench/bf16_rows.py). From 2 rows on it runs row by row; 2-16 rows take
+    1 and 2 threads: layerstream/bench/bf16_rows.py). From 2 rows on it runs row by row; 2-16 rows take
     kernels/bf16_rows.cpp (linear), more take oneDNN. With AMX, oneDNN is the faster at one row too (or
     no slower): the benchmark model's one-sequence decode step took 36.1 ms with it against 44.8 ms with
-    torch's kernel all resident, 43.4 against 45.2 streamed (`python -m bench.amx`, Intel Xeon, 2 threads)."""
+    torch's kernel all resident, 43.4 against 45.2 streamed (`python -m layerstream.bench.amx`, Intel Xeon, 2 threads)."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and not onednn_has_amx()
 
 

@@ -16,21 +16,23 @@ import sys
 SUBCOMMANDS = {
     "generate": ("engine.cli", "generate text for one prompt"),
     "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
-    "bench": ("bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
-    "bench-serve": ("bench.serving", "throughput of a running server at several concurrencies"),
-    "bench-disk": ("bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
-    "bench-packed": ("bench.packed", "GGUF / int4 / int8 on real SmolLM2: layerstream vs llama.cpp, one thread"),
-    "bench-decode-profile": ("bench.decode_profile", "where a CPU decode step's time goes: blocks, matmuls, head; "
+    "build-kernels": ("engine.kernels.cli", "build the C++ CPU kernels now (setup and image builds run it), so no "
+                      "start-up or request waits on a compiler"),
+    "bench": ("layerstream.bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
+    "bench-serve": ("layerstream.bench.serving", "throughput of a running server at several concurrencies"),
+    "bench-disk": ("layerstream.bench.disk", "models larger than RAM: transformers vs layerstream under a memory cgroup"),
+    "bench-packed": ("layerstream.bench.packed", "GGUF / int4 / int8 on real SmolLM2: layerstream vs llama.cpp, one thread"),
+    "bench-decode-profile": ("layerstream.bench.decode_profile", "where a CPU decode step's time goes: blocks, matmuls, head; "
                              "C++ block vs op by op"),
-    "bench-bf16-rows": ("bench.bf16_rows", "bf16 products of 1-16 rows: oneDNN's kernel vs torch's own vs "
+    "bench-bf16-rows": ("layerstream.bench.bf16_rows", "bf16 products of 1-16 rows: oneDNN's kernel vs torch's own vs "
                         "bf16_rows.cpp, 1 and 2 threads"),
-    "bench-amx": ("bench.amx", "the CPU choices AMX turns: one bf16 row on oneDNN vs torch's kernel, flash vs the "
+    "bench-amx": ("layerstream.bench.amx", "the CPU choices AMX turns: one bf16 row on oneDNN vs torch's kernel, flash vs the "
                   "bf16 matmul attention path"),
-    "bench-int4": ("bench.int4_kernel", "one int4 matmul: the AVX512-VNNI kernel vs aten int4 / int8 / bf16, one thread"),
-    "bench-moe": ("bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
-    "bench-spec": ("bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "
+    "bench-int4": ("layerstream.bench.int4_kernel", "one int4 matmul: the AVX512-VNNI kernel vs aten int4 / int8 / bf16, one thread"),
+    "bench-moe": ("layerstream.bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
+    "bench-spec": ("layerstream.bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "
                    "streamed, from disk, repetitive"),
-    "bench-paged": ("bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
+    "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, one script, under 5 minutes: find a Python with a CUDA torch, then
-#   1. a ~20 s probe (bench.gpu_probe): versions, host memory, the SDPA kernel our attention runs and
+#   1. a ~20 s probe (layerstream.bench.gpu_probe): versions, host memory, the SDPA kernel our attention runs and
 #      its first-call vs repeat time, whether cudaHostRegister works, host->device GB/s;
 #   2. the `cuda` tests that exercise the copy stream (overlap, stress matrix, OOM, host register,
 #      pinned cache, attention kernel), in their own pytest call so nothing can starve them;
@@ -108,7 +108,7 @@ mkdir -p bench_out
 echo "== probe ($((SECONDS - start)) s)"
 probe_dev=()
 [ "$DRY" -eq 1 ] && probe_dev=(--device cpu)
-PYTHONUNBUFFERED=1 timeout "$(left $((DRY ? 150 : 45)))" "$PY" -m bench.gpu_probe ${probe_dev[@]+"${probe_dev[@]}"} 2>&1 | grep -v '^USDT' \
+PYTHONUNBUFFERED=1 timeout "$(left $((DRY ? 150 : 45)))" "$PY" -m layerstream.bench.gpu_probe ${probe_dev[@]+"${probe_dev[@]}"} 2>&1 | grep -v '^USDT' \
   | tee bench_out/gpu_probe.txt
 probe_rc=${PIPESTATUS[0]}
 
@@ -124,10 +124,10 @@ tests_rc=$((copy_rc != 0 || ref_rc != 0 || probe_rc != 0))
 
 echo "== benchmark ($((SECONDS - start)) s)"
 if [ "$DRY" -eq 1 ]; then
-  "$PY" -m bench.gpu --help >/dev/null && echo "bench.gpu loads"
+  "$PY" -m layerstream.bench.gpu --help >/dev/null && echo "layerstream.bench.gpu loads"
   bench_rc=$?
 else
-  PYTHONUNBUFFERED=1 timeout "$(left 100)" "$PY" -m bench.gpu --json bench_out/gpu.json --png bench_out/gpu.png 2>&1 \
+  PYTHONUNBUFFERED=1 timeout "$(left 100)" "$PY" -m layerstream.bench.gpu --json bench_out/gpu.json --png bench_out/gpu.png 2>&1 \
     | tee bench_out/gpu_bench.txt
   bench_rc=${PIPESTATUS[0]}
 fi

@@ -1,4 +1,4 @@
-"""bench.amx's two A/Bs run and put back what they switch (the process-wide choices they flip)."""
+"""layerstream.bench.amx's two A/Bs run and put back what they switch (the process-wide choices they flip)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench.paged's arguments and chat workload (pure Python; the benchmark itself is run by hand)."""
+"""layerstream.bench.paged's arguments and chat workload (pure Python; the benchmark itself is run by hand)."""
 
 from __future__ import annotations
 

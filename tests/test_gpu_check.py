@@ -73,7 +73,7 @@ def test_dry_run_without_server_packages(tmp_path):
         ref_part = out[stages[2]:stages[3]]
         assert f"{n_copy} skipped" in copy_part and "test_no_buffer_reuse_hazard_under_stress" in copy_part, copy_part
         assert f"{n_ref} skipped" in ref_part and "test_matches_transformers_on_gpu" in ref_part, ref_part
-    assert "bench.gpu loads" in out and "tests rc=0, benchmark rc=0" in out, out
+    assert "layerstream.bench.gpu loads" in out and "tests rc=0, benchmark rc=0" in out, out
     assert "lacks: gguf; installing" in out and any((tmp_path / "site").glob("gguf-*.dist-info")), out
 
 
@@ -97,12 +97,12 @@ def test_refuses_without_a_gpu(tmp_path):
 
 @pytest.mark.parametrize("fraction", [None, 0.5], ids=["resident", "streaming"])
 def test_benchmark_peer_runs_on_cpu(llama_dir, fraction):
-    """bench.gpu's budget and its measurement of a layerstream peer, on the CPU device: the figures
+    """layerstream.bench.gpu's budget and its measurement of a layerstream peer, on the CPU device: the figures
     it reads from the engine (plan, streamer stats, per-step stalls) exist and are sane, so the GPU
     run only adds the device."""
     import argparse
 
-    from bench.gpu import _layerstream, device_budget
+    from layerstream.bench.gpu import _layerstream, device_budget
 
     ns = argparse.Namespace(device="cpu", dtype="float32", prompt_tokens=8, max_tokens=6, resident_fraction=fraction)
     budget, plan, keep = device_budget(ns, llama_dir) if fraction else (None, None, None)
@@ -118,7 +118,7 @@ def test_benchmark_peer_runs_on_cpu(llama_dir, fraction):
 def test_benchmark_chart_is_written(tmp_path):
     """The plot the GPU run leaves beside its JSON, from results shaped as run() makes them (a peer
     without figures is drawn empty, not an error)."""
-    from bench.gpu import chart
+    from layerstream.bench.gpu import chart
 
     results = {"resident": {"tpot_s": 0.004, "floor_s": None, "achieved_gbps": None},
                "streaming": {"tpot_s": 0.012, "floor_s": 0.010, "achieved_gbps": 41.5},
@@ -136,7 +136,7 @@ def test_benchmark_pinned_row_states_its_host_budget(llama_dir, monkeypatch, cap
     import argparse
 
     import engine.weights.cuda_transport as ct
-    from bench.gpu import _layerstream, device_budget, pinned_host_budget
+    from layerstream.bench.gpu import _layerstream, device_budget, pinned_host_budget
     from engine.planner import parse_bytes
     from tests.test_overlap import RecordingRuntime
 

@@ -1,7 +1,7 @@
 """The layering the architecture doc promises, checked on the source (docs/ARCHITECTURE.md):
 
 - nothing outside engine/weights imports its internals: only the package itself (`engine.weights`);
-- `engine` imports nothing from `server`, `bench` or the `layerstream` dispatcher;
+- `engine` imports nothing from `server` or `layerstream` (the dispatcher and its benchmarks);
 - no import circles between modules (imports inside functions count: a lazy import is still a circle);
 - no code outside `engine` walks the engine's object graph (`.runner`, `.streamer`, `.transport`).
 
@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "server", "bench", "layerstream")
+PACKAGES = ("engine", "server", "layerstream")
 # Unit tests of the weights package's parts, and tests that replay its CUDA transport on CPU (they
 # swap CudaRuntime for a recording one); the GGUF reader, dequantizers and packed kernels are unit-tested
 # against gguf-py and transformers (gguf_models.py builds their reference models).
@@ -92,7 +92,7 @@ def test_nothing_outside_weights_imports_its_internals():
 
 def test_engine_imports_no_server_bench_or_dispatcher():
     bad = [f"{module_name(p)} imports {n}" for p in sources("engine") for n in imports(p)
-           if n.split(".")[0] in ("server", "bench", "layerstream")]
+           if n.split(".")[0] in ("server", "layerstream")]
     assert not bad, "\n".join(bad)
 
 
@@ -149,13 +149,13 @@ def test_the_checker_is_not_vacuous():
 NOT_THE_ENGINE = {
     ("server/http_protocol.py", "transport"): "asyncio's transport of a client connection",
     ("tests/test_server_app.py", "runner"): "fault injection: a forward pass that fails on demand",
-    ("bench/decode_profile.py", "runner"): "a profiler: it times the model's parts on the runner's weights and KV cache",
+    ("layerstream/bench/decode_profile.py", "runner"): "a profiler: it times the model's parts on the runner's weights and KV cache",
 }
 
 
 def test_nothing_outside_the_engine_walks_its_object_graph():
     bad = []
-    for path in sources("server", "bench", "layerstream", "tests"):
+    for path in sources("server", "layerstream", "tests"):
         rel = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Attribute) and node.attr in ("runner", "streamer", "transport")

@@ -337,11 +337,11 @@ def test_expert_streaming_on_a_gpu(moe_dirs, references, arch):
 
 
 def test_bench_moe_measures_the_page_cache_share(tmp_path):
-    """bench.moe reports how much of the checkpoint was in the page cache around a timed round: the
+    """layerstream.bench.moe reports how much of the checkpoint was in the page cache around a timed round: the
     measurement sees pages read in and pages dropped (on a file system that can drop them)."""
     import os
 
-    from bench.moe import page_cache_share
+    from layerstream.bench.moe import page_cache_share
 
     f = tmp_path / "model.safetensors"
     f.write_bytes(os.urandom(4 << 20))

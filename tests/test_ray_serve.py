@@ -24,7 +24,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from bench.common import free_port  # noqa: E402
+from layerstream.bench.common import free_port  # noqa: E402
 from server.ray_serve import APP_NAME, REPLICA_HEADER, build_application, parse_flags  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

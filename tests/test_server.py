@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from bench.common import free_port, wait_until_healthy
+from layerstream.bench.common import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time there was"

@@ -1,6 +1,6 @@
 // bf16 products of a few rows, y = x @ w.T + bias, for decode steps of 2-16 sequences on CPUs with
 // AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends 1.4-2.7x a one-row
-// product on 4-16 rows (bench/bf16_rows.py, 2 threads), and torch's own matrix-vector kernel
+// product on 4-16 rows (layerstream/bench/bf16_rows.py, 2 threads), and torch's own matrix-vector kernel
 // (single_row_products) runs row by row. Here every weight byte is read from memory once per call,
 // whatever the row count, and multiplied against all rows at once:
 //

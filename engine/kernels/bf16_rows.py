@@ -10,7 +10,7 @@ Interface:
       decode_block.cpp has the kernel built in and is told per call whether to use it (engine/model.py
       passes `_few_bf16_rows(x)`, what its linear decides).
   built() -> module | None   the kernel wherever it builds and runs, AMX or not: for its tests and
-      bench/bf16_rows.py, which compare it with oneDNN.
+      layerstream/bench/bf16_rows.py, which compare it with oneDNN.
   The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 2-16
       contiguous rows, K a multiple of 32), at::linear otherwise; MAX_ROWS (16).
 """
@@ -34,7 +34,7 @@ WHAT = "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel"
 
 def _blocked() -> str | None:
     # With AMX (2 cores, ~20 GB/s) oneDNN took 16 rows of 5632x1024 in 667 us against this kernel's
-    # 939, and 1 row in 607 (bench/bf16_rows.py); bench.paged's 16 streams ran 331 tok/s against 273.
+    # 939, and 1 row in 607 (layerstream/bench/bf16_rows.py); layerstream.bench.paged's 16 streams ran 331 tok/s against 273.
     return "oneDNN multiplies them on this CPU's AMX tiles, faster" if onednn_has_amx() else None
 
 

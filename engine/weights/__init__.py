@@ -13,7 +13,7 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
       How planning may split streamed blocks between host memory and disk for that transport.
   Int4Weight, Int8Weight, quantize_int4
       The packed weight types (each multiplies itself: `w.linear(x)`) and int4 quantization, for the
-      kernel micro-benchmark (bench/int4_kernel.py).
+      kernel micro-benchmark (layerstream/bench/int4_kernel.py).
   checkpoint.measure_disk() -> (GB/s | None, note | None)
       The disk's sequential read speed, for a plan with a disk tier (cached per file system);
       measure_disk_bandwidth(files, ...) is the measurement itself, for benchmarks.

@@ -7,7 +7,7 @@ the time of a call at a context length not seen before (what decode does every s
 cudaHostRegister works, and host->device GB/s. On a machine without a GPU (the check's dry run)
 it prints what applies to the CPU.
 
-    python -m bench.gpu_probe [--device cuda]
+    python -m layerstream.bench.gpu_probe [--device cuda]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def probe_host_register(device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_probe", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m layerstream.bench.gpu_probe", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ns = p.parse_args(argv)
     device = torch.device(ns.device)

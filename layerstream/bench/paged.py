@@ -1,4 +1,4 @@
-"""`python -m bench.paged`: what the paged KV cache and prefix caching buy, in one run, on the benchmark
+"""`python -m layerstream.bench.paged`: what the paged KV cache and prefix caching buy, in one run, on the benchmark
 model streamed at a budget of 25% of its fp32 weights (default).
 
 1. Multi-turn chat over HTTP: 8 turns, each resending the history (previous prompts plus a fixed
@@ -15,8 +15,8 @@ model streamed at a budget of 25% of its fp32 weights (default).
    Then the same workload in-process (the engine stepped directly, no HTTP, server or client), so
    that what the HTTP stack costs 16 streams shows as the difference between the two ratios.
 
-    python -m bench.paged                    # all three; prints Markdown tables
-    python -m bench.paged --parts chat       # only the chat
+    python -m layerstream.bench.paged                    # all three; prints Markdown tables
+    python -m layerstream.bench.paged --parts chat       # only the chat
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("python -m bench.paged", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.paged", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m bench.replicas`: aggregate tokens/s of Ray Serve layouts side by side, on one local
+"""`python -m layerstream.bench.replicas`: aggregate tokens/s of Ray Serve layouts side by side, on one local
 Ray cluster: e.g. one replica with one CPU, one replica with two, two replicas with one each.
 
 Each layout is deployed in turn through `server.ray_serve` (Ray gives a replica one torch thread per
@@ -6,7 +6,7 @@ reserved CPU), warmed up, then C clients send streamed /v1/completions back to b
 proxy (bench-serve's client: fixed prompt, `ignore_eos`, every token its own event). Rounds repeat
 the layouts in the same order, so load from elsewhere on the machine falls on all of them alike.
 
-    python -m bench.replicas --layouts 1x1,1x2,2x1 --concurrency 8 --rounds 2
+    python -m layerstream.bench.replicas --layouts 1x1,1x2,2x1 --concurrency 8 --rounds 2
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def report(tok_s: dict[tuple[int, int], list[float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("python -m bench.replicas", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.replicas", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def _compare(ns, folder: Path, dtype_name: str, peers: list[str]) -> list[dict]:
     try:
         for peer in peers:
             warm_page_cache(folder)
-            argv = [sys.executable, "-m", "bench.offline", "--peer", peer, "--model", str(folder),
+            argv = [sys.executable, "-m", "layerstream.bench.offline", "--peer", peer, "--model", str(folder),
                     "--dtype", dtype_name, "--prompt-tokens", str(ns.prompt_tokens), "--max-tokens",
                     str(ns.max_tokens), "--threads", str(ns.threads), "--budget", str(budget)]
             children[peer] = Child(argv, ns.timeout)
@@ -310,7 +310,7 @@ def chart(results: list[dict], model_name: str) -> Chart:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("python -m bench.offline", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.offline", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

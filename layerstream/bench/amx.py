@@ -1,4 +1,4 @@
-"""`python -m bench.amx`: the CPU choices that turn on AMX (engine.kernels.onednn_has_amx), each A/B'd in
+"""`python -m layerstream.bench.amx`: the CPU choices that turn on AMX (engine.kernels.onednn_has_amx), each A/B'd in
 one process on the same weights, alternating, so that this VM's drifting memory bandwidth hits both sides:
 
 1. step: a one-sequence decode step's median time with one bf16 row on oneDNN (the AMX choice) and on
@@ -11,8 +11,8 @@ one process on the same weights, alternating, so that this VM's drifting memory 
 
 The 2-16-row products are `layerstream bench-bf16-rows`; the served effect is `layerstream bench-paged`.
 
-    python -m bench.amx                  # both parts
-    python -m bench.amx --parts attention
+    python -m layerstream.bench.amx                  # both parts
+    python -m layerstream.bench.amx --parts attention
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def run(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .common import bench_main
 
-    return bench_main("python -m bench.amx", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.amx", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

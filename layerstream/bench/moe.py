@@ -348,7 +348,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("python -m bench.moe", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.moe", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -276,7 +276,7 @@ def chart(results: list[LevelResult]) -> Chart:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("python -m bench.serving", __doc__, add_arguments, run, argv)
+    return bench_main("python -m layerstream.bench.serving", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

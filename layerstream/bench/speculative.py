@@ -332,7 +332,7 @@ def _chart(results: dict, cases: list[str], methods: list[str], k: int, fixed_k:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main("bench.speculative", __doc__, add_arguments, run, argv)
+    return bench_main("layerstream.bench.speculative", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
