@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from .args import EngineArgs
+from .kernels.build import stop_builds
+from .kernels.prepare import BuildProgress, prepare
 from .llm_engine import EngineUnhealthyError, LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 from .telemetry import EngineTelemetry
@@ -175,7 +177,8 @@ class EngineLoop:
 
     state: "loading" -> "ready", or "failed" (the load failed); "ready" -> "unhealthy" when a step
     failure left the engine's state untrustworthy; "stopped" after shutdown(). `error` holds the
-    exception, `reason` a short description safe to show clients (no paths, no internal text)."""
+    exception, `reason` a short description safe to show clients (no paths, no internal text); while
+    loading, which kernels are being built, if any."""
 
     def __init__(self, args: EngineArgs, observer: EngineObserver | None = None,
                  engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
@@ -188,6 +191,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.reason = ""
         self.draining = False  # shutting down: admit nothing new
+        self._stopping = False  # shutdown() was called: a load not started yet never starts
         self._deadline: float | None = None  # monotonic time after which requests in flight are failed
         self.engine: LLMEngine | None = None
         self._telemetry: EngineTelemetry | None = None
@@ -270,6 +274,9 @@ class EngineLoop:
         return self.state == "ready"
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.state == "loading":
+            stop_builds()  # stopped while it builds kernels: no compiler outlives the server
         self._commands.put(("stop", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -283,6 +290,12 @@ class EngineLoop:
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            # The kernels first, with /health saying which are being built: a fresh machine compiles
+            # them here, once, and no request ever does.
+            prepare(on_progress=self._building)
+            if self._stopping:
+                self.state = "stopped"
+                return
             self.engine = self._factory(self.args)
         except BaseException as e:  # noqa: BLE001 - any load failure is reported, not raised
             log.error("loading the model failed: %s", e)
@@ -330,6 +343,9 @@ class EngineLoop:
                 self.observer.on_finished("abort", t.prompt_tokens)
             t.handle._post(error)
         self._tracked.clear()
+
+    def _building(self, progress: BuildProgress) -> None:
+        self.reason = str(progress) if progress.running else ""
 
     def _health(self, ready: bool) -> None:
         if self.observer:
@@ -392,7 +408,7 @@ class EngineLoop:
                 del self._tracked[out.request_id]
                 if obs:
                     obs.on_finished("error", t.prompt_tokens)
-                t.handle._post(_Failed(out.request_id, RequestFailedError(
+                t.handle._post(_Failed(out.request_id, out.error or RequestFailedError(
                     "the engine failed while generating this request")))
                 continue
             if obs:

@@ -20,6 +20,8 @@ from .args import EngineArgs, resolve_dtype
 from .arch import ModelConfig
 from .errors import UnsupportedModelError, out_of_memory_error
 from .host_memory import host_budget
+from .kernels.prepare import describe as describe_kernels
+from .kernels.prepare import prepare as prepare_kernels
 from .kv_cache import KVCache
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
@@ -220,6 +222,9 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         host_room = host_budget(args.max_host_memory)
         plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft)
+        # Every kernel choice now, before any weight is packed for one and before any request: a
+        # no-op where the engine loop (or an earlier load) has made them.
+        log.info("%s", describe_kernels(prepare_kernels()))
         disk_gbps = None
         if plan.disk_blocks:
             disk_gbps, note = checkpoint.measure_disk()

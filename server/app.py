@@ -200,8 +200,10 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
             return {"status": "ok"}
         if engine.draining:
             detail = "shutting down"
+        elif engine.state == "loading":
+            detail = f"loading ({engine.reason})" if engine.reason else "loading"  # e.g. the kernels being built
         else:
-            detail = "loading" if engine.state == "loading" else f"{engine.state}: {engine.reason}"
+            detail = f"{engine.state}: {engine.reason}"
         return JSONResponse({"status": detail}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")

@@ -1,10 +1,13 @@
-"""Compiling the C++ kernels on first use, into the layerstream cache.
+"""Compiling the C++ kernels into the layerstream cache, once per source, flags and torch.
 
 A kernel's build folder is `cache_root()/kernels/<name>-<key>`, the key hashing its source, the
 compiler flags and torch's version, so a changed source or torch gets a fresh build and an
-unchanged one is only imported (no compiler, no ninja) by every later process. The first build
-logs one line and takes ~1-2 min on a 2-core machine (torch's headers); torch.utils.cpp_extension serialises
-concurrent builds of one folder with a lock file.
+unchanged one is only imported (no compiler, no ninja) by every later process. Builds happen ahead
+of any request: `layerstream build-kernels` (setup, the image build) or the engine's start-up
+(engine.kernels.prepare); each takes torch's headers through a compiler, so allow minutes on 2 cores.
+
+A build runs in a folder of its own process and is renamed into place when complete, so a build
+killed half-way (Ctrl-C, OOM) leaves no folder that a later process trusts or waits on.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +40,9 @@ CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16
 # calling thread (each kernel used one core of two until this was found). The symbols resolve to the
 # libgomp torch itself loads, so there is one thread pool, sized by torch.set_num_threads.
 PARALLEL = ("-fopenmp",)
+
+
+_stopped = threading.Event()  # stop_builds() was called: the process is going away
 
 
 def _with_parallel(cflags: tuple[str, ...]) -> tuple[str, ...]:
@@ -79,17 +87,70 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
         except OSError:
             pass  # a read-only cache still loads
         return _import(name, library)
+    if _stopped.is_set():
+        raise RuntimeError("the process is stopping")
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
-    folder.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the %s kernel once into %s (about a minute) ...", name, folder)
+    # torch's own lock lives in the build folder and is never released by a killed build; a folder
+    # per process (renamed into place below) means no later build ever waits on a dead one's lock.
+    work = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    log.info("compiling the %s kernel once into %s ...", name, folder)
     start = time.monotonic()
-    module = load(name=name, sources=[str(source)], extra_cflags=list(_with_parallel(cflags)),
-                  build_directory=str(folder), verbose=False)
+    try:
+        module = load(name=name, sources=[str(source)], extra_cflags=list(_with_parallel(cflags)),
+                      build_directory=str(work), verbose=False)
+        if folder.exists() and not library.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # an incomplete build left by an older layerstream
+        try:
+            work.rename(folder)
+        except OSError:
+            if not library.exists():
+                raise
+            # another process built the same kernel first: identical, and this one is already loaded
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # (the loaded library stays mapped)
     log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)
     _prune(name, folder)
     return module
+
+
+def stop_builds() -> int:
+    """Kill the compilers of every build this process is running (torch runs each build as a ninja
+    child), so a server stopped while it builds, or a Ctrl-C that reached only this process, leaves
+    no compiler running behind it; the builds then fail, which is their logged fallback. Returns how
+    many processes it killed. Builds that have not started yet never will."""
+    _stopped.set()
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    doomed, stack = [], [pid for pid in children.get(os.getpid(), ()) if _command(pid) == "ninja"]
+    while stack:
+        pid = stack.pop()
+        doomed.append(pid)
+        stack += children.get(pid, [])
+    for pid in reversed(doomed):  # compilers before the ninja that would start the next one
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(doomed)
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def compile_or_reason(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
@@ -133,11 +194,13 @@ def optional_kernel(setting: str, off: str, what: str, name: str, source: Path, 
 
 def _prune(name: str, keep: Path) -> None:
     """Remove builds of this kernel that no process has loaded for STALE_DAYS (other sources or torch
-    versions; a build of another checkout that is still in use is kept: its loads touch it)."""
-    cutoff = time.time() - STALE_DAYS * 86400
+    versions; a build of another checkout that is still in use is kept: its loads touch it), and the
+    work folders of builds that died (a day old: no live build takes that long)."""
+    now = time.time()
     for old in keep.parent.glob(f"{name}-*"):
         try:
-            if old != keep and old.stat().st_mtime < cutoff:
+            age = now - old.stat().st_mtime
+            if old != keep and (age > STALE_DAYS * 86400 or (".tmp" in old.name and age > 86400)):
                 shutil.rmtree(old, ignore_errors=True)
         except OSError:
             pass
