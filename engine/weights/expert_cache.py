@@ -25,6 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+from .exit_stop import close_at_exit, closed
+
 Key = tuple[int, int]  # (block, expert)
 
 
@@ -76,6 +78,7 @@ class ExpertCache:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="layerstream-experts", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     @property
     def stats(self) -> ExpertCacheStats:
@@ -181,6 +184,7 @@ class ExpertCache:
             self._changed.notify_all()
 
     def close(self) -> None:
+        closed(self)
         with self._lock:
             self._stop = True
             self._work.notify_all()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .exit_stop import close_at_exit, closed
 from .fuse import drop_symmetric_mins, fuse_projections
 from .transport import DISK, Ticket, Transport
 
@@ -116,6 +117,7 @@ class BlockStreamer:
         self._ready: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._prefetch_loop, name="layerstream-prefetch", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     def _prefetch_loop(self) -> None:
         i = 0
@@ -183,6 +185,7 @@ class BlockStreamer:
                 self.transport.retire(t)
 
     def close(self) -> None:
+        closed(self)
         if self._thread is not None:
             self._shutdown_thread()
             self._thread = None
