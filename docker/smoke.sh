@@ -5,6 +5,7 @@
 #   - the image runs as a non-root user, exposes 8000, has a HEALTHCHECK and the serve entrypoint;
 #   - the HEALTHCHECK command fails while the model loads and passes once it is loaded;
 #   - /health, and one /v1/completions request with the API key (and a 401 without it);
+#   - the kernels the image carries are chosen at start-up, and none is compiled;
 #   - SIGTERM stops the server cleanly (what `docker stop` sends).
 #
 #   docker/smoke.sh        # root, with: apt-get install -y buildah debootstrap curl
@@ -72,6 +73,7 @@ buildah bud --isolation chroot --ulimit nofile=20000:20000 --format docker --lay
   --build-arg BASE_IMAGE="$base" "${build_args[@]}" -t "$IMAGE" . >"$STATE/build.log" 2>&1 \
   || { tail -30 "$STATE/build.log"; fail "image build failed (log: $STATE/build.log)"; }
 t_build=$SECONDS
+say "image $IMAGE: $(buildah images --format '{{.Size}}' "$IMAGE" | head -1)"
 if [ -n "$index_pid" ]; then kill "$index_pid"; wait "$index_pid" 2>/dev/null || true; index_pid=; fi
 
 # The image's own configuration, as Docker would read it.
@@ -147,6 +149,11 @@ import json,sys; r=json.loads(sys.argv[1]); c=r['choices'][0]; u=r['usage']
 assert r['object'] == 'text_completion' and u['completion_tokens'] >= 1 and c['finish_reason'] in ('length', 'stop'), r
 print(f\"[smoke {sys.argv[2]:>4}s] POST /v1/completions -> 200: {u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens, finish_reason {c['finish_reason']}, text {c['text']!r}\")
 " "$body" "$SECONDS" || fail "unexpected completion: $body"
+t_answer=$SECONDS
+# The image carries its kernels: the server chose them at start-up and compiled nothing.
+grep -q "kernels in use:" "$STATE/server.log" || { tail -20 "$STATE/server.log"; fail "no kernel choice in the log"; }
+if grep -q "compiling the" "$STATE/server.log"; then grep "compiling the" "$STATE/server.log"; fail "the server compiled a kernel"; fi
+say "$(grep -o 'kernels in use:.*' "$STATE/server.log" | head -1)"
 
 # `docker stop` sends SIGTERM to PID 1, the server process itself.
 descendants() { local p; for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done; }
@@ -166,4 +173,4 @@ grep -q "Application shutdown complete" "$STATE/server.log" \
   || { tail -5 "$STATE/server.log"; fail "no graceful shutdown after SIGTERM (status $rc)"; }
 say "SIGTERM: graceful shutdown, stopped within 10s"
 
-say "PASS in ${SECONDS}s (base image ${t_base}s, Dockerfile build $((t_build - t_base))s, model ready $((t_ready - t_start))s after start)"
+say "PASS in ${SECONDS}s (base image ${t_base}s, Dockerfile build $((t_build - t_base))s, model ready $((t_ready - t_start))s after start, first answer $((t_answer - t_start))s after start)"
