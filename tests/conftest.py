@@ -18,21 +18,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def int4_kernel():
-    """Build (first run: ~1 min) or load the int4 kernel once, under the real layerstream cache,
-    before any test points LAYERSTREAM_CACHE at a folder of its own (which would build it again)."""
+    """Build (first run: a minute or two) or load every kernel once, under the real layerstream cache,
+    before any test points LAYERSTREAM_CACHE at a folder of its own (which would build them again)."""
     from engine import kernels
-    from engine.kernels.attention_ops import attention_ops
-    from engine.kernels.bf16_rows import bf16_rows, built
-    from engine.kernels.decode_block import decode_block
-    from engine.kernels.fused_ops import fused_ops
-    from engine.kernels.ggml_repack import ggml_repack
+    from engine.kernels.bf16_rows import built
+    from engine.kernels.prepare import prepare
 
-    fused_ops()  # the fused CPU ops likewise (engine/model.py's RMSNorm, SwiGLU, rotary)
-    attention_ops()  # and attention_backend's softmax
-    bf16_rows()  # and the bf16 products of 2-16 rows (engine/model.py linear)
-    built()  # (the same kernel; tests use it on AMX CPUs too, where bf16_rows() is None)
-    ggml_repack()  # and the repack of streamed GGUF blocks (engine/weights/stream_repack.py)
-    decode_block()  # and a decode step's block as one C++ call (engine/model.py block_forward)
+    prepare()
+    built()  # bf16_rows' kernel, which tests use on AMX CPUs too (where the engine's choice is oneDNN)
     return kernels.int4_backend()
 
 

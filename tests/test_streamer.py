@@ -152,3 +152,55 @@ def test_cpu_transport_makes_a_blocks_views_once_and_lets_go_at_close(llama_dir)
         assert watched() is None  # nothing of the transport's still views the mapping
     finally:
         ckpt.close()
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, time, torch
+from engine.weights.expert_cache import ExpertCache
+from engine.weights.streamer import BlockStreamer
+from engine.weights.transport import Ticket, Transport
+
+a = torch.randn(1024, 1024)
+
+
+def busy():  # native code with the GIL released, as a GGUF repack or a copy is
+    for _ in range(20):
+        a @ a
+
+
+class BusyTransport(Transport):
+    dtype, device = torch.float32, torch.device("cpu")
+
+    def resident(self, block):
+        return {}
+
+    def prepare(self, block):
+        busy()
+        return Ticket(block, {"w": a}, nbytes=0)
+
+    def retire(self, ticket):
+        pass
+
+
+if sys.argv[1] == "streamer":
+    BlockStreamer(BusyTransport(), resident=[], streamed=[0, 1, 2], depth=2)
+else:
+    cache = ExpertCache(2, lambda key, slot: busy() or 0)
+    cache.reserve([(0, 0), (0, 1)])
+time.sleep(0.3)  # the background thread is inside a matmul now; exit without close()
+"""
+
+
+@pytest.mark.parametrize("owner", ["streamer", "expert_cache"])
+def test_exit_without_close_stops_the_background_thread(tmp_path, owner):
+    """A daemon thread inside native code while the interpreter tears down aborts the process
+    ("terminate called without an active exception", 134); the exit hook closes the owner first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_WITHOUT_CLOSE)
+    out = subprocess.run([sys.executable, str(script), owner], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
