@@ -221,10 +221,11 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         host_room = host_budget(args.max_host_memory)
-        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft)
-        # Every kernel choice now, before any weight is packed for one and before any request: a
-        # no-op where the engine loop (or an earlier load) has made them.
+        # Every kernel choice now, before the plan sizes packed weights for one and before any
+        # request: a no-op where the engine loop (or an earlier load) has made them. Builds run on
+        # prepare's threads, whose compilers a Ctrl-C here stops.
         log.info("%s", describe_kernels(prepare_kernels()))
+        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft)
         disk_gbps = None
         if plan.disk_blocks:
             disk_gbps, note = checkpoint.measure_disk()

@@ -222,19 +222,25 @@ def test_a_server_on_an_empty_kernel_cache_builds_before_it_is_ready(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_kernels_build_leaves_no_compiler(tmp_path):
-    """SIGINT to the server alone (what a supervisor sends; a terminal's Ctrl-C also reaches the
-    compilers) while it builds kernels: it exits promptly, and no compiler of its builds runs on."""
+@pytest.mark.parametrize("program", ["server", "python-api"])
+def test_ctrl_c_while_kernels_build_leaves_no_compiler(tmp_path, program):
+    """SIGINT to the process alone (what a supervisor sends; a terminal's Ctrl-C also reaches the
+    compilers) while it builds kernels, in `layerstream serve` or in LLM(...): it exits promptly, and
+    no compiler of its builds runs on."""
     cache = tmp_path / "cache"
-    log = tmp_path / "server.log"
-    proc, url = _start(cache, log)
+    log = tmp_path / "out.log"
+    if program == "server":
+        proc, _url = _start(cache, log)
+    else:
+        script = tmp_path / "load.py"
+        script.write_text("import sys\nfrom engine import LLM\nLLM(sys.argv[1], device='cpu', max_model_len=256)\n")
+        proc = subprocess.Popen([sys.executable, str(script), "demo"], cwd=ROOT, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, env={**os.environ, "LAYERSTREAM_CACHE": str(cache)})
     try:
         deadline = time.monotonic() + 120
-        while "building kernels" not in _health(url)[1]:
+        while not _processes_in(cache):  # the compilers are running
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        time.sleep(1)  # the compilers are running now
-        assert _processes_in(cache), "no compiler was running: the test proves nothing"
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     finally:
