@@ -51,12 +51,19 @@ class EngineArgs:
     prompt_lookup_min: int = 1  # method "ngram": n-gram sizes looked up, longest first
     prompt_lookup_max: int = 4
     speculative_adaptive_k: bool = True  # k per sequence from its acceptance (False: always num_speculative_tokens)
+    # Structured output (engine.structured_output.GrammarLimits): CPU time one request's grammar may
+    # spend compiling (its first mask included) and on each later mask, and the compiled-grammar
+    # cache's size in host memory.
+    max_grammar_ms: float = 500.0
+    grammar_cache_memory: int | str = "256MiB"
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
         self.max_host_memory = parse_bytes(self.max_host_memory)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.kv_host_memory = parse_bytes(self.kv_host_memory)
+        self.grammar_cache_memory = parse_bytes(self.grammar_cache_memory)
+        self.grammar_limits()  # raises ValueError on a bad value, before anything loads
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -99,6 +106,12 @@ class EngineArgs:
 
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.speculative_model,
                                  self.prompt_lookup_min, self.prompt_lookup_max, self.speculative_adaptive_k)
+
+    def grammar_limits(self):
+        """The validated GrammarLimits of structured output."""
+        from .structured_output import GrammarLimits
+
+        return GrammarLimits(max_cpu_seconds=self.max_grammar_ms / 1000, cache_bytes=self.grammar_cache_memory or 0)
 
     @staticmethod
     def default(name: str):

@@ -47,6 +47,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "memory) on cuda, none on cpu where the pool already is host memory)")
     p.add_argument("--no-expert-streaming", dest="expert_streaming", action="store_false",
                    help="mixtures of experts: stream blocks whole, experts inside, instead of each chosen expert")
+    so = p.add_argument_group("structured output (README: Structured output)")
+    so.add_argument("--max-grammar-ms", type=float, default=d("max_grammar_ms"),
+                    help="CPU time one request's grammar may spend compiling, and on each token mask; over it, "
+                         "a 400 before any token, or an error that ends that request alone")
+    so.add_argument("--grammar-cache-memory", default=d("grammar_cache_memory"),
+                    help="host memory for compiled grammars, e.g. 256MiB (least recently used go first)")
     spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
     spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "self"],
                       help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "
@@ -77,7 +83,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
     for name in ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min",
-                 "prompt_lookup_max", "speculative_adaptive_k"):
+                 "prompt_lookup_max", "speculative_adaptive_k", "max_grammar_ms", "grammar_cache_memory"):
         if hasattr(ns, name):
             fields[name] = getattr(ns, name)
     fields.update(overrides)

@@ -19,7 +19,7 @@ from .loader import DraftReservation, LoadedModel, load_draft_model, load_model
 from .model_source import resolve_model
 from .runner import check_token_ids
 from .sampler import TokenLogprobs, make_generator, sample_one, score_tokens, token_logprobs
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .speculative import Draft, DraftLength, Drafter, DraftRequest, SpecCounters, build_drafter, verify
 from .structured_output import GrammarCompiler, Guide
@@ -27,6 +27,10 @@ from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
 log = logging.getLogger("layerstream")
 
+
+# When every sequence left is waiting for its grammar mask, the engine thread waits for one this
+# long at most before it looks at its command queue again (new requests, cancellations).
+HELD_WAIT_SECONDS = 0.05
 
 # One-token probe passes tried after a step in which every sequence failed even alone: if all of
 # them fail too, the fault is the engine's (device, weights, disk), not any request's.
@@ -82,6 +86,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, on a request's first output: one entry per prompt
     # token, None for the first (nothing precedes it to score it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # finish_reason "error" because of the request itself (its grammar over budget): the error to
+    # send the client, an InvalidParameter. None: the engine failed it (details in the log only).
+    error: InvalidParameter | None = None
 
 
 @dataclass
@@ -93,6 +100,9 @@ class _SeqState:
     guide: Guide | None = None  # structured output: the grammar this sequence follows
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
     spec_k: int = 0  # speculative decoding: tokens this sequence drafts next (adaptive.DraftLength)
+    # Structured output: the logits (vocab,) of a step whose grammar mask was not ready in time;
+    # the sequence samples from them at a later step, once it is.
+    held_logits: torch.Tensor | None = None
 
 
 def load_tokenizer(path):
@@ -157,10 +167,12 @@ class LLMEngine:
         self.draft_length = DraftLength(spec.num_speculative_tokens, spec.adaptive_k) if spec is not None else None
         self._drafts: dict[Sequence, Draft] = {}  # this step's drafts, by sequence
         self._seqs: dict[str, Sequence] = {}
+        self._held: list[Sequence] = []  # sequences whose logits wait for their grammar mask
         self._ids = itertools.count()
         self._steps = 0
         try:
-            self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids())
+            self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids(),
+                                           args.grammar_limits())
         except BaseException:
             if self.drafter is not None:
                 self.drafter.close()
@@ -246,10 +258,17 @@ class LLMEngine:
         proceed and the one that fails again is failed. When none survives, a one-token probe
         tells a request's fault from the engine's. A fatal device error, or a probe that cannot
         run, raise EngineUnhealthyError: the engine's state can no longer be trusted and the
-        caller must stop serving."""
+        caller must stop serving.
+
+        A structured-output sequence whose grammar mask is not ready when its logits are keeps
+        them and samples at the first step where it is, before that step is scheduled; the step
+        never waits for it (only an engine with nothing else to run waits, briefly)."""
+        outputs = self._sample_held()
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
+            if self._held and not outputs:
+                self.grammar.wait_any([s.state.guide for s in self._held], HELD_WAIT_SECONDS)
+            return outputs
         self._drafts.clear()
         if self.drafter is not None:
             chunks = self._draft(chunks)
@@ -260,11 +279,38 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - isolate the sequence that caused it
             log.warning("engine step over %d sequences failed (%s: %s); retrying each alone",
                         len(chunks), type(e).__name__, e)
-            outputs = self._step_isolated(chunks)
+            outputs += self._step_isolated(chunks)
             self._steps += 1  # one step however many passes its retries and probe took (as /metrics counts)
             return outputs
         self._steps += 1
-        return self._sample(chunks, logits)
+        return outputs + self._sample(chunks, logits)
+
+    def _sample_held(self) -> list[RequestOutput]:
+        """Sample the held sequences whose masks are now ready (and start their next masks, which
+        then compute while this step's pass runs); forget those that finished or were preempted
+        meanwhile (a preempted one samples again after its re-prefill)."""
+        if not self._held:
+            return []
+        outputs, still, released = [], [], []
+        for seq in self._held:
+            st = seq.state
+            if seq.status != SeqStatus.RUNNING or seq.num_computed != seq.num_tokens:
+                st.held_logits = None
+                continue
+            if not st.guide.ready:
+                still.append(seq)
+                continue
+            logits, st.held_logits = st.held_logits, None
+            try:
+                out = self._advance(seq, logits)
+            except Exception as e:  # noqa: BLE001 - this sequence fails alone
+                out = self._fail(seq, e)
+            outputs.append(out)
+            if seq.status == SeqStatus.RUNNING:
+                released.append(st.guide)
+        self._held = still
+        self.grammar.prefetch(released)
+        return outputs
 
     def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Speculative decoding: the decode chunks of sequences that may speculate become verify
@@ -376,13 +422,17 @@ class LLMEngine:
         raise EngineUnhealthyError(f"the engine cannot run a step ({type(error).__name__})") from error
 
     def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
-        log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error,
-                  exc_info=error)
+        user_error = error if isinstance(error, InvalidParameter) else None
+        if user_error is not None:  # the request's own doing (its grammar's cost): no traceback
+            log.info("request %s ended: %s", seq.request_id, error)
+        else:
+            log.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error,
+                      exc_info=error)
         self.scheduler.finish(seq, "error")
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(request_id=seq.request_id, new_token_ids=[], text="", finished=True,
                              finish_reason="error", num_prompt_tokens=len(seq.prompt_ids),
-                             num_output_tokens=len(seq.output_ids))
+                             num_output_tokens=len(seq.output_ids), error=user_error)
 
     def _sample(self, chunks: list[ScheduledChunk], logits) -> list[RequestOutput]:
         """logits: (rows, vocab) fp32 on the CPU, in the runner's order: each chunk's num_logits rows
@@ -410,12 +460,14 @@ class LLMEngine:
             if seq.status != SeqStatus.RUNNING:
                 continue  # failed while scoring its prompt
             try:
-                outputs.append(self._advance(seq, rows[0]) if chunk.ids is None else self._verify(chunk, rows))
+                out = self._advance(seq, rows[0]) if chunk.ids is None else self._verify(chunk, rows)
             except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
-                outputs.append(self._fail(seq, e))
+                out = self._fail(seq, e)
+            if out is not None:  # None: held until its grammar mask is ready
+                outputs.append(out)
         # The next step's grammar masks, computed while its forward pass runs.
-        self.grammar.prefetch([c.seq.state.guide for c in chunks
-                               if c.seq.state.guide is not None and c.seq.status == SeqStatus.RUNNING])
+        self.grammar.prefetch([c.seq.state.guide for c in chunks if c.seq.state.guide is not None
+                               and c.seq.status == SeqStatus.RUNNING and c.seq.state.held_logits is None])
         return outputs
 
     def _verify(self, chunk: ScheduledChunk, rows) -> RequestOutput:
@@ -452,7 +504,7 @@ class LLMEngine:
             pinned_host_bytes=weights.pinned_host_bytes,
             buffer_sets=weights.buffer_sets,
             blocks_converted=weights.blocks_converted,
-            structured_output=self.grammar.stats.snapshot(),
+            structured_output=self.grammar.telemetry(),
             pinned_cache=weights.pinned_cache,
             speculative=self.spec_counters.snapshot() if self.spec_counters is not None else None,
         )
@@ -479,26 +531,39 @@ class LLMEngine:
         finally:
             blocks.free(seq)
 
-    def _advance(self, seq: Sequence, logits) -> RequestOutput:
+    def _advance(self, seq: Sequence, logits) -> RequestOutput | None:
+        """Sample seq's next token from logits (vocab,); None when its grammar mask is not ready:
+        the logits are held and the sequence samples at a later step (_sample_held)."""
         st: _SeqState = seq.state
+        allowed = None
+        if st.guide is not None:
+            allowed = st.guide.allowed(timeout=0)  # GrammarTooCostly: this request ends, alone
+            if allowed is None:
+                st.held_logits = logits.clone()  # a row of the step's logits: keep only it
+                if seq not in self._held:  # (preempted and re-prefilled while held)
+                    self._held.append(seq)
+                self.grammar.stats.skips += 1
+                return None
+            if st.guide.stopped:
+                # The grammar is complete: it admits only end-of-sequence, which ends it now.
+                return self._emit(seq, [], [], reason="stop")
         prompt_logprobs = None
         if st.prompt_logprobs is not None and not seq.output_ids:  # the first output carries them
             prompt_logprobs = st.prompt_logprobs
             if any(p is None for p in prompt_logprobs[1:]):
                 # Positions whose logits were never computed (say, a prompt prefix taken from a cache).
                 raise RuntimeError("prompt logprobs are missing for part of the prompt")
-        allowed = st.guide.allowed() if st.guide is not None else None
         token, info = sample_one(logits, st.params, seq.prompt_ids, seq.output_ids, st.generator, allowed)
         return self._emit(seq, [token], [info], prompt_logprobs=prompt_logprobs)
 
     def _emit(self, seq: Sequence, tokens: list[int], infos: list, commit=None,
-              prompt_logprobs: list | None = None) -> RequestOutput:
+              prompt_logprobs: list | None = None, reason: str | None = None) -> RequestOutput:
         """Append tokens one at a time, as decoding them one per step would, up to the first that
         finishes the sequence (the rest, speculative ones, are dropped). commit(emitted): a verify
         pass's K/V accounting, once the tokens it publishes are in the sequence and before a
-        finished sequence gives its blocks back."""
+        finished sequence gives its blocks back. reason: finish with it whatever the tokens (none,
+        when a complete grammar ends the sequence)."""
         st: _SeqState = seq.state
-        reason = None
         emitted = []
         for token in tokens:
             seq.output_ids.append(token)
@@ -508,15 +573,14 @@ class LLMEngine:
             else:
                 st.detok.add_token(token)
                 if st.guide is not None:
-                    st.guide.accept(token)
-                if st.detok.stopped or (st.guide is not None and st.guide.stopped):
-                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
+                    st.guide.accept(token)  # consumed on the grammar pool, with the next mask
+                if st.detok.stopped:
                     reason = "stop"
                 elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                     reason = "length"
             if reason:
                 break
-        token = emitted[-1]
+        token = emitted[-1] if emitted else None
         if commit is not None:
             commit(len(emitted))
         if reason:

@@ -1,32 +1,47 @@
 """Structured output: a grammar (JSON schema, regex, a choice of strings, or a Lark grammar) decides
 which tokens a sequence may sample next. Built on llguidance (no torch dependency; its matchers
-drop the GIL while they compute a mask).
+drop the GIL while they compile or compute a mask).
 
 What callers use:
 - `StructuredOutput`: the request's constraint, plain frozen data carried in SamplingParams.
-- `GrammarCompiler` (one per engine): `check(so)` compiles and validates a constraint (raises
-  InvalidParameter naming the request field), `guide(so)` makes one sequence's `Guide`.
-  `prefetch(guides)` starts computing the next token masks of a batch of sequences on the worker.
-- `Guide`: `allowed()` waits for its mask and returns the admitted token ids, `accept(token)`
-  advances the grammar, `stopped` says the grammar is complete and admits nothing but
-  end-of-sequence.
+- `GrammarLimits`: what one request's grammar may cost (EngineArgs: --max-grammar-ms,
+  --grammar-cache-memory), and `parser_limits()`, llguidance's own limits, set explicitly.
+- `GrammarCompiler` (one per engine): `check(so)` compiles a constraint on the compile pool and
+  computes its first mask (raises InvalidParameter naming the request field, GrammarTooCostly when
+  it is over budget), `guide(so)` makes one sequence's `Guide`, `prefetch(guides)` starts the next
+  token masks on the mask pool, `wait_any(guides, timeout)` waits for one of them.
+- `Guide`: `allowed(timeout)` returns the admitted token ids (None if the mask is not ready in
+  time; GrammarTooCostly if it cost more than the budget), `accept(token)` advances the grammar,
+  `stopped` says the grammar is complete and admits nothing but end-of-sequence.
 
-Timing: the engine calls `prefetch(guides)` once per step, after it sampled the step's tokens, so
-the masks for the next step are computed while the next forward pass runs; `allowed()` only waits
-when they took longer than the pass. One task per step, not one per sequence: each hand-off to the
-worker costs a GIL round trip on the engine thread (measured at ~1 ms each on a loaded 2-core
-machine, which at batch 16 cost more than the masks). `MaskStats` records the compute time and the
-waits, for /metrics and the benchmark.
+Cost, and who pays it: grammar work runs on two small pools sized to the cores (compiles, masks),
+never on the engine thread, and the engine never waits for a mask that is not ready: that sequence
+keeps its logits and samples at a later step (llm_engine), the others go on. Each request may spend
+`GrammarLimits.max_cpu_seconds` of CPU time compiling (its first mask included: that is where
+llguidance's lazy lexer does most of its work) and as much on each later mask; over it, a 400 before
+any token, or an error finish for that request alone. llguidance's own limits bound what a single
+compile or mask can do before the budget is even checked, since neither can be interrupted.
+
+Masks of a batch go to the pool as one task (each hand-off costs a GIL round trip on the engine
+thread), except those of sequences whose last mask was expensive: each of those is a task of its
+own, so its cost delays only itself.
+
+Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
+entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
+mask (glibc's mallinfo2; the RSS growth elsewhere), plus large growth seen during its later masks
+(its lexer builds states lazily). A sequence's matcher copy is freed with the sequence.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import json
 import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,7 +55,81 @@ Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 # Compact JSON (no free whitespace between tokens), the way OpenAI's structured output prints it.
 # With flexible whitespace a weak model can loop on spaces and newlines until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_CACHE_SIZE = 64  # compiled prototypes kept per engine (a matcher copy is cheap, compiling is not)
+# Refused constraints remembered (their error only), so sending one again costs no compile.
+_REFUSED_KEPT = 256
+# A sequence whose last mask cost more CPU time than this gets a pool task of its own, so a grammar
+# that turns expensive delays only its own sequence; ordinary masks cost a small fraction of it.
+_ALONE_SECONDS = 0.001
+# Growth of malloc's in-use bytes during one later mask that is counted against the grammar's cache
+# entry: smaller changes cannot be told from what other threads allocate meanwhile.
+_COUNTED_GROWTH = 256 * 1024
+
+
+class GrammarTooCostly(InvalidParameter):
+    """A constraint that costs more than the server allows (CPU time, or memory): a 400 naming the
+    request field before any token, or the error that ends its request if the cost shows later."""
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one request's grammar may cost. max_cpu_seconds: CPU time to compile (first mask
+    included) and to follow each later token (its parse and its mask); max_parse_seconds: CPU time
+    of one token's parse, which holds the GIL (llguidance's consume_token does not release it, as
+    its mask computation does), so every thread of the server waits while it runs; cache_bytes:
+    the compiled-grammar cache's size; threads: each pool's threads (0: sized to the cores)."""
+
+    max_cpu_seconds: float = 0.5
+    max_parse_seconds: float = 0.01
+    cache_bytes: int = 256 * 2**20
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_cpu_seconds > 0:
+            raise ValueError(f"max_grammar_ms must be > 0, got {self.max_cpu_seconds * 1000:g}")
+        if not self.max_parse_seconds > 0:
+            raise ValueError(f"max_parse_seconds must be > 0, got {self.max_parse_seconds}")
+        if self.cache_bytes < 1:
+            raise ValueError(f"grammar_cache_memory must be > 0 bytes, got {self.cache_bytes}")
+        if self.threads < 0:
+            raise ValueError(f"grammar threads must be >= 0, got {self.threads}")
+
+    @property
+    def pool_threads(self) -> int:
+        # A quarter of the cores, at most 8: on a CPU server the cores belong to the forward pass.
+        # On a small machine that is one thread, and an expensive mask then delays the other
+        # grammar sequences (never the free ones) by at most the budget; a second thread there
+        # costs the forward pass more than it saves them (each hands the GIL back and forth).
+        return self.threads or max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def parser_limits():
+    """llguidance's limits, each set explicitly (its defaults unless said otherwise). The speeds
+    quoted are llguidance's documentation's. They bound a single compile or mask, which cannot be
+    interrupted; GrammarLimits then decides what a request may spend."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(
+        # Fuel for building the lexer's initial regex expressions at compile (~50k per ms; default
+        # 1M). Counted repetitions such as (q{20000}){20000} spend it and fail at once instead of
+        # building hundreds of MB of expressions on their first mask.
+        initial_lexer_fuel=200_000,
+        # Lexer fuel of one mask (~14k per ms): bounds a mask's lexer work.
+        step_lexer_fuel=200_000,
+        # Earley items one mask may create (~20k per ms): bounds the parse of an ambiguous grammar.
+        step_max_items=50_000,
+        # Earley items in one row: beyond it the parse fails (too ambiguous, or right-recursive).
+        max_items_in_row=2_000,
+        # Lexer states, built lazily as masks walk the vocabulary, 1-2 kB each: bounds one grammar's
+        # memory to about 100 MB (default 250k, about 0.5 GB).
+        max_lexer_states=50_000,
+        # Symbols in the grammar's productions: bounds a schema's size.
+        max_grammar_size=500_000,
+        # Large lexemes are run over the whole token trie at lexer build: a dearer compile (which
+        # the budget bounds) for cheaper masks.
+        precompute_large_lexemes=True,
+        # Errors reach clients: no parser state dump (default True).
+        verbose_errors=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -52,6 +141,9 @@ class StructuredOutput:
     kind: Kind
     spec: str = ""
     param: str = "response_format"
+    # json: ignore the keywords llguidance does not implement (an unknown "format") instead of
+    # refusing the schema. For schemas that are checked, not enforced (tool_choice auto).
+    lenient: bool = False
 
     def grammar(self) -> str:
         """The llguidance grammar for this constraint (not yet checked against a tokenizer)."""
@@ -59,7 +151,7 @@ class StructuredOutput:
 
         try:
             if self.kind == "json":
-                return LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)
+                return LLMatcher.grammar_from_json_schema(self.spec, defaults={**JSON_OPTIONS, "lenient": self.lenient})
             if self.kind == "json_object":
                 return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             if self.kind == "regex":
@@ -74,10 +166,10 @@ class StructuredOutput:
         raise InvalidParameter(self.param, f"unknown structured output kind {self.kind!r}")
 
 
-def json_schema(schema: dict, param: str = "response_format") -> StructuredOutput:
+def json_schema(schema: dict, param: str = "response_format", lenient: bool = False) -> StructuredOutput:
     if not isinstance(schema, dict):
         raise InvalidParameter(param, f"{param}: a JSON schema must be an object, got {type(schema).__name__}")
-    return StructuredOutput("json", json.dumps(schema, sort_keys=True), param)
+    return StructuredOutput("json", json.dumps(schema, sort_keys=True), param, lenient)
 
 
 def choice(options: list[str], param: str = "guided_choice") -> StructuredOutput:
@@ -93,141 +185,358 @@ def _regex_escape(text: str) -> str:
 
 @dataclass
 class MaskStats:
-    """Totals over the engine's life: masks computed, seconds computing them (worker thread) and
-    seconds the engine thread waited for one before sampling (the part on the critical path)."""
+    """Totals over the engine's life: masks computed, seconds computing them (pool threads), seconds
+    the engine thread waited for one (only when nothing else could run), sequences that skipped a
+    step because their mask was late, requests refused or ended for their grammar's cost, and the
+    compiled-grammar cache (bytes as estimated, entries)."""
 
     masks: int = 0
     compute_seconds: float = 0.0
     wait_seconds: float = 0.0
+    skips: int = 0
+    over_budget: int = 0
+    cache_bytes: int = 0
+    cache_entries: int = 0
 
     def snapshot(self) -> "MaskStats":
-        return MaskStats(self.masks, self.compute_seconds, self.wait_seconds)
+        return dataclasses.replace(self)
+
+
+class _Entry:
+    """A compiled constraint: its prototype matcher (sequences get copies, which share its lexer)
+    and its estimated size."""
+
+    __slots__ = ("matcher", "nbytes")
+
+    def __init__(self, matcher, nbytes: int):
+        self.matcher, self.nbytes = matcher, nbytes
 
 
 class GrammarCompiler:
-    """The engine's llguidance tokenizer (built on first use: about a second for a 50k vocabulary)
-    and a cache of compiled constraints. `check` may run on any thread; `guide` on the engine's."""
+    """The engine's llguidance tokenizer (built on first use: about a second for a 50k vocabulary),
+    the grammar pools and the cache of compiled constraints. `check` may run on any thread but the
+    pools'; `guide`, `prefetch` and `wait_any` on the engine's."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 limits: GrammarLimits = GrammarLimits()):
         self._hf = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
+        self.limits = limits
+        self._words = (vocab_size + 31) // 32  # int32 words of one mask
         self._lock = threading.Lock()
         self._tokenizer = None
-        self._prototypes: OrderedDict[StructuredOutput, object] = OrderedDict()
-        # One worker: on a small CPU a second would only compete with the forward pass.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-grammar")
-        self._executor = None  # llguidance's LLExecutor, made on the worker
+        self._parser_limits = None
+        self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
+        self._refused: OrderedDict[StructuredOutput, InvalidParameter] = OrderedDict()
+        self._compiling: dict[StructuredOutput, Future] = {}  # one compile however many requests send it
+        n = limits.pool_threads
+        self._compile_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-compile",
+                                                initializer=_lower_priority)
+        self._mask_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-mask",
+                                             initializer=_lower_priority)
         self.stats = MaskStats()
 
     def _ll_tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos_token_ids or None)
+                self._parser_limits = parser_limits()
+            return self._tokenizer
 
+    # -- compiling --------------------------------------------------------------------------------
     def check(self, so: StructuredOutput):
-        """Compile `so` once (cached); InvalidParameter naming so.param if it is not a valid grammar."""
+        """Compile `so` once (cached) on the compile pool and return its prototype matcher.
+        InvalidParameter naming so.param if it is not a valid grammar, GrammarTooCostly if it costs
+        more than the limits allow; either is remembered, so resending it costs nothing."""
+        with self._lock:
+            entry = self._cache.get(so)
+            if entry is not None:
+                self._cache.move_to_end(so)
+                return entry.matcher
+            refused = self._refused.get(so)
+            if refused is not None:
+                raise type(refused)(refused.param, str(refused))
+            pending = self._compiling.get(so)
+            if pending is None:
+                pending = self._compiling[so] = self._compile_pool.submit(self._compile, so)
+        return pending.result().matcher
+
+    def _compile(self, so: StructuredOutput) -> _Entry:
+        # On a compile pool thread. CPU time, not wall time: a busy machine is not the request's fault.
         from llguidance import LLMatcher
 
+        tok = self._ll_tokenizer()  # once per engine, not the request's cost
+        cpu0, heap0 = time.thread_time(), _heap_bytes()
+        try:
+            grammar = so.grammar()
+            matcher = LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
+            if not matcher.is_error():
+                # The first mask: where llguidance's lazy lexer shows what the grammar costs.
+                scratch = torch.zeros(self._words, dtype=torch.int32)  # (vocab / 32,) one bit per token
+                matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), self._words * 4)
+            if matcher.is_error():
+                raise InvalidParameter(so.param, f"{so.param} is not a valid constraint: "
+                                                 f"{matcher.get_error().splitlines()[0]}")
+            cpu = time.thread_time() - cpu0
+            budget = self.limits.max_cpu_seconds
+            if cpu > budget:
+                raise GrammarTooCostly(so.param, f"{so.param}: compiling this constraint took {cpu * 1000:.0f} ms "
+                                                 f"of CPU time, over this server's budget of {budget * 1000:.0f} ms "
+                                                 "(--max-grammar-ms); simplify it")
+            nbytes = max(_heap_bytes() - heap0, len(grammar))
+            if nbytes > self.limits.cache_bytes:
+                raise GrammarTooCostly(so.param, f"{so.param}: this constraint compiles to about {nbytes >> 20} MiB, "
+                                                 "more than this server's grammar cache holds "
+                                                 f"({self.limits.cache_bytes >> 20} MiB, --grammar-cache-memory)")
+        except InvalidParameter as e:
+            with self._lock:
+                self._compiling.pop(so, None)
+                self._refused[so] = e
+                while len(self._refused) > _REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+                if isinstance(e, GrammarTooCostly):
+                    self.stats.over_budget += 1
+            raise
+        except BaseException:
+            with self._lock:
+                self._compiling.pop(so, None)
+            raise
+        entry = _Entry(matcher, nbytes)
         with self._lock:
-            proto = self._prototypes.get(so)
-            if proto is not None:
-                self._prototypes.move_to_end(so)
-                return proto
-            tok = self._ll_tokenizer()
-        grammar = so.grammar()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tok)
-        if is_error:
-            raise InvalidParameter(so.param, f"{so.param} is not a valid constraint: {messages[0]}")
-        proto = LLMatcher(tok, grammar, log_level=0)
-        if proto.is_error():
-            raise InvalidParameter(so.param, f"{so.param} is not a valid constraint: {proto.get_error()}")
-        with self._lock:
-            self._prototypes[so] = proto
-            while len(self._prototypes) > _CACHE_SIZE:
-                self._prototypes.popitem(last=False)
-        return proto
+            self._compiling.pop(so, None)
+            self._cache[so] = entry
+            self.stats.cache_bytes += nbytes
+            self._evict()
+        return entry
 
+    def _evict(self) -> None:
+        # Under self._lock. Least recently used first; a sequence following an evicted grammar keeps
+        # its matcher copy (and the lexer it shares) until it finishes.
+        while self.stats.cache_bytes > self.limits.cache_bytes and self._cache:
+            _, old = self._cache.popitem(last=False)
+            self.stats.cache_bytes -= old.nbytes
+        self.stats.cache_entries = len(self._cache)
+
+    def _grew(self, so: StructuredOutput, nbytes: int) -> None:
+        with self._lock:
+            entry = self._cache.get(so)
+            if entry is not None:
+                entry.nbytes += nbytes
+                self.stats.cache_bytes += nbytes
+                self._evict()
+
+    # -- masks ------------------------------------------------------------------------------------
     def guide(self, so: StructuredOutput) -> "Guide":
-        return Guide(self.check(so).deep_copy(), self)
+        return Guide(self.check(so).deep_copy(), so, self)
 
     def prefetch(self, guides: list["Guide"]) -> None:
-        """Start computing the next token mask of every guide that has none pending, in one
-        task on the worker (masks of one batch are computed together)."""
+        """Start computing the next token mask of every guide that has none pending: the cheap ones
+        in one task, each expensive one in a task of its own."""
         todo = [g for g in guides if g._pending is None]
-        if todo:
-            pending = self._pool.submit(self._compute, todo)
-            for g in todo:
+        batch = [g for g in todo if g._last_cpu <= _ALONE_SECONDS]
+        tasks = ([batch] if batch else []) + [[g] for g in todo if g._last_cpu > _ALONE_SECONDS]
+        for task in tasks:
+            pending = self._mask_pool.submit(self._compute, task)
+            for g in task:
                 g._pending = pending
 
-    def _compute(self, guides: list["Guide"]) -> None:
-        # On the worker. llguidance fills the batch's bitmask with the GIL released (0.1-0.4 ms
-        # for 16 JSON-schema masks over a 49k vocabulary); numpy turns it into each sequence's
-        # admitted token ids (torch's shift-and-mask took 5x longer), which the sampler gathers.
-        t0 = time.perf_counter()
-        if self._executor is None:
-            from llguidance import LLExecutor
+    def wait_any(self, guides: list["Guide"], timeout: float) -> None:
+        """Wait until one of the guides' masks is ready, at most `timeout` seconds."""
+        pending = {g._pending for g in guides if g._pending is not None}
+        if pending:
+            t0 = time.perf_counter()
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+            self.stats.wait_seconds += time.perf_counter() - t0
 
-            self._executor = LLExecutor(num_threads=_executor_threads())
-        words = (self.vocab_size + 31) // 32
+    def _compute(self, guides: list["Guide"]) -> None:
+        # On a mask pool thread: each guide consumes the tokens its sequence sampled since its last
+        # mask (an ambiguous grammar's parse can cost as much as its mask, so it is not done on the
+        # engine thread either), then llguidance fills its row with the GIL released; numpy turns
+        # the rows into each sequence's admitted token ids (torch's shift-and-mask took 5x
+        # longer), which the sampler gathers.
+        t0 = time.perf_counter()
+        words = self._words
         bits = torch.zeros(len(guides), words, dtype=torch.int32)  # (guides, vocab / 32) one bit per token
-        self._executor.unsafe_compute_mask_ptr([(g._matcher, i) for i, g in enumerate(guides)],
-                                               bits.data_ptr(), words * 4, len(guides))
+        for i, g in enumerate(guides):
+            cpu0, heap0 = time.thread_time(), _heap_bytes()
+            g._consume()
+            parse = time.thread_time() - cpu0
+            if g._too_costly is None and parse > self.limits.max_parse_seconds:
+                param = g._so.param
+                g._too_costly = GrammarTooCostly(
+                    param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time, "
+                           f"over this server's limit of {self.limits.max_parse_seconds * 1000:.0f} ms (a parse "
+                           "holds up every request while it runs); the request was ended. Make the grammar "
+                           "unambiguous")
+            if g._too_costly is None and not g._matcher.is_stopped():
+                was_error = g._matcher.is_error()
+                g._matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * words * 4, words * 4)
+                if not was_error and g._matcher.is_error():
+                    g._limit_hit()
+            g._last_cpu = time.thread_time() - cpu0
+            grown = _heap_bytes() - heap0
+            if grown >= _COUNTED_GROWTH:
+                self._grew(g._so, grown)
         # Bit i of word w is token 32 * w + i (little-endian words and bit order).
         unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (guides, words * 32)
+        budget = self.limits.max_cpu_seconds
         for g, row in zip(guides, unpacked[:, : self.vocab_size]):
+            if g._too_costly is None and g._last_cpu > budget:
+                param = g._so.param
+                g._too_costly = GrammarTooCostly(
+                    param, f"{param}: the grammar work for one token of this constraint took "
+                           f"{g._last_cpu * 1000:.0f} ms of CPU time, over this server's budget of "
+                           f"{budget * 1000:.0f} ms (--max-grammar-ms); the request was ended")
+            if g._too_costly is not None:
+                with self._lock:
+                    self.stats.over_budget += 1
+                continue
             ids = np.flatnonzero(row)  # (admitted,) ascending
-            # A matcher in an error state admits nothing; end its sequence rather than sample
-            # from nothing.
+            # A matcher put in an error state by a refused token, or a complete grammar, admits
+            # nothing; end its sequence rather than sample from nothing.
             g._allowed = torch.from_numpy(ids) if ids.size else torch.tensor(self.eos_token_ids, dtype=torch.long)
-        self.stats.masks += len(guides)
-        self.stats.compute_seconds += time.perf_counter() - t0
+        with self._lock:
+            self.stats.masks += len(guides)
+            self.stats.compute_seconds += time.perf_counter() - t0
+
+    def telemetry(self) -> MaskStats:
+        with self._lock:
+            return self.stats.snapshot()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _executor_threads() -> int:
-    # Mask work is a few ms per batch-16 step; on a small CPU more threads would only take cores
-    # from the forward pass, on a large one a few spread a big batch.
-    return max(1, min(4, (os.cpu_count() or 1) // 8))
+# The pools' threads run at a lower priority (Linux nice, per thread) so that grammar work takes
+# the cores the forward pass leaves idle: an OpenMP region waits for its slowest thread, and a
+# grammar thread holding one of its cores stretches the whole step.
+POOL_NICE = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POOL_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: same priority as the engine
+        pass
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _load_mallinfo2():
+    try:
+        # PyDLL: the call keeps the GIL (it takes microseconds); a CDLL call would drop and take it
+        # back, and every take from a pool thread can make the engine thread wait.
+        fn = ctypes.PyDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_mallinfo2 = _load_mallinfo2()
+
+
+def _heap_bytes() -> int:
+    """Bytes malloc has handed out and not taken back (process-wide; llguidance allocates through
+    it), or the resident set size where glibc's mallinfo2 is missing (then memory freed and reused
+    counts as none), or 0 where neither is known."""
+    if _mallinfo2 is not None:
+        info = _mallinfo2()
+        return info.uordblks + info.hblkhd
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 class Guide:
-    """One sequence's grammar state and its next-token mask."""
+    """One sequence's grammar state and its next-token mask. The engine thread only records the
+    sampled tokens (`accept`); the pool consumes them with the next mask, so neither a mask nor a
+    parse runs on the engine thread. `stopped` and `error` are read once `allowed` returned."""
 
-    def __init__(self, matcher, compiler: GrammarCompiler):
+    def __init__(self, matcher, so: StructuredOutput, compiler: GrammarCompiler):
         self._matcher = matcher
+        self._so = so
         self._compiler = compiler
-        self._allowed: torch.Tensor | None = None  # (admitted,) int64 token ids, set by the worker
+        self._tokens: list[int] = []  # accepted, not yet consumed by the matcher
+        self._allowed: torch.Tensor | None = None  # (admitted,) int64 token ids, set by the pool
         self._pending: Future | None = None
+        self._last_cpu = 0.0  # CPU seconds of the last consume + mask
+        self._too_costly: GrammarTooCostly | None = None
 
     def prefetch(self) -> None:
         """Start computing the mask for the next token (no-op when one is already pending)."""
         self._compiler.prefetch([self])
 
-    def allowed(self) -> torch.Tensor:
-        """(admitted,) int64, ascending: the token ids the grammar admits next. Waits for the prefetched mask."""
+    @property
+    def ready(self) -> bool:
+        """The next mask is computed (allowed(timeout=0) will not return None)."""
+        return self._pending is not None and self._pending.done()
+
+    def allowed(self, timeout: float | None = None) -> torch.Tensor | None:
+        """(admitted,) int64, ascending: the token ids the grammar admits next; None when the mask
+        is not ready within `timeout` seconds (None: wait for it). Raises GrammarTooCostly when
+        the grammar work for the token cost more CPU time than the budget, or hit a limit."""
         self.prefetch()
-        t0 = time.perf_counter()
-        self._pending.result()
-        self._compiler.stats.wait_seconds += time.perf_counter() - t0
+        try:
+            self._pending.result(timeout)
+        except TimeoutError:
+            return None
+        if self._too_costly is not None:
+            raise self._too_costly
         return self._allowed
 
     def accept(self, token: int) -> None:
-        """Advance past a sampled token. The mask only admits valid tokens, so a refusal is a bug
-        (or a stop token the grammar does not know), reported by `error`."""
+        """Advance past a sampled token (consumed by the pool with the next mask). The mask only
+        admits valid tokens, so a refusal is a bug (or a stop token the grammar does not know),
+        reported by `error`."""
+        if self._pending is not None:
+            self._pending.result()  # the matcher is the pool's until its mask is done
         self._pending = None
-        self._matcher.consume_token(token)
+        self._tokens.append(token)
+
+    def _consume(self) -> None:
+        # On the pool (or the caller's thread when nothing is pending).
+        tokens, self._tokens = self._tokens, []
+        for token in tokens:
+            was_error = self._matcher.is_error()
+            self._matcher.consume_token(token)
+            if not was_error and self._matcher.is_error() and self._allowed is not None \
+                    and bool((self._allowed == token).any()):
+                # A token its own mask admitted, refused: the lexer went past one of llguidance's
+                # limits on the way.
+                self._limit_hit()
+
+    def _limit_hit(self) -> None:
+        # The mask only admits valid tokens, so an error while following one is one of llguidance's
+        # limits (parser_limits): the grammar grew too costly to follow.
+        param = self._so.param
+        self._too_costly = GrammarTooCostly(
+            param, f"{param}: this constraint went past the grammar engine's limits while generating "
+                   f"({self._matcher.get_error().splitlines()[0]}); the request was ended")
+
+    def _settled(self):
+        if self._pending is not None:
+            self._pending.result()
+        elif self._tokens:
+            self._consume()
+        return self._matcher
 
     @property
     def stopped(self) -> bool:
         """The grammar is complete and admits nothing more (or failed): the sequence should end."""
-        return self._matcher.is_stopped()
+        return self._settled().is_stopped()
 
     @property
     def error(self) -> str:
-        return self._matcher.get_error()
+        return self._settled().get_error()

@@ -1,0 +1,225 @@
+"""A hostile grammar cannot slow, starve or exhaust the others (issue #40): the engine never waits
+for a grammar mask that is not ready, each request's grammar has a CPU-time budget (a 400 at
+compile, an error finish for that request alone later), and compiled grammars are cached within a
+byte cap. The reproductions are the issue's: an ambiguous Lark grammar, counted regex repetitions
+that compile in a millisecond and then build hundreds of MB on their first mask."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from engine.demo import build_random_model, demo_config
+from engine.structured_output import GrammarCompiler, GrammarLimits, GrammarTooCostly, StructuredOutput, json_schema
+from engine.sampling_params import InvalidParameter
+
+# Every parse of "a+b+c..." is ambiguous three ways over: an Earley parser's work per token grows
+# with the length, and the mask with it.
+AMBIGUOUS = 'start: e\ne: e e | e e e | "(" e ")" | /[a-z]/ | e "{op}" e\n'
+
+
+def ambiguous(i: int) -> StructuredOutput:
+    # A different operator per request: distinct grammars, as distinct clients would send.
+    return StructuredOutput("grammar", AMBIGUOUS.format(op="+" * (i + 1)), "guided_grammar")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread for timing on a shared machine: an OpenMP region waits for its slowest
+    thread, so with every core's thread in it any other process (or the pool's grammar threads)
+    that takes a core for a slice stretches the whole step, grammar or no grammar."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    m = LLM(str(llama_dir))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def demo_llm(tmp_path_factory):
+    """The demo model's shape (6 blocks of 256): steps long enough that a scheduling hiccup of the
+    machine is small beside one, as it is beside a real model's."""
+    folder = build_random_model(tmp_path_factory.mktemp("grammar-demo"), demo_config())
+    m = LLM(str(folder), max_model_len=512)
+    yield m
+    m.close()
+
+
+def _free_stream_gaps(eng, tokens: int) -> tuple[list[float], int]:
+    """Greedy free stream of `tokens` tokens, stepped with whatever else runs: the seconds between
+    its outputs, and the engine steps it took."""
+    rid = eng.add_request("Once upon a time", SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    gaps, last, steps = [], None, 0
+    while rid in eng._seqs:
+        outs = eng.step()
+        steps += 1
+        if any(o.request_id == rid for o in outs):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return gaps, steps
+
+
+def counted(i: int) -> StructuredOutput:
+    # Counted repetitions: a large lexer, whose masks cost milliseconds each (with the GIL
+    # released) while the parse of a token costs microseconds. Distinct per request, as distinct
+    # clients would send.
+    return StructuredOutput("regex", f"(q{{{300 + i}}}){{300}}", "guided_regex")
+
+
+def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_thread):
+    """Requests whose every mask costs more than 4 steps of a free stream run while a greedy free
+    stream decodes beside them. It gets a token at every step (the grammar sequences skip steps
+    instead), and its worst gap stays under 2x its median gap alone, measured in the same run.
+    On a loaded machine one window may see a scheduling hiccup, so the ratio is the best of five
+    windows (of 20 short steps each): a stream that waited for the masks would fail all five."""
+    eng = demo_llm.engine
+    alone, _ = _free_stream_gaps(eng, 20)
+    normal = statistics.median(alone)
+    hostile = [eng.add_request("x", SamplingParams(max_tokens=400, temperature=1.0, seed=i, ignore_eos=True,
+                                                   structured=counted(i)))
+               for i in range(4)]
+    start = eng.grammar.telemetry()
+    for _ in range(2000):  # until 8 masks are done (bounded)
+        now = eng.grammar.telemetry()
+        if now.masks - start.masks >= 8:
+            break
+        eng.step()
+    mask_seconds = (now.compute_seconds - start.compute_seconds) / max(1, now.masks - start.masks)
+    assert mask_seconds >= 4 * normal, (mask_seconds, normal)
+    ratios = []
+    for attempt in range(5):
+        before = eng.grammar.telemetry()
+        during, steps = _free_stream_gaps(eng, 20)
+        assert steps == 20, "the free stream skipped a step"
+        assert eng.grammar.telemetry().skips > before.skips  # the grammar sequences did
+        ratios.append(max(during) / normal)
+        if ratios[-1] < 2:
+            break
+    for rid in hostile:
+        eng.abort(rid)
+    assert min(ratios) < 2, (ratios, normal, mask_seconds)
+
+
+def test_ambiguous_grammar_is_ended_before_its_parse_holds_up_the_server(llm):
+    """The issue's Lark grammar: each token's parse grows with the output, and llguidance holds the
+    GIL while it parses (every thread waits). Its request is ended once one parse passes the limit;
+    a free request beside it runs to its length."""
+    eng = llm.engine
+    hostile = eng.add_request("x", SamplingParams(max_tokens=250, temperature=1.0, seed=0, ignore_eos=True,
+                                                  structured=ambiguous(0)))
+    free = eng.add_request("y", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done[hostile].finish_reason == "error" and done[hostile].num_output_tokens < 250
+    assert isinstance(done[hostile].error, GrammarTooCostly) and "parsing one token" in str(done[hostile].error)
+    assert done[free].finish_reason == "length" and done[free].num_output_tokens == 30
+
+
+def test_mask_over_budget_ends_that_request_alone(llama_dir):
+    """A token's grammar work that costs more CPU time than --max-grammar-ms ends its request with
+    an error that says so (an InvalidParameter naming the field); a free request beside it
+    finishes whole. The ambiguous grammar's first tokens are cheap (it compiles), later ones not."""
+    m = LLM(str(llama_dir), max_grammar_ms=3)
+    try:
+        eng = m.engine
+        hostile = eng.add_request("x", SamplingParams(max_tokens=200, temperature=1.0, seed=0, ignore_eos=True,
+                                                      structured=ambiguous(0)))
+        free = eng.add_request("y", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        assert done[hostile].finish_reason == "error"
+        assert isinstance(done[hostile].error, GrammarTooCostly) and done[hostile].error.param == "guided_grammar"
+        assert "--max-grammar-ms" in str(done[hostile].error)
+        assert done[free].finish_reason == "length" and done[free].num_output_tokens == 30
+        assert eng.grammar.telemetry().over_budget >= 1
+    finally:
+        m.close()
+
+
+def test_counted_repetitions_end_their_request_alone(llm):
+    """(q{20000}){20000} compiles in a millisecond; its lexer used to build hundreds of MB over
+    seconds inside the engine step. Now llguidance's lexer fuel stops it a few tokens in, and the
+    request ends with an error saying so, while a free request beside it runs to its length."""
+    eng = llm.engine
+    hostile = eng.add_request("x", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, structured=(
+        StructuredOutput("regex", "(q{20000}){20000}", "guided_regex"))))
+    free = eng.add_request("y", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done[hostile].finish_reason == "error" and done[hostile].num_output_tokens < 50
+    assert isinstance(done[hostile].error, GrammarTooCostly) and done[hostile].error.param == "guided_regex"
+    assert "limits" in str(done[hostile].error)
+    assert done[free].finish_reason == "length" and done[free].num_output_tokens == 20
+
+
+def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    tight = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(max_cpu_seconds=1e-4))
+    compiles = []
+    compile_ = tight._compile
+    tight._compile = lambda so: compiles.append(so) or compile_(so)
+    try:
+        for _ in range(2):
+            with pytest.raises(GrammarTooCostly) as e:
+                tight.check(json_schema(schema, "response_format"))
+            assert e.value.param == "response_format" and "--max-grammar-ms" in str(e.value)
+        assert len(compiles) == 1  # the second time, the refusal was remembered
+        assert tight.telemetry().over_budget == 1 and tight.telemetry().cache_entries == 0
+    finally:
+        tight.close()
+    with pytest.raises(ValueError, match="max_grammar_ms"):
+        EngineArgs(model="x", max_grammar_ms=0)
+    with pytest.raises(ValueError, match="grammar_cache_memory"):
+        EngineArgs(model="x", grammar_cache_memory=0)
+
+
+def test_grammar_cache_is_capped_in_bytes(llm):
+    """50 distinct hostile grammars, (q{20000+i}){20000}, each of which builds ~20 MB of lexer state
+    on its first mask: the cache's estimate never passes its cap, and the process grows by no more
+    than the cap plus a compile or two in flight. The old cache kept 64 entries whatever their size:
+    these 50 would have held about 1 GB."""
+    cap = 48 * 2**20
+    g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=cap))
+    try:
+        g.check(StructuredOutput("regex", "(q{100}){100}"))  # the tokenizer and pools, before measuring
+        rss0 = _rss()
+        peak = 0
+        for i in range(50):
+            guide = g.guide(StructuredOutput("regex", f"(q{{{20000 + i}}}){{20000}}", "guided_regex"))
+            guide.allowed()  # a sequence's copy computes masks too, and is freed with it
+            del guide
+            peak = max(peak, g.telemetry().cache_bytes)
+        stats = g.telemetry()
+        assert 10 * 2**20 < peak <= cap and stats.cache_bytes <= cap
+        assert 1 <= stats.cache_entries < 5
+        grown = _rss() - rss0
+        assert grown < cap + 64 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
+    finally:
+        g.close()
