@@ -182,6 +182,11 @@ class OpenAIServing:
             await asyncio.to_thread(self.engine.check_structured, so)
         return so
 
+    async def _check_tools(self, plan: tools.ToolPlan) -> None:
+        """Every tool's parameter schema, compiled off the event loop (cached), whatever tool_choice."""
+        for so in plan.schemas():
+            await asyncio.to_thread(self.engine.check_structured, so)
+
     def _params(self, req, max_tokens: int, logprobs: int | None, structured_output=None) -> SamplingParams:
         best_of = getattr(req, "best_of", None)
         if best_of is not None and best_of > req.n:
@@ -387,6 +392,7 @@ class OpenAIServing:
         _check_stream_options(req)
         self.limits.check(req, 1, self.engine.capacity)
         plan = tools.plan_tools(req, self.tool_format())
+        await self._check_tools(plan)
         ids = await self.off_loop(self.chat_prompt_ids, req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
@@ -402,7 +408,7 @@ class OpenAIServing:
         if c.tool_parser is None:
             return AssistantMessage(content=c.text)
         content, calls = c.tool_parser.advance(c.text, finished=True)
-        return AssistantMessage(content=None if calls and not content.strip() else content,
+        return AssistantMessage(content=None if (calls or c.tool_parser.plan.forced) and not content.strip() else content,
                                 tool_calls=[ToolCallInfo(**t.openai()) for t in calls] or None)
 
     def _chat_logprobs(self, infos: list[TokenLogprobs]) -> ChatLogprobs:

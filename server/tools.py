@@ -16,6 +16,12 @@
   argument object valid for its function's schema; a named function to its arguments object. So
   the arguments always validate, whatever the model.
 - "none": the tools are not shown to the model and nothing is parsed.
+- Whatever tool_choice, each function's `parameters` must be a JSON schema the grammar engine reads
+  (`ToolPlan.schemas()`; unknown keywords aside): `{"type": "banana"}` is a 400, not a tool the
+  model is told about.
+- Cut short by max_tokens, a forced call ("required", named) is never returned as content: the
+  calls completed so far are returned, an incomplete one is dropped, and finish_reason is "length"
+  (so a named call cut short returns no call at all). Reserve tokens with max_tokens to avoid it.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     format: str = "hermes"  # how the model writes calls (FORMATS)
+    declared: tuple[dict, ...] = ()  # every tool the request sent (with "none" too), for schemas()
 
     @property
     def active(self) -> bool:
@@ -95,6 +102,17 @@ class ToolPlan:
         """Whether the output must be decoded with special tokens: Mistral's [TOOL_CALLS] and
         Llama's <|python_tag|> are special tokens, which decoding would otherwise drop."""
         return self.mode == "auto" and self.format in ("mistral", "llama3_json")
+
+    @property
+    def forced(self) -> bool:
+        """The output is calls only (required, named): the grammar holds it to them."""
+        return self.mode in ("required", "named")
+
+    def schemas(self) -> list[StructuredOutput]:
+        """Every function's parameters as a constraint to check (leniently: they are only checked
+        here, the forced grammar of structured() enforces them), naming the field in errors."""
+        return [json_schema(_parameters(t), f"tools.{i}.function.parameters", lenient=True)
+                for i, t in enumerate(self.declared)]
 
     def structured(self) -> StructuredOutput | None:
         """The grammar that makes the calls valid, for required / named."""
@@ -134,12 +152,14 @@ def plan_tools(req, fmt: str = "hermes") -> ToolPlan:
             raise InvalidParameter("tool_choice", "tool_choice needs tools")
         return ToolPlan("none")
     if choice in ("none", "auto", "required"):
-        plan = ToolPlan(choice, tuple(tools) if choice != "none" else (), parallel=req.parallel_tool_calls, format=fmt)
+        plan = ToolPlan(choice, tuple(tools) if choice != "none" else (), parallel=req.parallel_tool_calls, format=fmt,
+                        declared=tuple(tools))
     else:
         name = choice.function.name
         if name not in names:
             raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not in tools")
-        plan = ToolPlan("named", tuple(tools), named=name, parallel=req.parallel_tool_calls, format=fmt)
+        plan = ToolPlan("named", tuple(tools), named=name, parallel=req.parallel_tool_calls, format=fmt,
+                        declared=tuple(tools))
     return plan
 
 
@@ -441,13 +461,12 @@ class ToolCallParser:
             try:
                 json.loads(rest)
             except json.JSONDecodeError:
-                return rest, []  # cut short (max_tokens): not a call
+                return "", []  # cut short (max_tokens): the incomplete call is dropped, never content
             return "", self._add([ToolCall(self.plan.named, rest, call_id(fmt))])
         if self.plan.mode == "required":
             rest, self._buf = self._buf, ""
+            # Cut short (max_tokens): the whole calls so far; the incomplete one is dropped.
             items = _complete_items(rest)
-            if not items:
-                return rest, []  # cut short (max_tokens) before the first call was whole
             return "", self._add([ToolCall(c["name"], json.dumps(c["arguments"]), call_id(fmt)) for c in items])
         content, calls = self._scanner.finish()
         return content, self._add(calls)

@@ -199,6 +199,49 @@ def test_tool_call_parser_flag_end_to_end(api_server, tmp_path):
         _stop(s)
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_cut_short_is_never_content(api_server, tool_choice):
+    """max_tokens 3 cuts a forced call short: the incomplete call is dropped, never sent as
+    content; finish_reason "length". Streamed and not."""
+    c = api_server.client()
+    kw = dict(model="agent", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, CLOCK],
+              tool_choice=tool_choice, max_tokens=3, seed=1)
+    r = c.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 3
+    assert choice.message.content is None and choice.message.tool_calls is None
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required"])
+def test_invalid_tool_schema_is_a_400_whatever_tool_choice(api_server, tool_choice):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}
+    body = {"model": "agent", "messages": ask(0), "max_tokens": 2, "tools": [WEATHER, bad]}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    assert_error(httpx.post(api_server.url + "/v1/chat/completions", json=body), 400,
+                 "tools.1.function.parameters", "banana")
+
+
+def test_grammar_too_costly_while_generating_ends_that_request(api_server):
+    """The issue's ambiguous Lark grammar: once one token's parse passes the limit, the request
+    ends with a 400 naming the field (not streamed) or an error event then [DONE] (streamed)."""
+    body = {"model": "agent", "prompt": "x", "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "seed": 0,
+            "guided_grammar": 'start: e\ne: e e | e e e | "(" e ")" | /[a-z]/ | e "+" e\n'}
+    url = api_server.url + "/v1/completions"
+    assert_error(httpx.post(url, json=body, timeout=120), 400, "guided_grammar", "the request was ended")
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["param"] == "guided_grammar" and error["code"] == 400, error
+    assert all("choices" in json.loads(e) for e in events[:-2])
+
+
 def test_tool_errors(api_server):
     url = api_server.url + "/v1/chat/completions"
     base = {"model": "agent", "messages": ask(0), "max_tokens": 5}
@@ -282,7 +325,7 @@ def test_required_calls_cut_short_keep_the_whole_ones():
     out, calls = _parse_in_pieces(plan, text)
     assert out == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "utc"})]
     assert tool_calls.finish_reason("length", _parser_with(plan, text)) == "length"
-    assert _parse_in_pieces(plan, '[{"name": "get_ti') == ('[{"name": "get_ti', [])
+    assert _parse_in_pieces(plan, '[{"name": "get_ti') == ("", [])  # never content
 
 
 def _parser_with(plan, text):
@@ -495,3 +538,36 @@ def test_messages_api_errors(api_server):
         a.messages.create(model="other", max_tokens=10, messages=[{"role": "user", "content": "x"}])
     r = httpx.post(api_server.url + "/v1/messages", json={"model": "agent", "messages": []})
     assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("messages, where, says", [
+    # A tool_result that answers no tool_use of the assistant message just before it.
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "cold"}]}],
+     "messages.0.content.0", "tool_use_id"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "cold"}]}],
+     "messages.2.content.0", "tool_use_id"),
+    ([{"role": "user", "content": ""}], "messages.0.content", "non-empty content"),
+    ([{"role": "user", "content": []}], "messages.0.content", "non-empty content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "x"}],
+     "messages.1.content", "non-empty content"),
+    ([{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                 "data": "iVBORw0KGgo="}}]}],
+     "messages.0.content.0", "images are not supported"),
+    ([{"role": "user", "content": [{"type": "text", "text": "read this"},
+                                   {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                                   "data": "hello"}}]}],
+     "messages.0.content.1", "documents are not supported"),
+])
+def test_messages_api_refuses_what_anthropic_refuses(api_server, messages, where, says):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _anthropic(api_server).messages.create(model="agent", max_tokens=5, messages=messages)
+    body = e.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert where in body["error"]["message"] and says in body["error"]["message"], body
+
+
+def test_messages_api_allows_an_empty_final_assistant_prefill(api_server):
+    m = _anthropic(api_server).messages.create(model="agent", max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}])
+    assert m.stop_reason in ("end_turn", "max_tokens")
