@@ -6,7 +6,9 @@ content_block_start / _delta / _stop, message_delta, message_stop; ping once at 
 
 `output_config.format` (a JSON schema) is structured output, as in Anthropic's API. Older clients'
 temperature / top_p / top_k are accepted (Anthropic's ranges). Not supported, refused with a 400:
-image and document blocks, extended thinking, output_config.effort.
+image and document blocks ("images are not supported"), extended thinking, output_config.effort.
+Refused as Anthropic refuses them: a message with empty content (but a final assistant prefill),
+and a tool_result that answers no tool_use of the assistant message just before it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class _Block(_Request):
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text", "tool_use", "tool_result"]
+    # image / document: parsed only to be refused by name (_unsupported), not with a schema error.
+    type: Literal["text", "tool_use", "tool_result", "image", "document"]
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -95,12 +98,45 @@ class MessagesRequest(_Request):
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint; no effect on the output
 
 
+_UNSUPPORTED = {"image": "images are not supported", "document": "documents are not supported"}
+
+
+def _unsupported(block: _Block, param: str) -> None:
+    if block.type in _UNSUPPORTED:
+        raise InvalidParameter(param, f"{param}: {_UNSUPPORTED[block.type]} (this server serves a text-only model)")
+
+
 def _text(blocks: str | list[_Block] | None, param: str) -> str:
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
+    for j, b in enumerate(blocks):
+        _unsupported(b, f"{param}.{j}")
     if any(b.type != "text" for b in blocks):
         raise InvalidParameter(param, f"{param} may only hold text blocks")
     return "".join(b.text or "" for b in blocks)
+
+
+def _check_turns(messages: list[_Message]) -> None:
+    """What Anthropic refuses before generating: empty content (the final assistant turn, a
+    prefill, may be empty), and a tool_result whose tool_use_id names no tool_use of the assistant
+    message right before it."""
+    for i, m in enumerate(messages):
+        empty = not m.content if isinstance(m.content, str) or not m.content else False
+        if empty and not (m.role == "assistant" and i == len(messages) - 1):
+            raise InvalidParameter(f"messages.{i}.content", f"messages.{i}: all messages must have non-empty "
+                                                            "content except for the optional final assistant message")
+        if isinstance(m.content, str):
+            continue
+        prev = messages[i - 1] if i > 0 else None
+        uses = {b.id for b in prev.content if b.type == "tool_use"} if prev is not None and \
+            prev.role == "assistant" and not isinstance(prev.content, str) else set()
+        for j, b in enumerate(m.content):
+            _unsupported(b, f"messages.{i}.content.{j}")
+            if b.type == "tool_result" and b.tool_use_id not in uses:
+                raise InvalidParameter(f"messages.{i}.content.{j}", f"messages.{i}.content.{j}: unexpected "
+                                       f"`tool_use_id` found in `tool_result` blocks: {b.tool_use_id}. Each "
+                                       "`tool_result` block must have a corresponding `tool_use` block in the "
+                                       "previous message.")
 
 
 def _call_id(tool_use_id: str | None) -> str | None:
@@ -110,6 +146,7 @@ def _call_id(tool_use_id: str | None) -> str | None:
 
 
 def _openai_messages(req: MessagesRequest) -> list[dict]:
+    _check_turns(req.messages)
     out: list[dict] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system, "system")})

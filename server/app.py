@@ -56,7 +56,7 @@ class _Gate:
         self.app, self.metrics, self.body_limit = app, metrics, body_limit
         self.api_key = api_key.encode("ascii") if api_key else None
 
-    def _auth_error(self, scope) -> errors.APIError | None:
+    def _auth_error(self, scope, path: str) -> errors.APIError | None:
         headers = scope.get("headers") or []
         values = [v for k, v in headers if k == b"authorization"]
         keys = [v for k, v in headers if k == b"x-api-key"]  # how Anthropic's clients send it
@@ -69,6 +69,9 @@ class _Gate:
             token = keys[0] if keys else b""
         if token.strip() and hmac.compare_digest(token.strip(), self.api_key):
             return None
+        if path == "/v1/messages":  # Anthropic's clients send the key in x-api-key
+            return errors.AuthError("missing or invalid API key: send 'x-api-key: <key>' "
+                                    "(or 'Authorization: Bearer <key>')")
         return errors.AuthError("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     def _limited(self, scope, receive):
@@ -103,7 +106,7 @@ class _Gate:
         try:
             refusal = None
             if self.api_key and path.startswith("/v1"):
-                refusal = self._auth_error(scope)
+                refusal = self._auth_error(scope, path)
             limit, receive = self._limited(scope, receive)
             declared = dict(scope.get("headers") or []).get(b"content-length")
             if refusal is None and limit is not None and declared and declared.isdigit() and int(declared) > limit:

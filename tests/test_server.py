@@ -460,7 +460,12 @@ def test_auth(auth_server, server):
     body = {"model": "tiny-auth", "prompt": "a", "max_tokens": 2}
     assert_error(httpx.post(url + "/v1/completions", json=body), 401)
     assert_error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
-    assert_error(httpx.get(url + "/v1/models"), 401)
+    assert_error(httpx.get(url + "/v1/models"), 401, contains="Authorization: Bearer")
+    # Anthropic's clients send the key in x-api-key: their 401 says so.
+    r = httpx.post(url + "/v1/messages", json={"model": "tiny-auth", "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "a"}]})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in r.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in auth_server.client().models.list().data] == ["tiny-auth"]
