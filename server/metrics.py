@@ -69,9 +69,19 @@ class ServerMetrics:
                                       "guessed ahead: result=right (the guess named it) or wrong",
                                       labels + ["result"], registry=r)
         self.masks = Gauge("layerstream_structured_output_mask_seconds", "seconds spent on structured-output "
-                           "token masks since start: kind=compute (worker thread, overlapped with the forward "
-                           "pass) or wait (the engine thread waiting for a mask before sampling)",
-                           labels + ["kind"], registry=r)
+                           "token masks since start: kind=compute (grammar pool threads, overlapped with the "
+                           "forward pass) or wait (the engine thread waiting for a mask, only when no other "
+                           "sequence could run)", labels + ["kind"], registry=r)
+        self.mask_skips = Gauge("layerstream_structured_output_skipped_steps", "steps a grammar-constrained "
+                                "sequence sat out since start because its mask was not ready (the others went on)",
+                                labels, registry=r)
+        self.too_costly = Gauge("layerstream_structured_output_too_costly", "requests since start refused (400) or "
+                                "ended because their grammar cost more than --max-grammar-ms or hit a grammar "
+                                "engine limit", labels, registry=r)
+        self.grammar_cache = Gauge("layerstream_structured_output_cache_bytes", "compiled grammars held in host "
+                                   "memory (an estimate; capped by --grammar-cache-memory)", labels, registry=r)
+        self.grammar_entries = Gauge("layerstream_structured_output_cache_entries", "compiled grammars cached",
+                                     labels, registry=r)
         self.vllm = _VLLMNames(r, labels)
         # Paged KV cache: pool use, prefix-cache hits (in tokens, as vLLM counts them), host tier.
         self.kv_usage = Gauge("layerstream_kv_cache_usage_perc", "fraction of KV pool blocks held by running "
@@ -142,6 +152,10 @@ class ServerMetrics:
         masks = telemetry.structured_output
         self.masks.labels(m, "compute").set(masks.compute_seconds)
         self.masks.labels(m, "wait").set(masks.wait_seconds)
+        self.mask_skips.labels(m).set(masks.skips)
+        self.too_costly.labels(m).set(masks.over_budget)
+        self.grammar_cache.labels(m).set(masks.cache_bytes)
+        self.grammar_entries.labels(m).set(masks.cache_entries)
         self.observe_kv(telemetry.kv)
         if telemetry.speculative is not None:
             self.spec.update(m, telemetry.speculative)
