@@ -22,9 +22,11 @@ llguidance's lazy lexer does most of its work) and as much on each later mask; o
 any token, or an error finish for that request alone. llguidance's own limits bound what a single
 compile or mask can do before the budget is even checked, since neither can be interrupted.
 
-Masks of a batch go to the pool as one task (each hand-off costs a GIL round trip on the engine
-thread), except those of sequences whose last mask was expensive: each of those is a task of its
-own, so its cost delays only itself.
+Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
+on the engine thread), except those of sequences whose last mask was expensive: each of those is a
+task of its own, so its cost delays only itself. llguidance's parse of a sampled token holds the
+GIL (its mask computation does not), so that runs on the pool too and has a tighter CPU limit of
+its own (`GrammarLimits.max_parse_seconds`): while it runs, every thread waits.
 
 Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
 entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
@@ -335,10 +337,12 @@ class GrammarCompiler:
 
     def prefetch(self, guides: list["Guide"]) -> None:
         """Start computing the next token mask of every guide that has none pending: the cheap ones
-        in one task, each expensive one in a task of its own."""
+        in one task per pool thread, each expensive one in a task of its own."""
         todo = [g for g in guides if g._pending is None]
         batch = [g for g in todo if g._last_cpu <= _ALONE_SECONDS]
-        tasks = ([batch] if batch else []) + [[g] for g in todo if g._last_cpu > _ALONE_SECONDS]
+        # The cheap ones spread over the pool's threads (one task on a small machine).
+        n = min(len(batch), self.limits.pool_threads)
+        tasks = [batch[i::n] for i in range(n)] + [[g] for g in todo if g._last_cpu > _ALONE_SECONDS]
         for task in tasks:
             pending = self._mask_pool.submit(self._compute, task)
             for g in task:
