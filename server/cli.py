@@ -5,7 +5,9 @@ engine thread meanwhile; with --ray, replicas of the same server on Ray Serve. T
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import time
 
 from .launch import add_arguments, build_server
 from .ray_options import ReplicaOptions
@@ -30,9 +32,15 @@ def run(ns: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            # uvicorn stops listening, then waits for requests in flight; the engine ends the ones
-            # still running at the grace period (an error event + [DONE] for a stream) so none is cut.
+            # While requests are in flight, and at most for the grace period, the listener stays
+            # open: new requests get 503 + Retry-After and /health 503, so a load balancer drains
+            # this replica rather than meeting refused connections. The engine ends the requests
+            # still running at the end of the grace period (an error event + [DONE] for a stream);
+            # then uvicorn stops listening and closes the connections.
             engine.drain(ns.shutdown_grace)
+            deadline = time.monotonic() + ns.shutdown_grace
+            while self.server_state.tasks and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             await super().shutdown(sockets)
 
     server = Server(config)

@@ -298,7 +298,8 @@ def test_openapi_is_served_and_says_400_not_422(guarded):
 def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarded, alone):
     """On SIGTERM the server admits nothing new, a request that finishes within the grace period
     (10 s) completes normally, and a stream still running at its end gets an error event and
-    [DONE] instead of a cut connection."""
+    [DONE] instead of a cut connection. Meanwhile the listener stays open: a new request gets 503
+    with Retry-After (a load balancer drains the replica), not a refused connection."""
     long_body = {**INNOCENT, "max_tokens": 230, "stream": True}
 
     async def go():
@@ -316,10 +317,16 @@ def test_sigterm_lets_short_requests_finish_and_ends_long_streams_cleanly(guarde
                     assert time.monotonic() < deadline and not short.done()
                     await asyncio.sleep(0.001)
                 guarded.proc.send_signal(signal.SIGTERM)
+                while (await c.get("/health")).status_code == 200:  # until the signal is handled
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                refused = await c.post("/v1/completions", json=INNOCENT)
                 rest = [line async for line in lines]
-            return rest, await short
+            return rest, await short, refused
 
-    rest, short = asyncio.run(go())
+    rest, short, refused = asyncio.run(go())
+    assert_error(refused, 503, contains="shutting down")
+    assert refused.headers["retry-after"] == "1"
     assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 24
     frames = [ln for ln in rest if ln]
     assert frames[-1] == "data: [DONE]"
