@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from bench import amx
+from layerstream.bench import amx
 from engine import attention_backend
 from engine import model as M
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import paged
+from layerstream.bench import paged
 
 
 @pytest.mark.parametrize("flag", ["--repeats", "--rounds"])

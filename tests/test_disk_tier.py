@@ -239,7 +239,7 @@ def test_pinned_staging_feeds_a_device_copy(llama_dir):
 
 
 def test_bench_disk_skips_without_writable_cgroups(tmp_path, monkeypatch, capsys):
-    from bench import disk
+    from layerstream.bench import disk
 
     monkeypatch.setattr(disk, "CGROUP_ROOT", tmp_path / "no-cgroup-here")
     assert "no cgroup v1 memory controller" in disk.cgroups_unavailable()
