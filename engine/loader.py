@@ -236,11 +236,17 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         if checkpoint.describe(dtype):
             log.info("%s", checkpoint.describe(dtype))
         device = torch.device(args.device)
+        # GGUF in CPU fast mode: every block is prepacked once (cached), then resident ones load.
+        prepack = 0 if args.quantization else checkpoint.prepack_pending(dtype, device)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
-                   disable=not args.show_progress or not (plan.resident_blocks or args.quantization), leave=False)
+                   disable=not args.show_progress or not (plan.resident_blocks or args.quantization or prepack),
+                   leave=False)
         if args.quantization:  # every block is quantized once (unless cached), then resident ones load
             bar.reset(total=cfg.num_layers + len(plan.resident_blocks) + 1)
             bar.set_description(f"quantizing to {args.quantization} (or reading the cached result)")
+        elif prepack:
+            bar.reset(total=prepack + len(plan.resident_blocks) + 1)
+            bar.set_description("prepacking GGUF blocks for the CPU kernels (once)")
         try:
             weights = ModelWeights(checkpoint, plan, dtype, device, transport=args.transport,
                                    pin_host_memory=args.pin_host_memory, host_budget=host_room,

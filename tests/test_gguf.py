@@ -231,9 +231,11 @@ def resident_runs(gguf_root):
 
 
 @pytest.mark.parametrize("arch,qtype,dtype", TIER_CASES, ids=[f"{a}-{q.name}-{d}" for a, q, d in TIER_CASES])
-def test_disk_tier_reads_packed_bytes(gguf_root, resident_runs, arch, qtype, dtype):
+def test_disk_tier_reads_packed_bytes(gguf_root, resident_runs, monkeypatch, arch, qtype, dtype):
     """transport="disk": every streamed block is read from the file each step (O_DIRECT) as its packed
-    bytes and computed from the read buffer; tokens are the resident run's."""
+    bytes and computed from the read buffer; tokens are the resident run's. (In fast mode the disk tier
+    reads the prepacked cache entry instead: tests/test_prepacked.py; here it is off.)"""
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
     path = tiny_gguf(gguf_root, arch, qtype)
     tokens, plan = resident_runs[arch, qtype, dtype]
     llm = LLM(str(path), dtype=dtype, transport="disk", max_device_memory=plan.budget_keeping(1), **SHORT)

@@ -168,10 +168,12 @@ RUN_CASES = [("llama", Q.Q4_0), ("qwen2", Q.Q4_K), ("llama", Q.Q8_0)]
 
 
 @pytest.mark.parametrize("arch,qtype", RUN_CASES, ids=[f"{a}-{q.name}" for a, q in RUN_CASES])
-def test_streamed_runs_compute_the_resident_run(repack, gguf_root, arch, qtype):
-    """Fast mode (bf16): one block resident and the others streamed from the page cache, or read from
-    disk each step, gives the all-resident run's prompt logits bit for bit and its greedy tokens; the
-    disk tier still reads the packed bytes and the counters count them."""
+def test_streamed_runs_compute_the_resident_run(repack, gguf_root, monkeypatch, arch, qtype):
+    """Fast mode (bf16) without the prepacked cache entry (tests/test_prepacked.py tests it): one block
+    resident and the others streamed from the page cache, or read from disk each step, gives the
+    all-resident run's prompt logits bit for bit and its greedy tokens; the disk tier still reads the
+    packed bytes and the counters count them."""
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
     path = tiny_gguf(gguf_root, arch, qtype)
     llm = LLM(str(path), **SHORT)
     try:

@@ -43,6 +43,12 @@ Public interface (everything else in engine/weights is internal; tests/test_impo
       the one GGUF model in a folder.
   quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load, once
       per checkpoint: the result is a cache entry under the layerstream cache (quant_cache.py).
+  checkpoint.convert(dtype, quantization=None, on_progress=None) -> ConvertedEntry (folder, built, what);
+  checkpoint.prepack_pending(dtype, device) -> blocks the next load prepacks first
+      A GGUF file in CPU fast mode is prepacked once, on its first load or by `layerstream convert`: its
+      blocks in the int4/int8 kernels' layout, stacked, in a cache entry that later loads map
+      (prepacked.py; streamed blocks are views of it, or disk reads of it: prepacked_transport.py).
+      LAYERSTREAM_PREPACK=off keeps the repack at load and per step (stream_repack.py).
   checkpoint.self_draft_sizes(dtype) -> (bytes of a block's int4 copy, of the int8 head copy); and
   weights.self_draft() -> SelfDraftWeights
       Speculative decoding's self-draft: the compute side of these weights (globals, acquire/release)
@@ -65,7 +71,8 @@ Inside (may change freely): source.BlockSource (a block's tensors by short name)
 (with cuda_runtime, layout, cuda_trace), disk_transport, packed_transport, simulated_transport,
 disk_reader, buffers.BufferPool, bandwidth, disk_bandwidth, views, packed / packed_format / dequant /
 quantize / quant_cache / quantized_transport (packed weights, their compute forms, quantization at
-load), gguf_file / gguf_config (the GGUF reader).
+load), stream_repack / prepacked / prepacked_transport (GGUF blocks in the CPU kernels' layout: repacked
+per step, or once into a cache entry), gguf_file / gguf_config (the GGUF reader).
 """
 
 from ..errors import CheckpointError

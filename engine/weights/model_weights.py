@@ -23,7 +23,9 @@ from .formats import open_checkpoint
 from .source import BlockSource, WeightSizes
 from .streamer import BlockStreamer, StreamStats
 from .packed_format import PackedFormat
-from .tiers import host_tiering, make_expert_tier, make_transport
+from .prepacked import MARKER as PREPACKED_MARKER
+from .prepacked import PrepackedLayout, prepack_layout
+from .tiers import host_tiering, make_expert_tier, make_transport, resolve
 from .transport import Transport, to_compute
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class ModelCheckpoint:
         except BaseException:
             self._reader.close()
             raise
+        self._prepacked: dict[tuple[torch.dtype, str], tuple[PrepackedLayout | None, str | None]] = {}
 
     @property
     def packed(self) -> bool:
@@ -76,7 +79,7 @@ class ModelCheckpoint:
         src = self.source
         glob = src.global_infos()
         head = glob.get("lm_head", glob["embed"])
-        return WeightSizes(
+        sizes = WeightSizes(
             block_bytes=max((sum(fmt.resident_bytes(t) for t in src.tensors(b).values())
                              for b in range(src.num_blocks)), default=0),
             # The token table stays packed (only looked-up rows are unpacked); the head is resident.
@@ -86,6 +89,61 @@ class ModelCheckpoint:
             checkpoint_bytes=self._reader.total_bytes(),
             streamed_block_bytes=max((src.streamed_bytes(b, fmt.dtype) for b in range(src.num_blocks)), default=0),
         )
+        layout = self.prepacked_layout(fmt.dtype, fmt.device)
+        if layout is None:
+            return sizes
+        # Blocks come from the prepacked entry: a streamed block maps or reads its bytes there (whole
+        # pages), and what is mapped is the entry's blocks plus the GGUF file's globals.
+        return dataclasses.replace(
+            sizes, streamed_block_bytes=layout.max_block_bytes, checkpoint_block_bytes=layout.max_block_bytes,
+            checkpoint_bytes=layout.file_bytes + sum(t.nbytes for t in glob.values()))
+
+    def prepacked_layout(self, dtype: torch.dtype,
+                         device: torch.device = torch.device("cpu")) -> PrepackedLayout | None:
+        """Where this GGUF checkpoint's blocks lie in its prepacked cache entry (prepacked.py), or None
+        where they are computed from the GGUF file itself (see prepack_refusal)."""
+        return self._prepack(dtype, device)[0]
+
+    def prepack_refusal(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> str | None:
+        """Why this checkpoint has no prepacked entry in `dtype` on `device`, or None when it has."""
+        return self._prepack(dtype, device)[1]
+
+    def _prepack(self, dtype: torch.dtype, device: torch.device) -> tuple[PrepackedLayout | None, str | None]:
+        key = (dtype, device.type)
+        if key not in self._prepacked:
+            self._prepacked[key] = prepack_layout(self.source, PackedFormat(dtype, device))
+        return self._prepacked[key]
+
+    def prepack_pending(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> int:
+        """Blocks a load in `dtype` will prepack first (none once the cache entry exists)."""
+        layout = self.prepacked_layout(dtype, device) if self.packed else None
+        return 0 if layout is None or (layout.folder / PREPACKED_MARKER).exists() else len(layout.blocks)
+
+    def convert(self, dtype: torch.dtype, quantization: str | None = None,
+                on_progress: Callable[[int], None] | None = None) -> "ConvertedEntry":
+        """Build this checkpoint's cache entry now, as a load would (`layerstream convert`): the prepacked
+        blocks of a GGUF file, or a safetensors checkpoint's blocks quantized to `quantization`.
+        ValueError where neither applies."""
+        if quantization:
+            if self.packed:
+                raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
+                                 "checkpoints; this one is already quantized")
+            from .quant_cache import QuantizedBlocks
+
+            store = QuantizedBlocks(self.source, quantization, dtype, on_progress=on_progress)
+            store.close()
+            return ConvertedEntry(store.folder, store.built, f"blocks quantized to {quantization}")
+        if not self.packed:
+            raise ValueError(f"{self.path}: a safetensors checkpoint is read as it is stored; there is nothing to "
+                             "convert unless it is quantized at load (--quantization int4|int8)")
+        layout, why = self._prepack(dtype, torch.device("cpu"))
+        if layout is None:
+            raise ValueError(f"{self.path}: no prepacked form in {str(dtype).replace('torch.', '')}: {why}")
+        from .prepacked import PrepackedBlocks
+
+        store = PrepackedBlocks(self.source, layout, on_progress)
+        store.close()
+        return ConvertedEntry(store.folder, store.built, "GGUF blocks prepacked for the CPU kernels")
 
     def converts(self, dtype: torch.dtype) -> bool:
         """Streamed blocks are converted to `dtype` on the host (buffers beyond the mapped file)."""
@@ -152,6 +210,15 @@ class ModelCheckpoint:
 
 
 @dataclass(frozen=True)
+class ConvertedEntry:
+    """A checkpoint's cache entry, as ModelCheckpoint.convert left it."""
+
+    folder: Path
+    built: bool  # False: it was there already (and checked)
+    what: str  # what it holds, in words
+
+
+@dataclass(frozen=True)
 class PlacedGlobals:
     """Embeddings, final norm and head on the compute device. The embedding table may stay a
     zero-copy view of the mapped file in the checkpoint's dtype (CPU, separate head): only a few
@@ -198,7 +265,7 @@ class ModelWeights:
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
             experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan)
             source = source.without_experts()
-        quantized = None
+        quantized = prepacked = None
         try:
             if quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
@@ -206,11 +273,15 @@ class ModelWeights:
                 from .quant_cache import QuantizedBlocks
 
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
+            elif self._packed and experts is None and resolve(transport, device) != "cuda":
+                prepacked = _open_prepacked(checkpoint, source, dtype, device, on_progress)
             t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
-                               quantized=quantized)
+                               quantized=quantized, prepacked=prepacked)
         except BaseException:
             if quantized is not None:
                 quantized.close()
+            if prepacked is not None:
+                prepacked.close()
             if experts is not None:
                 experts.close()
             raise
@@ -306,6 +377,25 @@ class ModelWeights:
         elif self._transport is not None:
             self._transport.close()
         self._transport = None
+
+
+def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: torch.dtype, device: torch.device,
+                    on_progress: Callable[[int], None] | None):
+    """The GGUF blocks' prepacked cache entry (built now if it is missing), or None where there is
+    none: the mode has no such form, or the cache cannot take it (then blocks are repacked at load
+    and per step, as without the entry)."""
+    layout = checkpoint.prepacked_layout(dtype, device)
+    if layout is None:
+        return None
+    from .prepacked import PrepackedBlocks
+
+    try:
+        return PrepackedBlocks(source, layout, on_progress)
+    except OSError as e:
+        log.warning("cannot build the prepacked cache entry %s (%s): GGUF blocks are repacked at every load and "
+                    "streamed ones at every step; `layerstream convert` where the cache is writable avoids that",
+                    layout.folder, e)
+        return None
 
 
 def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device, quantized=None) -> PlacedGlobals:

@@ -128,6 +128,13 @@ class StreamRepacker:
         self.sets_made = 0  # slots allocated: stays <= the streamer's depth + 1
         self.takes = 0  # blocks repacked
 
+    def compute_form(self, block: int) -> tuple[tuple[_Output, ...], tuple[str, ...]]:
+        """What fill() makes of block `block`: the weights it writes into a slot (name, kind, shape), and
+        the stored tensors it keeps (made by PackedFormat.streamed). The prepacked cache entry
+        (prepacked.py) lays a block out from this."""
+        layout = self._layouts[block]
+        return layout.outputs, layout.kept
+
     def _take(self) -> torch.Tensor:
         self.takes += 1
         try:

@@ -5,8 +5,9 @@ when host memory cannot keep every streamed block), "cpu", "cuda", "disk" (every
 from disk each step, CPU compute), "simulated" (the CPU transport behind a slow simulated link).
 Planning asks `host_tiering` whether streamed blocks may go to disk; loading asks `make_transport`
 for the transport that serves the finished plan. The kind of weights decides too: a packed checkpoint
-(GGUF) streams its packed bytes through the same tiers, and blocks quantized at load ("int8"/"int4")
-are served from the quantization cache entry (quantized_transport).
+(GGUF) streams its packed bytes through the same tiers, or, in CPU fast mode, the prepacked cache
+entry's bytes (prepacked_transport), and blocks quantized at load ("int8"/"int4") are served from the
+quantization cache entry (quantized_transport).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .transport import CpuTransport, Transport
 if TYPE_CHECKING:
     from ..arch import ModelConfig
     from .experts import ExpertTier
+    from .prepacked import PrepackedBlocks
     from .quant_cache import QuantizedBlocks
 
 TRANSPORTS = ("auto", "cpu", "cuda", "disk", "simulated")
@@ -65,15 +67,22 @@ def host_tiering(kind: str, device: torch.device, sizes: WeightSizes, depth: int
 
 def make_transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch.device, plan: MemoryPlan,
                    pin_host_memory: bool = False, host_budget: int | None = None,
-                   disk_gbps: float | None = None, quantized: "QuantizedBlocks | None" = None) -> Transport:
+                   disk_gbps: float | None = None, quantized: "QuantizedBlocks | None" = None,
+                   prepacked: "PrepackedBlocks | None" = None) -> Transport:
     """The transport that serves `plan`'s streamed blocks (and its disk tier, if it has one), for the
     kind of weights: plain (converted to the compute dtype), packed (GGUF: packed bytes move, compute
-    unpacks), or quantized at load (`quantized`, the cache entry: owned by the transport from here on)."""
+    unpacks), packed and prepacked (`prepacked`, the cache entry holding GGUF blocks in the CPU kernels'
+    layout), or quantized at load (`quantized`, the cache entry). A cache entry given is owned by the
+    transport from here on."""
     check_transport(kind, str(device) if device.type == "cuda" else device.type)
     if quantized is not None:
         from .quantized_transport import QuantizedTransport
 
         t: Transport = QuantizedTransport(source, dtype, quantized, release_pages=plan.release_pages)
+    elif prepacked is not None:
+        from .prepacked_transport import PrepackedTransport
+
+        t = PrepackedTransport(prepacked, plan.disk_blocks, plan.prefetch_depth, release_pages=plan.release_pages)
     else:
         fmt = None
         if source.packed:
