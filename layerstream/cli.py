@@ -32,10 +32,10 @@ SUBCOMMANDS = {
     "bench-moe": ("layerstream.bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
     "bench-spec": ("layerstream.bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "
                    "streamed, from disk, repetitive"),
-    "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
-}
     "bench-scale": ("layerstream.bench.scale", "a Llama-3.2-3B-shaped model (or 8B): layerstream vs llama.cpp on the "
                     "same files, load, prefill, decode, peak memory, and under a memory cgroup"),
+    "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
