@@ -30,8 +30,9 @@ its own (`GrammarLimits.max_parse_seconds`): while it runs, every thread waits.
 
 Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
 entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
-mask (glibc's mallinfo2; the RSS growth elsewhere), plus large growth seen during its later masks
-(its lexer builds states lazily). A sequence's matcher copy is freed with the sequence.
+mask (glibc's mallinfo2; the RSS growth elsewhere), plus large growth seen during the later masks
+of its expensive sequences (its lexer builds states lazily; cheap masks build few). A sequence's
+matcher copy is freed with the sequence.
 """
 
 from __future__ import annotations
@@ -365,8 +366,11 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         words = self._words
         bits = torch.zeros(len(guides), words, dtype=torch.int32)  # (guides, vocab / 32) one bit per token
+        # Lexer growth is measured for an expensive guide (a task of its own) only: mallinfo2 walks
+        # malloc's free lists, which in a large process costs as much as many cheap masks.
+        measure = len(guides) == 1 and guides[0]._last_cpu > _ALONE_SECONDS
         for i, g in enumerate(guides):
-            cpu0, heap0 = time.thread_time(), _heap_bytes()
+            cpu0, heap0 = time.thread_time(), _heap_bytes() if measure else 0
             g._consume()
             parse = time.thread_time() - cpu0
             if g._too_costly is None and parse > self.limits.max_parse_seconds:
@@ -382,7 +386,7 @@ class GrammarCompiler:
                 if not was_error and g._matcher.is_error():
                     g._limit_hit()
             g._last_cpu = time.thread_time() - cpu0
-            grown = _heap_bytes() - heap0
+            grown = _heap_bytes() - heap0 if measure else 0
             if grown >= _COUNTED_GROWTH:
                 self._grew(g._so, grown)
         # Bit i of word w is token 32 * w + i (little-endian words and bit order).
@@ -437,9 +441,9 @@ class _MallInfo2(ctypes.Structure):
 
 def _load_mallinfo2():
     try:
-        # PyDLL: the call keeps the GIL (it takes microseconds); a CDLL call would drop and take it
-        # back, and every take from a pool thread can make the engine thread wait.
-        fn = ctypes.PyDLL("libc.so.6").mallinfo2
+        # CDLL: the GIL is released while mallinfo2 walks malloc's free lists (a fraction of a ms
+        # in a process holding a model).
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):  # not glibc, or older than 2.33
         return None
     fn.restype = _MallInfo2

