@@ -51,6 +51,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[GenerationResult]:
         """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
         params = sampling_params or SamplingParams()
+        if params.structured is not None:
+            self.engine.grammar.check(params.structured)  # an invalid constraint raises here, as other bad params do
         results, pending, owner = [], {}, {}
         for p in normalize_prompts(prompts):
             ids = self.engine.encode(p)

@@ -334,7 +334,15 @@ class GrammarCompiler:
 
     # -- masks ------------------------------------------------------------------------------------
     def guide(self, so: StructuredOutput) -> "Guide":
-        return Guide(self.check(so).deep_copy(), so, self)
+        """A sequence's guide. Never compiles on the caller's thread (the engine's): a constraint
+        not in the cache (the server compiled it, but it was evicted since; or an offline caller
+        did not check it) is compiled with its first mask on the pools, and an invalid or too
+        costly one then fails that sequence alone (allowed() raises)."""
+        with self._lock:
+            entry = self._cache.get(so)
+            if entry is not None:
+                self._cache.move_to_end(so)
+        return Guide(entry.matcher.deep_copy() if entry is not None else None, so, self)
 
     def prefetch(self, guides: list["Guide"]) -> None:
         """Start computing the next token mask of every guide that has none pending: the cheap ones
@@ -370,17 +378,23 @@ class GrammarCompiler:
         # malloc's free lists, which in a large process costs as much as many cheap masks.
         measure = len(guides) == 1 and guides[0]._last_cpu > _ALONE_SECONDS
         for i, g in enumerate(guides):
+            if g._matcher is None:  # compiled on the compile pool (this thread waits for it)
+                try:
+                    g._matcher = self.check(g._so).deep_copy()
+                except InvalidParameter as e:  # counted by _compile if it was too costly
+                    g._failure = e
+                    continue
             cpu0, heap0 = time.thread_time(), _heap_bytes() if measure else 0
             g._consume()
             parse = time.thread_time() - cpu0
-            if g._too_costly is None and parse > self.limits.max_parse_seconds:
+            if g._failure is None and parse > self.limits.max_parse_seconds:
                 param = g._so.param
-                g._too_costly = GrammarTooCostly(
+                g._costly(GrammarTooCostly(
                     param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time, "
                            f"over this server's limit of {self.limits.max_parse_seconds * 1000:.0f} ms (a parse "
                            "holds up every request while it runs); the request was ended. Make the grammar "
-                           "unambiguous")
-            if g._too_costly is None and not g._matcher.is_stopped():
+                           "unambiguous"))
+            if g._failure is None and not g._matcher.is_stopped():
                 was_error = g._matcher.is_error()
                 g._matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * words * 4, words * 4)
                 if not was_error and g._matcher.is_error():
@@ -393,15 +407,13 @@ class GrammarCompiler:
         unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (guides, words * 32)
         budget = self.limits.max_cpu_seconds
         for g, row in zip(guides, unpacked[:, : self.vocab_size]):
-            if g._too_costly is None and g._last_cpu > budget:
+            if g._failure is None and g._last_cpu > budget:
                 param = g._so.param
-                g._too_costly = GrammarTooCostly(
+                g._costly(GrammarTooCostly(
                     param, f"{param}: the grammar work for one token of this constraint took "
                            f"{g._last_cpu * 1000:.0f} ms of CPU time, over this server's budget of "
-                           f"{budget * 1000:.0f} ms (--max-grammar-ms); the request was ended")
-            if g._too_costly is not None:
-                with self._lock:
-                    self.stats.over_budget += 1
+                           f"{budget * 1000:.0f} ms (--max-grammar-ms); the request was ended"))
+            if g._failure is not None:
                 continue
             ids = np.flatnonzero(row)  # (admitted,) ascending
             # A matcher put in an error state by a refused token, or a complete grammar, admits
@@ -473,14 +485,16 @@ class Guide:
     parse runs on the engine thread. `stopped` and `error` are read once `allowed` returned."""
 
     def __init__(self, matcher, so: StructuredOutput, compiler: GrammarCompiler):
-        self._matcher = matcher
+        self._matcher = matcher  # None until the pool has compiled `so` (GrammarCompiler.guide)
         self._so = so
         self._compiler = compiler
         self._tokens: list[int] = []  # accepted, not yet consumed by the matcher
         self._allowed: torch.Tensor | None = None  # (admitted,) int64 token ids, set by the pool
         self._pending: Future | None = None
         self._last_cpu = 0.0  # CPU seconds of the last consume + mask
-        self._too_costly: GrammarTooCostly | None = None
+        # Why this sequence must end with an error: its constraint is invalid (compiled late) or
+        # grew too costly.
+        self._failure: InvalidParameter | None = None
 
     def prefetch(self) -> None:
         """Start computing the mask for the next token (no-op when one is already pending)."""
@@ -500,8 +514,8 @@ class Guide:
             self._pending.result(timeout)
         except TimeoutError:
             return None
-        if self._too_costly is not None:
-            raise self._too_costly
+        if self._failure is not None:
+            raise self._failure
         return self._allowed
 
     def accept(self, token: int) -> None:
@@ -529,15 +543,24 @@ class Guide:
         # The mask only admits valid tokens, so an error while following one is one of llguidance's
         # limits (parser_limits): the grammar grew too costly to follow.
         param = self._so.param
-        self._too_costly = GrammarTooCostly(
+        self._costly(GrammarTooCostly(
             param, f"{param}: this constraint went past the grammar engine's limits while generating "
-                   f"({self._matcher.get_error().splitlines()[0]}); the request was ended")
+                   f"({self._matcher.get_error().splitlines()[0]}); the request was ended"))
+
+    def _costly(self, error: GrammarTooCostly) -> None:
+        self._failure = error
+        with self._compiler._lock:
+            self._compiler.stats.over_budget += 1
 
     def _settled(self):
+        if self._pending is None and self._matcher is None:
+            self.prefetch()
         if self._pending is not None:
             self._pending.result()
         elif self._tokens:
             self._consume()
+        if self._matcher is None:
+            raise self._failure
         return self._matcher
 
     @property

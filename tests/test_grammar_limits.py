@@ -6,6 +6,7 @@ that compile in a millisecond and then build hundreds of MB on their first mask.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -85,14 +86,17 @@ def counted(i: int) -> StructuredOutput:
 
 
 def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_thread):
-    """Requests whose every mask costs more than 4 steps of a free stream run while a greedy free
-    stream decodes beside them. It gets a token at every step (the grammar sequences skip steps
-    instead), and its worst gap stays under 2x its median gap alone, measured in the same run.
-    On a loaded machine one window may see a scheduling hiccup, so the ratio is the best of five
-    windows (of 20 short steps each): a stream that waited for the masks would fail all five."""
+    """Requests whose every mask costs several steps of a free stream run while a greedy free
+    stream decodes beside them. It gets a token at every step (the grammar sequences sit steps out
+    instead), and its worst gap stays under 2x its step time alone (the median gap), measured in
+    the same run. A loaded machine stretches single steps whatever runs beside them: the bound is
+    scaled by how much the worst gap exceeds the median when the stream runs alone (about 1 on an
+    idle machine), and the best of five windows counts. A stream that waited for the masks would
+    fail by far more: each mask costs more steps than the scaled bound."""
     eng = demo_llm.engine
-    alone, _ = _free_stream_gaps(eng, 20)
-    normal = statistics.median(alone)
+    windows = [_free_stream_gaps(eng, 20)[0] for _ in range(3)]
+    normal = statistics.median(g for w in windows for g in w)
+    noise = max(1.0, statistics.median(max(w) for w in windows) / normal)
     hostile = [eng.add_request("x", SamplingParams(max_tokens=400, temperature=1.0, seed=i, ignore_eos=True,
                                                    structured=counted(i)))
                for i in range(4)]
@@ -103,18 +107,18 @@ def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_t
             break
         eng.step()
     mask_seconds = (now.compute_seconds - start.compute_seconds) / max(1, now.masks - start.masks)
-    assert mask_seconds >= 4 * normal, (mask_seconds, normal)
+    assert mask_seconds >= 4 * noise * normal, (mask_seconds, normal, noise)
     ratios = []
     for attempt in range(5):
         during, steps = _free_stream_gaps(eng, 20)
         assert steps == 20, "the free stream skipped a step"
-        ratios.append(max(during) / normal)
+        ratios.append(max(during) / normal / noise)
         if ratios[-1] < 2:
             break
     assert eng.grammar.telemetry().skips > start.skips  # the grammar sequences sat steps out instead
     for rid in hostile:
         eng.abort(rid)
-    assert min(ratios) < 2, (ratios, normal, mask_seconds)
+    assert min(ratios) < 2, (ratios, normal, noise, mask_seconds)
 
 
 def test_ambiguous_grammar_is_ended_before_its_parse_holds_up_the_server(llm):
@@ -222,3 +226,25 @@ def test_grammar_cache_is_capped_in_bytes(llm):
         assert grown < cap + 64 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
     finally:
         g.close()
+
+
+def test_the_engine_thread_never_compiles(llm):
+    """A constraint that is not in the cache when its request is added (evicted since the server
+    checked it) is compiled on the pools: add_request returns at once, and an invalid one ends
+    that request alone, with the error naming its field."""
+    eng = llm.engine
+    bad = StructuredOutput("regex", "[a-", "guided_regex")
+    good = StructuredOutput("regex", "(ab|cd){3}", "guided_regex")
+    assert bad not in eng.grammar._cache and good not in eng.grammar._cache
+    rids = {eng.add_request("x", SamplingParams(max_tokens=10, structured=so)): so for so in (bad, good)}
+    done, text = {}, ""
+    while eng.has_unfinished():
+        for o in eng.step():
+            text += o.text if rids[o.request_id] == good else ""
+            if o.finished:
+                done[rids[o.request_id]] = o
+    assert done[bad].finish_reason == "error" and isinstance(done[bad].error, InvalidParameter)
+    assert done[bad].error.param == "guided_regex" and "not a valid constraint" in str(done[bad].error)
+    assert done[good].finish_reason == "stop" and re.fullmatch("(ab|cd){3}", text), text
+    with pytest.raises(InvalidParameter):  # the offline API still raises at once
+        llm.generate("x", SamplingParams(max_tokens=4, structured=bad))
