@@ -390,7 +390,9 @@ def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: tor
     from .prepacked import PrepackedBlocks
 
     try:
-        return PrepackedBlocks(source, layout, on_progress)
+        store = PrepackedBlocks(source, layout, on_progress)
+        log.info("GGUF blocks in the CPU kernels' layout from %s%s", store.path, " (built now)" if store.built else "")
+        return store
     except OSError as e:
         log.warning("cannot build the prepacked cache entry %s (%s): GGUF blocks are repacked at every load and "
                     "streamed ones at every step; `layerstream convert` where the cache is writable avoids that",

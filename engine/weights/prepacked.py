@@ -259,6 +259,8 @@ class PrepackedBlocks:
                             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 finally:
                     repacker.give(slot)
+                # Its GGUF bytes are not read again (later loads map the entry): out of this process.
+                self.source.advise(b, mmap.MADV_DONTNEED)
                 if on_progress:
                     on_progress(b)
             f.flush()

@@ -51,7 +51,10 @@ class PrepackedTransport(Transport):
 
     def resident(self, block: int) -> dict[str, object]:
         if self.reader is None:
-            return {k: _owned(w) for k, w in self.store.mapped(block).items()}
+            weights = {k: _owned(w) for k, w in self.store.mapped(block).items()}
+            # Copied: the mapped pages would only count twice in this process's resident set.
+            self.store.advise(block, mmap.MADV_DONTNEED)
+            return weights
         plan = plan_reads({"block": self.store.read_info(block)})
         buf = StagingBuffer(plan.buffer_bytes)
         self.reader.read(plan, buf)
