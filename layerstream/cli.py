@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS = {
     "generate": ("engine.cli", "generate text for one prompt"),
     "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
+    "convert": ("layerstream.convert", "build a model's cache entry ahead of time: a GGUF file prepacked for the CPU "
+                "kernels, or --quantization int4|int8 of a safetensors checkpoint"),
     "build-kernels": ("engine.kernels.cli", "build the C++ CPU kernels now (setup and image builds run it), so no "
                       "start-up or request waits on a compiler"),
     "bench": ("layerstream.bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
