@@ -52,14 +52,20 @@ def bench_model_path(root: Path = BENCH_ROOT) -> Path:
     return cached_random_model("llama-241m-bf16", bench_model_config(), root, tokenizer_vocab=512)
 
 
+def _weight_files(path: Path) -> list[Path]:
+    """A folder's safetensors files, or the one file named (a GGUF file)."""
+    path = Path(path)
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
 def checkpoint_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+    return sum(p.stat().st_size for p in _weight_files(folder))
 
 
 def warm_page_cache(folder: Path) -> float:
     """Read every weight file once so each peer starts with the checkpoint in the page cache."""
     t0 = time.perf_counter()
-    for p in sorted(Path(folder).glob("*.safetensors")):
+    for p in _weight_files(folder):
         with open(p, "rb") as f:
             while f.read(16 << 20):
                 pass

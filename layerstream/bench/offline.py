@@ -9,6 +9,7 @@ mapped zero-copy from the page cache) and reads its VmHWM (peak RSS) before it e
     layerstream bench                           # the ~0.5 GB bf16 benchmark Llama, bf16 and fp32
     layerstream bench --dtypes auto --png bench.png
     layerstream bench --model /path/to/model --budget-fraction 0.25
+    layerstream bench --model model.gguf --peers resident,streaming --dtypes auto --budget-fraction 0.85
 """
 
 from __future__ import annotations
@@ -54,10 +55,21 @@ def prompt_ids(n: int) -> list[int]:
 
 
 def weight_bytes(folder: Path, dtype_name: str) -> tuple[int, str]:
-    """Bytes of the weights in the compute dtype, and that dtype's name."""
+    """Bytes of the weights in the compute dtype, and that dtype's name. A GGUF file's: its blocks and
+    globals in the form the planner counts (packed blocks in their compute form)."""
     from engine.args import resolve_dtype
     from engine.arch import load_model_config
-    from engine.weights import open_checkpoint
+    from engine.weights import ModelCheckpoint, open_checkpoint
+
+    if folder.is_file():
+        checkpoint = ModelCheckpoint(folder)
+        try:
+            dtype = resolve_dtype(dtype_name, checkpoint.cfg.checkpoint_dtype)
+            sizes = checkpoint.sizes(dtype)
+            return (checkpoint.cfg.num_layers * sizes.block_bytes + sizes.global_bytes,
+                    str(dtype).replace("torch.", ""))
+        finally:
+            checkpoint.close()
 
     cfg = load_model_config(folder)
     dtype = resolve_dtype(dtype_name, cfg.checkpoint_dtype)
@@ -192,10 +204,13 @@ def run(ns: argparse.Namespace) -> int:
         if p not in PEERS:
             raise ValueError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
     folder = bench_model_path() if ns.model == "bench" else Path(ns.model)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist")
+    if not (folder.is_dir() or (folder.is_file() and folder.suffix == ".gguf")):
+        raise FileNotFoundError(f"model folder (or .gguf file) {folder} does not exist")
+    if folder.is_file() and "transformers" in peers:
+        raise ValueError("the transformers peer reads a safetensors folder; "
+                         "use --peers resident,streaming for a GGUF file")
     ckpt = checkpoint_bytes(folder)
-    print(f"model: {folder} ({ckpt / 1e9:.2f} GB of safetensors)")
+    print(f"model: {folder} ({ckpt / 1e9:.2f} GB of {'GGUF' if folder.is_file() else 'safetensors'})")
     print(f"machine: {machine_description()}")
     print(f"batch 1, prompt {ns.prompt_tokens} tokens, {ns.max_tokens} generated tokens, file in page cache "
           f"({warm_page_cache(folder):.1f} s to read it); {ns.trials} trials per peer, interleaved across "
@@ -248,8 +263,9 @@ def _compare(ns, folder: Path, dtype_name: str, peers: list[str]) -> list[dict]:
                  "cpu_ms_per_token": statistics.median(t["cpu_ms_per_token"] for t in ts),
                  "peak_rss": peaks.rss, "peak_rss_anon": peaks.rss_anon}
             results.append(r)
-            print(f"  {dtype:>8} {peer:<12} {r['decode_tok_s']:6.2f} tok/s (trials {r['decode_all']})  "
-                  f"CPU {r['cpu_ms_per_token']:5.1f} ms/token  TTFT {r['ttft_s'] * 1e3:5.0f} ms  peak RSS {mib(peaks.rss)} MiB  "
+            print(f"  {dtype:>8} {peer:<12} load {r['load_s']:5.2f} s  {r['decode_tok_s']:6.2f} tok/s (trials {r['decode_all']})  "
+                  f"CPU {r['cpu_ms_per_token']:5.1f} ms/token  prefetch thread {r.get('prepare_ms_per_step', 0):6.2f} "
+                  f"ms/step  TTFT {r['ttft_s'] * 1e3:5.0f} ms  peak RSS {mib(peaks.rss)} MiB  "
                   f"peak RssAnon {mib(peaks.rss_anon)} MiB", flush=True)
         return results
     finally:
