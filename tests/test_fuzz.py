@@ -1,7 +1,8 @@
-"""schemathesis against the served /openapi.json of a real server, both generation endpoints,
-valid and invalid inputs generated from the schema: no 5xx, and every error in OpenAI's shape
-(tests/schemathesis_hooks.py). Bounded: a few examples per operation, a fixed seed, small
-max_tokens so each generated request is cheap (the run stops at 120 s; it took ~2 min on the shared, loaded 2-core machine)."""
+"""schemathesis against the served /openapi.json of a real server: the OpenAI generation endpoints,
+Anthropic's /v1/messages, /tokenize and /detokenize, valid and invalid inputs generated from the
+schema: no 5xx, and every error in OpenAI's shape (Anthropic's on /v1/messages;
+tests/schemathesis_hooks.py). Bounded: a few examples per operation, a fixed seed, a 64-token
+context so each generated request is cheap; the run stops at 150 s."""
 
 from __future__ import annotations
 
@@ -37,15 +38,16 @@ def test_schemathesis_finds_no_5xx_and_only_openai_shaped_errors(fuzz_server):
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [exe, "run", f"{fuzz_server.url}/openapi.json", "--include-path-regex", "^/v1/(chat/)?completions$",
+        [exe, "run", f"{fuzz_server.url}/openapi.json", "--include-path-regex",
+         "^/(v1/((chat/)?completions|messages)|tokenize|detokenize)$",
          "-H", "Authorization: Bearer fuzz", "--checks", "not_a_server_error,openai_error_shape",
          "--max-examples", "8", "--seed", "19", "--phases", "coverage,fuzzing", "--no-shrink",
-         "--generation-database", "none", "--request-timeout", "60", "--max-time", "120"],
+         "--generation-database", "none", "--request-timeout", "60", "--max-time", "150"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
-    # Both endpoints tested, every generated case passed (a warning that most generated bodies
+    # Every operation tested, every generated case passed (a warning that most generated bodies
     # were refused with a 400 is expected: the schema cannot say which prompts fit the context).
-    assert "Tested: 2" in proc.stdout, tail
+    assert "Tested: 5" in proc.stdout, tail
     counts = re.search(r"(\d+) generated, (\d+) passed", proc.stdout)
     assert counts and counts.group(1) == counts.group(2) and int(counts.group(1)) > 100, tail
