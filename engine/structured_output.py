@@ -11,15 +11,16 @@ What callers use:
   it is over budget), `guide(so)` makes one sequence's `Guide`, `prefetch(guides)` starts the next
   token masks on the mask pool, `wait_any(guides, timeout)` waits for one of them.
 - `Guide`: `allowed(timeout)` returns the admitted token ids (None if the mask is not ready in
-  time; GrammarTooCostly if it cost more than the budget), `accept(token)` advances the grammar,
-  `stopped` says the grammar is complete and admits nothing but end-of-sequence.
+  time; GrammarTooCostly if it cost more than the budget), `accept(token)` records a sampled token
+  (the pool parses it with the next mask), `stopped` says the grammar is complete and admits
+  nothing but end-of-sequence.
 
 Cost, and who pays it: grammar work runs on two small pools sized to the cores (compiles, masks),
 never on the engine thread, and the engine never waits for a mask that is not ready: that sequence
 keeps its logits and samples at a later step (llm_engine), the others go on. Each request may spend
 `GrammarLimits.max_cpu_seconds` of CPU time compiling (its first mask included: that is where
-llguidance's lazy lexer does most of its work) and as much on each later mask; over it, a 400 before
-any token, or an error finish for that request alone. llguidance's own limits bound what a single
+llguidance's lazy lexer does most of its work) and as much on each later token (its parse and its
+mask); over it, a 400 before any token, or an error finish for that request alone. llguidance's own limits bound what a single
 compile or mask can do before the budget is even checked, since neither can be interrupted.
 
 Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
@@ -112,13 +113,15 @@ def parser_limits():
     from llguidance import LLParserLimits
 
     return LLParserLimits(
-        # Fuel for building the lexer's initial regex expressions at compile (~50k per ms; default
-        # 1M). Counted repetitions such as (q{20000}){20000} spend it and fail at once instead of
-        # building hundreds of MB of expressions on their first mask.
+        # Fuel for building the lexer's regex expressions (~50k per ms; default 1M). With the
+        # default, counted repetitions such as (q{20000}){20000} built hundreds of MB over a second
+        # on their first mask; with this they run out a few tokens in (their request ends with an
+        # error) after tens of MB.
         initial_lexer_fuel=200_000,
         # Lexer fuel of one mask (~14k per ms): bounds a mask's lexer work.
         step_lexer_fuel=200_000,
-        # Earley items one mask may create (~20k per ms): bounds the parse of an ambiguous grammar.
+        # Earley items one mask may create (~20k per ms): bounds a mask's parser work. (The parse of
+        # a sampled token is not bounded by it: GrammarLimits.max_parse_seconds is.)
         step_max_items=50_000,
         # Earley items in one row: beyond it the parse fails (too ambiguous, or right-recursive).
         max_items_in_row=2_000,
