@@ -230,8 +230,8 @@ def main(argv=None) -> None:
                              neighbour.sent, neighbour.refused, s.over_budget - before.over_budget,
                              s.skips - before.skips])
         print(f"batch {batch} beside a hostile neighbour: {beside.rate():.1f} tok/s", file=sys.stderr, flush=True)
-    print(f"torch threads: {torch.get_num_threads()}; medians over {args.repeat} alternating runs of "
-          f"{args.tokens} tokens per sequence")
+    print(f"torch threads: {torch.get_num_threads()}; rates over {args.repeat} alternating runs of "
+          f"{args.tokens} tokens per sequence (CPU and ms/step: medians of the steps)")
     print(table(["batch", "tok/s free", "tok/s JSON schema", "slower by", "CPU ms/step free", "CPU ms/step schema",
                  "ms/step beside forward, free", "ms/step beside forward, schema", "ms per mask", "mask ms per step (worker)",
                  "wait ms per step (engine thread)"], rows))
