@@ -52,10 +52,11 @@ class EngineArgs:
     prompt_lookup_max: int = 4
     speculative_adaptive_k: bool = True  # k per sequence from its acceptance (False: always num_speculative_tokens)
     # Structured output (engine.structured_output.GrammarLimits): CPU time one request's grammar may
-    # spend compiling (its first mask included) and on each later mask, and the compiled-grammar
-    # cache's size in host memory.
+    # spend compiling (its first mask included) and on each later token, and the compiled-grammar
+    # cache's size in host memory (None: 256 MiB, at most a twentieth of the host memory; the plan
+    # counts it as host memory).
     max_grammar_ms: float = 500.0
-    grammar_cache_memory: int | str = "256MiB"
+    grammar_cache_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -111,7 +112,8 @@ class EngineArgs:
         """The validated GrammarLimits of structured output."""
         from .structured_output import GrammarLimits
 
-        return GrammarLimits(max_cpu_seconds=self.max_grammar_ms / 1000, cache_bytes=self.grammar_cache_memory or 0)
+        cache = GrammarLimits.cache_bytes if self.grammar_cache_memory is None else self.grammar_cache_memory
+        return GrammarLimits(max_cpu_seconds=self.max_grammar_ms / 1000, cache_bytes=cache)
 
     @staticmethod
     def default(name: str):

@@ -52,7 +52,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="CPU time one request's grammar may spend compiling, and on each token mask; over it, "
                          "a 400 before any token, or an error that ends that request alone")
     so.add_argument("--grammar-cache-memory", default=d("grammar_cache_memory"),
-                    help="host memory for compiled grammars, e.g. 256MiB (least recently used go first)")
+                    help="host memory for compiled grammars, e.g. 256MiB (default: 256MiB, at most a twentieth "
+                         "of host memory; least recently used go first)")
     spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
     spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "self"],
                       help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "

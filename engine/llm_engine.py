@@ -6,6 +6,7 @@ and `llm.LLM` drives it synchronously for the offline API.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -171,8 +172,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._steps = 0
         try:
-            self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids(),
-                                           args.grammar_limits())
+            # The cache's cap as the plan counted it in host memory.
+            limits = dataclasses.replace(args.grammar_limits(), cache_bytes=self.model.plan.grammar_cache_bytes
+                                         or args.grammar_limits().cache_bytes)
+            self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids(), limits)
         except BaseException:
             if self.drafter is not None:
                 self.drafter.close()

@@ -70,6 +70,14 @@ def kv_host_bytes(args: EngineArgs, device: torch.device, host_room: int) -> int
     return min(4 << 30, host_room // 10) if device.type == "cuda" else 0
 
 
+def grammar_cache_bytes(args: EngineArgs, host_room: int) -> int:
+    """The compiled-grammar cache's cap: --grammar-cache-memory, else 256 MiB, at most a twentieth
+    of host memory (it holds only what structured-output requests compiled)."""
+    if args.grammar_cache_memory is not None:
+        return args.grammar_cache_memory
+    return max(1, min(args.grammar_limits().cache_bytes, host_room // 20))
+
+
 def _plan_context(args: EngineArgs, cfg: ModelConfig, host_room: int | None, budget: int | None,
                   make_inputs: Callable[[int, int | None], PlanInputs]) -> MemoryPlan:
     """The plan for context_length(); when the user did not choose it and it does not fit, the plan
@@ -171,6 +179,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         kv_block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
+        grammar_cache_bytes=grammar_cache_bytes(args, host_room),
         **experts,
         **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
         attn_chunk_bytes=chunk,

@@ -74,6 +74,8 @@ class PlanInputs:
     kv_block_size: int = 16  # token positions per paged KV block
     kv_cache_bytes: int | None = None  # the KV pool the user asked for (--kv-cache-memory); None = planned
     kv_host_bytes: int = 0  # host tier for KV blocks evicted from the pool (the loader's choice)
+    # Compiled structured-output grammars (--grammar-cache-memory): host memory whatever computes.
+    grammar_cache_bytes: int = 0
     # Expert-granular streaming (mixtures of experts; 0 = off): when the model does not fit, blocks
     # stream without their routed experts (dense_block_bytes each) and experts go through a device
     # cache of expert_bytes slots holding at least min_expert_slots.
@@ -155,6 +157,7 @@ class MemoryPlan:
     # Host tier of the KV cache (prefix-cache blocks evicted from the pool).
     num_host_kv_blocks: int = 0
     kv_host_bytes: int = 0
+    grammar_cache_bytes: int = 0  # see PlanInputs
     # Expert-granular streaming (see PlanInputs); expert_slots == 0: off, experts travel inside their blocks.
     expert_slots: int = 0
     expert_bytes: int = 0
@@ -231,6 +234,9 @@ class MemoryPlan:
         if self.num_host_kv_blocks:
             lines.append(f"  KV host tier: {format_bytes(self.kv_host_bytes)} = {self.num_host_kv_blocks} blocks "
                          "(evicted prefix-cache blocks, copied back on a hit)")
+        if self.grammar_cache_bytes:
+            lines.append(f"  grammar cache: up to {format_bytes(self.grammar_cache_bytes)} of host memory "
+                         "(compiled structured-output grammars)")
         if self.expert_streaming:
             lines.append(
                 f"  expert cache: {self.expert_slots}/{self.num_experts_total} experts "
@@ -434,8 +440,8 @@ def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
     host_blocks, disk_blocks, disk_block_bytes = list(streamed), [], 0
     if tier is not None and streamed and p.host_budget is not None:
         disk_block_bytes = tier.disk_block_bytes
-        # The KV host tier is host memory whatever computes (pinned on CUDA).
-        room = (p.host_budget - tier.fixed_bytes - plan.kv_host_bytes
+        # The KV host tier (pinned on CUDA) and the grammar cache are host memory whatever computes.
+        room = (p.host_budget - tier.fixed_bytes - plan.kv_host_bytes - p.grammar_cache_bytes
                 - (plan.device_bytes if tier.holds_device_plan else 0))
         keep = (0 if tier.force_disk or disk_block_bytes <= 0
                 else max(0, min(len(streamed), room // disk_block_bytes)))
@@ -448,5 +454,6 @@ def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
         notes.append(f"checkpoint ({format_bytes(p.checkpoint_bytes)}) exceeds host memory "
                      f"({format_bytes(p.host_budget)}): streamed pages are released after use")
     return replace(plan, notes=tuple(notes), host_budget=p.host_budget if tier is not None else None,
+                   grammar_cache_bytes=p.grammar_cache_bytes,
                    host_blocks=host_blocks if tier is not None else [], disk_blocks=disk_blocks,
                    disk_block_bytes=disk_block_bytes, release_pages=release)

@@ -175,6 +175,11 @@ def test_host_tier_arithmetic():
     plan = plan_memory(PlanInputs(**device, host_budget=10**9,
                                   host_tiering=HostTiering(0, False, disk_block_bytes=100, force_disk=True)))
     assert plan.disk_blocks == plan.streamed_blocks
+    # The grammar cache's cap is host memory too: one block fewer kept in RAM.
+    plan = plan_memory(PlanInputs(**device, host_budget=device_bytes + 250, grammar_cache_bytes=100,
+                                  host_tiering=HostTiering(0, holds_device_plan=True, disk_block_bytes=100)))
+    assert len(plan.host_blocks) == 1 and len(plan.disk_blocks) == 6
+    assert "grammar cache" in plan.describe()
 
 
 def test_disk_bandwidth_is_measured_once_per_file_system(tmp_path, monkeypatch):

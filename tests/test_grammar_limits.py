@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
-from engine.demo import build_random_model, demo_config
+from engine.demo import build_random_model
 from engine.structured_output import GrammarCompiler, GrammarLimits, GrammarTooCostly, StructuredOutput, json_schema
 from engine.sampling_params import InvalidParameter
 
@@ -53,10 +53,15 @@ def llm(llama_dir):
 
 
 @pytest.fixture(scope="module")
-def demo_llm(tmp_path_factory):
-    """The demo model's shape (6 blocks of 256): steps long enough that a scheduling hiccup of the
-    machine is small beside one, as it is beside a real model's."""
-    folder = build_random_model(tmp_path_factory.mktemp("grammar-demo"), demo_config())
+def wider_llm(tmp_path_factory):
+    """8 blocks of 384: steps long enough that a GIL hand-off or a scheduling hiccup of the machine
+    is small beside one, as it is beside a real model's."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+                      architectures=["LlamaForCausalLM"])
+    folder = build_random_model(tmp_path_factory.mktemp("grammar-wider"), cfg)
     m = LLM(str(folder), max_model_len=512)
     yield m
     m.close()
@@ -85,7 +90,7 @@ def counted(i: int) -> StructuredOutput:
     return StructuredOutput("regex", f"(q{{{300 + i}}}){{300}}", "guided_regex")
 
 
-def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_thread):
+def test_hostile_grammars_do_not_stall_an_unrelated_stream(wider_llm, one_torch_thread):
     """Requests whose every mask costs several steps of a free stream run while a greedy free
     stream decodes beside them. It gets a token at every step (the grammar sequences sit steps out
     instead), and its worst gap stays under 2x its step time alone (the median gap), measured in
@@ -93,7 +98,7 @@ def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_t
     scaled by how much the worst gap exceeds the median when the stream runs alone (about 1 on an
     idle machine), and the best of five windows counts. A stream that waited for the masks would
     fail by far more: each mask costs more steps than the scaled bound."""
-    eng = demo_llm.engine
+    eng = wider_llm.engine
     windows = [_free_stream_gaps(eng, 20)[0] for _ in range(3)]
     normal = statistics.median(g for w in windows for g in w)
     noise = max(1.0, statistics.median(max(w) for w in windows) / normal)
@@ -107,7 +112,7 @@ def test_hostile_grammars_do_not_stall_an_unrelated_stream(demo_llm, one_torch_t
             break
         eng.step()
     mask_seconds = (now.compute_seconds - start.compute_seconds) / max(1, now.masks - start.masks)
-    assert mask_seconds >= 4 * noise * normal, (mask_seconds, normal, noise)
+    assert mask_seconds >= 3 * noise * normal, (mask_seconds, normal, noise)
     ratios = []
     for attempt in range(5):
         during, steps = _free_stream_gaps(eng, 20)
@@ -197,6 +202,10 @@ def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
         assert tight.telemetry().over_budget == 1 and tight.telemetry().cache_entries == 0
     finally:
         tight.close()
+    # The engine's cache cap is the one its memory plan counted as host memory.
+    plan = llm.engine.plan
+    assert llm.engine.grammar.limits.cache_bytes == plan.grammar_cache_bytes > 0
+    assert "grammar cache" in plan.describe()
     with pytest.raises(ValueError, match="max_grammar_ms"):
         EngineArgs(model="x", max_grammar_ms=0)
     with pytest.raises(ValueError, match="grammar_cache_memory"):
