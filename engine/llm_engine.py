@@ -548,7 +548,8 @@ class LLMEngine:
                 self.grammar.stats.skips += 1
                 return None
             if st.guide.stopped:
-                # The grammar is complete: it admits only end-of-sequence, which ends it now.
+                # Complete once the pool parsed its last token (an expensive parse): it admits only
+                # end-of-sequence, which ends it now.
                 return self._emit(seq, [], [], reason="stop")
         prompt_logprobs = None
         if st.prompt_logprobs is not None and not seq.output_ids:  # the first output carries them
@@ -576,8 +577,11 @@ class LLMEngine:
             else:
                 st.detok.add_token(token)
                 if st.guide is not None:
-                    st.guide.accept(token)  # consumed on the grammar pool, with the next mask
-                if st.detok.stopped:
+                    st.guide.accept(token)
+                    if st.guide.failure is not None:
+                        raise st.guide.failure  # this request ends with it, alone (the caller's _fail)
+                if st.detok.stopped or (st.guide is not None and st.guide.finished):
+                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
                     reason = "stop"
                 elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                     reason = "length"

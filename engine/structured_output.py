@@ -11,9 +11,8 @@ What callers use:
   it is over budget), `guide(so)` makes one sequence's `Guide`, `prefetch(guides)` starts the next
   token masks on the mask pool, `wait_any(guides, timeout)` waits for one of them.
 - `Guide`: `allowed(timeout)` returns the admitted token ids (None if the mask is not ready in
-  time; GrammarTooCostly if it cost more than the budget), `accept(token)` records a sampled token
-  (the pool parses it with the next mask), `stopped` says the grammar is complete and admits
-  nothing but end-of-sequence.
+  time; GrammarTooCostly if it cost more than the budget), `accept(token)` advances past a sampled
+  token, `finished` / `stopped` say the grammar is complete and admits nothing but end-of-sequence.
 
 Cost, and who pays it: grammar work runs on two small pools sized to the cores (compiles, masks),
 never on the engine thread, and the engine never waits for a mask that is not ready: that sequence
@@ -26,8 +25,8 @@ compile or mask can do before the budget is even checked, since neither can be i
 Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
 on the engine thread), except those of sequences whose last mask was expensive: each of those is a
 task of its own, so its cost delays only itself. llguidance's parse of a sampled token holds the
-GIL (its mask computation does not), so that runs on the pool too and has a tighter CPU limit of
-its own (`GrammarLimits.max_parse_seconds`): while it runs, every thread waits.
+GIL (its mask computation does not): while it runs every thread waits, wherever it runs, so it has
+a tighter CPU limit of its own (`GrammarLimits.max_parse_seconds`).
 
 Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
 entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
@@ -369,11 +368,10 @@ class GrammarCompiler:
             self.stats.wait_seconds += time.perf_counter() - t0
 
     def _compute(self, guides: list["Guide"]) -> None:
-        # On a mask pool thread: each guide consumes the tokens its sequence sampled since its last
-        # mask (an ambiguous grammar's parse can cost as much as its mask, so it is not done on the
-        # engine thread either), then llguidance fills its row with the GIL released; numpy turns
-        # the rows into each sequence's admitted token ids (torch's shift-and-mask took 5x
-        # longer), which the sampler gathers.
+        # On a mask pool thread: each guide parses the tokens its sequence sampled since its last
+        # mask, if accept() left them (an expensive parse), then llguidance fills its row with the
+        # GIL released; numpy turns the rows into each sequence's admitted token ids (torch's
+        # shift-and-mask took 5x longer), which the sampler gathers.
         t0 = time.perf_counter()
         words = self._words
         bits = torch.zeros(len(guides), words, dtype=torch.int32)  # (guides, vocab / 32) one bit per token
@@ -387,22 +385,16 @@ class GrammarCompiler:
                 except InvalidParameter as e:  # counted by _compile if it was too costly
                     g._failure = e
                     continue
-            cpu0, heap0 = time.thread_time(), _heap_bytes() if measure else 0
-            g._consume()
-            parse = time.thread_time() - cpu0
-            if g._failure is None and parse > self.limits.max_parse_seconds:
-                param = g._so.param
-                g._costly(GrammarTooCostly(
-                    param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time, "
-                           f"over this server's limit of {self.limits.max_parse_seconds * 1000:.0f} ms (a parse "
-                           "holds up every request while it runs); the request was ended. Make the grammar "
-                           "unambiguous"))
+            heap0 = _heap_bytes() if measure else 0
+            if g._tokens:
+                g._parse()
+            cpu0 = time.thread_time()
             if g._failure is None and not g._matcher.is_stopped():
                 was_error = g._matcher.is_error()
                 g._matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * words * 4, words * 4)
                 if not was_error and g._matcher.is_error():
                     g._limit_hit()
-            g._last_cpu = time.thread_time() - cpu0
+            g._last_cpu = time.thread_time() - cpu0 + g._last_parse  # the token's grammar work
             grown = _heap_bytes() - heap0 if measure else 0
             if grown >= _COUNTED_GROWTH:
                 self._grew(g._so, grown)
@@ -483,9 +475,11 @@ def _heap_bytes() -> int:
 
 
 class Guide:
-    """One sequence's grammar state and its next-token mask. The engine thread only records the
-    sampled tokens (`accept`); the pool consumes them with the next mask, so neither a mask nor a
-    parse runs on the engine thread. `stopped` and `error` are read once `allowed` returned."""
+    """One sequence's grammar state and its next-token mask. Masks run on the pool only; a sampled
+    token is parsed by `accept` while its grammar's parses are cheap, else by the pool with the
+    next mask (llguidance holds the GIL while it parses, so where it runs changes little for the
+    others; it is bounded by GrammarLimits.max_parse_seconds). `stopped` and `error` are read once
+    `allowed` returned."""
 
     def __init__(self, matcher, so: StructuredOutput, compiler: GrammarCompiler):
         self._matcher = matcher  # None until the pool has compiled `so` (GrammarCompiler.guide)
@@ -494,7 +488,8 @@ class Guide:
         self._tokens: list[int] = []  # accepted, not yet consumed by the matcher
         self._allowed: torch.Tensor | None = None  # (admitted,) int64 token ids, set by the pool
         self._pending: Future | None = None
-        self._last_cpu = 0.0  # CPU seconds of the last consume + mask
+        self._last_cpu = 0.0  # CPU seconds of the last token's parse + mask
+        self._last_parse = 0.0  # CPU seconds of the last parse
         # Why this sequence must end with an error: its constraint is invalid (compiled late) or
         # grew too costly.
         self._failure: InvalidParameter | None = None
@@ -522,16 +517,42 @@ class Guide:
         return self._allowed
 
     def accept(self, token: int) -> None:
-        """Advance past a sampled token (consumed by the pool with the next mask). The mask only
-        admits valid tokens, so a refusal is a bug (or a stop token the grammar does not know),
-        reported by `error`."""
+        """Advance past a sampled token. Parsed now if the last parse was cheap (a parse holds the
+        GIL wherever it runs, and parsing here lets `finished` end the sequence at once), else by
+        the pool with the next mask. The mask only admits valid tokens, so a refusal is a bug (or
+        a stop token the grammar does not know), reported by `error`."""
         if self._pending is not None:
             self._pending.result()  # the matcher is the pool's until its mask is done
         self._pending = None
         self._tokens.append(token)
+        if self._matcher is not None and self._failure is None and self._last_parse <= _ALONE_SECONDS:
+            self._parse()
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete (known without waiting: False while a parse is left to the pool)."""
+        return not self._tokens and self._failure is None and self._matcher is not None \
+            and self._matcher.is_stopped()
+
+    @property
+    def failure(self) -> InvalidParameter | None:
+        """Why this sequence must end with an error (known so far, without waiting), or None."""
+        return self._failure
+
+    def _parse(self) -> None:
+        # The sampled tokens, parsed on this thread, timed against GrammarLimits.max_parse_seconds.
+        cpu0 = time.thread_time()
+        self._consume()
+        self._last_parse = parse = time.thread_time() - cpu0
+        limit = self._compiler.limits.max_parse_seconds
+        if self._failure is None and parse > limit:
+            param = self._so.param
+            self._costly(GrammarTooCostly(
+                param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time, "
+                       f"over this server's limit of {limit * 1000:.0f} ms (a parse holds up every request "
+                       "while it runs); the request was ended. Make the grammar unambiguous"))
 
     def _consume(self) -> None:
-        # On the pool (or the caller's thread when nothing is pending).
         tokens, self._tokens = self._tokens, []
         for token in tokens:
             was_error = self._matcher.is_error()
