@@ -18,6 +18,9 @@ read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches)
 runs in a memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes
 read from disk per token and % of the disk floor (bytes per token / the disk's measured GB/s).
 
+Needs llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36, a few minutes
+of compiling) for the quantizer and the llama.cpp peer, and sentencepiece for its converter.
+
     layerstream bench-scale                              # the 3B files, both peers, 2 threads
     layerstream bench-scale --capped --png scale.png     # and larger than memory
 """
@@ -150,6 +153,10 @@ def gguf_files(ns, root: Path, bf16: Path, shape: str) -> dict[str, Path]:
     """BF16, Q4_0 and Q4_K_M GGUFs of the checkpoint, made by llama.cpp's own tools."""
     out = {"BF16": root / f"{shape}.BF16.gguf", **{q: root / f"{shape}.{q}.gguf" for q in QUANTS}}
     if not out["BF16"].exists():
+        try:
+            import sentencepiece  # noqa: F401 - llama.cpp's converter imports it before it looks at the tokenizer
+        except ImportError as e:
+            raise ValueError("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install sentencepiece") from e
         llama = _sdist_root(ns, root) / "vendor" / "llama.cpp"
         tmp = out["BF16"].with_suffix(".tmp")
         print(f"converting {bf16} with llama.cpp's convert_hf_to_gguf.py", file=sys.stderr, flush=True)
