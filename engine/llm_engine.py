@@ -32,6 +32,9 @@ log = logging.getLogger("layerstream")
 # When every sequence left is waiting for its grammar mask, the engine thread waits for one this
 # long at most before it looks at its command queue again (new requests, cancellations).
 HELD_WAIT_SECONDS = 0.05
+# Masks that were cheap last time and are late (a busy machine) are waited for up to this fraction
+# of the step's forward pass, rather than their sequences losing a step; expensive ones never are.
+CHEAP_MASK_GRACE = 0.05
 
 # One-token probe passes tried after a step in which every sequence failed even alone: if all of
 # them fail too, the fault is the engine's (device, weights, disk), not any request's.
@@ -441,6 +444,9 @@ class LLMEngine:
         """logits: (rows, vocab) fp32 on the CPU, in the runner's order: each chunk's num_logits rows
         (1 per sampling chunk, 1 + k per verify chunk), then the prompt-logit rows of the chunks that have them."""
         outputs = []
+        guides = [c.seq.state.guide for c in chunks if c.samples and c.seq.state.guide is not None]
+        if guides and self.model.runner.last_step is not None:
+            self.grammar.wait_cheap(guides, CHEAP_MASK_GRACE * self.model.runner.last_step.seconds)
         row, prompt_row = 0, sum(c.num_logits for c in chunks)
         for chunk in chunks:
             seq = chunk.seq

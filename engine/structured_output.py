@@ -15,8 +15,10 @@ What callers use:
   token, `finished` / `stopped` say the grammar is complete and admits nothing but end-of-sequence.
 
 Cost, and who pays it: grammar work runs on two small pools sized to the cores (compiles, masks),
-never on the engine thread, and the engine never waits for a mask that is not ready: that sequence
-keeps its logits and samples at a later step (llm_engine), the others go on. Each request may spend
+never on the engine thread, and the engine does not wait for a mask that is not ready: that sequence
+keeps its logits and samples at a later step (llm_engine), the others go on. (Only a mask that
+was cheap last time is waited for, up to a small fraction of the step: it is late because the
+machine is busy, and the wait saves that sequence a step.) Each request may spend
 `GrammarLimits.max_cpu_seconds` of CPU time compiling (its first mask included: that is where
 llguidance's lazy lexer does most of its work) and as much on each later token (its parse and its
 mask); over it, a 400 before any token, or an error finish for that request alone. llguidance's own limits bound what a single
@@ -44,7 +46,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -361,10 +363,19 @@ class GrammarCompiler:
 
     def wait_any(self, guides: list["Guide"], timeout: float) -> None:
         """Wait until one of the guides' masks is ready, at most `timeout` seconds."""
-        pending = {g._pending for g in guides if g._pending is not None}
-        if pending:
+        self._wait(guides, timeout, FIRST_COMPLETED)
+
+    def wait_cheap(self, guides: list["Guide"], timeout: float) -> None:
+        """Wait, at most `timeout` seconds, for the pending masks of the guides whose last mask was
+        cheap: such a mask is late only because the machine is busy, and a short wait saves the
+        sequence a step. An expensive one is never waited for."""
+        self._wait([g for g in guides if g._last_cpu <= _ALONE_SECONDS], timeout, ALL_COMPLETED)
+
+    def _wait(self, guides: list["Guide"], timeout: float, return_when: str) -> None:
+        pending = {g._pending for g in guides if g._pending is not None and not g._pending.done()}
+        if pending and timeout > 0:
             t0 = time.perf_counter()
-            wait(pending, timeout, return_when=FIRST_COMPLETED)
+            wait(pending, timeout, return_when=return_when)
             self.stats.wait_seconds += time.perf_counter() - t0
 
     def _compute(self, guides: list["Guide"]) -> None:
