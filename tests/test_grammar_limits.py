@@ -215,8 +215,9 @@ def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
 def test_grammar_cache_is_capped_in_bytes(llm):
     """50 distinct hostile grammars, (q{20000+i}){20000}, each of which builds ~20 MB of lexer state
     on its first mask: the cache's estimate never passes its cap, and the process grows by no more
-    than the cap plus a compile or two in flight. The old cache kept 64 entries whatever their size:
-    these 50 would have held about 1 GB."""
+    than twice the cap (what the cache holds, plus a compile in flight and what malloc keeps of
+    evicted entries to reuse). The old cache kept 64 entries whatever their size: these 50 held
+    about 1 GB."""
     cap = 48 * 2**20
     g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=cap))
     try:
@@ -232,7 +233,7 @@ def test_grammar_cache_is_capped_in_bytes(llm):
         assert 10 * 2**20 < peak <= cap and stats.cache_bytes <= cap
         assert 1 <= stats.cache_entries < 5
         grown = _rss() - rss0
-        assert grown < cap + 64 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
+        assert grown < 2 * cap + 32 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
     finally:
         g.close()
 
