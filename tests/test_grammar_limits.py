@@ -258,3 +258,11 @@ def test_the_engine_thread_never_compiles(llm):
     assert done[good].finish_reason == "stop" and re.fullmatch("(ab|cd){3}", text), text
     with pytest.raises(InvalidParameter):  # the offline API still raises at once
         llm.generate("x", SamplingParams(max_tokens=4, structured=bad))
+
+
+def test_grammar_cache_cap_defaults_to_a_share_of_host_memory():
+    from engine.loader import grammar_cache_bytes
+
+    assert grammar_cache_bytes(EngineArgs(model="x"), 64 << 30) == 256 << 20  # the default cap
+    assert grammar_cache_bytes(EngineArgs(model="x"), 1 << 30) == (1 << 30) // 20  # a small host
+    assert grammar_cache_bytes(EngineArgs(model="x", grammar_cache_memory="1GiB"), 1 << 30) == 1 << 30  # as asked
