@@ -3,6 +3,7 @@ and one end-to-end run of the tiny shape (layerstream alone: llama.cpp is not in
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def test_checkpoint_is_random_with_the_shape_and_loads_in_transformers(tmp_path)
 
     config = scale.shape_config("tiny")
     folder = scale.build_checkpoint(tmp_path / "bf16", config)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"  # else it computes in fp32
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     w = model.model.layers[0].mlp.down_proj.weight.float()
     assert w.shape == (config.hidden_size, config.intermediate_size)

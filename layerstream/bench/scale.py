@@ -102,6 +102,7 @@ def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(config_folder(gguf))
         tokenizer.save_pretrained(tmp)
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.dtype = torch.bfloat16  # as a released checkpoint's config says (else it reads as fp32)
         config.save_pretrained(tmp)
         with torch.device("meta"):
             shapes = [(n, tuple(p.shape)) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
