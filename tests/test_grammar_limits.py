@@ -83,6 +83,18 @@ def _free_stream_gaps(eng, tokens: int) -> tuple[list[float], int]:
     return gaps, steps
 
 
+def _beside_a_free_request(eng, hostile: SamplingParams, free_tokens: int):
+    """Run a hostile request and a greedy free one together to the end: (hostile's, free's) final outputs."""
+    hostile_id = eng.add_request("x", hostile)
+    free_id = eng.add_request("y", SamplingParams(max_tokens=free_tokens, temperature=0, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done[hostile_id], done[free_id]
+
+
 def counted(i: int) -> StructuredOutput:
     # Counted repetitions: a large lexer, whose masks cost milliseconds each (with the GIL
     # released) while the parse of a token costs microseconds. Distinct per request, as distinct
@@ -130,18 +142,11 @@ def test_ambiguous_grammar_is_ended_before_its_parse_holds_up_the_server(llm):
     """The issue's Lark grammar: each token's parse grows with the output, and llguidance holds the
     GIL while it parses (every thread waits). Its request is ended once one parse passes the limit;
     a free request beside it runs to its length."""
-    eng = llm.engine
-    hostile = eng.add_request("x", SamplingParams(max_tokens=250, temperature=1.0, seed=0, ignore_eos=True,
-                                                  structured=ambiguous(0)))
-    free = eng.add_request("y", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-    assert done[hostile].finish_reason == "error" and done[hostile].num_output_tokens < 250
-    assert isinstance(done[hostile].error, GrammarTooCostly) and "parsing one token" in str(done[hostile].error)
-    assert done[free].finish_reason == "length" and done[free].num_output_tokens == 30
+    hostile, free = _beside_a_free_request(llm.engine, SamplingParams(
+        max_tokens=250, temperature=1.0, seed=0, ignore_eos=True, structured=ambiguous(0)), 30)
+    assert hostile.finish_reason == "error" and hostile.num_output_tokens < 250
+    assert isinstance(hostile.error, GrammarTooCostly) and "parsing one token" in str(hostile.error)
+    assert free.finish_reason == "length" and free.num_output_tokens == 30
 
 
 def test_mask_over_budget_ends_that_request_alone(llama_dir):
@@ -150,20 +155,13 @@ def test_mask_over_budget_ends_that_request_alone(llama_dir):
     finishes whole. The ambiguous grammar's first tokens are cheap (it compiles), later ones not."""
     m = LLM(str(llama_dir), max_grammar_ms=3)
     try:
-        eng = m.engine
-        hostile = eng.add_request("x", SamplingParams(max_tokens=200, temperature=1.0, seed=0, ignore_eos=True,
-                                                      structured=ambiguous(0)))
-        free = eng.add_request("y", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-        done = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.finished:
-                    done[o.request_id] = o
-        assert done[hostile].finish_reason == "error"
-        assert isinstance(done[hostile].error, GrammarTooCostly) and done[hostile].error.param == "guided_grammar"
-        assert "--max-grammar-ms" in str(done[hostile].error)
-        assert done[free].finish_reason == "length" and done[free].num_output_tokens == 30
-        assert eng.grammar.telemetry().over_budget >= 1
+        hostile, free = _beside_a_free_request(m.engine, SamplingParams(
+            max_tokens=200, temperature=1.0, seed=0, ignore_eos=True, structured=ambiguous(0)), 30)
+        assert hostile.finish_reason == "error"
+        assert isinstance(hostile.error, GrammarTooCostly) and hostile.error.param == "guided_grammar"
+        assert "--max-grammar-ms" in str(hostile.error)
+        assert free.finish_reason == "length" and free.num_output_tokens == 30
+        assert m.engine.grammar.telemetry().over_budget >= 1
     finally:
         m.close()
 
@@ -172,19 +170,13 @@ def test_counted_repetitions_end_their_request_alone(llm):
     """(q{20000}){20000} compiles in a millisecond; its lexer used to build hundreds of MB over
     seconds inside the engine step. Now llguidance's lexer fuel stops it a few tokens in, and the
     request ends with an error saying so, while a free request beside it runs to its length."""
-    eng = llm.engine
-    hostile = eng.add_request("x", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, structured=(
-        StructuredOutput("regex", "(q{20000}){20000}", "guided_regex"))))
-    free = eng.add_request("y", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-    assert done[hostile].finish_reason == "error" and done[hostile].num_output_tokens < 50
-    assert isinstance(done[hostile].error, GrammarTooCostly) and done[hostile].error.param == "guided_regex"
-    assert "limits" in str(done[hostile].error)
-    assert done[free].finish_reason == "length" and done[free].num_output_tokens == 20
+    hostile, free = _beside_a_free_request(llm.engine, SamplingParams(
+        max_tokens=50, temperature=0, ignore_eos=True,
+        structured=StructuredOutput("regex", "(q{20000}){20000}", "guided_regex")), 20)
+    assert hostile.finish_reason == "error" and hostile.num_output_tokens < 50
+    assert isinstance(hostile.error, GrammarTooCostly) and hostile.error.param == "guided_regex"
+    assert "limits" in str(hostile.error)
+    assert free.finish_reason == "length" and free.num_output_tokens == 20
 
 
 def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
