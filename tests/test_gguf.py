@@ -262,9 +262,11 @@ def test_auto_tiers_a_packed_model_between_ram_and_disk(gguf_root, resident_runs
     probe = LLM(str(path), dtype=dtype, max_device_memory=budget, **SHORT)
     device_bytes, block = probe.plan.device_bytes, probe.plan.disk_block_bytes
     probe.close()
-    # Host memory: the device plan, depth + 1 disk staging buffers, and room for two of the 4 streamed blocks.
-    llm = LLM(str(path), dtype=dtype, max_device_memory=budget,
-              max_host_memory=device_bytes + (2 + 2) * block + block // 2, **SHORT)
+    # Host memory: the device plan, depth + 1 disk staging buffers, the grammar cache (set, since by
+    # default it is a share of the host memory) and room for two of the 4 streamed blocks.
+    cache = 64 << 10
+    llm = LLM(str(path), dtype=dtype, max_device_memory=budget, grammar_cache_memory=cache,
+              max_host_memory=device_bytes + cache + (2 + 2) * block + block // 2, **SHORT)
     try:
         p = llm.plan
         assert p.host_blocks and p.disk_blocks, p.describe()
