@@ -54,7 +54,7 @@ from .packed_format import PackedFormat
 from .quant_cache import checkpoint_identity, kernel_layout
 from .source import BlockSource
 from .stream_repack import LANES, make_repacker
-from .views import typed_view
+from .views import close_mapping, typed_view
 
 log = logging.getLogger("layerstream")
 
@@ -340,15 +340,8 @@ class PrepackedBlocks:
 
     def _unmap(self) -> None:
         self._base = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # tensors still view the mapping; it is unmapped when they are collected
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        close_mapping(self._map, self._fd)
+        self._map, self._fd = None, -1
 
     def close(self) -> None:
         self._unmap()

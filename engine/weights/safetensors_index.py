@@ -20,7 +20,7 @@ import torch
 
 from ..arch import ModelConfig, load_model_config
 from .checkpoint import CheckpointError, CheckpointReader, TensorInfo
-from .views import typed_view
+from .views import close_mapping, typed_view
 
 # The largest header we accept: real checkpoints stay well under a few MB; anything bigger is a
 # corrupt length field, and reading it would allocate whatever garbage it says.
@@ -170,15 +170,8 @@ class SafetensorsFile:
 
     def close(self) -> None:
         """Unmap and close the file; closing again does nothing."""
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # tensors still view the mapping; it is unmapped when they are collected
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        close_mapping(self._map, self._fd)
+        self._map, self._fd = None, -1
 
 
 class WeightIndex(CheckpointReader):

@@ -1,8 +1,11 @@
-"""Typed tensors over raw bytes without copying: the one helper every reader and staging buffer uses."""
+"""Typed tensors over raw bytes without copying: the one helper every reader and staging buffer uses;
+and closing the file mappings they view."""
 
 from __future__ import annotations
 
 import math
+import mmap
+import os
 
 import torch
 
@@ -30,3 +33,15 @@ def row_shape(shape: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
 def byte_rows(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor's (nbytes,) uint8 bytes viewed as row_shape(shape), zero-copy."""
     return raw.view(row_shape(shape, raw.numel()))
+
+
+def close_mapping(mapping: mmap.mmap | None, fd: int) -> None:
+    """Unmap a file mapping and close its descriptor (either may be absent: None, -1). Tensors that
+    still view the mapping keep it alive: it is unmapped when they are collected."""
+    if mapping is not None:
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # exported views remain; the mapping goes with the last of them
+    if fd >= 0:
+        os.close(fd)
