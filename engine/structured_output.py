@@ -317,24 +317,30 @@ class GrammarCompiler:
             self._compiling.pop(so, None)
             self._cache[so] = entry
             self.stats.cache_bytes += nbytes
-            self._evict()
+            freed = self._evict()
+        _give_back(freed)  # outside the lock: the engine thread takes it for every guide
         return entry
 
-    def _evict(self) -> None:
-        # Under self._lock. Least recently used first; a sequence following an evicted grammar keeps
-        # its matcher copy (and the lexer it shares) until it finishes.
+    def _evict(self) -> int:
+        """Under self._lock. Least recently used first; a sequence following an evicted grammar keeps
+        its matcher copy (and the lexer it shares) until it finishes. The bytes evicted."""
+        freed = 0
         while self.stats.cache_bytes > self.limits.cache_bytes and self._cache:
             _, old = self._cache.popitem(last=False)
             self.stats.cache_bytes -= old.nbytes
+            freed += old.nbytes
         self.stats.cache_entries = len(self._cache)
+        return freed
 
     def _grew(self, so: StructuredOutput, nbytes: int) -> None:
+        freed = 0
         with self._lock:
             entry = self._cache.get(so)
             if entry is not None:
                 entry.nbytes += nbytes
                 self.stats.cache_bytes += nbytes
-                self._evict()
+                freed = self._evict()
+        _give_back(freed)
 
     # -- masks ------------------------------------------------------------------------------------
     def guide(self, so: StructuredOutput) -> "Guide":
@@ -469,6 +475,25 @@ def _load_mallinfo2():
 
 
 _mallinfo2 = _load_mallinfo2()
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # CDLL: the GIL is released while it runs
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+# Evicted bytes worth handing back to the system: malloc keeps what the evicted lexers freed for
+# reuse, so without a trim the process stays at its high-water mark and the cache's cap does not
+# bound its memory.
+_TRIM_AT = 8 << 20
+
+
+def _give_back(freed: int) -> None:
+    if freed >= _TRIM_AT and _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _heap_bytes() -> int:

@@ -206,10 +206,10 @@ def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
 
 def test_grammar_cache_is_capped_in_bytes(llm):
     """50 distinct hostile grammars, (q{20000+i}){20000}, each of which builds ~20 MB of lexer state
-    on its first mask: the cache's estimate never passes its cap, and the process grows by no more
-    than twice the cap (what the cache holds, plus a compile in flight and what malloc keeps of
-    evicted entries to reuse). The old cache kept 64 entries whatever their size: these 50 held
-    about 1 GB."""
+    on its first mask: the cache's estimate never passes its cap, and the process grows by the cap
+    and a margin (a compile in flight, the pools' malloc arenas): evictions hand what they free back
+    to the system. Without that trim it grew by about twice the cap; the old cache kept 64 entries
+    whatever their size, and these 50 held about 1 GB."""
     cap = 48 * 2**20
     g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=cap))
     try:
@@ -225,7 +225,7 @@ def test_grammar_cache_is_capped_in_bytes(llm):
         assert 10 * 2**20 < peak <= cap and stats.cache_bytes <= cap
         assert 1 <= stats.cache_entries < 5
         grown = _rss() - rss0
-        assert grown < 2 * cap + 32 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
+        assert grown < cap + 40 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
     finally:
         g.close()
 
