@@ -43,8 +43,9 @@ def slow_model_dir(tmp_path_factory):
 
     from engine.demo import build_random_model
 
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    # (hidden 256 x 4 layers answered a whole 900-token request within 1 s in some runs here)
+    config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     return build_random_model(tmp_path_factory.mktemp("ray-model"), config, seed=17)
 
