@@ -33,6 +33,7 @@ from .build import compile_extension
 log = logging.getLogger("layerstream")
 
 SOURCE = Path(__file__).with_name("int4_vnni.cpp")
+NAME = "layerstream_int4_vnni"
 BACKENDS = ("vnni", "aten")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _module = None
@@ -78,7 +79,7 @@ def int4_backend() -> str:
     reason = _why_not_vnni()
     if reason is None:
         try:
-            module = compile_extension("layerstream_int4_vnni", SOURCE)
+            module = compile_extension(NAME, SOURCE)
             if module.cpu_supported():
                 _module = module
                 return "vnni"

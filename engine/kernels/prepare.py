@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import NAME as INT4_NAME
 from . import SOURCE as INT4_SOURCE
 from . import attention_ops, bf16_rows, build, decode_block, fused_ops, ggml_repack, int4_backend
 
@@ -38,6 +39,7 @@ class KernelSpec:
     process uses it (it returns the module, a backend name, or None for the logged fallback)."""
 
     name: str
+    library: str  # the extension's module name (its build folder's prefix)
     source: Path
     cflags: tuple[str, ...]
     includes: tuple[Path, ...]
@@ -65,17 +67,15 @@ class BuildProgress:
 # Two stages: decode_block is made of the first stage's kernels and ggml_repack writes their layouts,
 # so their loaders ask the first stage's choices.
 KERNELS: tuple[tuple[KernelSpec, ...], ...] = (
-    (KernelSpec("int4_vnni", INT4_SOURCE, build.CFLAGS, (), lambda: int4_backend() == "vnni"),
-     KernelSpec("fused_ops", fused_ops.SOURCE, fused_ops.CFLAGS, (), fused_ops.fused_ops),
-     KernelSpec("attention_ops", attention_ops.SOURCE, attention_ops.BUILD_FLAGS, (), attention_ops.attention_ops),
-     KernelSpec("bf16_rows", bf16_rows.SOURCE, build.CFLAGS, (), bf16_rows.bf16_rows)),
-    (KernelSpec("decode_block", decode_block.SOURCE, decode_block.CFLAGS, decode_block.INCLUDES,
+    (KernelSpec("int4_vnni", INT4_NAME, INT4_SOURCE, build.CFLAGS, (), lambda: int4_backend() == "vnni"),
+     KernelSpec("fused_ops", fused_ops.NAME, fused_ops.SOURCE, fused_ops.CFLAGS, (), fused_ops.fused_ops),
+     KernelSpec("attention_ops", attention_ops.NAME, attention_ops.SOURCE, attention_ops.BUILD_FLAGS, (),
+                attention_ops.attention_ops),
+     KernelSpec("bf16_rows", bf16_rows.NAME, bf16_rows.SOURCE, build.CFLAGS, (), bf16_rows.bf16_rows)),
+    (KernelSpec("decode_block", decode_block.NAME, decode_block.SOURCE, decode_block.CFLAGS, decode_block.INCLUDES,
                 decode_block.decode_block),
-     KernelSpec("ggml_repack", ggml_repack.SOURCE, ggml_repack.CFLAGS, (), ggml_repack.ggml_repack)),
+     KernelSpec("ggml_repack", ggml_repack.NAME, ggml_repack.SOURCE, ggml_repack.CFLAGS, (), ggml_repack.ggml_repack)),
 )
-_LIBRARY_NAMES = {"int4_vnni": "layerstream_int4_vnni", "fused_ops": fused_ops.NAME,
-                  "attention_ops": attention_ops.NAME, "bf16_rows": bf16_rows.NAME,
-                  "decode_block": decode_block.NAME, "ggml_repack": ggml_repack.NAME}
 
 
 def prepare(on_progress: Callable[[BuildProgress], None] | None = None, jobs: int | None = None) -> list[KernelChoice]:
@@ -89,7 +89,7 @@ def prepare(on_progress: Callable[[BuildProgress], None] | None = None, jobs: in
 def build_every_kernel(on_progress: Callable[[BuildProgress], None] | None = None,
                        jobs: int | None = None) -> list[KernelChoice]:
     def compile_one(spec: KernelSpec) -> KernelChoice:
-        module, why = build.compile_or_reason(_LIBRARY_NAMES[spec.name], spec.source, spec.cflags, spec.includes)
+        module, why = build.compile_or_reason(spec.library, spec.source, spec.cflags, spec.includes)
         if module is None:
             log.warning("the %s kernel %s", spec.name, why)
         return KernelChoice(spec.name, module is not None)
