@@ -47,14 +47,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "memory) on cuda, none on cpu where the pool already is host memory)")
     p.add_argument("--no-expert-streaming", dest="expert_streaming", action="store_false",
                    help="mixtures of experts: stream blocks whole, experts inside, instead of each chosen expert")
-    so = p.add_argument_group("structured output (README: Structured output)")
+    so = p.add_argument_group("structured output (docs/usage/structured-output.md)")
     so.add_argument("--max-grammar-ms", type=float, default=d("max_grammar_ms"),
                     help="CPU time one request's grammar may spend compiling, and on each token mask; over it, "
                          "a 400 before any token, or an error that ends that request alone")
     so.add_argument("--grammar-cache-memory", default=d("grammar_cache_memory"),
                     help="host memory for compiled grammars, e.g. 256MiB (default: 256MiB, at most a twentieth "
                          "of host memory; least recently used go first)")
-    spec = p.add_argument_group("speculative decoding (README: Speculative decoding)")
+    spec = p.add_argument_group("speculative decoding (docs/usage/speculative.md)")
     spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "self"],
                       help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "
                            "(--speculative-model, resident), self (int4 copies of the target's blocks)")

@@ -10,7 +10,7 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/
     minus the working set. The cgroup's usage also counts page cache, and its inactive part (files
     read once: the interpreter's imports, a tokenizer, checkpoint pages already used) is reclaimed
     by the kernel before anything is refused, so it is not counted as used: left in, it moved the
-    room by tens of MiB from one start to the next with the same cap (README "Disk tier")."""
+    room by tens of MiB from one start to the next with the same cap (docs/usage/memory.md)."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "teaches")
     p.add_argument("--max-queue", type=int, default=EngineArgs.default("max_queue"),
                    help="requests waiting for a slot (beyond free slots) before new ones get 503 + Retry-After")
-    limits = p.add_argument_group("limits (see README: Limits)")
+    limits = p.add_argument_group("limits (docs/usage/serving.md#limits)")
     limits.add_argument("--max-body-bytes", default=None,
                         help="largest request body, e.g. 8MiB; larger gets 413 before it is read (default: room "
                              "for one prompt of max_model_len tokens, at least 2 MiB)")
