@@ -23,7 +23,7 @@ one capped process per method, one after the other). A speculative
 run gets the plain run's budget plus its draft's planned bytes (printed): the target keeps exactly
 the same blocks resident.
 
-    layerstream bench-spec --tokens 32 --trials 3 --png docs/bench-spec.png   (--k 8, --fixed-k, --prefetch-depth 8, --sim-gbps 2)
+    layerstream bench-spec --tokens 32 --trials 3 --png spec.png   (--k 8, --fixed-k, --prefetch-depth 8, --sim-gbps 2)
 """
 
 from __future__ import annotations
