@@ -8,15 +8,25 @@ every entry point has the same defaults and the same error for a bad value.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .planner import parse_bytes
 from .weights import check_transport
 
+if TYPE_CHECKING:
+    from .speculative import SpeculativeConfig
+
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
                "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+# The speculative_* fields (the --speculative-* flags) -> the speculative_config key each one spells.
+SPECULATIVE_ALIASES = {"speculative_method": "method", "speculative_model": "model",
+                       "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "prompt_lookup_min",
+                       "prompt_lookup_max": "prompt_lookup_max", "speculative_adaptive_k": "adaptive_k"}
 
 
 @dataclass
@@ -44,8 +54,12 @@ class EngineArgs:
     # Mixtures of experts that do not fit: stream each chosen expert by itself through a device expert
     # cache (engine.weights.experts); False streams MoE blocks whole, experts inside (the baseline).
     expert_streaming: bool = True
-    # Speculative decoding (engine.speculative): None (off) | ngram | draft | self
-    speculative_method: str | None = None
+    # Speculative decoding (engine.speculative), as vLLM's speculative_config: a dict or its JSON, keys
+    # method (ngram | draft_model | self), model, num_speculative_tokens, prompt_lookup_min/max, adaptive_k;
+    # None: off. The fields below are the same settings one by one (aliases of those keys). Once built,
+    # this holds the SpeculativeConfig in effect (or None) and the fields below its values.
+    speculative_config: dict | str | SpeculativeConfig | None = None
+    speculative_method: str | None = None  # None (off) | ngram | draft (draft_model) | self
     num_speculative_tokens: int = 4
     speculative_model: str | None = None  # method "draft": a model with the same tokenizer
     prompt_lookup_min: int = 1  # method "ngram": n-gram sizes looked up, longest first
@@ -90,23 +104,51 @@ class EngineArgs:
                 raise ValueError("quantization runs with the CPU device and transport for now "
                                  f"(device {self.device!r}, transport {self.transport!r} asked)")
 
-        if self.speculative_method is None:
-            if self.speculative_model is not None:
-                raise ValueError("--speculative-model needs --speculative-method draft")
-        else:
-            self.speculative_config()  # raises ValueError on a bad combination
-            if self.speculative_method == "self" and (self.device != "cpu" or self.quantization is not None):
-                raise ValueError("the self-draft (int4 copies of the target's blocks) runs on the CPU device, "
-                                 "with an unquantized target (its int4 copies would be the blocks themselves)")
+        self.speculative_config = self._speculative()
+        if self.speculative_method == "self" and (self.device != "cpu" or self.quantization is not None):
+            raise ValueError("the self-draft (int4 copies of the target's blocks) runs on the CPU device, "
+                             "with an unquantized target (its int4 copies would be the blocks themselves)")
 
-    def speculative_config(self):
-        """The validated SpeculativeConfig, or None when speculative decoding is off."""
-        if self.speculative_method is None:
-            return None
-        from .speculative import SpeculativeConfig
+    def _speculative(self) -> SpeculativeConfig | None:
+        """speculative_config with the speculative_* fields that were given (not at their default) merged
+        in as its keys; a key given both ways with two values is an error. The fields then hold the
+        values in effect. Without a method (or a config), the tuning fields alone leave it off."""
+        from .speculative import METHOD_ALIASES, SpeculativeConfig
 
-        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.speculative_model,
-                                 self.prompt_lookup_min, self.prompt_lookup_max, self.speculative_adaptive_k)
+        config = self.speculative_config
+        if isinstance(config, str):  # --speculative-config, LAYERSTREAM_SPECULATIVE_CONFIG
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): {config!r}") from None
+        if isinstance(config, SpeculativeConfig):  # an EngineArgs built again from one (dataclasses.replace)
+            config = config.to_dict()
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON) such as "
+                             f"{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, got {config!r}")
+        given = {name: getattr(self, name) for name in SPECULATIVE_ALIASES
+                 if getattr(self, name) != self.default(name)}
+        if config is None:
+            if self.speculative_method is None:
+                if self.speculative_model is not None:
+                    raise ValueError("--speculative-model needs --speculative-method draft")
+                return None
+            config = {}
+        merged = dict(config)
+
+        def same(key, a, b):
+            return METHOD_ALIASES.get(a, a) == METHOD_ALIASES.get(b, b) if key == "method" else a == b
+
+        for name, value in given.items():
+            key = SPECULATIVE_ALIASES[name]
+            if key in config and not same(key, config[key], value):
+                raise ValueError(f"speculative_config {key!r} is {config[key]!r} but {name} is {value!r}: "
+                                 "give each setting once")
+            merged[key] = value
+        spec = SpeculativeConfig.from_dict(merged)
+        for name, key in SPECULATIVE_ALIASES.items():
+            setattr(self, name, getattr(spec, key))
+        return spec
 
     def grammar_limits(self):
         """The validated GrammarLimits of structured output."""

@@ -129,8 +129,8 @@ def check_same_tokenizer(target_tokenizer, draft_path) -> None:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, tokenizer=None):
-        path = resolve_model(args.model, show_progress=args.show_progress)
-        spec = args.speculative_config()
+        path = resolve_model(args.model)
+        spec = args.speculative_config
         draft_model = reservation = None
         if spec is not None and spec.method == "draft":
             # Loaded first, resident: the target's plan reserves what it takes.

@@ -432,6 +432,6 @@ def test_the_adaptive_k_flag_reaches_the_config():
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
-    on = engine_args_from(p.parse_args(["--speculative-method", "ngram"])).speculative_config()
+    on = engine_args_from(p.parse_args(["--speculative-method", "ngram"])).speculative_config
     off = engine_args_from(p.parse_args(["--speculative-method", "ngram", "--no-speculative-adaptive-k"]))
-    assert on.adaptive_k is True and off.speculative_config().adaptive_k is False
+    assert on.adaptive_k is True and off.speculative_config.adaptive_k is False

@@ -4,8 +4,9 @@ about the same for 1 or k + 1 tokens: it is bound by moving the weights).
 
 Interface (what the engine uses; the rest is internal):
 
-  SpeculativeConfig(method, num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max)
-      validated settings; EngineArgs.speculative_config() builds it from the --speculative-* flags.
+  SpeculativeConfig(method, num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max, adaptive_k)
+      validated settings; SpeculativeConfig.from_dict(d) reads vLLM's speculative_config dict (keys
+      CONFIG_KEYS, method names METHOD_ALIASES). EngineArgs.speculative_config holds the one in effect.
   (method "draft": engine.loader.load_draft_model loads the separate draft model resident before
   the target is planned, and the target's plan reserves its bytes.)
   DraftLength(K, adaptive).initial() / .next(k, drafted, accepted)
@@ -20,7 +21,7 @@ Interface (what the engine uses; the rest is internal):
 """
 
 from .adaptive import DraftLength
-from .config import METHODS, SpeculativeConfig
+from .config import CONFIG_KEYS, METHOD_ALIASES, METHODS, SpeculativeConfig
 from .drafter import Draft, Drafter, DraftRequest, ModelDrafter, NgramDrafter
 from .ngram import ngram_draft
 from .rejection import rejection_sample, verify_greedy
@@ -29,7 +30,7 @@ from .stats import SpecCounters, SpecTelemetry
 from .verify import verify
 
 __all__ = [
-    "METHODS", "Draft", "DraftLength", "DraftRequest", "Drafter", "ModelDrafter", "NgramDrafter", "SpecCounters",
-    "SpecTelemetry", "SpeculativeConfig", "build_drafter", "ngram_draft",
+    "CONFIG_KEYS", "METHOD_ALIASES", "METHODS", "Draft", "DraftLength", "DraftRequest", "Drafter", "ModelDrafter",
+    "NgramDrafter", "SpecCounters", "SpecTelemetry", "SpeculativeConfig", "build_drafter", "ngram_draft",
     "rejection_sample", "verify", "verify_greedy",
 ]
