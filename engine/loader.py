@@ -287,4 +287,4 @@ def load_draft_model(args: EngineArgs) -> LoadedModel:
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, show_progress=args.show_progress,
                             enable_prefix_caching=False)
-    return load_model(draft_args, resolve_model(args.speculative_model, show_progress=args.show_progress))
+    return load_model(draft_args, resolve_model(args.speculative_model))

@@ -1,17 +1,16 @@
-"""Where a model comes from: the built-in demo, a local folder, or a Hugging Face hub id."""
+"""Where a model comes from: the built-in demo, a local folder or .gguf file, or a Hugging Face hub id
+found in the local Hugging Face cache (offline: nothing is downloaded)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("layerstream")
 
-# Only what layerstream reads: weights as safetensors, configs and tokenizer files.
-HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer.model", "*.tiktoken", "*.txt"]
 
-
-def resolve_model(model: str, show_progress: bool = True) -> Path:
+def resolve_model(model: str) -> Path:
     """A model folder, or a .gguf file (the first file of a split model)."""
     if model == "demo":
         from .demo import demo_gguf_path, demo_model_path
@@ -35,13 +34,30 @@ def resolve_model(model: str, show_progress: bool = True) -> Path:
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model {model!r} is neither a model folder, a .gguf file, nor a hub id "
                                 "like 'org/name'")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import disable_progress_bars
+    return cached_hub_model(model)
 
-    if not show_progress:
-        disable_progress_bars()
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now: huggingface_hub reads it once, at its
+    import, so a later HF_HOME / HF_HUB_CACHE would be missed. Same order as huggingface_hub.constants."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache",
+                                                         "huggingface")
+        cache = os.path.join(home, "hub")
+    return Path(os.path.expandvars(cache)).expanduser()
+
+
+def cached_hub_model(repo_id: str) -> Path:
+    """A hub model's snapshot folder (its main revision) in the local Hugging Face cache. Never the
+    network: a server must not stall on, or depend on, the hub at start-up; download ahead of time."""
+    from huggingface_hub import snapshot_download
+
+    cache = hub_cache_dir()
     try:
-        # With HF_HUB_OFFLINE=1 this resolves from the local HF cache without any network access.
-        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
-    except Exception as e:  # noqa: BLE001 - hub errors come in many types; the message is what matters
-        raise FileNotFoundError(f"could not fetch {model!r} from the Hugging Face hub or its cache: {e}") from e
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - LocalEntryNotFoundError, or a malformed cache entry
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache at {cache}; download it with "
+            f"`hf download {repo_id}` on a machine with network (then copy the cache, or point HF_HOME / "
+            f"HF_HUB_CACHE at it), or give a local path") from e
