@@ -12,12 +12,35 @@ import sys
 import time
 
 
+MODEL_HELP = ("a model folder, a .gguf file, a hub id like org/name found in the local Hugging Face cache "
+              "($HF_HUB_CACHE, $HF_HOME/hub; nothing is downloaded)")
+
+
+class _ModelAction(argparse.Action):
+    """MODEL and --model name the same thing (`layerstream serve MODEL`, as `vllm serve MODEL`; --model
+    stays for scripts and LAYERSTREAM_MODEL): given both ways, they must agree."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        other = getattr(namespace, "_model_given", None)
+        if other is not None and other != value:
+            parser.error(f"the model is given twice, {other!r} and {value!r}: give it as MODEL or as --model")
+        namespace._model_given = value
+        namespace.model = value
+
+
+def add_model_argument(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    """The model as an optional positional MODEL or as --model (both land in namespace.model)."""
+    p.add_argument("model", nargs="?", action=_ModelAction, default=argparse.SUPPRESS, metavar="MODEL", help=help)
+    p.add_argument("--model", dest="model", action=_ModelAction, default=default, metavar="MODEL",
+                   help="the same as MODEL")
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model; defaults are EngineArgs' own."""
     from .args import EngineArgs
 
     d = EngineArgs.default
-    p.add_argument("--model", default="demo", help="model folder, hub id, or 'demo' (default)")
+    add_model_argument(p, default="demo", help=f"{MODEL_HELP}, or demo (the default: a built-in small model)")
     p.add_argument("--device", default=d("device"), help="cpu or cuda")
     p.add_argument("--dtype", default=d("dtype"), help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--max-device-memory", default=d("max_device_memory"),
@@ -55,21 +78,29 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="host memory for compiled grammars, e.g. 256MiB (default: 256MiB, at most a twentieth "
                          "of host memory; least recently used go first)")
     spec = p.add_argument_group("speculative decoding (docs/usage/speculative.md)")
-    spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "self"],
-                      help="draft k tokens per step and verify them in one pass: ngram (prompt lookup), draft "
-                           "(--speculative-model, resident), self (int4 copies of the target's blocks)")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="as vLLM's: a JSON object with keys method (ngram: prompt lookup; draft_model: a separate "
+                           "resident model, key model; self: int4 copies of the target's blocks), model, "
+                           "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, adaptive_k, e.g. "
+                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. The flags below set the same "
+                           "keys one by one")
+    spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft", "draft_model", "self"],
+                      help="key method: draft k tokens per step and verify them in one pass: ngram (prompt lookup), "
+                           "draft or draft_model (--speculative-model, resident), self (int4 copies of the target's "
+                           "blocks)")
     spec.add_argument("--num-speculative-tokens", type=int, default=d("num_speculative_tokens"),
-                      help="the most tokens drafted per sequence per step (k)")
+                      help="key num_speculative_tokens: the most tokens drafted per sequence per step (k)")
     spec.add_argument("--speculative-adaptive-k", action=argparse.BooleanOptionalAction,
                       default=d("speculative_adaptive_k"),
-                      help="adapt each sequence's k to its acceptance: +2 after a pass that accepted every draft "
-                           "(at most --num-speculative-tokens), -1 after a rejection (on by default; "
-                           "--no-speculative-adaptive-k keeps k fixed)")
-    spec.add_argument("--speculative-model", default=None, help="draft model with the target's tokenizer")
+                      help="key adaptive_k: adapt each sequence's k to its acceptance: +2 after a pass that "
+                           "accepted every draft (at most --num-speculative-tokens), -1 after a rejection (on by "
+                           "default; --no-speculative-adaptive-k keeps k fixed)")
+    spec.add_argument("--speculative-model", default=None,
+                      help="key model: the draft model, with the target's tokenizer")
     spec.add_argument("--prompt-lookup-min", type=int, default=d("prompt_lookup_min"),
-                      help="ngram: shortest n-gram looked up")
+                      help="key prompt_lookup_min: ngram's shortest n-gram looked up")
     spec.add_argument("--prompt-lookup-max", type=int, default=d("prompt_lookup_max"),
-                      help="ngram: longest n-gram looked up (tried first)")
+                      help="key prompt_lookup_max: ngram's longest n-gram looked up (tried first)")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
@@ -83,8 +114,9 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
-    for name in ("speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min",
-                 "prompt_lookup_max", "speculative_adaptive_k", "max_grammar_ms", "grammar_cache_memory"):
+    for name in ("speculative_config", "speculative_method", "num_speculative_tokens", "speculative_model",
+                 "prompt_lookup_min", "prompt_lookup_max", "speculative_adaptive_k", "max_grammar_ms",
+                 "grammar_cache_memory"):
         if hasattr(ns, name):
             fields[name] = getattr(ns, name)
     fields.update(overrides)
@@ -94,12 +126,13 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`layerstream generate`'s flags."""
     add_engine_arguments(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt", required=True, help="the prompt, as plain text (no chat template)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this "
+                   "much probability (default: 1, all)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (default: -1, all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for a reproducible output")
     p.add_argument("--json", action="store_true", help="print token ids, text and timing as JSON")
 
 

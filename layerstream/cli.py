@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, description=help_)
         try:
             mod = importlib.import_module(module)
         except ImportError as e:  # a benchmark's optional dependency is missing: say so when it is asked for

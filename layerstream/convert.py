@@ -17,7 +17,10 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a GGUF file (or a folder holding one), or a safetensors folder with --quantization")
+    from engine.cli import add_model_argument
+
+    add_model_argument(p, default=None, help="a GGUF file (or a folder holding one), or a safetensors folder with "
+                       "--quantization; a hub id (org/name) is looked up in the local Hugging Face cache")
     p.add_argument("--dtype", default="auto",
                    help="compute dtype the entry is for, as `generate --dtype` (default: auto)")
     p.add_argument("--quantization", choices=("int8", "int4"), default=None,
@@ -33,7 +36,9 @@ def run(ns: argparse.Namespace) -> int:
     from engine.model_source import resolve_model
     from engine.weights import ModelCheckpoint
 
-    path = resolve_model(ns.model, show_progress=not ns.no_progress)
+    if ns.model is None:
+        raise ValueError("convert needs a model: layerstream convert MODEL")
+    path = resolve_model(ns.model)
     prepare()  # the entry is laid out for the kernels this CPU uses: choose (build) them first
     checkpoint = ModelCheckpoint(path)
     try:

@@ -8,6 +8,7 @@ neither of them."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
-                   help="model name clients send and /v1/models lists (default: the --model value)")
+                   help="model name clients send and /v1/models lists (default: MODEL as given)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto",
                    help="how the model writes tool calls (vLLM's names): hermes (<tool_call> tags: Qwen, Hermes), "
@@ -115,7 +116,8 @@ def build_server(ns: argparse.Namespace, on_failed=None):
         metrics.set_plan(engine.telemetry().plan)
         if ns.model == "demo" and engine.model.path.suffix != ".gguf":
             log.warning("serving the built-in DEMO model as %r: random weights, output is gibberish; "
-                        "it exists for smoke tests. Pass --model DIR|HUB_ID to serve a real model.", name)
+                        "it exists for smoke tests. Give one to serve a real model: "
+                        "layerstream serve DIR|FILE.gguf|HUB_ID.", name)
         return engine
 
     engine = EngineLoop(args, observer=metrics, engine_factory=factory, on_failed=on_failed)
@@ -137,8 +139,8 @@ def parse_flags(args: dict) -> argparse.Namespace:
                              "e.g. model=demo num_replicas=2")
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             switches[action.dest] = str(value).strip().lower() in _TRUE  # false must beat a LAYERSTREAM_ default
-        else:
-            argv += [action.option_strings[0], str(value)]
+        else:  # a dict (speculative_config: {method: ngram} in YAML) goes as the JSON its flag takes
+            argv += [action.option_strings[0], json.dumps(value) if isinstance(value, dict) else str(value)]
     try:
         ns = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed why
