@@ -73,8 +73,9 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 
 
 def _flag(action: argparse.Action) -> str:
-    if not action.option_strings:  # a positional argument
-        return f"`{action.metavar or action.dest.upper()}`"
+    if not action.option_strings:  # a positional argument, in brackets when it may be left out
+        name = action.metavar or action.dest.upper()
+        return f"`[{name}]`" if action.nargs in ("?", "*") else f"`{name}`"
     names = ", ".join(action.option_strings)
     value = _value(action)
     return f"`{names} {value}`" if value else f"`{names}`"
