@@ -1,5 +1,8 @@
 """Which architectures layerstream runs, and which weights (short names, shapes) each one needs.
 
+FAMILIES is the one table of what runs: a row (Family) says how an architecture's block differs from
+Llama's; ModelConfig holds one checkpoint's shapes and numbers. Adding a family: docs/usage/adding-a-family.md.
+
 The Hugging Face config is read with transformers' own `AutoConfig`, which normalises the 4.x
 (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`, `dtype`) styles. Everything
 the model math needs from it, RoPE's frequencies included, is computed here once, so the math never
@@ -17,21 +20,89 @@ import torch
 
 from .errors import CheckpointError, UnsupportedModelError
 
-# architecture name in config.json -> family flags
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
-    # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
-    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
-    "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False),
-    "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True),
-    # OLMoE normalises the whole q and k projections (not each head) and may clip q, k, v.
-    "OlmoeForCausalLM": dict(qkv_bias=False, qk_norm=True, qk_norm_whole=True),
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the family table: how an architecture's decoder block differs from Llama's, as
+    structure (which norms sit where, which activation, what is scaled by what rule). The numbers a
+    checkpoint chooses (scales, caps, windows, RoPE) are read from its config into ModelConfig; the
+    block math (engine.model) reads both and has no branch on the architecture's name.
+
+    Norm short names: "attn_norm" normalises the attention's input, "post_attn_norm" its output (before
+    the residual add), "mlp_norm" the MLP's input, "post_mlp_norm" its output."""
+
+    gguf: str | None = None  # llama.cpp's general.architecture for this family; None: no GGUF support
+    qkv_bias: bool = False
+    qk_norm: str | None = None  # "head": an RMSNorm per head (Qwen3, Gemma 3); "whole": over the projection (OLMoE)
+    norms: tuple[str, ...] = ("attn_norm", "mlp_norm")
+    # RMSNorm multiplies by (norm_offset + w): Gemma's weights are the offset from 1 (initialised to zeros).
+    norm_offset: float = 0.0
+    activation: str = "silu"  # the gated MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale_sqrt_hidden: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
+    moe: bool = False  # the MLP is a routed mixture of experts (MoEConfig)
+    # config fields this family reads beyond Llama's (keys of CONFIG_SCALARS), e.g. Gemma's soft-caps
+    scalars: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        assert self.activation in ACTIVATIONS and self.qk_norm in (None, "head", "whole"), self
+        assert set(self.norms) <= set(NORMS) and set(self.scalars) <= set(CONFIG_SCALARS), self
+
+
+NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+ACTIVATIONS = ("silu", "gelu_tanh")
+_SANDWICH = NORMS  # Gemma 2/3: a norm before and after both attention and the MLP
+# A transformers config field -> the ModelConfig field it sets, and how (a field left None keeps the default).
+CONFIG_SCALARS = {
+    "query_pre_attn_scalar": ("attn_scale", lambda v: float(v) ** -0.5),  # Gemma: 1/sqrt(this), not of head_dim
+    "attention_multiplier": ("attn_scale", float),  # Granite: the scale itself
+    "attn_logit_softcapping": ("attn_softcap", float),  # scores -> cap * tanh(scores / cap)
+    "final_logit_softcapping": ("final_softcap", float),  # logits -> cap * tanh(logits / cap)
+    "embedding_multiplier": ("embed_scale", float),
+    "residual_multiplier": ("residual_scale", float),  # each block's attention and MLP outputs scaled before the add
+    "logits_scaling": ("logits_divisor", float),  # logits divided by it
+    "clip_qkv": ("clip_qkv", float),  # OLMoE: q, k, v clamped to [-clip, clip]
 }
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+_GEMMA = dict(norms=_SANDWICH, norm_offset=1.0, activation="gelu_tanh", embed_scale_sqrt_hidden=True,
+              scalars=("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"))
+
+# architecture name in config.json -> its family: the one table of what layerstream runs
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(gguf="llama"),
+    "MistralForCausalLM": Family(gguf="mistral"),
+    "Qwen2ForCausalLM": Family(gguf="qwen2", qkv_bias=True),
+    "Qwen3ForCausalLM": Family(gguf="qwen3", qk_norm="head"),
+    "Gemma2ForCausalLM": Family(gguf="gemma2", **_GEMMA),
+    "Gemma3ForCausalLM": Family(gguf="gemma3", qk_norm="head", **_GEMMA),
+    # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
+    "MixtralForCausalLM": Family(moe=True),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),
+    "Qwen3MoeForCausalLM": Family(qk_norm="head", moe=True),
+    # OLMoE normalises the whole q and k projections (not each head) and may clip q, k, v.
+    "OlmoeForCausalLM": Family(qk_norm="whole", moe=True, scalars=("clip_qkv",)),
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # one routed expert: a SwiGLU MLP of its own
+# RoPE types whose frequencies are fixed at load (what the math implements); "dynamic" and "longrope"
+# change with the sequence length and are refused rather than run wrong.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def family(architecture: str) -> Family:
+    """The family of a config.json architecture name; UnsupportedModelError naming it and listing the supported."""
+    f = FAMILIES.get(architecture)
+    if f is None:
+        raise UnsupportedModelError(f"architecture {architecture!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return f
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs between one block's attention and another's in the same model."""
+
+    window: int | None  # a sliding-window layer sees the last `window` positions (itself included); None: all
+    rope: str | None  # "global" or "local" (ModelConfig's two RoPE tables); None: no rotary at all (NoPE)
 
 
 def expert_key(expert: int, short: str) -> str:
@@ -65,6 +136,8 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """One checkpoint's architecture: shapes, its family's row, and the numbers its config sets."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -88,22 +161,50 @@ class ModelConfig:
     qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, not one head (OLMoE)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] after projection (OLMoE)
     moe: MoEConfig | None = None
+    family: Family | None = None  # None: FAMILIES[architecture]
+    # Per layer: the sliding window of each block (None: full attention); () = `sliding_window` for every block.
+    layer_windows: tuple[int | None, ...] = ()
+    # RoPE of the sliding-window layers where it differs from the global one (Gemma 3: base 10k vs 1M).
+    local_rope_inv_freq: tuple[float, ...] = ()
+    local_rope_attention_scaling: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # blocks without rotary embedding (SmolLM3)
+    attn_scale: float | None = None  # multiplies q . k; None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
+    # RMSNorm weights are applied as (norm_offset + w); None: the family's convention. A format that stores
+    # the offset folded into the weight (llama.cpp's Gemma files hold 1 + w) sets 0.
+    norm_offset: float | None = None
+
+    def __post_init__(self):
+        if self.family is None:
+            object.__setattr__(self, "family", family(self.architecture))
+        if self.norm_offset is None:
+            object.__setattr__(self, "norm_offset", self.family.norm_offset)
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise UnsupportedModelError(f"{len(self.layer_windows)} layer types for {self.num_layers} layers")
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        window = self.layer_windows[layer] if self.layer_windows else self.sliding_window
+        if layer in self.nope_layers:
+            return LayerAttention(window, None)
+        return LayerAttention(window, "local" if window is not None and self.local_rope_inv_freq else "global")
 
     def block_shapes(self, layer: int = 0) -> dict[str, tuple[int, ...]]:
         """Every tensor of block `layer`, experts included (short names; see expert_key)."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        shapes = {
-            "attn_norm": (h,),
-            "wq": (q, h),
-            "wk": (kv, h),
-            "wv": (kv, h),
-            "wo": (h, q),
-            "mlp_norm": (h,),
-        }
+        # Llama's order (attn_norm, wq, wk, wv, wo, mlp_norm) first: it fixes where a block's tensors lie
+        # in the cache entries built from it.
+        norms = self.family.norms
+        shapes = {"attn_norm": (h,)} if "attn_norm" in norms else {}
+        shapes.update(wq=(q, h), wk=(kv, h), wv=(kv, h), wo=(h, q))
+        shapes.update({name: (h,) for name in NORMS if name in norms and name != "attn_norm"})
         if self.qkv_bias:
             shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
         if self.o_bias:
@@ -154,12 +255,11 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in FAMILIES), None)
     if arch is None:
-        raise UnsupportedModelError(
-            f"{cfg_path}: architecture {archs or raw.get('model_type')!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        named = " or ".join(archs) if archs else f"(model_type {raw.get('model_type')!r})"
+        raise UnsupportedModelError(f"{cfg_path}: architecture {named} is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(folder)
@@ -169,14 +269,24 @@ def load_model_config(folder: str | Path) -> ModelConfig:
 
 def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
     """ModelConfig from a transformers config (read from config.json, or from GGUF metadata)."""
-    flags = SUPPORTED_ARCHITECTURES[arch]
+    fam = family(arch)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     sliding = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
-    attention_bias = bool(getattr(hf, "attention_bias", False)) and arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM")
-    if attention_bias:
-        flags = {**flags, "qkv_bias": True, "o_bias": True}
+    flags = dict(qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm is not None, qk_norm_whole=fam.qk_norm == "whole")
+    if getattr(hf, "attention_bias", False):  # biases on q, k, v and o (families with the field)
+        flags.update(qkv_bias=True, o_bias=True)
+    if getattr(hf, "mlp_bias", False):
+        raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported (the MLP runs without biases)")
+    scalars = {}
+    for name in fam.scalars:
+        value = getattr(hf, name, None)
+        if value is not None:
+            field, convert = CONFIG_SCALARS[name]
+            scalars[field] = convert(value)
+    if fam.embed_scale_sqrt_hidden:
+        scalars["embed_scale"] = hf.hidden_size ** 0.5
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
@@ -192,11 +302,28 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         checkpoint_dtype=checkpoint_dtype,
         sliding_window=sliding,
         eos_token_ids=eos_ids,
-        **_rope(hf, head_dim),
+        **_ropes(hf, head_dim),
         **flags,
-        clip_qkv=getattr(hf, "clip_qkv", None) if arch == "OlmoeForCausalLM" else None,
         moe=_moe(hf, arch),
+        family=fam,
+        layer_windows=_layer_windows(hf, sliding),
+        **scalars,
     )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_windows(hf, sliding: int | None) -> tuple[int | None, ...]:
+    """Each block's window from the config's `layer_types` (Gemma 2/3 alternate sliding and full layers;
+    Qwen2 slides from `max_window_layers` on), or () when every block has `sliding` (Mistral, or none)."""
+    types = getattr(hf, "layer_types", None)
+    if not types or sliding is None:
+        return ()
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(f"layer types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    return tuple(sliding if t == "sliding_attention" else None for t in types)
 
 
 def _moe(hf, arch: str) -> MoEConfig | None:
@@ -223,18 +350,35 @@ def _moe(hf, arch: str) -> MoEConfig | None:
                      norm_topk_prob=norm_topk, sparse_layers=sparse, shared_expert_intermediate_size=shared or 0)
 
 
-def _rope(hf, head_dim: int) -> dict:
-    """RoPE inverse frequencies and attention scaling, with the checkpoint's rope scaling applied."""
+def _ropes(hf, head_dim: int) -> dict:
+    """The global RoPE table and, where sliding-window layers have their own (Gemma 3's
+    `rope_parameters` keyed by layer type), the local one."""
     # transformers 5 normalises both config styles into rope_parameters; 4.x keeps rope_scaling.
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if "full_attention" not in params:
+        inv_freq, scaling = _rope(hf, head_dim, params)
+        return dict(rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
+    inv_freq, scaling = _rope(hf, head_dim, params["full_attention"], "full_attention")
+    out = dict(rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
+    local = params.get("sliding_attention")
+    if local is not None:
+        local_freq, local_scaling = _rope(hf, head_dim, local, "sliding_attention")
+        if (local_freq, local_scaling) != (inv_freq, scaling):
+            out.update(local_rope_inv_freq=local_freq, local_rope_attention_scaling=local_scaling)
+    return out
+
+
+def _rope(hf, head_dim: int, params: dict, layer_type: str | None = None) -> tuple[tuple[float, ...], float]:
+    """RoPE inverse frequencies (head_dim / 2 values) and attention scaling, with the rope scaling applied."""
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-        return dict(rope_inv_freq=tuple(inv_freq.float().tolist()), rope_attention_scaling=float(scaling))
+        kw = {"layer_type": layer_type} if layer_type is not None else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **kw)
+        return tuple(inv_freq.float().tolist()), float(scaling)
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    return dict(rope_inv_freq=tuple(inv_freq.tolist()), rope_attention_scaling=1.0)
+    return tuple(inv_freq.tolist()), 1.0

@@ -231,11 +231,14 @@ def _fp32_matmul_as_bf16():
 
 
 def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, open_keys: int,
-                        chunk_bytes: int | None, scratch: AttentionScratch | None) -> torch.Tensor:
+                        chunk_bytes: int | None, scratch: AttentionScratch | None, scale: float | None = None
+                        ) -> torch.Tensor:
     """Folded attention (GQA already folded into q's rows) as two matmuls: q (seqs, kv_heads, rows,
     head_dim) bf16; k, v (seqs, kv_heads, context, head_dim); mask (seqs, 1, rows, context), whose first
-    open_keys columns are all True. Returns (seqs, kv_heads, rows, head_dim) bf16."""
+    open_keys columns are all True; scale multiplies q . k (None: 1 / sqrt(head_dim)). Returns (seqs,
+    kv_heads, rows, head_dim) bf16."""
     seqs, nkv, rows, hd = q.shape
+    scale = hd ** -0.5 if scale is None else scale
     ctx = k.shape[2]
     bound = min(CHUNK_BYTES if chunk_bytes is None else chunk_bytes, MATMUL_CPU_CALL_BYTES)
     ops = attention_ops()  # the C++ softmax in place, or None: torch's ops
@@ -244,7 +247,6 @@ def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), bound, cost)
     buf = (scratch or AttentionScratch()).take(_scratch_floats(sp, rp, ctx, nkv, hd, probs))
     hidden = mask[..., open_keys:].logical_not() if open_keys < ctx else None  # (seqs, 1, rows, context - open_keys)
-    scale = hd ** -0.5
     out = q.new_empty(q.shape)
     with _fp32_matmul_as_bf16():
         for a in range(0, seqs, sp):
@@ -281,7 +283,8 @@ def _carve(buf: torch.Tensor, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
     return [*views, buf[start:]]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+          ) -> torch.Tensor:
     if q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled():
         # cuDNN SDPA off for the process, once, rather than an sdpa_kernel() context around every
         # call: entering and leaving it costs tens of microseconds (55 us measured here), per block
@@ -289,15 +292,37 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
         # memory-efficient, then math (the probe and the cuda tests check which one ran).
         torch.backends.cuda.enable_cudnn_sdp(False)
         log.info("attention: cuDNN SDPA turned off for this process; memory-efficient attention runs instead")
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _attend_softcap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    cap: float, chunk_bytes: int | None) -> torch.Tensor:
+    """Folded attention whose scores are soft-capped, cap * tanh(s / cap) before the mask (Gemma 2), which
+    no SDPA kernel takes: the reference's eager order in fp32, split as the math path is. q: (seqs,
+    kv_heads, rows, head_dim); k, v: (seqs, kv_heads, context, head_dim); mask (seqs, 1, rows, context).
+    Returns (seqs, kv_heads, rows, head_dim) in q's dtype."""
+    seqs, nkv, rows, hd = q.shape
+    ctx = k.shape[2]
+    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
+    out = q.new_empty(q.shape)
+    for a in range(0, seqs, sp):
+        kt = k[a:a + sp].float().transpose(-1, -2)  # (n, kv_heads, head_dim, context)
+        vf = v[a:a + sp].float()
+        for r in range(0, rows, rp):
+            s = torch.matmul(q[a:a + sp, :, r:r + rp].float(), kt) * scale  # (n, kv_heads, m, context) fp32
+            s = torch.tanh(s / cap) * cap
+            s = s.masked_fill(~mask[a:a + sp, :, r:r + rp], float("-inf"))
+            out[a:a + sp, :, r:r + rp] = torch.matmul(torch.softmax(s, dim=-1), vf)
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           chunk_bytes: int | None = None, open_keys: int = 0, scratch: AttentionScratch | None = None
-           ) -> torch.Tensor:
+           chunk_bytes: int | None = None, open_keys: int = 0, scratch: AttentionScratch | None = None,
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: (seqs, heads, max_query, head_dim); k, v: (seqs, kv_heads, context, head_dim);
     mask: (seqs, 1, max_query, context) bool, True = may attend; its first open_keys columns must be
-    all True (a promise the bf16 matmul path relies on; 0 makes none); scratch: memory that path reuses.
+    all True (a promise the bf16 matmul path relies on; 0 makes none); scratch: memory that path reuses;
+    scale: multiplies q . k (None: 1 / sqrt(head_dim)); softcap: scores -> softcap * tanh(scores / softcap).
     Returns (seqs, heads, max_query, head_dim)."""
     seqs, nh, mq, hd = q.shape
     nkv, ctx = k.shape[1], k.shape[2]
@@ -307,20 +332,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q = q.reshape(seqs, nkv, group * mq, hd)  # (seqs, kv_heads, group * max_query, head_dim)
         mask = mask[:, :, None].expand(seqs, 1, group, mq, ctx).reshape(seqs, 1, group * mq, ctx)
     rows = q.shape[2]
+    if softcap is not None:
+        out = _attend_softcap(q, k, v, mask, hd ** -0.5 if scale is None else scale, softcap, chunk_bytes)
+        return out.reshape(seqs, nh, mq, hd)
     if uses_bf16_matmul_cpu(q):
-        return _attend_bf16_matmul(q, k, v, mask, open_keys, chunk_bytes, scratch).reshape(seqs, nh, mq, hd)
+        out = _attend_bf16_matmul(q, k, v, mask, open_keys, chunk_bytes, scratch, scale)
+        return out.reshape(seqs, nh, mq, hd)
     sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
     if (sp < seqs or rp < rows) and uses_flash_cpu(q, k, v, mask):
         # Only a call the math path's bound would split asks SDPA's dispatch (~5 us, once per block
         # per step otherwise): the CPU flash kernel takes far less, so split by its own bound.
         sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes, flash_cpu_call_bytes)
     if sp >= seqs and rp >= rows:
-        out = _sdpa(q, k, v, mask)
+        out = _sdpa(q, k, v, mask, scale)
     else:
         out = q.new_empty(q.shape)
         for a in range(0, seqs, sp):
             for r in range(0, rows, rp):
                 out[a:a + sp, :, r:r + rp] = _sdpa(q[a:a + sp, :, r:r + rp], k[a:a + sp], v[a:a + sp],
-                                                  mask[a:a + sp, :, r:r + rp])
+                                                  mask[a:a + sp, :, r:r + rp], scale)
     # reshape, not view: memory-efficient attention returns a (seqs, rows, heads, head_dim) layout.
     return out.reshape(seqs, nh, mq, hd)

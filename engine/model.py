@@ -1,9 +1,14 @@
 """Transformer math as plain functions of (weights, activations, KV cache, step metadata).
 
 Nothing here knows where weights live: a block's weights arrive as a dict of tensors from the
-streamer. Tokens of every sequence in a step are packed into one flat (tokens, hidden) matrix so
-that each projection is a single matmul over the whole batch; only attention unpacks them into a
-padded (seqs, heads, query_len, head_dim) layout.
+streamer. Nothing here branches on an architecture's name either: how a family's block differs from
+Llama's (norm placement, activation, scales, caps) is its row of the family table (arch.Family) and
+the numbers its config sets (arch.ModelConfig); what differs between the blocks of one model (sliding
+window, RoPE table) arrives with the block's step inputs (StepInputs.window, attn_mask, cos, sin).
+
+Tokens of every sequence in a step are packed into one flat (tokens, hidden) matrix so that each
+projection is a single matmul over the whole batch; only attention unpacks them into a padded
+(seqs, heads, query_len, head_dim) layout.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .arch import ModelConfig
+from .arch import Family, ModelConfig
 from .attention_backend import AttentionScratch, attend
 from .kernels import onednn_has_amx
 from .kernels.bf16_rows import bf16_rows
@@ -28,8 +33,9 @@ class StepInputs:
 
     input_ids: torch.Tensor  # (tokens,) int64
     positions: torch.Tensor  # (tokens,) int64, position of each token in its sequence
-    cos: torch.Tensor  # (tokens, 1, head_dim) compute dtype
-    sin: torch.Tensor  # (tokens, 1, head_dim), its first half negated (rotary_cos_sin)
+    # (tokens, 1, head_dim) compute dtype, of the block's RoPE table; None for a block without rotary (NoPE)
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None  # (tokens, 1, head_dim), its first half negated (rotary_cos_sin)
     # (tokens,) int64: where each token's K/V goes in a layer's pool viewed as (blocks * block_size,
     # kv_heads, head_dim): block_table[position // block_size] * block_size + position % block_size
     slot_mapping: torch.Tensor
@@ -51,6 +57,8 @@ class StepInputs:
     # (tokens, max_blocks) int64: each token's row of block_tables, when the runner chose token-by-token
     # attention for a step with several tokens in some sequence (tokenwise_attention_pays); else None.
     token_tables: torch.Tensor | None = None
+    # The block's sliding window (attn_mask already applies it; the token-by-token kernel takes it as a number).
+    window: int | None = None
 
 
 def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -77,6 +85,18 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * x32.to(dtype)
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The family's RMSNorm: x / rms(x) * (norm_offset + weight)."""
+    return rms_norm(x, norm_weight(weight, cfg), cfg.rms_norm_eps)
+
+
+def norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The factor a norm multiplies by. Gemma stores w for (1 + w): the sum is formed here, in the weight's
+    dtype (fp32 in the exact mode, as the reference forms it), rather than stored: a streamed block is a
+    view of the file."""
+    return weight if not cfg.norm_offset else weight + cfg.norm_offset
+
+
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + r and rms_norm(h): a residual add and the norm after it, one call on the CPU."""
@@ -86,8 +106,11 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
     return h, _rms_norm_torch(h, weight, eps)
 
 
-def rotary_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling, as computed at load (arch)."""
+def rotary_inv_freq(cfg: ModelConfig, table: str = "global") -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling of RoPE table "global" or "local"
+    (the sliding-window layers' own, where the model has one), as computed at load (arch)."""
+    if table == "local" and cfg.local_rope_inv_freq:
+        return torch.tensor(cfg.local_rope_inv_freq, dtype=torch.float32), cfg.local_rope_attention_scaling
     return torch.tensor(cfg.rope_inv_freq, dtype=torch.float32), cfg.rope_attention_scaling
 
 
@@ -168,6 +191,14 @@ def embed(input_ids: torch.Tensor, embed_weight) -> torch.Tensor:
     return F.embedding(input_ids, embed_weight)  # (tokens, hidden)
 
 
+def scale_embeddings(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """x (tokens, hidden) times the family's embedding scale (Gemma: sqrt(hidden); Granite: its multiplier).
+    The scale is rounded to x's dtype first, as the reference multiplies by a tensor of the weights' dtype."""
+    if cfg.embed_scale == 1.0:
+        return x
+    return x * torch.tensor(cfg.embed_scale, dtype=x.dtype, device=x.device)
+
+
 def attention(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
@@ -176,6 +207,7 @@ def attention(
     step: StepInputs,
     cfg: ModelConfig,
 ) -> torch.Tensor:
+    """Self-attention of the normed x (tokens, hidden) over the block's KV cache -> (tokens, hidden)."""
     tokens = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.fuse)
@@ -186,28 +218,34 @@ def attention(
         q = linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
         k = linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
         v = linear(x, w["wv"], w.get("bv"))
-    if fused and not cfg.qk_norm and cfg.clip_qkv is None:
+    if fused and not cfg.qk_norm and cfg.clip_qkv is None and step.cos is not None:
         # q's and k's heads are adjacent in each row of qkv: one rotary over both.
         qk = apply_rotary(qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv], step.cos, step.sin)
         q, k, v = qk[:, :nh], qk[:, nh:], v.view(tokens, nkv, hd)  # (tokens, heads | kv_heads, head_dim)
     else:
         if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one norm over all heads, before the clip
-            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+            q = norm(q, w["q_norm"], cfg)
+            k = norm(k, w["k_norm"], cfg)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         q, k, v = q.view(tokens, nh, hd), k.view(tokens, nkv, hd), v.view(tokens, nkv, hd)
         if cfg.qk_norm and not cfg.qk_norm_whole:
-            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q = apply_rotary(q, step.cos, step.sin)
-        k = apply_rotary(k, step.cos, step.sin)
+            q = norm(q, w["q_norm"], cfg)
+            k = norm(k, w["k_norm"], cfg)
+        if step.cos is not None:
+            q = apply_rotary(q, step.cos, step.sin)
+            k = apply_rotary(k, step.cos, step.sin)
 
-    tables = _tokenwise_tables(step, q, k, v, k_cache)
+    tables = _tokenwise_tables(step, q, k, v, k_cache) if cfg.attn_softcap is None else None
     if tables is not None:
+        factor = 1.0 if cfg.attn_scale is None else cfg.attn_scale * hd ** 0.5
+        if factor != 1.0:
+            # The kernel scales by 1/sqrt(head_dim); the family's own scale goes into q (16-bit only: the
+            # exact fp32 mode takes the path below, which passes the scale to the attention call).
+            q = q * factor
         # One C++ call for the KV write and the attention of each token (fused_ops.cpp).
         out = fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, tables,
-                                           step.positions, cfg.sliding_window or 0)  # (tokens, heads*head_dim)
+                                           step.positions, step.window or 0)  # (tokens, heads*head_dim)
         return linear(out, w["wo"], w.get("bo"))
     # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
     # index_copy_ rather than indexed assignment: the same copy without advanced indexing's setup.
@@ -224,7 +262,8 @@ def attention(
     keys = gather_blocks(k_cache, step.block_tables, step.context_len)  # (seqs, kv_heads, context, head_dim)
     values = gather_blocks(v_cache, step.block_tables, step.context_len)
     # (seqs, heads, max_query, head_dim)
-    out = attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch)
+    out = attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch,
+                 scale=cfg.attn_scale, softcap=cfg.attn_softcap)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
@@ -262,14 +301,17 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: 
     return x.transpose(1, 2)
 
 
-def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-    """SwiGLU MLP over w[prefix + "w_gate" / "w_up" / "w_down"] (prefix "shared." for Qwen2-MoE's shared
-    expert), or "w_gate_up" where gate and up were stacked at load (engine.weights.fuse)."""
+def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "", activation: str = "silu") -> torch.Tensor:
+    """Gated MLP over w[prefix + "w_gate" / "w_up" / "w_down"] (prefix "shared." for Qwen2-MoE's shared
+    expert), or "w_gate_up" where gate and up were stacked at load (engine.weights.fuse). activation:
+    "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
     gate_up = w.get(prefix + "w_gate_up")
     if gate_up is not None:
         gate, up = linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
     else:
         gate, up = linear(x, w[prefix + "w_gate"]), linear(x, w[prefix + "w_up"])
+    if activation == "gelu_tanh":
+        return linear(F.gelu(gate, approximate="tanh") * up, w[prefix + "w_down"])
     return linear(silu_mul(gate, up), w[prefix + "w_down"])
 
 
@@ -288,8 +330,26 @@ def attention_residual(
     step: StepInputs,
     cfg: ModelConfig,
 ) -> torch.Tensor:
-    """The first half of a block: x + attention(norm(x)). (tokens, hidden) -> (tokens, hidden)."""
-    return x + attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
+    """The first half of a block: x + attention(norm(x)), with the family's norms around attention and its
+    residual scale. (tokens, hidden) -> (tokens, hidden)."""
+    norms = cfg.family.norms
+    a = attention(norm(x, w["attn_norm"], cfg) if "attn_norm" in norms else x, w, k_cache, v_cache, step, cfg)
+    if "post_attn_norm" in norms:
+        a = norm(a, w["post_attn_norm"], cfg)
+    return x + _residual_scaled(a, cfg)
+
+
+def mlp_residual(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The second half of a dense block: h + mlp(norm(h)), with the family's norms and activation."""
+    norms = cfg.family.norms
+    m = mlp(norm(h, w["mlp_norm"], cfg) if "mlp_norm" in norms else h, w, activation=cfg.family.activation)
+    if "post_mlp_norm" in norms:
+        m = norm(m, w["post_mlp_norm"], cfg)
+    return h + _residual_scaled(m, cfg)
+
+
+def _residual_scaled(r: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return r if cfg.residual_scale == 1.0 else r * cfg.residual_scale
 
 
 @dataclass(frozen=True)
@@ -369,13 +429,26 @@ def block_forward(
     step: StepInputs,
     cfg: ModelConfig,
 ) -> torch.Tensor:
-    """One decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
+    """One dense decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
+    if not _llama_block(cfg, step):
+        return mlp_residual(attention_residual(x, w, k_cache, v_cache, step, cfg), w, cfg)
     args = _decode_block_args(x, w, k_cache, v_cache, step, cfg)
     if args is not None:
         return decode_block().block(*args)  # the same ops in one C++ call (kernels/decode_block.cpp)
     a = attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
     h, hn = add_rms_norm(x, a, w["mlp_norm"], cfg.rms_norm_eps)  # h = x + a, hn = norm(h)
     return h + mlp(hn, w)
+
+
+_LLAMA = Family()
+
+
+def _llama_block(cfg: ModelConfig, step: StepInputs) -> bool:
+    """The block is Llama's (norms, activation, no scales or caps, rotary): the fused paths (the residual add
+    with the next norm in one call, the whole block in one C++ call) compute exactly it."""
+    f = cfg.family
+    return (f.norms == _LLAMA.norms and f.activation == "silu" and not cfg.norm_offset and cfg.attn_scale is None
+            and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None)
 
 
 def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -397,7 +470,7 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     wqkv, wo, w_gate_up, w_down = weights
     return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
             w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables, step.positions,
-            cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
+            step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
 
 
 def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
@@ -409,8 +482,13 @@ def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
 
 
 def final_logits(
-    x: torch.Tensor, norm_weight: torch.Tensor, head_weight, step: StepInputs, eps: float
+    x: torch.Tensor, final_norm: torch.Tensor, head_weight, step: StepInputs, cfg: ModelConfig
 ) -> torch.Tensor:
-    """Logits only for the tokens in step.logits_index (sampled, or scored for prompt logprobs): (rows, vocab) fp32."""
-    h = rms_norm(x[step.logits_index], norm_weight, eps)
-    return linear(h, head_weight).float()
+    """Logits only for the tokens in step.logits_index (sampled, or scored for prompt logprobs): (rows, vocab)
+    fp32, after the family's logit scaling (Granite) and soft-cap (Gemma 2)."""
+    logits = linear(norm(x[step.logits_index], final_norm, cfg), head_weight)  # (rows, vocab) compute dtype
+    if cfg.logits_divisor != 1.0:
+        logits = logits / cfg.logits_divisor
+    if cfg.final_softcap is not None:
+        logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits.float()

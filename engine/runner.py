@@ -7,13 +7,14 @@ weights come from is the weights package's business: the runner only acquires an
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from . import model as M
-from .arch import ModelConfig
+from .arch import LayerAttention, ModelConfig
 from .attention_backend import AttentionScratch, tokenwise_attention_pays
 from .block_manager import BlockCopy
 from .kv_cache import KVCache
@@ -77,10 +78,24 @@ class ModelRunner:
         self.globals = weights.globals
         self.inv_freq, self.rope_scaling = M.rotary_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
+        # What each block's attention is (window, RoPE table), and the distinct kinds in block order: a
+        # step's mask and rotary tables are built once per kind, not per block.
+        self.layer_kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
+        self.kinds = list(dict.fromkeys(self.layer_kinds))
+        self.local_inv_freq = None
+        if any(k.rope == "local" for k in self.kinds):
+            local, self.local_rope_scaling = M.rotary_inv_freq(cfg, "local")
+            self.local_inv_freq = local.to(device)
         self.last_step: StepTiming | None = None
         self.attn_scratch = AttentionScratch()
 
     def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
+        """The step's inputs as block 0 sees them (as every block does, unless the model mixes layer kinds)."""
+        return self._layer_step_inputs(chunks)[0]
+
+    def _layer_step_inputs(self, chunks: list[ScheduledChunk]) -> list[M.StepInputs]:
+        """The step's inputs of every block: one StepInputs per layer kind (window, RoPE table), shared by
+        the blocks of that kind."""
         ids, positions, slot_mapping, logits_index, prompt_rows = [], [], [], [], []
         starts, counts = [], []
         bs = self.kv.block_size
@@ -109,40 +124,56 @@ class ModelRunner:
         ids_t, pos, slot_mapping_t, tables_t, logits_t, starts_t, counts_t, pad_t = upload(
             [ids, positions, slot_mapping, tables, logits_index, starts, counts, pad_rows or []], self.device)
         dev = self.device
-        cos, sin = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
+        rotary = {"global": M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype), None: (None, None)}
+        if self.local_inv_freq is not None:
+            rotary["local"] = M.rotary_cos_sin(pos, self.local_inv_freq, self.local_rope_scaling, self.dtype)
         t = torch.arange(mq, device=dev)
         q_pos = starts_t[:, None] + t[None, :]  # (seqs, max_query)
         valid = t[None, :] < counts_t[:, None]  # (seqs, max_query)
         keys = torch.arange(ctx, device=dev)
-        mask = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
-        window = self.cfg.sliding_window
-        open_keys = min(starts)  # every row's causal mask admits the keys before the earliest chunk
-        if window is not None and window < ctx:
-            mask &= keys[None, None, :] > q_pos[:, :, None] - window
-            open_keys = 0
-        # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
-        mask[..., 0] |= ~valid
+        causal = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
+        masks = {}  # window -> (mask (seqs, 1, max_query, context), open keys)
+        windows = list(dict.fromkeys(k.window for k in self.kinds))
+        for window in windows:
+            mask = causal.clone() if len(windows) > 1 else causal
+            open_keys = min(starts)  # every row's causal mask admits the keys before the earliest chunk
+            if window is not None and window < ctx:
+                mask &= keys[None, None, :] > q_pos[:, :, None] - window
+                open_keys = 0
+            # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
+            mask[..., 0] |= ~valid
+            masks[window] = mask[:, None], open_keys
         block_tables = tables_t.view(len(chunks), max_blocks)
         token_tables = None
-        if mq > 1 and tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, window)):
+        # One choice for every block: by the keys of the widest kind (a full-attention block reads them all).
+        widest = None if any(k.window is None for k in self.kinds) else max(k.window for k in self.kinds)
+        if mq > 1 and tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, widest)):
             token_tables = block_tables.repeat_interleave(counts_t, dim=0)  # (tokens, max_blocks)
-        return M.StepInputs(
+        first = self.kinds[0]
+        step = M.StepInputs(
             input_ids=ids_t,
             positions=pos,
-            cos=cos,
-            sin=sin,
+            cos=rotary[first.rope][0],
+            sin=rotary[first.rope][1],
             slot_mapping=slot_mapping_t,
             block_tables=block_tables,
             pad_rows=pad_t if pad_rows is not None else None,
             max_query=mq,
             context_len=ctx,
-            attn_mask=mask[:, None],
+            attn_mask=masks[first.window][0],
             logits_index=logits_t,
             attn_chunk_bytes=self.attn_chunk_bytes,
-            open_keys=open_keys,
+            open_keys=masks[first.window][1],
             attn_scratch=self.attn_scratch,
             token_tables=token_tables,
+            window=first.window,
         )
+        by_kind: dict[LayerAttention, M.StepInputs] = {first: step}
+        for kind in self.kinds[1:]:
+            (cos, sin), (mask, open_keys) = rotary[kind.rope], masks[kind.window]
+            by_kind[kind] = dataclasses.replace(step, cos=cos, sin=sin, attn_mask=mask, open_keys=open_keys,
+                                                window=kind.window)
+        return [by_kind[k] for k in self.layer_kinds]
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: M.StepInputs) -> torch.Tensor:
@@ -151,7 +182,7 @@ class ModelRunner:
         hold; each group's outputs are added as it arrives."""
         cfg = self.cfg
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
-        hn = M.rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+        hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
         out = M.shared_expert(hn, w) if "shared_gate" in w else torch.zeros_like(hn)  # (tokens, hidden)
         for group in self.weights.experts(block, routing.chosen, h):
@@ -174,23 +205,24 @@ class ModelRunner:
         `prompt_logit_positions` of every chunk, in chunk order."""
         t0 = time.perf_counter()
         before = self.weights.stream_stats
-        step = self._step_inputs(chunks)
-        x = self.globals.embed(step.input_ids)  # (tokens, hidden)
+        steps = self._layer_step_inputs(chunks)
+        step = steps[0]
+        x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
         with M.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
             try:
                 for block in range(self.cfg.num_layers):
                     w = self.weights.acquire(block)
                     k_cache, v_cache = self.kv.layer(block)
                     if self.cfg.is_moe_layer(block):
-                        x = self._moe_block(block, x, w, k_cache, v_cache, step)
+                        x = self._moe_block(block, x, w, k_cache, v_cache, steps[block])
                     else:
-                        x = M.block_forward(x, w, k_cache, v_cache, step, self.cfg)
+                        x = M.block_forward(x, w, k_cache, v_cache, steps[block], self.cfg)
                     self.weights.release(block)
             except BaseException:
                 # A half-finished pass leaves the prefetcher ahead of where the next step starts.
                 self.weights.reset()
                 raise
-            logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg.rms_norm_eps)
+            logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg)
         if logits.device.type == "cuda":
             # The step's device: the thread's current device defaults to cuda:0 whatever the model's.
             torch.cuda.current_stream(logits.device).synchronize()

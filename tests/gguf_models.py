@@ -105,7 +105,7 @@ def write_gguf(hf_folder: Path, out: Path, qtype: Q = Q.Q8_0, split_max_tensors:
     _add_tokenizer(w, hf_folder)
 
     names = {f"model.layers.{i}.{_HF_BLOCK[k]}": f"blk.{i}.{v}"
-             for i in range(cfg["num_hidden_layers"]) for k, v in BLOCK_NAMES.items()}
+             for i in range(cfg["num_hidden_layers"]) for k, v in BLOCK_NAMES.items() if k in _HF_BLOCK}
     names.update({"model.embed_tokens.weight": GLOBAL_NAMES["embed"], "model.norm.weight": GLOBAL_NAMES["norm"],
                   "lm_head.weight": GLOBAL_NAMES["lm_head"]})
     for seed, (hf_name, t) in enumerate(sorted(sd.items())):
@@ -153,7 +153,7 @@ def reference_from_gguf_tensors(path: Path):
     cfg = AutoConfig.from_pretrained(config_folder(path))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     hf_names = {f"blk.{i}.{v}": f"model.layers.{i}.{_HF_BLOCK[k]}"
-                for i in range(cfg.num_hidden_layers) for k, v in BLOCK_NAMES.items()}
+                for i in range(cfg.num_hidden_layers) for k, v in BLOCK_NAMES.items() if k in _HF_BLOCK}
     hf_names.update({GLOBAL_NAMES["embed"]: "model.embed_tokens.weight", GLOBAL_NAMES["norm"]: "model.norm.weight",
                      GLOBAL_NAMES["lm_head"]: "lm_head.weight"})
     permute = LlamaTensorProcessor(config={"num_attention_heads": cfg.num_attention_heads,

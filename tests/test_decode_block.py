@@ -66,7 +66,8 @@ def _step(positions, tables, cfg):
         mask &= keys[None, :] > positions[:, None] - cfg.sliding_window
     return M.StepInputs(input_ids=torch.zeros(len(positions), dtype=torch.long), positions=positions, cos=cos,
                         sin=sin, slot_mapping=slots, block_tables=tables, pad_rows=None, max_query=1,
-                        context_len=ctx, attn_mask=mask[:, None, None, :], logits_index=torch.arange(len(positions)))
+                        context_len=ctx, attn_mask=mask[:, None, None, :], logits_index=torch.arange(len(positions)),
+                        window=cfg.sliding_window)
 
 
 def assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg) -> torch.Tensor:

@@ -63,7 +63,8 @@ def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
         block_tables=torch.tensor(tables, dtype=torch.long, device=dev), pad_rows=pad_rows, max_query=mq,
         context_len=ctx, attn_mask=mask[:, None], open_keys=open_keys, attn_scratch=runner.attn_scratch,
-        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev), token_tables=token_tables)
+        logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev), token_tables=token_tables,
+        window=window)
 
 
 class CountTransfers(TorchFunctionMode):

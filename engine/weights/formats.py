@@ -33,7 +33,7 @@ def config_folder(path: str | Path) -> Path:
 
     first = GGUFFile(path)
     try:
-        digest = first.header_sha256()
+        digest, architecture = first.header_sha256(), first.metadata.get("general.architecture")
     finally:
         first.close()
-    return metadata_folder(path, digest)
+    return metadata_folder(path, digest, architecture)

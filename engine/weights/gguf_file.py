@@ -56,6 +56,7 @@ BLOCK_NAMES = {
     "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "mlp_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+    "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
 }
 GLOBAL_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 
@@ -324,4 +325,4 @@ class GGUFIndex(CheckpointReader):
     def model_config(self) -> ModelConfig:
         from .gguf_config import load_gguf_config
 
-        return load_gguf_config(self.path, self.architecture, self.header_digest)
+        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata)

@@ -67,6 +67,14 @@ MIXTRAL_EXPERT_TENSORS = {"w_gate": "block_sparse_moe.experts.{e}.w1.weight",
                           "w_up": "block_sparse_moe.experts.{e}.w3.weight",
                           "w_down": "block_sparse_moe.experts.{e}.w2.weight"}
 GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+# Families whose block norms Hugging Face names otherwise: "post_attention_layernorm" is Llama's MLP input
+# norm but Gemma's attention output norm. config.json architecture -> the names that differ from BLOCK_TENSORS.
+_SANDWICH_NORMS = {"post_attn_norm": "post_attention_layernorm.weight", "mlp_norm": "pre_feedforward_layernorm.weight",
+                   "post_mlp_norm": "post_feedforward_layernorm.weight"}
+FAMILY_TENSORS = {
+    "Gemma2ForCausalLM": _SANDWICH_NORMS,
+    "Gemma3ForCausalLM": _SANDWICH_NORMS,
+}
 
 
 class SafetensorsFile:
@@ -174,6 +182,15 @@ class SafetensorsFile:
         self._map, self._fd = None, -1
 
 
+def _architecture(folder: Path) -> str | None:
+    """The first architecture config.json names (it decides tensor names), or None without one."""
+    try:
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or [None]
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None  # reading the config (model_config) reports what is wrong with it
+    return archs[0]
+
+
 class WeightIndex(CheckpointReader):
     """name -> entry over every shard of a model folder, built once and validated."""
 
@@ -207,6 +224,7 @@ class WeightIndex(CheckpointReader):
                     self.entries[name] = entry
             # Mixtral keeps its mixture under block_sparse_moe (w1/w3/w2); every other family under mlp.
             self._mixtral_spelling = any(".block_sparse_moe." in n for n in self.entries)
+            self._block_tensors = {**BLOCK_TENSORS, **FAMILY_TENSORS.get(_architecture(self.folder), {})}
             if weight_map is not None:
                 for name, shard in weight_map.items():
                     if name not in self.entries:
@@ -230,7 +248,7 @@ class WeightIndex(CheckpointReader):
             return prefix + (MIXTRAL_EXPERT_TENSORS if mixtral else EXPERT_TENSORS)[part].format(e=e)
         if mixtral and short in MIXTRAL_MOE_TENSORS:
             return prefix + MIXTRAL_MOE_TENSORS[short]
-        return prefix + BLOCK_TENSORS[short]
+        return prefix + self._block_tensors[short]
 
     def global_tensor_name(self, short: str) -> str:
         return GLOBAL_TENSORS[short]
