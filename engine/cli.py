@@ -125,6 +125,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`layerstream generate`'s flags."""
+    p.usage = "%(prog)s [MODEL] --prompt PROMPT [options]"  # MODEL first, as it is typed, not after 30 flags
     add_engine_arguments(p)
     p.add_argument("--prompt", required=True, help="the prompt, as plain text (no chat template)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")

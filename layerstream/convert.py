@@ -19,6 +19,7 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.cli import add_model_argument
 
+    p.usage = "%(prog)s MODEL [options]"
     add_model_argument(p, default=None, help="a GGUF file (or a folder holding one), or a safetensors folder with "
                        "--quantization; a hub id (org/name) is looked up in the local Hugging Face cache")
     p.add_argument("--dtype", default="auto",

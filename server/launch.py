@@ -27,6 +27,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s [MODEL] [options]"  # as `vllm serve`; argparse would list MODEL after 40 flags
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000)
