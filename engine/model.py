@@ -193,10 +193,9 @@ def embed(input_ids: torch.Tensor, embed_weight) -> torch.Tensor:
 
 def scale_embeddings(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """x (tokens, hidden) times the family's embedding scale (Gemma: sqrt(hidden); Granite: its multiplier).
-    The scale is rounded to x's dtype first, as the reference multiplies by a tensor of the weights' dtype."""
-    if cfg.embed_scale == 1.0:
-        return x
-    return x * torch.tensor(cfg.embed_scale, dtype=x.dtype, device=x.device)
+    A Python float: fp32 multiplies by it as the fp32 reference does; bf16 in fp32 with one rounding, as
+    llama.cpp does (transformers' bf16 Gemma rounds the scale to bf16 first: sqrt(640) becomes 25.25)."""
+    return x if cfg.embed_scale == 1.0 else x * cfg.embed_scale
 
 
 def attention(
