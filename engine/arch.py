@@ -73,6 +73,12 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(gguf="qwen3", qk_norm="head"),
     "Gemma2ForCausalLM": Family(gguf="gemma2", **_GEMMA),
     "Gemma3ForCausalLM": Family(gguf="gemma3", qk_norm="head", **_GEMMA),
+    # OLMo 2: no norm before attention or the MLP, one after each (before the residual add); q/k norms
+    # over the whole projections.
+    "Olmo2ForCausalLM": Family(qk_norm="whole", norms=("post_attn_norm", "post_mlp_norm")),
+    "GraniteForCausalLM": Family(scalars=("attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                                          "logits_scaling")),
+    "SmolLM3ForCausalLM": Family(),  # Llama's block; every few layers without RoPE (no_rope_layers)
     # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
     "MixtralForCausalLM": Family(moe=True),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),
@@ -308,11 +314,19 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         moe=_moe(hf, arch),
         family=fam,
         layer_windows=_layer_windows(hf, sliding),
+        nope_layers=_nope_layers(hf),
         **scalars,
     )
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _nope_layers(hf) -> tuple[int, ...]:
+    """The blocks without rotary embedding: SmolLM3's `no_rope_layers` holds, per layer, 1 where RoPE is
+    used and 0 where it is not."""
+    uses_rope = getattr(hf, "no_rope_layers", None)
+    return tuple(i for i, use in enumerate(uses_rope) if not use) if uses_rope else ()
 
 
 def _layer_windows(hf, sliding: int | None) -> tuple[int | None, ...]:

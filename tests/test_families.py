@@ -29,7 +29,7 @@ _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden
 
 
 def make_config(arch: str):
-    from transformers import Gemma2Config, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma3TextConfig, GraniteConfig, Olmo2Config, SmolLM3Config
 
     if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
         return Gemma3TextConfig(
@@ -42,10 +42,18 @@ def make_config(arch: str):
         return Gemma2Config(**_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16, attention_bias=True,
                             attn_logit_softcapping=0.5, final_logit_softcapping=2.0, tie_word_embeddings=False,
                             architectures=["Gemma2ForCausalLM"])
+    if arch == "olmo2":  # norms after attention and the MLP only; q/k norms over the whole projections
+        return Olmo2Config(**_COMMON, attention_bias=True, architectures=["Olmo2ForCausalLM"])
+    if arch == "granite":  # every Granite multiplier away from 1
+        return GraniteConfig(**_COMMON, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                             logits_scaling=4.0, architectures=["GraniteForCausalLM"])
+    if arch == "smollm3":  # NoPE every third layer (1 = RoPE), and a sliding window on the NoPE ones
+        return SmolLM3Config(**_COMMON, no_rope_layers=[1, 1, 0, 1, 1, 0], use_sliding_window=True,
+                             sliding_window=WINDOW, architectures=["SmolLM3ForCausalLM"])
     raise ValueError(arch)
 
 
-FAMILY_ARCHS = ["gemma3", "gemma2"]
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3"]
 
 
 def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:

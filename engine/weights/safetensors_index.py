@@ -74,6 +74,8 @@ _SANDWICH_NORMS = {"post_attn_norm": "post_attention_layernorm.weight", "mlp_nor
 FAMILY_TENSORS = {
     "Gemma2ForCausalLM": _SANDWICH_NORMS,
     "Gemma3ForCausalLM": _SANDWICH_NORMS,
+    "Olmo2ForCausalLM": {"post_attn_norm": "post_attention_layernorm.weight",
+                         "post_mlp_norm": "post_feedforward_layernorm.weight"},
 }
 
 
