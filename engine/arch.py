@@ -42,6 +42,12 @@ class Family:
     moe: bool = False  # the MLP is a routed mixture of experts (MoEConfig)
     # config fields this family reads beyond Llama's (keys of CONFIG_SCALARS), e.g. Gemma's soft-caps
     scalars: tuple[str, ...] = ()
+    attention_bias_o: bool = True  # the config's attention_bias puts a bias on o too, not only q, k, v
+    # The checkpoint stores q/k/v as one tensor ("wqkv", Phi-3) and gate/up as one ("w_gate_up", Phi-3, GLM-4).
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    # RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (GLM-4) instead of the two halves of the rotated dims.
+    rope_interleaved: bool = False
 
     def __post_init__(self):
         assert self.activation in ACTIVATIONS and self.qk_norm in (None, "head", "whole"), self
@@ -79,6 +85,9 @@ FAMILIES: dict[str, Family] = {
     "GraniteForCausalLM": Family(scalars=("attention_multiplier", "embedding_multiplier", "residual_multiplier",
                                           "logits_scaling")),
     "SmolLM3ForCausalLM": Family(),  # Llama's block; every few layers without RoPE (no_rope_layers)
+    # GLM-4: a norm before and after attention and the MLP, RoPE on half of each head in interleaved pairs.
+    "Glm4ForCausalLM": Family(norms=_SANDWICH, attention_bias_o=False, fused_gate_up=True, rope_interleaved=True),
+    "Phi3ForCausalLM": Family(fused_qkv=True, fused_gate_up=True),
     # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
     "MixtralForCausalLM": Family(moe=True),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),
@@ -210,17 +219,23 @@ class ModelConfig:
         # in the cache entries built from it.
         norms = self.family.norms
         shapes = {"attn_norm": (h,)} if "attn_norm" in norms else {}
-        shapes.update(wq=(q, h), wk=(kv, h), wv=(kv, h), wo=(h, q))
+        if self.family.fused_qkv:
+            shapes.update(wqkv=(q + 2 * kv, h), wo=(h, q))  # rows: q, then k, then v
+        else:
+            shapes.update(wq=(q, h), wk=(kv, h), wv=(kv, h), wo=(h, q))
         shapes.update({name: (h,) for name in NORMS if name in norms and name != "attn_norm"})
         if self.qkv_bias:
-            shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+            shapes.update(bqkv=(q + 2 * kv,)) if self.family.fused_qkv else shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
         if self.o_bias:
             shapes.update(bo=(h,))
         if self.qk_norm:
             shapes.update(q_norm=(q,), k_norm=(kv,)) if self.qk_norm_whole else shapes.update(q_norm=(d,), k_norm=(d,))
         if not self.is_moe_layer(layer):
             i = self.intermediate_size
-            shapes.update(w_gate=(i, h), w_up=(i, h), w_down=(h, i))
+            if self.family.fused_gate_up:
+                shapes.update(w_gate_up=(2 * i, h), w_down=(h, i))  # rows: gate, then up
+            else:
+                shapes.update(w_gate=(i, h), w_up=(i, h), w_down=(h, i))
             return shapes
         m = self.moe
         shapes["router"] = (m.num_experts, h)
@@ -282,8 +297,8 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     sliding = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     flags = dict(qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm is not None, qk_norm_whole=fam.qk_norm == "whole")
-    if getattr(hf, "attention_bias", False):  # biases on q, k, v and o (families with the field)
-        flags.update(qkv_bias=True, o_bias=True)
+    if getattr(hf, "attention_bias", False):  # biases on q, k, v and (most families) o
+        flags.update(qkv_bias=True, o_bias=fam.attention_bias_o)
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported (the MLP runs without biases)")
     scalars = {}
@@ -395,5 +410,8 @@ def _rope(hf, head_dim: int, params: dict, layer_type: str | None = None) -> tup
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **kw)
         return tuple(inv_freq.float().tolist()), float(scaling)
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # Partial rotary (Phi-3/4, GLM-4): only the first `dim` of each head's dims rotate; the table's length
+    # says how many (the math rotates 2 * len(inv_freq) dims).
+    dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return tuple(inv_freq.tolist()), 1.0

@@ -136,6 +136,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """RoPE in the family's form. x: (tokens, heads, head_dim); cos, sin: (tokens, 1, rotary_dim) from
+    rotary_cos_sin. Only the first rotary_dim dims of each head rotate (partial rotary: Phi-3/4, GLM-4),
+    as halves (apply_rotary) or as adjacent pairs (GLM-4's interleaved form)."""
+    rot = cos.shape[-1]
+    interleaved = cfg.family.rope_interleaved
+    if rot == x.shape[-1] and not interleaved:
+        return apply_rotary(x, cos, sin)
+    xr = x[..., :rot]  # (tokens, heads, rotary_dim), a view
+    if interleaved:
+        half = rot // 2
+        c, s = cos[..., :half], sin[..., half:]  # (tokens, 1, rotary_dim / 2): pair j's cos and sin
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]  # (tokens, heads, rotary_dim / 2)
+        # The reference's x * cos + rotate_half(x) * sin with rotate_half(x)[2j] = -x[2j + 1]: the same
+        # products and sums (a + (-b) * s is a - b * s exactly).
+        out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)  # (tokens, heads, rotary_dim)
+    else:
+        out = xr * cos + xr.roll(rot // 2, -1) * sin
+    return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.shape[-1] else out
+
+
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed)
     that multiplies itself with its own kernel."""
@@ -219,7 +240,7 @@ def attention(
         v = linear(x, w["wv"], w.get("bv"))
     if fused and not cfg.qk_norm and cfg.clip_qkv is None and step.cos is not None:
         # q's and k's heads are adjacent in each row of qkv: one rotary over both.
-        qk = apply_rotary(qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv], step.cos, step.sin)
+        qk = rotate(qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv], step.cos, step.sin, cfg)
         q, k, v = qk[:, :nh], qk[:, nh:], v.view(tokens, nkv, hd)  # (tokens, heads | kv_heads, head_dim)
     else:
         if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: one norm over all heads, before the clip
@@ -232,8 +253,8 @@ def attention(
             q = norm(q, w["q_norm"], cfg)
             k = norm(k, w["k_norm"], cfg)
         if step.cos is not None:
-            q = apply_rotary(q, step.cos, step.sin)
-            k = apply_rotary(k, step.cos, step.sin)
+            q = rotate(q, step.cos, step.sin, cfg)
+            k = rotate(k, step.cos, step.sin, cfg)
 
     tables = _tokenwise_tables(step, q, k, v, k_cache) if cfg.attn_softcap is None else None
     if tables is not None:
@@ -443,11 +464,12 @@ _LLAMA = Family()
 
 
 def _llama_block(cfg: ModelConfig, step: StepInputs) -> bool:
-    """The block is Llama's (norms, activation, no scales or caps, rotary): the fused paths (the residual add
-    with the next norm in one call, the whole block in one C++ call) compute exactly it."""
+    """The block is Llama's (norms, activation, no scales or caps, RoPE over whole heads as halves): the fused
+    paths (the residual add with the next norm in one call, the whole block in one C++ call) compute exactly it."""
     f = cfg.family
     return (f.norms == _LLAMA.norms and f.activation == "silu" and not cfg.norm_offset and cfg.attn_scale is None
-            and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None)
+            and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None
+            and not f.rope_interleaved and step.cos.shape[-1] == cfg.head_dim)
 
 
 def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -29,7 +29,8 @@ _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden
 
 
 def make_config(arch: str):
-    from transformers import Gemma2Config, Gemma3TextConfig, GraniteConfig, Olmo2Config, SmolLM3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
+                              SmolLM3Config)
 
     if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
         return Gemma3TextConfig(
@@ -50,10 +51,15 @@ def make_config(arch: str):
     if arch == "smollm3":  # NoPE every third layer (1 = RoPE), and a sliding window on the NoPE ones
         return SmolLM3Config(**_COMMON, no_rope_layers=[1, 1, 0, 1, 1, 0], use_sliding_window=True,
                              sliding_window=WINDOW, architectures=["SmolLM3ForCausalLM"])
+    if arch == "glm4":  # four norms, q/k/v biases (no o bias), RoPE on half of each head in pairs, gate_up stored
+        return Glm4Config(**_COMMON, attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4ForCausalLM"])
+    if arch == "phi3":  # qkv and gate_up stored stacked, RoPE on 3/4 of each head, a sliding window on every layer
+        return Phi3Config(**_COMMON, partial_rotary_factor=0.75, sliding_window=WINDOW, pad_token_id=0,
+                          architectures=["Phi3ForCausalLM"])
     raise ValueError(arch)
 
 
-FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3"]
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3"]
 
 
 def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:

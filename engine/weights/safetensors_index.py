@@ -59,6 +59,10 @@ BLOCK_TENSORS = {
     "shared.w_up": "mlp.shared_expert.up_proj.weight",
     "shared.w_down": "mlp.shared_expert.down_proj.weight",
     "shared_gate": "mlp.shared_expert_gate.weight",
+    # stored stacked (Phi-3, GLM-4)
+    "wqkv": "self_attn.qkv_proj.weight",
+    "bqkv": "self_attn.qkv_proj.bias",
+    "w_gate_up": "mlp.gate_up_proj.weight",
 }
 EXPERT_TENSORS = {"w_gate": "mlp.experts.{e}.gate_proj.weight", "w_up": "mlp.experts.{e}.up_proj.weight",
                   "w_down": "mlp.experts.{e}.down_proj.weight"}
@@ -76,6 +80,8 @@ FAMILY_TENSORS = {
     "Gemma3ForCausalLM": _SANDWICH_NORMS,
     "Olmo2ForCausalLM": {"post_attn_norm": "post_attention_layernorm.weight",
                          "post_mlp_norm": "post_feedforward_layernorm.weight"},
+    "Glm4ForCausalLM": {"post_attn_norm": "post_self_attn_layernorm.weight",
+                        "mlp_norm": "post_attention_layernorm.weight", "post_mlp_norm": "post_mlp_layernorm.weight"},
 }
 
 
