@@ -20,12 +20,15 @@ from engine.weights.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
 
 QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 _HF_BLOCK = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
              "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias",
              "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
              "k_norm": "self_attn.k_norm.weight", "mlp_norm": "post_attention_layernorm.weight",
              "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
+# Gemma's four block norms, Hugging Face names (its post_attention_layernorm follows attention)
+_HF_GEMMA = {"post_attn_norm": "post_attention_layernorm.weight", "mlp_norm": "pre_feedforward_layernorm.weight",
+             "post_mlp_norm": "post_feedforward_layernorm.weight"}
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -98,14 +101,23 @@ def write_gguf(hf_folder: Path, out: Path, qtype: Q = Q.Q8_0, split_max_tensors:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: a table per layer type; the file holds the global one
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    gemma = arch.startswith("gemma")
+    if gemma:
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(1)
     _add_tokenizer(w, hf_folder)
 
-    names = {f"model.layers.{i}.{_HF_BLOCK[k]}": f"blk.{i}.{v}"
-             for i in range(cfg["num_hidden_layers"]) for k, v in BLOCK_NAMES.items() if k in _HF_BLOCK}
+    hf_block = {**_HF_BLOCK, **(_HF_GEMMA if gemma else {})}
+    names = {f"model.layers.{i}.{hf_block[k]}": f"blk.{i}.{v}"
+             for i in range(cfg["num_hidden_layers"]) for k, v in BLOCK_NAMES.items() if k in hf_block}
     names.update({"model.embed_tokens.weight": GLOBAL_NAMES["embed"], "model.norm.weight": GLOBAL_NAMES["norm"],
                   "lm_head.weight": GLOBAL_NAMES["lm_head"]})
     for seed, (hf_name, t) in enumerate(sorted(sd.items())):
@@ -113,6 +125,8 @@ def write_gguf(hf_folder: Path, out: Path, qtype: Q = Q.Q8_0, split_max_tensors:
             continue
         name = names[hf_name]
         data = t.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and name.endswith("attn_q.weight"):
             data = llama_permute(data, heads)
         elif arch == "llama" and name.endswith("attn_k.weight"):

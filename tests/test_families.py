@@ -184,3 +184,51 @@ def test_family_table_has_no_unknown_norms():
                           num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, max_position_embeddings=8,
                           tie_word_embeddings=True, qkv_bias=False, qk_norm=False, checkpoint_dtype=torch.float32)
         assert {n for n in cfg.block_shapes() if n.endswith("norm")} == set(fam.norms), arch
+
+
+# -- GGUF: the same families written the way llama.cpp's converter writes them ------------------------
+
+GGUF_FAMILIES = ["gemma3", "gemma2"]
+
+
+def gguf_source_config(arch: str):
+    """A checkpoint whose GGUF transformers' reader sees as it is: head_dim 256 (the file has no
+    query_pre_attn_scalar; transformers assumes 256, llama.cpp uses head_dim), the layer pattern and RoPE
+    tables llama.cpp assumes (Gemma 3: 5 local : 1 global, local base 10k), Gemma 2's usual soft-caps."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    common = {**_COMMON, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW}
+    if arch == "gemma3":
+        return Gemma3TextConfig(**common, architectures=["Gemma3ForCausalLM"])
+    return Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                        architectures=["Gemma2ForCausalLM"])
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
+    """Names, the stored 1 + w norms, the window and Gemma's scales from a GGUF file (Q8_0 blocks), against
+    transformers' own GGUF loader, in fp32."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.gguf_models import hf_gguf_model, write_gguf
+    from tests.test_reference import greedy_with
+
+    folder = build_random_model(tmp_path / "hf", gguf_source_config(arch), seed=7, adjust=sharpen_attention)
+    path = write_gguf(folder, tmp_path / f"tiny-{arch}.gguf", Q.Q8_0)
+    ref_tokens, ref_logits = greedy_with(hf_gguf_model(path), PROMPT, 16)
+    kwargs = dict(dtype="float32", **LIMITS)
+    if streaming:
+        llm = LLM(str(path), **kwargs)
+        llm.close()
+        kwargs["max_device_memory"] = stream_all_but_one_budget(llm)
+    llm = LLM(str(path), **kwargs)
+    try:
+        assert llm.engine.model.cfg.norm_offset == 0.0  # the file holds 1 + w
+        if streaming:
+            assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()

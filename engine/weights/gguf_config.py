@@ -83,11 +83,20 @@ def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata
     return dataclasses.replace(cfg, **_llama_cpp_conventions(cfg, architecture, metadata or {}))
 
 
+_GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures
+
+
 def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict) -> dict:
     """Where llama.cpp's files and runtime differ from transformers' config defaults: ModelConfig fields."""
     out = {}
     if cfg.norm_offset:
         out["norm_offset"] = 0.0  # its converter stores Gemma's norms as 1 + w (convert_hf_to_gguf.py)
+    if (architecture, cfg.num_layers) in _GEMMA_27B:
+        # query_pre_attn_scalar is not in the metadata (transformers' reader leaves its default, 256); llama.cpp
+        # scales by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads) for the 27B models, known by their depth.
+        out["attn_scale"] = (cfg.hidden_size / cfg.num_heads) ** -0.5
+    elif architecture in ("gemma2", "gemma3"):
+        out["attn_scale"] = cfg.head_dim ** -0.5
     for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         value = metadata.get(f"{architecture}.{key}")
         if value is not None:  # Gemma 2's caps are in the metadata; transformers' reader leaves them at defaults
