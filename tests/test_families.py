@@ -138,6 +138,21 @@ def test_family_matches_transformers(family_dirs, references, arch, mode):
         llm.close()
 
 
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_family_batched_with_a_shorter_prompt(family_dirs, references, arch):
+    """Continuous batching: beside a shorter prompt (its decode steps padded into the longer one's chunk
+    and the reverse), the long prompt's greedy tokens are the reference's, the short one's its own alone."""
+    llm = LLM(str(family_dirs[arch]), **LIMITS)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        short = PROMPT[3:8]
+        alone = llm.generate([short], params)[0].outputs[0].token_ids
+        both = [r.outputs[0].token_ids for r in llm.generate([PROMPT, short], params)]
+        assert both == [references[arch][0], alone]
+    finally:
+        llm.close()
+
+
 def test_gemma3_layers_see_only_their_window(family_dirs):
     """The config the engine reads: which blocks slide, which RoPE table each uses, the family's numbers."""
     from engine.arch import load_model_config
