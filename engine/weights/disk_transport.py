@@ -91,8 +91,9 @@ class DiskTransport(Transport):
         views, _, _ = self._read(block, buf)
         if self.packed:
             return self._packed(block, views, self.fmt.resident)
-        if not self._converts(views):
-            return views  # a buffer of its own, kept alive by the views: no copy needed
+        # Each tensor copied out (as CpuTransport.resident does): views would keep the whole read buffer
+        # alive once the streamer stacks q/k/v and gate/up into new tensors, a block and a half per
+        # resident block where the plan holds one.
         return to_compute(views, self.dtype, self.device, copy=True)
 
     def prepare(self, block: int) -> Ticket:
