@@ -41,7 +41,7 @@ from engine import EngineArgs, LLMEngine
 from engine.sampling_params import SamplingParams
 
 torch.set_num_threads(2)
-model, budget, extra = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+model, budget, extra = sys.argv[1], None if sys.argv[2] == "None" else int(sys.argv[2]), json.loads(sys.argv[3])
 engine = LLMEngine(EngineArgs(model=model, device="cpu", max_device_memory=budget, max_num_seqs=2, max_model_len=512,
                               max_num_batched_tokens=256, show_progress=False, **extra))
 engine.add_request(list(range(3, 300)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "r")
@@ -73,14 +73,16 @@ def cache(tmp_path):
     return tmp_path / "cache"
 
 
-def run(model: Path, budget: int, cache: Path, **extra) -> tuple[dict, int]:
-    """(what the child printed, its peak RssAnon in bytes)."""
+def run(model: Path, budget: int | None, cache: Path, cgroup=None, **extra) -> tuple[dict, int]:
+    """(what the child printed, its peak RssAnon in bytes); in `cgroup` (a MemoryCgroup) if given."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(budget), json.dumps(extra)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "LAYERSTREAM_CACHE": str(cache)})
+                            env={**os.environ, "LAYERSTREAM_CACHE": str(cache)},
+                            preexec_fn=cgroup.join_fn() if cgroup is not None else None)
     with MemorySampler(proc.pid, interval=0.002) as sampler:
         out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    if proc.returncode != 0:
+        return dict(returncode=proc.returncode, stderr=err), sampler.peaks.rss_anon
     return json.loads(out.strip().splitlines()[-1]), sampler.peaks.rss_anon
 
 
@@ -91,7 +93,9 @@ def test_peak_anonymous_memory_is_within_the_budget_and_the_runtime(models, cach
     folder, gguf = models
     model = folder if kind == "bf16" else gguf
     first, _ = run(model, budget, cache, transport=transport)  # (a GGUF's first load writes its prepacked entry)
+    assert "returncode" not in first, first
     result, peak = run(model, budget, cache, transport=transport)
+    assert "returncode" not in result, result
     assert result["tokens"] == first["tokens"] and len(result["tokens"]) == 4
     assert result["disk"] if transport == "disk" else result["host"], result
     assert result["resident"] and result["planned"] <= budget
@@ -99,3 +103,44 @@ def test_peak_anonymous_memory_is_within_the_budget_and_the_runtime(models, cach
     assert peak <= result["runtime"] + budget + SLACK, (
         f"peak RssAnon {peak / MiB:.0f} MiB > runtime {result['runtime'] / MiB:.0f} MiB + budget "
         f"{budget / MiB:.0f} MiB + {SLACK / MiB:.0f} MiB ({result})")
+
+
+@pytest.fixture
+def cgroups():
+    from layerstream.bench.disk import MemoryCgroup, cgroups_unavailable
+
+    why = cgroups_unavailable()
+    if why:
+        pytest.skip(why)
+    made = []
+
+    def make(limit: int) -> MemoryCgroup:
+        made.append(MemoryCgroup(f"layerstream-test-{os.getpid()}-{len(made)}", limit))
+        return made[-1]
+
+    yield make
+    for cg in made:
+        cg.remove()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "gguf"])
+def test_under_a_memory_cgroup_smaller_than_the_model_the_plan_fits_it(models, cache, cgroups, kind):
+    """No budget given: in a memory cgroup that holds the runtime, the margin host_budget keeps for
+    its growth (engine.host_memory) and 60% of the model, the plan fits
+    the room the cgroup leaves (blocks read from disk each step) and the tokens are the unlimited
+    run's; in one that cannot hold even the runtime and what must stay in RAM, the start is refused
+    with a clear message, before loading, never by the OOM killer."""
+    folder, gguf = models
+    model = folder if kind == "bf16" else gguf
+    size = (sum(p.stat().st_size for p in folder.glob("*.safetensors")) if kind == "bf16" else gguf.stat().st_size)
+    free, _ = run(model, None, cache)
+    assert "returncode" not in free, free
+    cg = cgroups(free["runtime"] + 192 * MiB + int(0.6 * size))
+    capped, _ = run(model, None, cache, cgroup=cg)
+    assert "returncode" not in capped, capped
+    assert cg.stat()["oom_kills"] == 0
+    assert capped["disk"] and capped["tokens"] == free["tokens"], capped
+    tiny = cgroups(free["runtime"] + 96 * MiB)
+    refused, _ = run(model, None, cache, cgroup=tiny)
+    assert refused.get("returncode") == 1 and tiny.stat()["oom_kills"] == 0, refused
+    assert "does not fit in host memory" in refused["stderr"], refused["stderr"][-2000:]
