@@ -66,3 +66,15 @@ def host_memory_available() -> int:
         pass
     room = _cgroup_room()
     return avail if room is None else min(avail, room)
+
+
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory now (RssAnon): what a memory budget on the CPU
+    bounds; 0 where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -148,7 +148,7 @@ class LLMEngine:
             plan = self.model.plan
             self.scheduler = Scheduler(SchedulerConfig(
                 max_num_seqs=plan.max_num_seqs,  # args.max_num_seqs <= max_num_batched_tokens
-                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_batched_tokens=plan.max_num_batched_tokens or args.max_num_batched_tokens,
                 max_queue=args.max_queue,
                 max_model_len=plan.max_model_len,
                 block_size=plan.kv_block_size,

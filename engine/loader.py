@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .args import EngineArgs, resolve_dtype
 from .arch import ModelConfig
 from .errors import UnsupportedModelError, out_of_memory_error
-from .host_memory import host_budget
+from .host_memory import anonymous_bytes, host_budget
 from .kernels.prepare import describe as describe_kernels
 from .kernels.prepare import prepare as prepare_kernels
 from .kv_cache import KVCache
@@ -79,30 +79,54 @@ def grammar_cache_bytes(args: EngineArgs, host_room: int) -> int:
 
 
 def _plan_context(args: EngineArgs, cfg: ModelConfig, host_room: int | None, budget: int | None,
-                  make_inputs: Callable[[int, int | None], PlanInputs]) -> MemoryPlan:
-    """The plan for context_length(); when the user did not choose it and it does not fit, the plan
-    for the largest context that does (MIN_AUTO_MODEL_LEN at least). Attention calls keep their
-    default bound; only when no plan fits with it are they bounded by the budget
-    (attention_chunk_bytes: more, smaller calls, the same results, a little slower).
-    make_inputs(max_len, attn_chunk_bytes) builds the inputs (the workspace depends on both)."""
+                  make_inputs: Callable[[int, int | None, int], PlanInputs]) -> MemoryPlan:
+    """The plan for context_length(); when the budget cannot hold it, the step is made smaller before
+    the model is: first attention calls bounded by the budget (attention_chunk_bytes: more, smaller
+    calls, the same results), then steps of fewer tokens (a prefill reads each streamed block once
+    per step, so a smaller step costs prompt speed, never what fits). Only then, when the user did not
+    choose the context, the largest context that fits (MIN_AUTO_MODEL_LEN at least).
+    make_inputs(max_len, attn_chunk_bytes, tokens) builds the inputs (the workspace depends on all three)."""
     max_len = context_length(args, cfg)
     auto = args.max_model_len is None and max_len > MIN_AUTO_MODEL_LEN
-
-    def with_chunk(chunk: int | None) -> MemoryPlan:
-        if not auto:
-            return plan_memory(make_inputs(max_len, chunk))
-        return plan_largest_context(lambda n: make_inputs(n, chunk), max_len, MIN_AUTO_MODEL_LEN, args.block_size)
+    tokens = step_tokens(args)
+    small = attention_chunk_bytes(budget)
+    steps = [(tokens, None)] + ([(tokens, small)] if small is not None else [])
+    fewer = tokens // 2
+    while fewer >= min_step_tokens(args):
+        steps.append((fewer, small))
+        fewer //= 2
 
     def make() -> MemoryPlan:
-        small = attention_chunk_bytes(budget)
-        try:
-            return with_chunk(None)
-        except PlanError:
-            if small is None:
-                raise
-        return with_chunk(small)
+        first_error = None
+        for n, chunk in steps:
+            try:
+                plan = plan_memory(make_inputs(max_len, chunk, n))
+            except PlanError as e:
+                first_error = first_error or e
+                continue
+            if n < tokens:
+                plan = replace(plan, notes=plan.notes + (
+                    f"max_num_batched_tokens lowered from {tokens} to {n} so a step's workspace fits the budget "
+                    f"(a prompt is prefilled {n} tokens at a time)",))
+            return plan
+        if not auto:
+            raise first_error
+        n, chunk = steps[-1]
+        return plan_largest_context(lambda m: make_inputs(m, chunk, n), max_len, MIN_AUTO_MODEL_LEN, args.block_size)
 
     return _plan_memory(host_room, make)
+
+
+def step_tokens(args: EngineArgs) -> int:
+    """Tokens of the largest step the scheduler may form, as asked (the plan may lower it)."""
+    return max(args.max_num_batched_tokens, args.max_num_seqs)
+
+
+def min_step_tokens(args: EngineArgs) -> int:
+    """The smallest step a tight budget may lower max_num_batched_tokens to: every running sequence
+    decodes (and verifies its drafts) each step, and below a few dozen tokens a prefill step costs
+    a full read of the streamed blocks for too little work."""
+    return max(logits_rows(args), 32)
 
 
 def logits_rows(args: EngineArgs) -> int:
@@ -144,7 +168,6 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
     with room for a speculative draft when one is configured."""
     device = torch.device(args.device)
-    tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
     sizes = checkpoint.sizes(dtype, args.quantization, device)
     budget = args.max_device_memory
     if budget is None and device.type == "cuda":
@@ -155,19 +178,24 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     if experts and tiering is not None:  # what a disk-tier block read moves: the block without its experts
         tiering = replace(tiering, disk_block_bytes=sizes.dense_checkpoint_block_bytes)
     weights_bytes = cfg.num_layers * sizes.block_bytes + sizes.global_bytes
-    host_sized = budget is None and device.type == "cpu" and weights_bytes > host_room
+    # The device is the host: the plan fits the room the host has (its memory cgroup, MemAvailable or
+    # --max-host-memory), whatever the budget asks; what does not fit streams. Disk-tier staging holds
+    # checkpoint bytes; converted copies are the plan's stream buffers.
+    staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if checkpoint.converts(dtype) else 0
+    computes_on_host = device.type == "cpu" and (tiering is None or tiering.holds_device_plan)
+    host_sized = computes_on_host and (weights_bytes if budget is None else budget) > host_room - staging
     if host_sized:
-        # The device is the host: what does not fit streams. Disk-tier staging holds checkpoint bytes;
-        # converted copies are the plan's stream buffers.
-        staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if checkpoint.converts(dtype) else 0
         budget = host_room - staging
     kv_host = kv_host_bytes(args, device, host_room)
-    return _plan_context(args, cfg, host_room if host_sized else None, budget, lambda max_len, chunk: PlanInputs(
+    runtime = anonymous_bytes() if device.type == "cpu" else 0
+    plan = _plan_context(args, cfg, host_room if host_sized else None, budget, lambda max_len, chunk, tokens: PlanInputs(
         num_layers=cfg.num_layers,
         block_bytes=sizes.block_bytes,
         global_bytes=sizes.global_bytes,
         kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
         workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args), chunk),
+        max_num_batched_tokens=tokens,
+        runtime_bytes=runtime,
         budget=budget,
         max_model_len=max_len,
         max_num_seqs=args.max_num_seqs,
@@ -184,6 +212,11 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
         attn_chunk_bytes=chunk,
     ))
+    if host_sized and args.max_device_memory is not None:
+        plan = replace(plan, notes=plan.notes + (
+            f"--max-device-memory {format_bytes(args.max_device_memory)} lowered to the host memory this process "
+            f"may use ({format_bytes(host_room)}: its memory cgroup, MemAvailable or --max-host-memory)",))
+    return plan
 
 
 def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:

@@ -108,6 +108,8 @@ class PlanInputs:
     draft_block_bytes: int = 0
     draft_name: str = ""  # what the draft is, for describe()
     attn_chunk_bytes: int | None = None  # bound on one attention call's temporaries that workspace assumed
+    max_num_batched_tokens: int = 0  # tokens of the largest step, which workspace_bytes was sized for
+    runtime_bytes: int = 0  # anonymous memory the process held before loading (interpreter, torch, kernels)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -181,6 +183,8 @@ class MemoryPlan:
     draft_bytes: int = 0  # speculative decoding's draft (see PlanInputs)
     draft_name: str = ""
     attn_chunk_bytes: int | None = None  # see PlanInputs: the runner's attention calls keep to it
+    max_num_batched_tokens: int = 0  # see PlanInputs: the scheduler forms no larger step
+    runtime_bytes: int = 0  # see PlanInputs: outside the budget, printed beside it
 
     @property
     def stream_block_bytes(self) -> int:
@@ -226,7 +230,8 @@ class MemoryPlan:
             f"  bytes streamed per step: {format_bytes(self.streamed_bytes_per_step)}"
             f"  (prefetch depth {self.prefetch_depth}, stream buffers {format_bytes(self.stream_buffer_bytes)})",
             f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
-            f"  workspace: {format_bytes(self.workspace_bytes)}",
+            f"  workspace: {format_bytes(self.workspace_bytes)}"
+            + (f" (steps of up to {self.max_num_batched_tokens} tokens)" if self.max_num_batched_tokens else ""),
             f"  KV pool: {format_bytes(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x {self.kv_block_size} "
             f"tokens ({self.num_kv_blocks * self.kv_block_size} tokens shared by up to {self.max_num_seqs} seqs; "
             f"max_model_len {self.max_model_len} per request)",
@@ -255,6 +260,9 @@ class MemoryPlan:
             speed = (f"at {disk_gbps:.2f} GB/s measured: expected >= {floor * 1e3:.1f} ms per step"
                      if floor is not None else "disk bandwidth not measured")
             lines.append(f"  disk bytes per step: {format_bytes(self.disk_bytes_per_step)} ({speed})")
+        if self.runtime_bytes:
+            lines.append(f"  runtime outside the budget: {format_bytes(self.runtime_bytes)} of anonymous memory "
+                         "before loading (interpreter, torch, kernels)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -301,7 +309,8 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=blocks,
             num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block,
             draft_bytes=p.draft_bytes(len(streamed)), draft_name=p.draft_name,
-            attn_chunk_bytes=p.attn_chunk_bytes, **experts))
+            attn_chunk_bytes=p.attn_chunk_bytes, max_num_batched_tokens=p.max_num_batched_tokens,
+            runtime_bytes=p.runtime_bytes, **experts))
 
     all_blocks = p.num_layers * p.block_bytes
     if p.budget is None:

@@ -33,6 +33,7 @@ from .views import byte_rows, typed_view
 ALIGN = 4096
 CHUNK_BYTES = 16 << 20  # one preadv; large enough that per-request overhead is noise
 IN_FLIGHT = 8  # preadv calls outstanding at once: a virtio disk needs a deep queue to reach its speed
+MIN_CHUNK_BYTES = 1 << 20  # the smallest preadv a block's read is cut into
 MERGE_GAP = 1 << 20  # tensors closer than this are read as one range (reading the gap is cheaper)
 
 
@@ -197,11 +198,14 @@ class DiskReader:
         if plan.buffer_bytes > buf.nbytes:
             raise ValueError(f"staging buffer of {buf.nbytes} bytes cannot hold a {plan.buffer_bytes}-byte read")
         t0 = time.perf_counter()
+        # A block smaller than in_flight whole chunks is cut finer, so every request slot is busy:
+        # the disk reaches its speed only with a deep queue, and the queue drains at each block's end.
+        chunk = max(MIN_CHUNK_BYTES, min(self.chunk_bytes, _align_up(-(-plan.buffer_bytes // self.in_flight))))
         jobs = []
         for span in plan.spans:
             f = self._files[span.path]
-            for off in range(0, span.nbytes, self.chunk_bytes):
-                n = min(self.chunk_bytes, span.nbytes - off)
+            for off in range(0, span.nbytes, chunk):
+                n = min(chunk, span.nbytes - off)
                 jobs.append((f, span.start + off, span.buf_offset + off, n))
         futures = [self._pool.submit(self._read_chunk, buf, *job) for job in jobs]
         total = 0

@@ -3,7 +3,8 @@
 prepare() runs on the streamer's prefetch thread, so the reads of block i+1..i+depth overlap the
 compute of block i. A disk-tier block is read (DiskReader: large aligned reads, several in flight)
 into one of depth + 1 staging buffers, which is exactly how many tickets the streamer lets exist,
-and its tensors are views into that buffer; retire() hands the buffer back. When the compute
+and its tensors are views into that buffer; retire() hands the buffer back, and the next disk
+block's read starts into it at once (read_ahead.py), so the disk never idles between blocks. When the compute
 dtype differs from the checkpoint's, prepare() converts into reused buffer sets (shared with the
 host tier below) and the staging buffer is free again at once.
 
@@ -13,8 +14,8 @@ With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filli
 
 Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read, so the disk moves packed
 bytes. With a `repacker` (CPU fast mode, stream_repack.py) they are repacked from the staging buffer
-into their resident twins' compute form in a reusable slot (the next disk block's read overlapping
-that repack, and the staging buffer free again once it is done); otherwise they are handed to compute as
+into their resident twins' compute form in a reusable slot (the staging buffer free again, and
+the next read started into it, once that is done); otherwise they are handed to compute as
 `PackedFormat.streamed` weights viewing the staging buffer (unpacked by the matmul that uses them).
 Host-tier blocks go through the PackedCpuTransport, which shares the repacker's slots. With
 dtype=None the ticket holds the block's stored rows (engine row order) for the CUDA transport to stage.
@@ -22,14 +23,13 @@ dtype=None the ticket holds the block's stored rows (engine row order) for the C
 
 from __future__ import annotations
 
-import queue
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .buffers import BufferPool
 from .disk_reader import DiskReader, ReadPlan, StagingBuffer, plan_reads
+from .read_ahead import ReadAhead
 from .packed_format import PackedFormat
 from .packed_transport import PackedCpuTransport
 from .source import BlockSource
@@ -55,16 +55,10 @@ class DiskTransport(Transport):
         self.plans: list[ReadPlan] = [plan_reads(source.tensors(b)) for b in range(source.num_blocks)]
         self.staging_bytes = max(p.buffer_bytes for p in self.plans)
         self.reader = DiskReader(source.files, direct=direct)
-        self._disk_order = sorted(self.disk_blocks)
-        self._ahead: tuple[int, Future, StagingBuffer] | None = None  # (block, its read, the buffer it fills)
-        self._ahead_pool = (ThreadPoolExecutor(1, thread_name_prefix="layerstream-read-ahead")
-                            if self.repacker is not None and self.disk_blocks else None)
-        # Buffers are allocated lazily (untouched pages cost nothing anyway) and recycled through
-        # a queue: retire() runs on the compute thread, prepare() on the prefetch thread.
-        self._free: queue.Queue[StagingBuffer] = queue.Queue()
+        self._reads: ReadAhead | None = None
         try:
-            for _ in range(depth + 1 if self.disk_blocks else 0):
-                self._free.put(StagingBuffer(self.staging_bytes))
+            if self.disk_blocks:
+                self._reads = ReadAhead(self.reader, {b: self.plans[b] for b in self.disk_blocks}, depth + 1)
         except BaseException:
             self.reader.close()
             raise
@@ -75,14 +69,10 @@ class DiskTransport(Transport):
         nbytes = self.reader.read(plan, buf)
         return plan.views(buf), nbytes, time.perf_counter() - t0
 
-    def _read_free(self, block: int) -> tuple[StagingBuffer, dict[str, torch.Tensor], int, float]:
-        """Block `block` read into a free staging buffer (waiting for one): (buffer, views, bytes, seconds)."""
-        buf = self._free.get()
-        try:
-            return (buf, *self._read(block, buf))
-        except BaseException:
-            self._free.put(buf)
-            raise
+    def _take(self, block: int) -> tuple[StagingBuffer, dict[str, torch.Tensor], int, float]:
+        """Block `block` read into a staging buffer (by the read-ahead): (buffer, views, bytes, seconds)."""
+        buf, nbytes, seconds = self._reads.take(block)
+        return buf, self.plans[block].views(buf), nbytes, seconds
 
     def _converts(self, views: dict[str, torch.Tensor]) -> bool:
         return self.dtype is not None and any(v.dtype != self.dtype for v in views.values())
@@ -101,8 +91,9 @@ class DiskTransport(Transport):
         views, _, _ = self._read(block, buf)
         if self.packed:
             return self._packed(block, views, self.fmt.resident)
-        if not self._converts(views):
-            return views  # a buffer of its own, kept alive by the views: no copy needed
+        # Each tensor copied out (as CpuTransport.resident does): views would keep the whole read buffer
+        # alive once the streamer stacks q/k/v and gate/up into new tensors, a block and a half per
+        # resident block where the plan holds one.
         return to_compute(views, self.dtype, self.device, copy=True)
 
     def prepare(self, block: int) -> Ticket:
@@ -110,7 +101,7 @@ class DiskTransport(Transport):
             return self._host.prepare(block)
         if self.repacker is not None:
             return self._prepare_repacked(block)
-        buf, views, nbytes, seconds = self._read_free(block)
+        buf, views, nbytes, seconds = self._take(block)
         if self.packed:
             # Packed bytes stay in the staging buffer (views), which retire() gives back.
             weights = self._packed(block, views, self.fmt.streamed if self.fmt is not None else None)
@@ -125,63 +116,32 @@ class DiskTransport(Transport):
         converted = self.pool.take(views)
         for k, v in views.items():
             converted[k].copy_(v)
-        self._free.put(buf)
+        self._reads.give(buf)
         return Ticket(block, converted, nbytes_of(converted), tier=DISK, disk_bytes=nbytes, disk_seconds=seconds,
                       converted=converted)
 
-    # -- packed blocks repacked on the host (CPU fast mode) --------------------------------------------
-    # The prefetch thread would otherwise wait for a block's read, then repack it, then wait for the
-    # next read: with the repack taking about a third of the read's time, the next disk block's read is
-    # started before this one is repacked (one read ahead, in the cyclic order the streamer visits
-    # blocks; a reset() that breaks the order just wastes that read). A repacked block needs its staging
-    # buffer no longer, so two of the depth + 1 buffers are ever in use.
-
     def _prepare_repacked(self, block: int) -> Ticket:
-        buf, views, nbytes, seconds = self._take_read(block)
+        """A packed block repacked on the host (CPU fast mode) into its resident twins' compute form; its
+        staging buffer is free again (and the next disk block's read started into it) once that is done."""
+        buf, views, nbytes, seconds = self._take(block)
         try:
-            self._read_ahead(self._next_disk_block(block))
             weights, slot = self.repacker.fill(block, views)
             # Tensors the repacker leaves as stored (norms already in the compute dtype) view the buffer.
             weights = {k: w.clone() if isinstance(w, torch.Tensor) and _views(w, buf) else w for k, w in weights.items()}
         finally:
-            self._free.put(buf)
+            self._reads.give(buf)
         return Ticket(block, weights, self.source.streamed_bytes(block, self.dtype), tier=DISK, disk_bytes=nbytes,
                       disk_seconds=seconds, repacked=slot)
 
-    def _take_read(self, block: int) -> tuple[StagingBuffer, dict[str, torch.Tensor], int, float]:
-        """Block `block` read into a staging buffer: by the read ahead if that was this block's, else now."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead_block, future, buf = ahead
-            try:
-                views, nbytes, seconds = future.result()
-            except BaseException:
-                self._free.put(buf)
-                if ahead_block == block:
-                    raise
-            else:
-                if ahead_block == block:
-                    return buf, views, nbytes, seconds
-                self._free.put(buf)  # read for a block the streamer no longer asks for next (a reset)
-        return self._read_free(block)
-
-    def _read_ahead(self, block: int) -> None:
-        try:
-            buf = self._free.get_nowait()
-        except queue.Empty:
-            return
-        self._ahead = (block, self._ahead_pool.submit(self._read, block, buf), buf)
-
-    def _next_disk_block(self, block: int) -> int:
-        """The disk block the streamer prepares after `block`: it visits streamed blocks in ascending
-        order, cyclically."""
-        later = [b for b in self._disk_order if b > block]
-        return later[0] if later else self._disk_order[0]
+    @property
+    def reads(self) -> ReadAhead | None:
+        """The disk tier's reads (None without disk blocks): what is read ahead, what tickets hold."""
+        return self._reads
 
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}
         if ticket.staging is not None:
-            self._free.put(ticket.staging)
+            self._reads.give(ticket.staging)
             ticket.staging = None
         if ticket.converted is not None:
             self.pool.give(ticket.converted)
@@ -190,13 +150,8 @@ class DiskTransport(Transport):
             self._host.retire(ticket)  # host-tier pages (release_pages is off for the host tier)
 
     def close(self) -> None:
-        if self._ahead is not None:
-            _, future, buf = self._ahead
-            self._ahead = None
-            future.exception()  # wait: the read writes into buf
-            self._free.put(buf)
-        if self._ahead_pool is not None:
-            self._ahead_pool.shutdown(wait=True)
+        if self._reads is not None:
+            self._reads.close()
         if self._host is not None:
             self._host.close()  # its views of the mapping, so the checkpoint can unmap it
         self.reader.close()

@@ -175,8 +175,10 @@ class ModelCheckpoint:
         Blocks quantized at load stream from the quantization cache's mapping: no disk tier."""
         if quantization:
             return None
+        # Blocks from the prepacked entry are read into the stream buffers themselves (no staging besides).
+        staged = self.packed and self.prepacked_layout(dtype, device) is None
         return host_tiering(transport, device, self.sizes(dtype, device=device), depth,
-                            converts=self.converts(dtype), packed=self.packed)
+                            converts=self.converts(dtype), packed=staged)
 
     def measure_disk(self) -> tuple[float | None, str | None]:
         """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
+from ..kernels.ggml_repack import ggml_repack
 from .checkpoint import TensorInfo
 from .dequant import dequantize
 from .gguf_file import ggml_type
-from .packed import INT4_TYPES, GGUFWeight, Int8Weight, int4_from_gguf, int4_nbytes, int8_nbytes
+from .packed import INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf, int4_nbytes, int8_nbytes
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,7 @@ class PackedFormat:
             return dequantize(rows, q, t.shape).to(device=self.device, dtype=self.dtype)
         if not self.on_cpu:
             return GGUFWeight(rows.to(self.device, copy=True), q, t.shape, self.dtype)
-        if q in INT4_TYPES:
-            return int4_from_gguf(rows, q, t.shape, self.dtype)
-        return Int8Weight.quantize(dequantize(rows, q, t.shape), self.dtype)
+        return _repack(rows, q, t.shape, self.dtype)
 
     def resident_bytes(self, t: TensorInfo) -> int:
         numel = t.numel
@@ -82,3 +82,39 @@ class PackedFormat:
 
     def embedding_bytes(self, t: TensorInfo) -> int:
         return t.nbytes
+
+
+# Rows converted at a time by the torch fallback: its temporaries (the rows dequantized to fp32 and a
+# few passes over them) then stay a few tens of MiB, where a whole tied head would briefly take
+# several times the head's final size, memory the plan does not hold.
+_CHUNK_ROWS = 2048
+
+
+def _repack(rows: torch.Tensor, q, shape: tuple[int, int], dtype: torch.dtype):
+    """A quantized (out, in) tensor in the CPU kernels' resident form: the C++ repack writing straight
+    into the result where it runs (no temporaries), else the torch code, a chunk of rows at a time."""
+    out, inner = shape
+    module = ggml_repack() if kernels.int4_backend() == "vnni" and inner % 32 == 0 else None
+    if module is not None:
+        blocks = -(-out // 16)
+        rows = rows.contiguous()
+        if q in INT4_TYPES:
+            codes = torch.empty(blocks, inner // 32 * 256, dtype=torch.uint8)
+            scales = torch.empty(blocks, inner // 32, 2, 16, dtype=torch.float16)
+            module.repack_int4(rows, int(q), inner, codes, scales, None)
+            return Int4Weight(codes, scales, shape, "vnni")
+        codes = torch.empty(blocks, inner // 32 * 512, dtype=torch.uint8)
+        scales = torch.empty(blocks, 16, dtype=torch.float32)
+        module.repack_int8(rows, int(q), inner, codes, scales, None)
+        return Int8Weight(codes, scales, shape, "vnni")
+    parts = []
+    for first in range(0, out, _CHUNK_ROWS):
+        part = rows[first:first + _CHUNK_ROWS]
+        part_shape = (part.shape[0], inner)
+        parts.append(int4_from_gguf(part, q, part_shape, dtype) if q in INT4_TYPES
+                     else Int8Weight.quantize(dequantize(part, q, part_shape), dtype))
+    if len(parts) == 1:
+        return parts[0]
+    stacked = type(parts[0]).stack_rows(parts)
+    assert stacked is not None, "chunks of whole 16-row blocks always stack"
+    return stacked

@@ -9,17 +9,18 @@ disk-tier block is read from the entry each step (DiskReader: one aligned O_DIRE
 being page aligned) into one of depth + 1 staging buffers that its weights view until retire().
 A ticket counts the block's bytes in the entry, what mapping or reading it moves: the plan's
 streamed and disk block bytes are the same figure (ModelCheckpoint.sizes).
+
+The disk tier reads ahead of compute (read_ahead.py).
 """
 
 from __future__ import annotations
 
 import mmap
-import queue
-import time
 
 import torch
 
 from .disk_reader import DiskReader, StagingBuffer, plan_reads
+from .read_ahead import ReadAhead
 from .prepacked import PrepackedBlocks
 from .safetensors_index import MADV_POPULATE_READ
 from .transport import DISK, Ticket, Transport
@@ -41,13 +42,15 @@ class PrepackedTransport(Transport):
         self._mapped: set[int] = set()  # host-tier blocks whose pages this process has faulted in
         # Each block's views, made once (as CpuTransport's: making them every step costs GIL time).
         self._views: dict[int, dict[str, object]] = {}
-        self._plans = {b: plan_reads({"block": store.read_info(b)}) for b in self.disk_blocks}
-        self._free: queue.Queue[StagingBuffer] = queue.Queue()
         self.reader = DiskReader([store.path], direct=direct) if self.disk_blocks else None
+        self._reads = None
         if self.disk_blocks:
-            size = max(p.buffer_bytes for p in self._plans.values())
-            for _ in range(depth + 1):
-                self._free.put(StagingBuffer(size))  # pages untouched until read into
+            self._plans = {b: plan_reads({"block": store.read_info(b)}) for b in self.disk_blocks}
+            try:
+                self._reads = ReadAhead(self.reader, self._plans, depth + 1)
+            except BaseException:
+                self.reader.close()
+                raise
 
     def resident(self, block: int) -> dict[str, object]:
         if self.reader is None:
@@ -72,28 +75,32 @@ class PrepackedTransport(Transport):
         return Ticket(block, weights, self.store.nbytes(block))
 
     def _read(self, block: int) -> Ticket:
-        plan, buf = self._plans[block], self._free.get()
+        buf, nbytes, seconds = self._reads.take(block)
         try:
-            t0 = time.perf_counter()
-            nbytes = self.reader.read(plan, buf)
-            seconds = time.perf_counter() - t0
-            weights = self.store.weights(block, plan.views(buf)["block"])
+            weights = self.store.weights(block, self._plans[block].views(buf)["block"])
         except BaseException:
-            self._free.put(buf)
+            self._reads.give(buf)
             raise
         return Ticket(block, weights, self.store.nbytes(block), tier=DISK, disk_bytes=nbytes, disk_seconds=seconds,
                       staging=buf)
 
+    @property
+    def reads(self) -> ReadAhead | None:
+        """The disk tier's reads (None without disk blocks): what is read ahead, what tickets hold."""
+        return self._reads
+
     def retire(self, ticket: Ticket) -> None:
         ticket.weights = {}
         if ticket.staging is not None:
-            self._free.put(ticket.staging)
+            self._reads.give(ticket.staging)
             ticket.staging = None
         elif self.release_pages:
             self.store.advise(ticket.block, mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         self._views.clear()  # the mapping can then be unmapped
+        if self._reads is not None:
+            self._reads.close()
         if self.reader is not None:
             self.reader.close()
         self.store.close()
