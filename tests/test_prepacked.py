@@ -117,7 +117,8 @@ def test_every_tier_computes_the_repack_paths_logits(repack, gguf_root, cache, m
 def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
     """Page-cache tier: every tensor of a prepared block shares the mapped entry's storage and lies
     inside the mapping, and its bytes are the per-step repack's (and the resident repack's, stacked).
-    Resident blocks and disk-tier blocks are not views of the mapping (a copy; a staging buffer)."""
+    With a disk tier, resident blocks and disk-tier blocks are not views of the mapping (read into a
+    buffer of their own; a staging buffer); without one, resident blocks are views too."""
     opened = Opened(tiny_gguf(gguf_root, "qwen2", Q.Q4_1))
     store = PrepackedBlocks(opened.source, opened.layout)
     transport = PrepackedTransport(store, disk_blocks=[2], depth=1, direct=False)
@@ -147,6 +148,16 @@ def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
         assert all(start <= t.data_ptr() < start + ticket.staging.nbytes
                    for w in ticket.weights.values() for t in _tensors(w))
         transport.retire(ticket)
+    finally:
+        transport.close()
+    store = PrepackedBlocks(opened.source, opened.layout)
+    transport = PrepackedTransport(store, depth=1)
+    try:
+        base = store.raw(0).untyped_storage()
+        lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+        resident = transport.resident(0)
+        assert all(_same(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
+        assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for w in resident.values() for t in _tensors(w))
     finally:
         transport.close()
         opened.close()

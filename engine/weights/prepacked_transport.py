@@ -1,8 +1,9 @@
 """CPU transport for GGUF blocks from the prepacked cache entry (prepacked.py): blocks already in
 their compute form, so no step repacks anything.
 
-Resident blocks are copied out of the entry once at load (read by the disk tier's reader when the plan
-has one, so loading does not fill the page cache a memory cgroup charges to us). A streamed block
+Resident blocks are zero-copy views of the mapped entry, faulted in at load; when the plan has a disk
+tier they are read by its reader instead (into buffers of their own), so that loading does not fill
+the page cache a memory cgroup charges to us and reclaims under pressure. A streamed block
 kept in host memory is zero-copy views of the mapped entry: prepare() (prefetch thread) faults its
 pages in ahead of use, once (every time with release_pages, after which retire() drops them). A
 disk-tier block is read from the entry each step (DiskReader: one aligned O_DIRECT read, the block
@@ -24,10 +25,6 @@ from .read_ahead import ReadAhead
 from .prepacked import PrepackedBlocks
 from .safetensors_index import MADV_POPULATE_READ
 from .transport import DISK, Ticket, Transport
-
-
-def _owned(w):
-    return w.clone()
 
 
 class PrepackedTransport(Transport):
@@ -54,10 +51,11 @@ class PrepackedTransport(Transport):
 
     def resident(self, block: int) -> dict[str, object]:
         if self.reader is None:
-            weights = {k: _owned(w) for k, w in self.store.mapped(block).items()}
-            # Copied: the mapped pages would only count twice in this process's resident set.
-            self.store.advise(block, mmap.MADV_DONTNEED)
-            return weights
+            # Views of the mapped entry, as llama.cpp computes from its mapping: the bytes already are in
+            # the kernels' layout, so a copy would only cost the load its time and the process its
+            # anonymous memory. Faulted in now, so the first step does not.
+            self.store.advise(block, MADV_POPULATE_READ)
+            return self.store.mapped(block)
         plan = plan_reads({"block": self.store.read_info(block)})
         buf = StagingBuffer(plan.buffer_bytes)
         self.reader.read(plan, buf)
