@@ -120,6 +120,12 @@ class _Cursor:
         raise CheckpointError(f"{self.path}: {what} has unknown value type {vtype}; corrupt file")
 
 
+# The last file's parsed header (metadata, tensor table, data start), by its identity on disk: a load
+# opens the file twice (its config folder, then the reader), and a tokenizer's vocabulary in the
+# metadata is hundreds of thousands of values to parse. Readers must not change what they are given.
+_last_parsed: dict[tuple[int, int, int, int], tuple[dict, dict[str, TensorInfo], int]] = {}
+
+
 class GGUFFile:
     """One mapped .gguf file with a validated header and tensor table."""
 
@@ -135,7 +141,14 @@ class GGUFFile:
                 raise CheckpointError(f"{self.path}: file is {self.file_size} bytes, too short for a GGUF header")
             # MAP_PRIVATE like the safetensors reader: torch gets a writable buffer, the file is never written.
             self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-            self.metadata, self.tensors, self.data_start = self._parse()
+            st = os.fstat(self._fd)
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            parsed = _last_parsed.get(key)
+            if parsed is None:
+                parsed = self._parse()
+                _last_parsed.clear()
+                _last_parsed[key] = parsed
+            self.metadata, self.tensors, self.data_start = parsed
         except BaseException:
             os.close(self._fd)
             raise
