@@ -180,6 +180,16 @@ class ModelCheckpoint:
         return host_tiering(transport, device, self.sizes(dtype, device=device), depth,
                             converts=self.converts(dtype), packed=staged)
 
+    def stream_files(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> list[Path]:
+        """The files streamed blocks are read from in `dtype` on `device`: the prepacked entry's blocks
+        where a GGUF file has one, else the checkpoint's own files (for benchmarks: the disk the tier reads)."""
+        layout = self.prepacked_layout(dtype, device) if self.packed else None
+        if layout is not None:
+            from .prepacked import DATA
+
+            return [layout.folder / DATA]
+        return list(self._reader.files)
+
     def measure_disk(self) -> tuple[float | None, str | None]:
         """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);
         cached per file system, so only the first start on a machine pays for the read."""

@@ -245,8 +245,8 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
     plan = engine.plan
     result = dict(load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
                   decode_read_bytes=read_bytes() - io0,
-                  plan=f"{len(plan.resident_blocks)} resident, {len(plan.host_blocks)} streamed from RAM, "
-                       f"{len(plan.disk_blocks)} from disk")
+                  plan=f"{len(plan.resident_blocks)} / {len(plan.streamed_blocks) - len(plan.disk_blocks)} / "
+                       f"{len(plan.disk_blocks)}")
     engine.close()
     return result
 
@@ -308,6 +308,20 @@ def _run(ns, peer: str, model: Path, ids: list[int], decode_tokens: int, cap: in
                         f"no token in {timeout or ns.timeout:.0f} s" if rc == "timeout" else f"exit {rc}")
         res["stderr_tail"] = err[-1500:]
     return res
+
+
+def _stream_files(path: Path) -> list[Path]:
+    """The files layerstream's disk tier reads for this model (in its default dtype on the CPU)."""
+    import torch
+
+    from engine.args import resolve_dtype
+    from engine.weights import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(path)
+    try:
+        return checkpoint.stream_files(resolve_dtype("auto", checkpoint.cfg.checkpoint_dtype), torch.device("cpu"))
+    finally:
+        checkpoint.close()
 
 
 # -- the report ---------------------------------------------------------------------------------------
@@ -403,7 +417,11 @@ def run(ns: argparse.Namespace) -> int:
                         [] if ns.skip_llama_cpp else [("llama.cpp", ggufs["BF16" if f == "bf16" else f])]):
                     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
                     size = sum(p.stat().st_size for p in files)
-                    disk = measure_disk_bandwidth(files, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)
+                    # The disk's speed on what the run reads: layerstream reads a GGUF's blocks from its
+                    # prepacked entry. The faster figure sets the floor (a stricter target).
+                    read = _stream_files(path) if peer == "layerstream" else files
+                    disk = max((measure_disk_bandwidth(fs, use_cache=False, max_bytes=1 << 30, max_seconds=8.0)
+                                for fs in {tuple(files), tuple(read)}), key=lambda d: d.gbps)
                     r = _run(ns, peer, path, ids, ns.capped_decode_tokens, cap=int(ns.cap_fraction * size),
                              timeout=ns.timeout / 5 if peer == "llama.cpp" else None)
                     r.update(capped=True, disk_gbps=disk.gbps)
@@ -412,14 +430,15 @@ def run(ns: argparse.Namespace) -> int:
                     dec = _tps(r, "decode_s", n)
                     per_tok = r["decode_read_bytes"] / n if dec else None
                     floor = disk.gbps * 1e9 / per_tok if per_tok else None
-                    rows.append([peer, path.name, f"{r['cap'] / 2**30:.2f} GiB", _fmt(dec, 2),
+                    rows.append([peer, path.name, f"{r['cap'] / 2**30:.2f} GiB", r.get("plan", ""), _fmt(dec, 2),
                                  _fmt(per_tok / 2**30 if per_tok else None, 2), f"{disk.gbps:.2f}",
-                                 f"{100 * dec / floor:.0f}%" if floor else "-", r.get("error", "")])
+                                 f"{100 * dec / floor:.0f}%" if floor else "-", f"{r['peak_anon'] / 2**20:.0f} MiB",
+                                 r.get("error", "")])
                     print(f"  capped {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s)", flush=True)
             print(f"\nunder a memory cgroup of {ns.cap_fraction:.0%} of each file, cold page cache, "
                   f"{ns.capped_decode_tokens} greedy tokens")
-            print(table(["peer", "file", "cap", "decode tok/s", "disk GiB/token", "disk GB/s", "% of disk floor",
-                         "error"], rows))
+            print(table(["peer", "file", "cap", "blocks resident / RAM / disk", "decode tok/s", "disk GiB/token",
+                         "disk GB/s", "% of disk floor", "peak RssAnon", "error"], rows))
     if ns.json:
         Path(ns.json).write_text(json.dumps({"machine": machine_description(), "memory_gbps": mem_gbps,
                                              "results": results}, indent=1))
