@@ -163,6 +163,27 @@ def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
         opened.close()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4-head", "int8-head"])
+def test_head_is_a_view_of_the_entry_with_the_load_time_repacks_bytes(repack, gguf_root, cache, qtype):
+    """The head (the tied token table here) is stored in the entry after the blocks, in the form the
+    load made of it before (PackedFormat.resident), and handed out as views of the mapping."""
+    opened = Opened(tiny_gguf(gguf_root, "llama", qtype))
+    store = PrepackedBlocks(opened.source, opened.layout)
+    try:
+        assert opened.layout.head is not None
+        head = store.head()
+        infos = opened.source.global_infos()
+        name = "lm_head" if "lm_head" in infos else "embed"
+        made = BF16.resident(infos[name], opened.source.global_rows(name))
+        assert type(head) is type(made) and _same(head, made)
+        base = store.raw(0).untyped_storage()
+        lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+        assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t in _tensors(head))
+    finally:
+        store.close()
+        opened.close()
+
+
 # -- once, checked, rebuilt -----------------------------------------------------------------------------
 
 def test_second_load_converts_nothing_and_the_model_folder_is_untouched(repack, gguf_root, cache, caplog):

@@ -277,7 +277,7 @@ class ModelWeights:
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
             experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan)
             source = source.without_experts()
-        quantized = prepacked = None
+        quantized = prepacked = head = None
         try:
             if quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
@@ -287,6 +287,7 @@ class ModelWeights:
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
             elif self._packed and experts is None and resolve(transport, device) != "cuda":
                 prepacked = _open_prepacked(checkpoint, source, dtype, device, on_progress)
+                head = prepacked.head() if prepacked is not None else None
             t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
                                quantized=quantized, prepacked=prepacked)
         except BaseException:
@@ -303,7 +304,7 @@ class ModelWeights:
         self._transport: Transport = t
         self._streamer: BlockStreamer | None = None
         try:
-            self.globals = _place_globals(source, dtype, device, quantized)
+            self.globals = _place_globals(source, dtype, device, quantized, head)
             if on_progress:
                 on_progress(-1)
             # On a CUDA device stacking would briefly hold a block's projections twice in device memory,
@@ -412,9 +413,11 @@ def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: tor
         return None
 
 
-def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device, quantized=None) -> PlacedGlobals:
+def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device, quantized=None,
+                   head=None) -> PlacedGlobals:
+    """`head`: the head in its compute form already (a prepacked entry's view), else made here."""
     if source.packed:
-        return _place_packed_globals(source, PackedFormat(dtype, device))
+        return _place_packed_globals(source, PackedFormat(dtype, device), head)
     views = source.global_views()
     lazy_embed = device.type == "cpu" and "lm_head" in views
     placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
@@ -424,10 +427,11 @@ def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device
     return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)
 
 
-def _place_packed_globals(source: BlockSource, fmt: PackedFormat) -> PlacedGlobals:
+def _place_packed_globals(source: BlockSource, fmt: PackedFormat, head=None) -> PlacedGlobals:
     """The token table stays packed (rows unpacked on lookup); norm and head in their compute form."""
     infos = source.global_infos()
-    head = "lm_head" if "lm_head" in infos else "embed"
+    if head is None:
+        name = "lm_head" if "lm_head" in infos else "embed"
+        head = fmt.resident(infos[name], source.global_rows(name))
     return PlacedGlobals(fmt.embedding(infos["embed"], source.global_rows("embed")),
-                         fmt.resident(infos["norm"], source.global_rows("norm")),
-                         fmt.resident(infos[head], source.global_rows(head)), fmt.dtype)
+                         fmt.resident(infos["norm"], source.global_rows("norm")), head, fmt.dtype)

@@ -6,15 +6,17 @@ VNNI codes and scales, q/k/v and gate/up stacked, norms and biases in the comput
 is made again at every load for resident blocks, and at every step for streamed ones. Here it is
 made once per GGUF file (on the first load, or ahead of time by `layerstream convert`) and written
 to `prepacked-v{VERSION}/{key}/blocks.bin` under engine.cache.cache_root(), never beside the user's
-file. Later loads map it: resident blocks are copied out once, streamed blocks are zero-copy views
-of the mapping (page cache) or read from it by the disk tier (prepacked_transport.py). Nothing is
-repacked per step.
+file. Later loads map it: resident and streamed blocks are zero-copy views of the mapping (page
+cache), or read from it by the disk tier (prepacked_transport.py). Nothing is repacked per step. The
+head (the tied token table where there is no lm_head) is stored after the blocks in its compute form
+too, and mapped the same way.
 
 The file: an 8-byte little-endian length and the JSON header (the layout: each block's offset and
 bytes; each weight's kind, logical shape and parts, a part being an offset in its block, a dtype
 and a shape), padded to a page; then the blocks in order, each starting on a page and padded to
 one, so the disk tier reads a block with one aligned O_DIRECT request. A block holds exactly what
-StreamRepacker.fill makes of it.
+StreamRepacker.fill makes of it; the head, laid out as a block of one weight ("head"), what
+PackedFormat.resident makes of it.
 
 The key hashes the GGUF's identity (quant_cache.checkpoint_identity: names, sizes, modification
 times, sampled bytes), the compute dtype, torch's version, the kernel layout and VERSION (bump it
@@ -49,16 +51,18 @@ import torch
 from ..cache import build_once, cache_root
 from ..errors import CheckpointError
 from .checkpoint import TensorInfo
-from .packed import Int4Weight, Int8Weight
+from .gguf_file import ggml_type
+from .packed import INT4_TYPES, Int4Weight, Int8Weight
 from .packed_format import PackedFormat
 from .quant_cache import checkpoint_identity, kernel_layout
+from .safetensors_index import MADV_POPULATE_READ
 from .source import BlockSource
 from .stream_repack import LANES, make_repacker
 from .views import close_mapping, typed_view
 
 log = logging.getLogger("layerstream")
 
-VERSION = 1  # bump when what an entry holds changes (the repack's bytes, the file's layout)
+VERSION = 2  # bump when what an entry holds changes (the repack's bytes, the file's layout)
 MARKER = "layerstream-prepacked.json"
 DATA, DIGEST = "blocks.bin", "digest.json"
 PAGE = 4096  # blocks start on a page: O_DIRECT reads and madvise ranges need it
@@ -114,16 +118,22 @@ class PrepackedLayout:
     dtype: torch.dtype  # the compute dtype
     blocks: tuple[BlockLayout, ...]
     folder: Path  # the cache entry (keyed by the source's identity)
+    # The head (the tied token table where there is no lm_head) in its compute form, after the blocks:
+    # made at every load it cost a repack of the largest matrix and its bytes in anonymous memory.
+    head: BlockLayout | None = None
 
     @functools.cached_property
     def header(self) -> bytes:
         """The file's first bytes: length and JSON, unpadded."""
+        def block(b: BlockLayout) -> dict:
+            return {"offset": b.offset, "nbytes": b.nbytes,
+                    "weights": [{"name": w.name, "kind": w.kind, "shape": list(w.shape),
+                                 "parts": [[p.offset, DTYPE_NAMES[p.dtype], list(p.shape)] for p in w.parts]}
+                                for w in b.weights]}
+
         doc = {"format": "layerstream-prepacked", "version": VERSION, "dtype": DTYPE_NAMES[self.dtype],
-               "layout": kernel_layout(),
-               "blocks": [{"offset": b.offset, "nbytes": b.nbytes,
-                           "weights": [{"name": w.name, "kind": w.kind, "shape": list(w.shape),
-                                        "parts": [[p.offset, DTYPE_NAMES[p.dtype], list(p.shape)] for p in w.parts]}
-                                       for w in b.weights]} for b in self.blocks]}
+               "layout": kernel_layout(), "blocks": [block(b) for b in self.blocks],
+               "head": block(self.head) if self.head is not None else None}
         raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return struct.pack("<Q", len(raw)) + raw
 
@@ -133,7 +143,7 @@ class PrepackedLayout:
 
     @property
     def file_bytes(self) -> int:
-        return self.data_start + sum(b.nbytes for b in self.blocks)
+        return self.data_start + sum(b.nbytes for b in self.blocks) + (self.head.nbytes if self.head else 0)
 
     @property
     def max_block_bytes(self) -> int:
@@ -174,20 +184,56 @@ def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLay
             if t.quant is not None and len(t.shape) != 1:
                 return None, f"{t.name} ({t.quant}, shape {list(t.shape)}) has no prepacked form"
             specs.append((short, "dense", t.shape, ((fmt.dtype, tuple(t.shape)),)))
-        weights, at = [], 0
-        for name, kind, shape, parts in specs:
-            placed = []
-            for dtype, part_shape in parts:
-                at = _round_up(at, ALIGN)
-                placed.append(Part(at, dtype, tuple(part_shape)))
-                at += placed[-1].nbytes
-            weights.append(WeightLayout(name, kind, tuple(shape), tuple(placed)))
-        nbytes = _round_up(max(at, 1), PAGE)
-        blocks.append(BlockLayout(offset, nbytes, tuple(weights)))
-        offset += nbytes
+        blocks.append(_place(offset, specs))
+        offset += blocks[-1].nbytes
+    head = _head_spec(source, fmt)
     key = hashlib.sha256("\0".join([checkpoint_identity(source.files), "prepacked", str(fmt.dtype),
                                     torch.__version__, kernel_layout(), str(VERSION)]).encode()).hexdigest()[:32]
-    return PrepackedLayout(fmt.dtype, tuple(blocks), cache_root() / f"prepacked-v{VERSION}" / key), None
+    return PrepackedLayout(fmt.dtype, tuple(blocks), cache_root() / f"prepacked-v{VERSION}" / key,
+                           _place(offset, [head]) if head is not None else None), None
+
+
+def _place(offset: int, specs) -> BlockLayout:
+    """A block at `offset` holding `specs` ((name, kind, shape, parts' (dtype, shape)) each), every part
+    on a cache line, the block a whole number of pages."""
+    weights, at = [], 0
+    for name, kind, shape, parts in specs:
+        placed = []
+        for dtype, part_shape in parts:
+            at = _round_up(at, ALIGN)
+            placed.append(Part(at, dtype, tuple(part_shape)))
+            at += placed[-1].nbytes
+        weights.append(WeightLayout(name, kind, tuple(shape), tuple(placed)))
+    return BlockLayout(offset, _round_up(max(at, 1), PAGE), tuple(weights))
+
+
+HEAD = "head"
+
+
+def _head_spec(source: BlockSource, fmt: PackedFormat):
+    """The head's (name, kind, shape, parts), as PackedFormat.resident makes it; None where that form
+    is not one the kernels' layouts describe (it is then made at load, as before)."""
+    infos = source.global_infos()
+    t = infos.get("lm_head", infos["embed"])
+    if t.quant is None:
+        return HEAD, "dense", tuple(t.shape), ((fmt.dtype, tuple(t.shape)),)
+    if len(t.shape) != 2 or t.shape[1] % 32:
+        return None
+    kind = "int4" if ggml_type(t) in INT4_TYPES else "int8"
+    return HEAD, kind, tuple(t.shape), _output_parts(kind, t.shape, fmt.dtype)
+
+
+def _weights(block: BlockLayout, raw: torch.Tensor) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for w in block.weights:
+        parts = [typed_view(raw[p.offset:p.offset + p.nbytes], p.offset, p.dtype, p.shape) for p in w.parts]
+        if w.kind == "int4":
+            out[w.name] = Int4Weight(parts[0], parts[1], w.shape, "vnni")
+        elif w.kind == "int8":
+            out[w.name] = Int8Weight(parts[0], parts[1], w.shape, "vnni")
+        else:
+            out[w.name] = parts[0]
+    return out
 
 
 def _parts_of(w) -> tuple[torch.Tensor, ...]:
@@ -251,18 +297,18 @@ class PrepackedBlocks:
             for b, block in enumerate(layout.blocks):
                 weights, slot = repacker.fill(b, self.source.stored_rows(b))
                 try:
-                    assert weights.keys() == {w.name for w in block.weights}, (b, sorted(weights))
-                    for w in block.weights:
-                        for part, t in zip(w.parts, _parts_of(weights[w.name]), strict=True):
-                            assert t.dtype == part.dtype and tuple(t.shape) == part.shape, (w.name, t.shape, part)
-                            f.seek(layout.data_start + block.offset + part.offset)
-                            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    self._write(f, block, weights)
                 finally:
                     repacker.give(slot)
                 # Its GGUF bytes are not read again (later loads map the entry): out of this process.
                 self.source.advise(b, mmap.MADV_DONTNEED)
                 if on_progress:
                     on_progress(b)
+            if layout.head is not None:
+                infos = self.source.global_infos()
+                name = "lm_head" if "lm_head" in infos else "embed"
+                head = PackedFormat(layout.dtype).resident(infos[name], self.source.global_rows(name))
+                self._write(f, layout.head, {HEAD: head})
             f.flush()
             os.fsync(f.fileno())
         fd = os.open(tmp / DATA, os.O_RDONLY)
@@ -273,6 +319,14 @@ class PrepackedBlocks:
         (tmp / DIGEST).write_text(json.dumps({"size": layout.file_bytes, "sample_sha256": samples,
                                               "header_sha256": hashlib.sha256(layout.header).hexdigest()}))
         self.built = True
+
+    def _write(self, f, block: BlockLayout, weights: dict[str, object]) -> None:
+        assert weights.keys() == {w.name for w in block.weights}, sorted(weights)
+        for w in block.weights:
+            for part, t in zip(w.parts, _parts_of(weights[w.name]), strict=True):
+                assert t.dtype == part.dtype and tuple(t.shape) == part.shape, (w.name, t.shape, part)
+                f.seek(self.layout.data_start + block.offset + part.offset)
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
     def _map_checked(self) -> None:
         layout = self.layout
@@ -310,16 +364,20 @@ class PrepackedBlocks:
     def weights(self, block: int, raw: torch.Tensor) -> dict[str, object]:
         """Block `block`'s weights in their compute form over `raw`, its bytes ((nbytes,) uint8: the
         mapping's, or a disk read's staging buffer), zero-copy."""
-        out: dict[str, object] = {}
-        for w in self.layout.blocks[block].weights:
-            parts = [typed_view(raw[p.offset:p.offset + p.nbytes], p.offset, p.dtype, p.shape) for p in w.parts]
-            if w.kind == "int4":
-                out[w.name] = Int4Weight(parts[0], parts[1], w.shape, "vnni")
-            elif w.kind == "int8":
-                out[w.name] = Int8Weight(parts[0], parts[1], w.shape, "vnni")
-            else:
-                out[w.name] = parts[0]
-        return out
+        return _weights(self.layout.blocks[block], raw)
+
+    def head(self):
+        """The head in its compute form as zero-copy views of the mapped entry (faulted in now), or None
+        where the entry holds none."""
+        head = self.layout.head
+        if head is None:
+            return None
+        start = self.layout.data_start + head.offset
+        try:
+            self._map.madvise(MADV_POPULATE_READ, start, head.nbytes)
+        except (OSError, ValueError):
+            pass  # an older kernel: pages fault in on first use
+        return _weights(head, self._base[start:start + head.nbytes])[HEAD]
 
     def mapped(self, block: int) -> dict[str, object]:
         """Block `block`'s weights as zero-copy views of the mapped entry."""
