@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-llama-cpp", action="store_true",
                    help="layerstream alone, on the bf16 safetensors (the GGUF files need llama.cpp)")
     p.add_argument("--capped", action="store_true", help="also run each file in a memory cgroup, cold page cache")
+    p.add_argument("--capped-only", action="store_true", help="only the capped runs (disk-bound: less sensitive "
+                   "to other work on the machine than the resident runs)")
     p.add_argument("--cap-fraction", type=float, default=0.6, help="the cgroup's limit as a fraction of the file")
     p.add_argument("--capped-decode-tokens", type=int, default=8)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run (llama.cpp capped: a fifth)")
@@ -364,7 +366,7 @@ def run(ns: argparse.Namespace) -> int:
           f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n", flush=True)
 
     results, chart = [], []
-    for f in wanted:
+    for f in ([] if ns.capped_only else wanted):
         # layerstream serves bf16 from the safetensors; llama.cpp from the BF16 GGUF of the same weights.
         mine = bf16 if f == "bf16" else ggufs[f]
         peers = [("layerstream", mine)] + ([] if ns.skip_llama_cpp else
@@ -402,7 +404,7 @@ def run(ns: argparse.Namespace) -> int:
         print(table(["peer", "file", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
                      "decode tok/s", "vs llama.cpp", "memory floor tok/s", "peak RssAnon", "error"], table_rows))
 
-    if ns.capped:
+    if ns.capped or ns.capped_only:
         from engine.weights import measure_disk_bandwidth
 
         from .disk import cgroups_unavailable
