@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM
 from engine.arch import UnsupportedModelError
-from engine.weights.safetensors_index import CheckpointError, SafetensorsFile
+from engine.weights.formats.safetensors_index import CheckpointError, SafetensorsFile
 
 
 @pytest.fixture

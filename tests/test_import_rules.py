@@ -138,10 +138,10 @@ def test_no_import_circles():
 def test_the_checker_is_not_vacuous():
     """Relative and lazy imports resolve to the modules they name, and a circle is found."""
     pkg = ROOT / "engine"
-    assert "engine.weights.streamer" in imports(pkg / "weights" / "model_weights.py")
-    assert "engine.weights.disk_reader" in imports(pkg / "weights" / "model_weights.py")  # inside a method
+    assert "engine.weights.transports.streamer" in imports(pkg / "weights" / "model_weights.py")
+    assert "engine.weights.transports.disk_reader" in imports(pkg / "weights" / "model_weights.py")  # inside a method
     assert {"engine.planner", "engine.weights"} <= imports(pkg / "loader.py")
-    assert "engine.weights.streamer" not in imports(pkg / "weights" / "bandwidth.py")  # under TYPE_CHECKING
+    assert "engine.weights.transports.streamer" not in imports(pkg / "weights" / "transports" / "bandwidth.py")  # under TYPE_CHECKING
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -76,21 +76,21 @@ per step, or once into a cache entry), gguf_file / gguf_config (the GGUF reader)
 """
 
 from ..errors import CheckpointError
-from .bandwidth import LinkSpeeds, StepEstimate, efficiency, expected_step, floor_percent, host_to_device_gbps
-from .checkpoint import CheckpointReader, TensorInfo
-from .cuda_transport import HOST_MARGIN as PINNED_HOST_MARGIN
-from .cuda_runtime import host_register_works
-from .disk_bandwidth import DiskBandwidth
-from .disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
-from .formats import config_folder, open_checkpoint
-from .gguf_file import find_gguf
-from .packed import Int4Weight, Int8Weight
-from .quantize import quantize_int4
+from .transports.bandwidth import LinkSpeeds, StepEstimate, efficiency, expected_step, floor_percent, host_to_device_gbps
+from .formats.reader import CheckpointReader, TensorInfo
+from .transports.cuda import HOST_MARGIN as PINNED_HOST_MARGIN
+from .transports.cuda_runtime import host_register_works
+from .transports.disk_bandwidth import DiskBandwidth
+from .transports.disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
+from .formats.open import config_folder, open_checkpoint
+from .formats.gguf_file import find_gguf
+from .packed.weights import Int4Weight, Int8Weight
+from .packed.quantize import quantize_int4
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
 from .self_draft import SELF_DRAFT_QUANTIZATION, SelfDraftWeights, self_draft_copies_every_block
-from .source import WeightSizes
-from .streamer import StreamStats
-from .tiers import TRANSPORTS, check_transport
+from .formats.block_source import WeightSizes
+from .transports.streamer import StreamStats
+from .transports.tiers import TRANSPORTS, check_transport
 
 __all__ = [
     "CheckpointError", "CheckpointReader", "DiskBandwidth", "config_folder", "find_gguf", "LinkSpeeds",

@@ -17,16 +17,16 @@ import torch
 from .. import model as M
 from ..arch import EXPERT_WEIGHTS, ModelConfig, expert_key
 from ..planner import HostTiering, MemoryPlan
-from .bandwidth import LinkSpeeds
-from .checkpoint import CheckpointReader
-from .formats import open_checkpoint
-from .source import BlockSource, WeightSizes
-from .streamer import BlockStreamer, StreamStats
-from .packed_format import PackedFormat
-from .prepacked import MARKER as PREPACKED_MARKER
-from .prepacked import PrepackedLayout, prepack_layout
-from .tiers import host_tiering, make_expert_tier, make_transport, resolve
-from .transport import Transport, to_compute
+from .transports.bandwidth import LinkSpeeds
+from .formats.reader import CheckpointReader
+from .formats.open import open_checkpoint
+from .formats.block_source import BlockSource, WeightSizes
+from .transports.streamer import BlockStreamer, StreamStats
+from .packed.compute_form import PackedFormat
+from .packed.prepacked import MARKER as PREPACKED_MARKER
+from .packed.prepacked import PrepackedLayout, prepack_layout
+from .transports.tiers import host_tiering, make_expert_tier, make_transport, resolve
+from .transports.base import Transport, to_compute
 
 if TYPE_CHECKING:
     from .self_draft import SelfDraftWeights
@@ -68,7 +68,7 @@ class ModelCheckpoint:
             return self._packed_sizes(PackedFormat(dtype, device))
         sizes = self.source.sizes(dtype)
         if quantization:
-            from .quantize import quantized_plan_bytes
+            from .packed.quantize import quantized_plan_bytes
 
             block, glob = quantized_plan_bytes(self.cfg, self.source.global_views()["embed"].nbytes,
                                                quantization, dtype)
@@ -128,7 +128,7 @@ class ModelCheckpoint:
             if self.packed:
                 raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
                                  "checkpoints; this one is already quantized")
-            from .quant_cache import QuantizedBlocks
+            from .packed.quant_cache import QuantizedBlocks
 
             store = QuantizedBlocks(self.source, quantization, dtype, on_progress=on_progress)
             store.close()
@@ -139,7 +139,7 @@ class ModelCheckpoint:
         layout, why = self._prepack(dtype, torch.device("cpu"))
         if layout is None:
             raise ValueError(f"{self.path}: no prepacked form in {str(dtype).replace('torch.', '')}: {why}")
-        from .prepacked import PrepackedBlocks
+        from .packed.prepacked import PrepackedBlocks
 
         store = PrepackedBlocks(self.source, layout, on_progress)
         store.close()
@@ -164,7 +164,7 @@ class ModelCheckpoint:
         if self.packed:
             return self.sizes(dtype).block_bytes, 0
         from .self_draft import SELF_DRAFT_QUANTIZATION
-        from .quantize import quantized_bytes
+        from .packed.quantize import quantized_bytes
 
         return (self.sizes(dtype, SELF_DRAFT_QUANTIZATION).block_bytes,
                 quantized_bytes((self.cfg.vocab_size, self.cfg.hidden_size), "int8", dtype))
@@ -183,7 +183,7 @@ class ModelCheckpoint:
     def measure_disk(self) -> tuple[float | None, str | None]:
         """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);
         cached per file system, so only the first start on a machine pays for the read."""
-        from .disk_bandwidth import disk_bandwidth
+        from .transports.disk_bandwidth import disk_bandwidth
 
         try:
             return disk_bandwidth(self._reader.files).gbps, None
@@ -195,7 +195,7 @@ class ModelCheckpoint:
         (bytes read, seconds). For benchmarks: the disk's speed for this access pattern right now."""
         import time
 
-        from .disk_reader import DiskReader, StagingBuffer, plan_reads
+        from .transports.disk_reader import DiskReader, StagingBuffer, plan_reads
 
         plans = [plan_reads(self.source.tensors(b)) for b in blocks]
         reader = DiskReader(self._reader.files)
@@ -272,7 +272,7 @@ class ModelWeights:
             if quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
                 # cache holds the quantized blocks and head (quant_cache.py); later loads map it.
-                from .quant_cache import QuantizedBlocks
+                from .packed.quant_cache import QuantizedBlocks
 
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
             elif self._packed and experts is None and resolve(transport, device) != "cuda":
@@ -389,7 +389,7 @@ def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: tor
     layout = checkpoint.prepacked_layout(dtype, device)
     if layout is None:
         return None
-    from .prepacked import PrepackedBlocks
+    from .packed.prepacked import PrepackedBlocks
 
     try:
         store = PrepackedBlocks(source, layout, on_progress)

@@ -332,7 +332,7 @@ def run(ns: argparse.Namespace) -> int:
         if r.get("plan"):
             print("    " + r["plan"].replace("\n", "\n    "), flush=True)
         if peer == "layerstream-gguf" and "stream_repack" in r:
-            print("    streamed GGUF blocks: " + ("repacked for the VNNI kernels (engine/weights/stream_repack.py)"
+            print("    streamed GGUF blocks: " + ("repacked for the VNNI kernels (engine/weights/packed/stream_repack.py)"
                                                  if r["stream_repack"] else "dequantized by each matmul (fallback)"),
                   flush=True)
         if "reader_busy_s" in r and "error" not in r:
