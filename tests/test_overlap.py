@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.weights import efficiency
+from engine.weights.probes import efficiency
 from engine.weights.transports.simulated import SimulatedTransport
 from tests.test_reference import PROMPT, prompt_logits, reference_greedy
 
@@ -151,7 +151,7 @@ def test_simulated_outputs_equal_reference_and_resident(llama_dir, streamed_budg
 
 
 def test_simulated_transport_rejects_bad_rates(monkeypatch):
-    from engine.weights.transports.base import CpuTransport
+    from engine.weights.transports.cpu import CpuTransport
 
     inner = CpuTransport.__new__(CpuTransport)
     inner.device, inner.dtype = torch.device("cpu"), torch.float32

@@ -1,4 +1,4 @@
-"""GGUF blocks prepacked once into a cache entry (engine/weights/packed/prepacked.py, prepacked_transport.py):
+"""GGUF blocks prepacked once into a cache entry (engine/weights/packed/prepacked.py, transports/prepacked.py):
 the same logits and tokens as the repack at load and per step, whatever tier a block comes from;
 streamed blocks are views of the mapped entry; a stale or damaged entry is rebuilt; a second load
 converts nothing; the model's folder is never written; `layerstream convert`; the fallbacks.

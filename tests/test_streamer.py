@@ -131,7 +131,7 @@ def test_cpu_transport_makes_a_blocks_views_once_and_lets_go_at_close(llama_dir)
     import weakref
 
     from engine.weights.model_weights import ModelCheckpoint
-    from engine.weights.transports.base import CpuTransport
+    from engine.weights.transports.cpu import CpuTransport
 
     ckpt = ModelCheckpoint(llama_dir)
     try:

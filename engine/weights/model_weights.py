@@ -60,7 +60,7 @@ class ModelCheckpoint:
               device: torch.device = torch.device("cpu")) -> WeightSizes:
         """Bytes the planner needs in compute dtype `dtype` on `device`. A packed checkpoint's blocks count
         in their resident compute form and stream as stored; quantization (int8 | int4): blocks and
-        head as quantized at load (quantize.py), streamed as such."""
+        head as quantized at load (packed/quantize.py), streamed as such."""
         if self.packed:
             if quantization:
                 raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
@@ -100,7 +100,7 @@ class ModelCheckpoint:
 
     def prepacked_layout(self, dtype: torch.dtype,
                          device: torch.device = torch.device("cpu")) -> PrepackedLayout | None:
-        """Where this GGUF checkpoint's blocks lie in its prepacked cache entry (prepacked.py), or None
+        """Where this GGUF checkpoint's blocks lie in its prepacked cache entry (packed/prepacked.py), or None
         where they are computed from the GGUF file itself (see prepack_refusal)."""
         return self._prepack(dtype, device)[0]
 
@@ -271,7 +271,7 @@ class ModelWeights:
         try:
             if quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
-                # cache holds the quantized blocks and head (quant_cache.py); later loads map it.
+                # cache holds the quantized blocks and head (packed/quant_cache.py); later loads map it.
                 from .packed.quant_cache import QuantizedBlocks
 
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
@@ -409,7 +409,7 @@ def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device
     lazy_embed = device.type == "cpu" and "lm_head" in views
     placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
               for k, v in views.items() if not (k == "lm_head" and quantized is not None)}
-    # Quantized at load: the head is int8 per row, whatever the blocks' mode (quantize.py).
+    # Quantized at load: the head is int8 per row, whatever the blocks' mode (packed/quantize.py).
     head = quantized.head() if quantized is not None else placed.get("lm_head", placed["embed"])
     return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)
 

@@ -289,7 +289,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("the layerstream-gguf peers need --gguf FILE")
     if ns.decode_tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
-    from engine.weights import measure_disk_bandwidth
+    from engine.weights.probes import measure_disk_bandwidth
     from engine.planner import format_bytes, parse_bytes
 
     model = Path(ns.model) if ns.model else bench_model_path()

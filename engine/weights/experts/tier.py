@@ -2,7 +2,7 @@
 
 Blocks stream (or stay resident) without their experts, following the block plan; an expert reaches
 compute only when a token of the step chose it, read by byte range from the original checkpoint
-into a slot of the device expert cache (expert_cache.ExpertCache: LRU, one pool for every block).
+into a slot of the device expert cache (cache.ExpertCache: LRU, one pool for every block).
 Per block and step the union of the experts chosen by all the batch's tokens is fetched once.
 
 Keeping routing -> fetch off the critical path: a block's routing is known only after its attention,
@@ -16,7 +16,7 @@ Where an expert's bytes come from (`ExpertReader`): the page cache (zero-copy vi
 matches, as the CPU transport serves blocks; else copied, converting the dtype), the disk (O_DIRECT reads of the expert's byte ranges, the disk tier), or either behind a
 simulated slow link (the CUDA stand-in on CPU). Where the cache's slots live (`slots`): host memory
 when the device is the CPU (`HostExpertSlots`), or device memory filled from pinned staging on a copy
-stream and ordered by events (`cuda_experts.CudaExpertSlots`); the tier tells the slots when compute
+stream and ordered by events (`cuda_slots.CudaExpertSlots`); the tier tells the slots when compute
 starts reading a group (activate) and when its kernels were issued (retire), before the cache may
 evict them.
 """

@@ -10,7 +10,7 @@ is checked against the file, and an error names the file, the tensor and the typ
 Split models (`name-00001-of-00003.gguf`) are one `GGUFIndex` over all their files; metadata comes
 from the first, tensors from all, and a missing or duplicated split is an error.
 
-`GGUFIndex` is the GGUF CheckpointReader (checkpoint.py): tensors are `TensorInfo` records whose quant
+`GGUFIndex` is the GGUF CheckpointReader (reader.py): tensors are `TensorInfo` records whose quant
 type is the GGML type's name ("Q4_K"), or whose dtype is set for F32/F16/BF16 tensors. It also knows
 llama.cpp's tensor names (`blk.{i}.attn_q.weight` ...) and that its converter permutes the rows of Q
 and K for llama-family files (rotary pairs interleaved instead of split in halves): `row_order`

@@ -1,6 +1,6 @@
 """Memory-mapped safetensors reading: one validated index of every tensor in a checkpoint.
 
-`WeightIndex` is the safetensors CheckpointReader (see checkpoint.py) with Hugging Face's tensor names.
+`WeightIndex` is the safetensors CheckpointReader (see reader.py) with Hugging Face's tensor names.
 
 Each file's header is parsed once; a tensor is then a (file, byte range, dtype, shape) entry and a
 zero-copy view into a private mapping of the file. Nothing is read from disk until a view's pages

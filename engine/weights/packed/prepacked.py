@@ -7,7 +7,7 @@ is made again at every load for resident blocks, and at every step for streamed 
 made once per GGUF file (on the first load, or ahead of time by `layerstream convert`) and written
 to `prepacked-v{VERSION}/{key}/blocks.bin` under engine.cache.cache_root(), never beside the user's
 file. Later loads map it: resident blocks are copied out once, streamed blocks are zero-copy views
-of the mapping (page cache) or read from it by the disk tier (prepacked_transport.py). Nothing is
+of the mapping (page cache) or read from it by the disk tier (transports/prepacked.py). Nothing is
 repacked per step.
 
 The file: an 8-byte little-endian length and the JSON header (the layout: each block's offset and

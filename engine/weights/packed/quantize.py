@@ -10,7 +10,7 @@ the compute dtype; the embedding table stays as it is in the checkpoint (it is o
 the LM head is int8 in both modes (a 4-bit head costs more accuracy than it saves time).
 
 quant_cache.QuantizedBlocks quantizes every block once per checkpoint (progress bar) into a cache entry
-that later loads map; quantized_transport serves the packed weights to compute; the streamer's
+that later loads map; transports/quantized.py serves the packed weights to compute; the streamer's
 counters and the plan count their packed bytes.
 """
 

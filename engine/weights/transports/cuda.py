@@ -29,7 +29,7 @@ converted; compute gets `GGUFWeight`s over the device buffer, dequantized by the
 them. So the link, the staging buffers and the device ring all carry packed bytes.
 
 All CUDA calls go through CudaRuntime (cuda_runtime.py), so tests can replay the transport on CPU with
-a runtime that records the order of events instead of running them. Buffers are packed by layout.py;
+a runtime that records the order of events instead of running them. Buffers are packed by cuda_layout.py;
 trace=True timing lives in cuda_trace.py; the out-of-memory message is engine.errors'.
 """
 

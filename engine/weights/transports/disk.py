@@ -13,7 +13,7 @@ pages are faulted in once and never released. Both tiers convert into one shared
 With dtype=None (a GPU's disk tier) blocks stay in the checkpoint's dtype: filling pinned staging converts.
 
 Packed checkpoints (GGUF; `fmt` given): a disk block's packed bytes are read, so the disk moves packed
-bytes. With a `repacker` (CPU fast mode, stream_repack.py) they are repacked from the staging buffer
+bytes. With a `repacker` (CPU fast mode, packed/stream_repack.py) they are repacked from the staging buffer
 into their resident twins' compute form in a reusable slot (the staging buffer free again, and
 the next read started into it, once that is done); otherwise they are handed to compute as
 `PackedFormat.streamed` weights viewing the staging buffer (unpacked by the matmul that uses them).
@@ -34,7 +34,8 @@ from ..packed.compute_form import PackedFormat
 from .gguf import PackedCpuTransport
 from ..formats.block_source import BlockSource
 from ..packed.stream_repack import StreamRepacker
-from .base import DISK, CpuTransport, Ticket, Transport, nbytes_of, to_compute
+from .base import DISK, Ticket, Transport, nbytes_of, to_compute
+from .cpu import CpuTransport
 
 
 class DiskTransport(Transport):

@@ -3,7 +3,7 @@
 prepare() (prefetch thread) faults the block's GGML bytes in from the page cache ahead of use, as
 CpuTransport does for safetensors; the ticket counts those packed bytes. In fast mode with the VNNI
 kernels, prepare() then repacks the block from the mapping into its resident twins' compute form in a
-reusable slot (stream_repack.py: the same bytes, stacked the same way, so the same kernels and tokens
+reusable slot (packed/stream_repack.py: the same bytes, stacked the same way, so the same kernels and tokens
 as a resident block); retire() hands the slot back. Otherwise (fp32 exact mode, the aten fallback) the
 weights it hands to compute are zero-copy `GGUFWeight` views (Q/K rows of llama-family files gathered
 into engine order: the only copy, of two small tensors), dequantized to the compute dtype by the matmul

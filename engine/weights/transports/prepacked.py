@@ -1,4 +1,4 @@
-"""CPU transport for GGUF blocks from the prepacked cache entry (prepacked.py): blocks already in
+"""CPU transport for GGUF blocks from the prepacked cache entry (packed/prepacked.py): blocks already in
 their compute form, so no step repacks anything.
 
 Resident blocks are copied out of the entry once at load (read by the disk tier's reader when the plan

@@ -1,4 +1,4 @@
-"""Blocks of a plain (bf16/fp16/fp32) checkpoint quantized at load to int8/int4 (quant_cache.py):
+"""Blocks of a plain (bf16/fp16/fp32) checkpoint quantized at load to int8/int4 (packed/quant_cache.py):
 the projections come from the quantization cache entry's mapping, norms and biases from the checkpoint
 in the compute dtype.
 

@@ -95,7 +95,7 @@ class BlockStreamer:
         self._resident: dict[int, dict[str, torch.Tensor]] = {}
         for i in resident:
             w = transport.resident(i)
-            # Stacked q/k/v and gate/up (fuse.py): fewer, larger matmuls per step. Resident blocks only:
+            # Stacked q/k/v and gate/up (packed/fuse.py): fewer, larger matmuls per step. Resident blocks only:
             # a streamed block is a view of its source, and stacking it would copy it every step.
             # Q4_0's implied mins dropped (drop_symmetric_mins): 10% fewer bytes per decode step.
             self._resident[i] = drop_symmetric_mins(fuse_projections(w)) if fuse else w

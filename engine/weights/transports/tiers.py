@@ -6,8 +6,8 @@ from disk each step, CPU compute), "simulated" (the CPU transport behind a slow 
 Planning asks `host_tiering` whether streamed blocks may go to disk; loading asks `make_transport`
 for the transport that serves the finished plan. The kind of weights decides too: a packed checkpoint
 (GGUF) streams its packed bytes through the same tiers, or, in CPU fast mode, the prepacked cache
-entry's bytes (prepacked_transport), and blocks quantized at load ("int8"/"int4") are served from the
-quantization cache entry (quantized_transport).
+entry's bytes (prepacked.py), and blocks quantized at load ("int8"/"int4") are served from the
+quantization cache entry (quantized.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from ...planner import HostTiering, MemoryPlan
 from ..formats.block_source import BlockSource, WeightSizes
-from .base import CpuTransport, Transport
+from .base import Transport
+from .cpu import CpuTransport
 
 if TYPE_CHECKING:
     from ...arch import ModelConfig
