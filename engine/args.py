@@ -44,7 +44,7 @@ class EngineArgs:
     transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
     show_progress: bool = True
     pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
-    quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.quantize)
+    quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.packed.quantize)
     enable_prefix_caching: bool = True
     block_size: int = 16  # token positions per KV block
     kv_cache_memory: int | str | None = None  # device KV pool; None = planned from the budget
@@ -52,7 +52,7 @@ class EngineArgs:
     # none on the CPU (there the pool already is host memory: give it more --kv-cache-memory instead).
     kv_host_memory: int | str | None = None
     # Mixtures of experts that do not fit: stream each chosen expert by itself through a device expert
-    # cache (engine.weights.experts); False streams MoE blocks whole, experts inside (the baseline).
+    # cache (engine.weights.experts.tier); False streams MoE blocks whole, experts inside (the baseline).
     expert_streaming: bool = True
     # Speculative decoding (engine.speculative), as vLLM's speculative_config: a dict or its JSON, keys
     # method (ngram | draft_model | self), model, num_speculative_tokens, prompt_lookup_min/max, adaptive_k;

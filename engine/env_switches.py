@@ -48,17 +48,17 @@ SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("LAYERSTREAM_STREAM_REPACK", "auto", "auto, off", ENGINE, "engine/kernels/ggml_repack.py",
               "Streamed GGUF blocks repacked into the CPU kernels' layout on the prefetch thread; off "
               "dequantizes them in each matmul instead."),
-    EnvSwitch("LAYERSTREAM_PREPACK", "auto", "auto, off", ENGINE, "engine/weights/prepacked.py",
+    EnvSwitch("LAYERSTREAM_PREPACK", "auto", "auto, off", ENGINE, "engine/weights/packed/prepacked.py",
               "A GGUF file's blocks written once in the CPU kernels' layout to a cache entry that later loads "
               "map; off repacks at load and per step."),
     EnvSwitch("LAYERSTREAM_CPU_ATTENTION", "auto", "auto, sdpa", ENGINE, "engine/attention_backend.py",
               "CPU bf16 prompt attention: auto picks the matmul path on AVX512-BF16 CPUs without AMX; sdpa "
               "uses torch's SDPA for every dtype (for A/B runs)."),
-    EnvSwitch("LAYERSTREAM_SIM_GBPS", "2", "GB/s, >= 0 (0: no delay)", ENGINE, "engine/weights/simulated_transport.py",
+    EnvSwitch("LAYERSTREAM_SIM_GBPS", "2", "GB/s, >= 0 (0: no delay)", ENGINE, "engine/weights/transports/simulated.py",
               "Link speed of the simulated transport (--transport simulated / LLM(transport=\"simulated\")), "
               "a stand-in for a GPU's host-to-device link."),
     EnvSwitch("LAYERSTREAM_SIM_COMPUTE_MS", "0", "milliseconds, >= 0", ENGINE,
-              "engine/weights/simulated_transport.py",
+              "engine/weights/transports/simulated.py",
               "Extra compute time per block on the simulated transport (overlap tests)."),
     EnvSwitch("LAYERSTREAM_BENCH_DIR", "/var/tmp/layerstream-bench", "a folder", BENCH, "layerstream/bench/common.py",
               "Where the benchmarks build their checkpoints and files, once."),

@@ -158,7 +158,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConf
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed)
+    """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed.weights)
     that multiplies itself with its own kernel."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x, bias)
@@ -230,7 +230,7 @@ def attention(
     """Self-attention of the normed x (tokens, hidden) over the block's KV cache -> (tokens, hidden)."""
     tokens = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.fuse)
+    fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.packed.fuse)
     if fused:
         qkv = linear(x, w["wqkv"], w.get("bqkv"))  # (tokens, (heads + 2 kv_heads) * head_dim)
         q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)  # views
@@ -323,7 +323,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: 
 
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "", activation: str = "silu") -> torch.Tensor:
     """Gated MLP over w[prefix + "w_gate" / "w_up" / "w_down"] (prefix "shared." for Qwen2-MoE's shared
-    expert), or "w_gate_up" where gate and up were stacked at load (engine.weights.fuse). activation:
+    expert), or "w_gate_up" where gate and up were stacked at load (engine.weights.packed.fuse). activation:
     "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
     gate_up = w.get(prefix + "w_gate_up")
     if gate_up is not None:
@@ -477,7 +477,7 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     """decode_block().block's arguments when this block can run as one C++ call, else None: a step whose
     attention runs token by token (_tokenwise_tables: decode steps, and the short prefill chunks the
     runner chose it for) on the CPU in a 16-bit dtype (float32, the exact mode, stays op by op), q/k/v
-    and gate/up stacked (engine.weights.fuse; the streamed blocks' repack does it too), no per-head
+    and gate/up stacked (engine.weights.packed.fuse; the streamed blocks' repack does it too), no per-head
     norms or clipping, and every matmul a dense weight of x's dtype or a VNNI-layout one."""
     if ("wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
             or decode_block() is None):

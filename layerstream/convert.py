@@ -1,7 +1,7 @@
 """`layerstream convert MODEL`: build a model's cache entry ahead of time, as its first load would.
 
-A GGUF file's blocks are prepacked for the CPU kernels (engine/weights/prepacked.py); with
---quantization int4|int8, a safetensors checkpoint's blocks are quantized (engine/weights/quant_cache.py).
+A GGUF file's blocks are prepacked for the CPU kernels (engine/weights/packed/prepacked.py); with
+--quantization int4|int8, a safetensors checkpoint's blocks are quantized (engine/weights/packed/quant_cache.py).
 The entry goes under the layerstream cache ($LAYERSTREAM_CACHE), keyed by the model's files, the
 compute dtype, torch's version and this CPU's kernel layout: convert on the machine (or in the image)
 that serves, with the same --dtype and --quantization. The model's own folder is never written.

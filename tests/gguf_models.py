@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, quants
 
-from engine.weights.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+from engine.weights.formats.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
 
 QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -162,7 +162,7 @@ def reference_from_gguf_tensors(path: Path):
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     from engine.weights import config_folder
-    from engine.weights.gguf_file import GGUFIndex, ggml_type
+    from engine.weights.formats.gguf_file import GGUFIndex, ggml_type
 
     cfg = AutoConfig.from_pretrained(config_folder(path))
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

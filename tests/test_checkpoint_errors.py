@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM
 from engine.arch import UnsupportedModelError
-from engine.weights.safetensors_index import CheckpointError, SafetensorsFile
+from engine.weights.formats.safetensors_index import CheckpointError, SafetensorsFile
 
 
 @pytest.fixture
@@ -182,7 +182,7 @@ def test_a_bad_shard_leaves_no_file_open(tmp_path):
     checkpoint is refused: a server that retries a bad path must not leak a descriptor per try."""
     import os
 
-    from engine.weights import open_checkpoint
+    from engine.weights.probes import open_checkpoint
     from tests.models import build
 
     folder = build(tmp_path / "sharded", "qwen2", max_shard_size="100KB")

@@ -138,7 +138,7 @@ def test_copies_overlap_compute(mid_model, monkeypatch):
     """CUDA events around every copy (copy stream) and every block's kernels (compute stream): the
     copy of the next block runs while the current one computes, a step takes well under
     copy + compute, and the overlapped step's logits are the all-resident model's."""
-    from engine.weights.cuda_transport import CudaTransport
+    from engine.weights.transports.cuda import CudaTransport
 
     budget = budget_for(mid_model, resident=0, dtype="bfloat16")
     resident = LLM(str(mid_model), device="cuda", max_model_len=128, max_num_seqs=2)
@@ -261,7 +261,7 @@ def test_failed_host_register_falls_back_cleanly(monkeypatch):
     """A cudaHostRegister that fails (here: registering pages already registered, the way a sandbox
     without it would) leaves its error pending in the runtime; pinned_bytes must fall back to the
     pinned allocator and leave nothing for the next kernel launch to raise."""
-    from engine.weights.cuda_runtime import PAGE, CudaRuntime
+    from engine.weights.transports.cuda_runtime import PAGE, CudaRuntime
 
     rt = CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
     first = rt.pinned_bytes(PAGE)

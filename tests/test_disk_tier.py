@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-from engine.weights import disk_bandwidth as dbw
-from engine.weights.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
+from engine.weights.transports import disk_bandwidth as dbw
+from engine.weights.transports.disk_reader import ALIGN, DiskReader, StagingBuffer, plan_reads
 from engine.llm import LLM
 from engine.planner import HostTiering, PlanInputs, plan_memory
-from engine.weights.safetensors_index import WeightIndex
-from engine.weights.source import BlockSource
+from engine.weights.formats.safetensors_index import WeightIndex
+from engine.weights.formats.block_source import BlockSource
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["The quick brown fox", "Hello world! How are", "def main():"]
@@ -197,7 +197,7 @@ def test_disk_block_is_viewed_in_place_and_buffers_recycle(llama_dir):
     """Same dtype: a disk block's tensors are views into a staging buffer (no copy), and depth + 1
     buffers serve any number of blocks because retire() hands each back."""
     from engine.arch import load_model_config
-    from engine.weights.disk_transport import DiskTransport
+    from engine.weights.transports.disk import DiskTransport
 
     cfg = load_model_config(llama_dir)
     index = WeightIndex(llama_dir)
@@ -276,7 +276,7 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
     """The GPU path on CPU: CudaTransport replayed with the recording runtime of test_overlap; the
     blocks the host tier leaves on disk go disk -> aligned buffer -> staging -> device buffer, with
     the event protocol intact and the tokens of the resident run."""
-    import engine.weights.cuda_transport as ct
+    import engine.weights.transports.cuda as ct
     from tests.test_overlap import RecordingRuntime, capture_cuda_transports, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)

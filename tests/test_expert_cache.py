@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from engine.weights.expert_cache import ExpertCache
+from engine.weights.experts.cache import ExpertCache
 
 
 class Slots:

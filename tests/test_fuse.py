@@ -1,4 +1,4 @@
-"""Stacked projections (engine/weights/fuse.py): a fused weight computes exactly what its parts compute,
+"""Stacked projections (engine/weights/packed/fuse.py): a fused weight computes exactly what its parts compute,
 parts that cannot be stacked stay apart, and resident blocks are fused while streamed ones are not."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from gguf import quants
 
 from engine import LLM, kernels
 from engine import model as M
-from engine.weights.fuse import fuse_projections, stack_rows
-from engine.weights.packed import GGUFWeight, Int4Weight, Int8Weight
-from engine.weights.quantize import quantize_int4
+from engine.weights.packed.fuse import fuse_projections, stack_rows
+from engine.weights.packed.weights import GGUFWeight, Int4Weight, Int8Weight
+from engine.weights.packed.quantize import quantize_int4
 from tests.models import build
 from tests.test_reference import stream_all_but_one_budget
 

@@ -14,9 +14,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, quants
 
 from engine import LLM, SamplingParams
 from engine.weights import CheckpointError
-from engine.weights.dequant import SUPPORTED_TYPES, dequantize
-from engine.weights.gguf_file import GGUFIndex
-from engine.weights.packed import int4_from_gguf
+from engine.weights.packed.dequant import SUPPORTED_TYPES, dequantize
+from engine.weights.formats.gguf_file import GGUFIndex
+from engine.weights.packed.weights import int4_from_gguf
 from tests.gguf_models import QUANTIZABLE, hf_gguf_model, random_blocks, write_gguf
 from engine.demo import build_random_model
 from tests.models import _COMMON, build, make_config
@@ -284,7 +284,7 @@ def test_cuda_transport_moves_packed_bytes_replayed_on_cpu(gguf_root, resident_r
     """The CUDA transport on CPU (test_overlap's recording runtime): packed rows are staged (Q/K put in
     engine row order), copied into the device ring as bytes and computed as GGUFWeight views of it;
     the event protocol holds, the tokens are the resident run's, and every counter is packed bytes."""
-    import engine.weights.cuda_transport as ct
+    import engine.weights.transports.cuda as ct
     from tests.test_overlap import RecordingRuntime, capture_cuda_transports, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)

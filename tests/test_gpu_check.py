@@ -135,7 +135,7 @@ def test_benchmark_pinned_row_states_its_host_budget(llama_dir, monkeypatch, cap
     transport's 2 GiB margin)."""
     import argparse
 
-    import engine.weights.cuda_transport as ct
+    import engine.weights.transports.cuda as ct
     from layerstream.bench.gpu import _layerstream, device_budget, pinned_host_budget
     from engine.planner import parse_bytes
     from tests.test_overlap import RecordingRuntime

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.weights.packed import GROUP, Int4Weight, Int8Weight
-from engine.weights.quantize import quantize_int4
+from engine.weights.packed.weights import GROUP, Int4Weight, Int8Weight
+from engine.weights.packed.quantize import quantize_int4
 
 vnni = pytest.mark.skipif(kernels.int4_backend() != "vnni", reason="the int4 VNNI kernel is not available here")
 
@@ -250,7 +250,7 @@ def test_symmetric_layout_drops_the_mins_and_no_bit(m):
     """Int4Weight.without_min (Q4_0: every min -8 * scale): scales only, 10% fewer bytes, and the kernel's
     own -8 * scale gives the asymmetric layout's results bit for bit, stacked (fuse) or not; weights
     with other mins keep them (fuse.drop_symmetric_mins leaves them alone)."""
-    from engine.weights.fuse import drop_symmetric_mins, stack_rows
+    from engine.weights.packed.fuse import drop_symmetric_mins, stack_rows
 
     codes, scale, _ = random_int4(40, 576, seed=m)  # 40 rows: the last block padded
     w = Int4Weight.from_codes(codes, scale, -8 * scale, torch.bfloat16)

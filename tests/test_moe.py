@@ -221,8 +221,8 @@ def recording_cuda_experts(monkeypatch):
     """The CUDA transport and the CUDA expert slots run on CPU with test_overlap's recording runtime:
     copies happen at once, stream and event calls are logged for check_protocol. Returns the expert
     slots and the block transports built meanwhile."""
-    import engine.weights.cuda_experts as ce
-    import engine.weights.cuda_transport as ct
+    import engine.weights.experts.cuda_slots as ce
+    import engine.weights.transports.cuda as ct
     from tests.test_overlap import RecordingRuntime, capture_cuda_transports
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)

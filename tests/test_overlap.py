@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.weights import efficiency
-from engine.weights.simulated_transport import SimulatedTransport
+from engine.weights.probes import efficiency
+from engine.weights.transports.simulated import SimulatedTransport
 from tests.test_reference import PROMPT, prompt_logits, reference_greedy
 
 
@@ -151,7 +151,7 @@ def test_simulated_outputs_equal_reference_and_resident(llama_dir, streamed_budg
 
 
 def test_simulated_transport_rejects_bad_rates(monkeypatch):
-    from engine.weights.transport import CpuTransport
+    from engine.weights.transports.cpu import CpuTransport
 
     inner = CpuTransport.__new__(CpuTransport)
     inner.device, inner.dtype = torch.device("cpu"), torch.float32
@@ -284,7 +284,7 @@ def check_protocol(t, log) -> int:
 def capture_cuda_transports(monkeypatch) -> list:
     """Every CudaTransport the engine builds from now on, in order: the protocol checks below read a
     transport's own buffers and events, which no public interface shows (nor should)."""
-    import engine.weights.cuda_transport as ct
+    import engine.weights.transports.cuda as ct
 
     made = []
 
@@ -300,7 +300,7 @@ def capture_cuda_transports(monkeypatch) -> list:
 @pytest.fixture
 def recording_cuda(monkeypatch):
     """CudaTransport on CPU with the recording runtime; yields the transports built meanwhile."""
-    import engine.weights.cuda_transport as ct
+    import engine.weights.transports.cuda as ct
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     return capture_cuda_transports(monkeypatch)
@@ -320,8 +320,8 @@ def test_cuda_transport_protocol_on_cpu(llama_dir, streamed_budget, recording_cu
                                         parallel):
     """CudaTransport's packing, staging (serial, and in 4 KiB pieces on 4 threads), pinned cache,
     views and event order, run for real on CPU, with outputs compared against the resident model."""
-    import engine.weights.cuda_transport as ct
-    from engine.weights.cuda_transport import CudaTransport
+    import engine.weights.transports.cuda as ct
+    from engine.weights.transports.cuda import CudaTransport
 
     if parallel:
         monkeypatch.setattr(ct, "FILL_CHUNK", 4096)
@@ -367,7 +367,7 @@ def test_protocol_check_catches_a_missing_free_event(llama_dir, streamed_budget,
 
 
 def test_expected_step_and_efficiency_arithmetic():
-    from engine.weights.bandwidth import StepEstimate, decode_compute_seconds, expected_step
+    from engine.weights.transports.bandwidth import StepEstimate, decode_compute_seconds, expected_step
     from engine.planner import PlanInputs, plan_memory
 
     plan = plan_memory(PlanInputs(num_layers=10, block_bytes=100_000_000, global_bytes=50_000_000,
@@ -432,7 +432,7 @@ def test_failed_cuda_transport_construction_unregisters_pinned_memory(llama_dir,
     """#18 item 6a: CudaTransport's constructor fails after it registered pinned host memory (here the
     staging fill threads cannot start); before the error reaches the caller every registered buffer
     is unregistered, and the load fails with that error."""
-    import engine.weights.cuda_transport as ct
+    import engine.weights.transports.cuda as ct
 
     runtimes = []
 

@@ -1,4 +1,4 @@
-"""GGUF blocks prepacked once into a cache entry (engine/weights/prepacked.py, prepacked_transport.py):
+"""GGUF blocks prepacked once into a cache entry (engine/weights/packed/prepacked.py, transports/prepacked.py):
 the same logits and tokens as the repack at load and per step, whatever tier a block comes from;
 streamed blocks are views of the mapped entry; a stale or damaged entry is rebuilt; a second load
 converts nothing; the model's folder is never written; `layerstream convert`; the fallbacks.
@@ -17,16 +17,16 @@ from engine import LLM
 from engine import kernels
 from engine.kernels import ggml_repack as repack_module
 from engine.weights import CheckpointError
-from engine.weights.disk_reader import StagingBuffer
-from engine.weights.fuse import fuse_projections
-from engine.weights.gguf_file import GGUFIndex
-from engine.weights.packed import Int4Weight, Int8Weight
-from engine.weights.packed_format import PackedFormat
-from engine.weights.packed_transport import PackedCpuTransport
-from engine.weights.prepacked import DATA, PrepackedBlocks, prepack_layout, prepack_mode
-from engine.weights.prepacked_transport import PrepackedTransport
-from engine.weights.source import BlockSource
-from engine.weights.stream_repack import make_repacker
+from engine.weights.transports.disk_reader import StagingBuffer
+from engine.weights.packed.fuse import fuse_projections
+from engine.weights.formats.gguf_file import GGUFIndex
+from engine.weights.packed.weights import Int4Weight, Int8Weight
+from engine.weights.packed.compute_form import PackedFormat
+from engine.weights.transports.gguf import PackedCpuTransport
+from engine.weights.packed.prepacked import DATA, PrepackedBlocks, prepack_layout, prepack_mode
+from engine.weights.transports.prepacked import PrepackedTransport
+from engine.weights.formats.block_source import BlockSource
+from engine.weights.packed.stream_repack import make_repacker
 from tests.test_gguf import SHORT, _tokens, tiny_gguf
 from tests.test_reference import PROMPT, prompt_logits
 from tests.test_stream_repack import _same, _streamed_kinds
@@ -298,7 +298,7 @@ def test_fallbacks_keep_the_gguf_paths(gguf_root, cache, monkeypatch, caplog):
     ref = LLM(str(path), **SHORT)
     tokens = _tokens(ref)
     ref.close()
-    import engine.weights.prepacked as prepacked
+    import engine.weights.packed.prepacked as prepacked
 
     for entry in cache.glob("prepacked-v*/*"):  # the run above built it: gone, so this load has to build
         prepacked.shutil.rmtree(entry)
@@ -321,7 +321,7 @@ class _Usage:
 def test_damaged_entry_that_stays_damaged_is_an_error(repack, gguf_root, cache, monkeypatch):
     """A build whose result does not check (here: its digest forced wrong) fails loudly, naming the entry."""
     opened = Opened(tiny_gguf(gguf_root, "llama", Q.Q4_0))
-    import engine.weights.prepacked as prepacked
+    import engine.weights.packed.prepacked as prepacked
 
     monkeypatch.setattr(prepacked, "_sample_digest", lambda fd, s, e: os.urandom(8).hex())
     try:

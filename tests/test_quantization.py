@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.weights.packed import Int4Weight, Int8Weight
-from engine.weights.quantize import quantize_int4
+from engine.weights.packed.weights import Int4Weight, Int8Weight
+from engine.weights.packed.quantize import quantize_int4
 from tests.models import build
 from tests.test_reference import PROMPT, prompt_logits
 
@@ -48,7 +48,7 @@ def test_quantized_close_to_bf16(bf16_llama, mode):
     try:
         got = torch.log_softmax(prompt_logits(llm, PROMPT), -1)
         w = llm.engine.model.weights.acquire(0)
-        # Resident: gate and up stacked at load (engine/weights/fuse.py), still packed.
+        # Resident: gate and up stacked at load (engine/weights/packed/fuse.py), still packed.
         assert isinstance(w["w_gate_up"], Int4Weight if mode == "int4" else Int8Weight)
         assert isinstance(w["w_down"], Int4Weight if mode == "int4" else Int8Weight)
         assert isinstance(w["attn_norm"], torch.Tensor)
@@ -91,7 +91,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _counting_quantizer(monkeypatch) -> list:
-    import engine.weights.quant_cache as qc
+    import engine.weights.packed.quant_cache as qc
 
     calls, real = [], qc.quantize_weight
     monkeypatch.setattr(qc, "quantize_weight", lambda *a, **kw: calls.append(1) or real(*a, **kw))

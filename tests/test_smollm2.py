@@ -72,7 +72,7 @@ def test_smollm2_fast_mode_close_to_exact(smollm2):
 
 def test_smollm2_streamed_blocks_compute_the_resident_run(smollm2):
     """Fast mode with half the blocks streamed (page cache) or read from disk each step: the streamed
-    Q4_1 blocks are repacked for the same VNNI kernel as resident ones (engine/weights/stream_repack.py),
+    Q4_1 blocks are repacked for the same VNNI kernel as resident ones (engine/weights/packed/stream_repack.py),
     so the prompt logits and 24 greedy tokens are the all-resident run's, bit for bit."""
     from engine.kernels.ggml_repack import ggml_repack
 

@@ -1,4 +1,4 @@
-"""Streamed GGUF blocks repacked in C++ (engine/kernels/ggml_repack.cpp, engine/weights/stream_repack.py)
+"""Streamed GGUF blocks repacked in C++ (engine/kernels/ggml_repack.cpp, engine/weights/packed/stream_repack.py)
 into exactly their resident twins' compute form: the repack's bytes equal the load-time repack's for
 every type, a streamed block's weights equal the resident block's (stacked q/k/v and gate/up included),
 and a capped or disk-tier run in fast mode computes the all-resident run's logits and tokens. Also the
@@ -18,15 +18,15 @@ from engine import LLM
 from engine import kernels
 from engine.kernels import ggml_repack as repack_module
 from engine.kernels.fused_ops import fused_ops
-from engine.weights.dequant import dequantize
-from engine.weights.disk_reader import StagingBuffer
-from engine.weights.fuse import fuse_projections
-from engine.weights.gguf_file import GGUFIndex
-from engine.weights.packed import INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf
-from engine.weights.packed_format import PackedFormat
-from engine.weights.packed_transport import PackedCpuTransport
-from engine.weights.source import BlockSource
-from engine.weights.stream_repack import StreamRepacker, make_repacker
+from engine.weights.packed.dequant import dequantize
+from engine.weights.transports.disk_reader import StagingBuffer
+from engine.weights.packed.fuse import fuse_projections
+from engine.weights.formats.gguf_file import GGUFIndex
+from engine.weights.packed.weights import INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf
+from engine.weights.packed.compute_form import PackedFormat
+from engine.weights.transports.gguf import PackedCpuTransport
+from engine.weights.formats.block_source import BlockSource
+from engine.weights.packed.stream_repack import StreamRepacker, make_repacker
 from tests.gguf_models import random_blocks, write_gguf
 from tests.test_gguf import SHORT, _tokens, tiny_gguf
 from tests.test_reference import PROMPT, prompt_logits
@@ -133,7 +133,7 @@ def test_streamed_block_equals_the_resident_block(repack, gguf_root, arch, qtype
         repacker = make_repacker(source, fmt)
         assert isinstance(repacker, StreamRepacker)
         transport = PackedCpuTransport(source, fmt, repacker=repacker)
-        from engine.weights.disk_reader import DiskReader, plan_reads
+        from engine.weights.transports.disk_reader import DiskReader, plan_reads
 
         reader = DiskReader(source.files, direct=False)
         for block in range(source.num_blocks):
@@ -284,7 +284,7 @@ def test_disk_tier_reads_the_next_block_while_repacking(repack, gguf_root):
     """The disk tier keeps the next disk blocks' reads going while it repacks the current one, in the
     streamer's cyclic order; a block asked for out of that order (after a reset) is read then and
     still comes out as its resident twin; no staging buffer stays held once a block is repacked."""
-    from engine.weights.disk_transport import DiskTransport
+    from engine.weights.transports.disk import DiskTransport
 
     path = tiny_gguf(gguf_root, "qwen2", Q.Q4_K)
     index = GGUFIndex(path)

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from engine.weights.streamer import BlockStreamer
-from engine.weights.transport import Ticket, Transport
+from engine.weights.transports.streamer import BlockStreamer
+from engine.weights.transports.base import Ticket, Transport
 
 
 class CountingTransport(Transport):
@@ -131,7 +131,7 @@ def test_cpu_transport_makes_a_blocks_views_once_and_lets_go_at_close(llama_dir)
     import weakref
 
     from engine.weights.model_weights import ModelCheckpoint
-    from engine.weights.transport import CpuTransport
+    from engine.weights.transports.cpu import CpuTransport
 
     ckpt = ModelCheckpoint(llama_dir)
     try:
@@ -156,9 +156,9 @@ def test_cpu_transport_makes_a_blocks_views_once_and_lets_go_at_close(llama_dir)
 
 EXIT_WITHOUT_CLOSE = """
 import sys, time, torch
-from engine.weights.expert_cache import ExpertCache
-from engine.weights.streamer import BlockStreamer
-from engine.weights.transport import Ticket, Transport
+from engine.weights.experts.cache import ExpertCache
+from engine.weights.transports.streamer import BlockStreamer
+from engine.weights.transports.base import Ticket, Transport
 
 a = torch.randn(1024, 1024)
 

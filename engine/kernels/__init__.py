@@ -99,11 +99,11 @@ def _loaded():
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
     """x (..., K) float32/bf16/fp16 @ W.T -> (..., out_features) in x's dtype; W in Int4Weight's
-    "vnni" layout (engine/weights/packed.py)."""
+    "vnni" layout (engine/weights/packed/weights.py)."""
     return _loaded().int4_linear(x, codes, scales, out_features, bias, two_pass)
 
 
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
-    """The same for Int8Weight's "vnni" layout (engine/weights/packed.py)."""
+    """The same for Int8Weight's "vnni" layout (engine/weights/packed/weights.py)."""
     return _loaded().int8_linear(x, codes, scales, out_features, bias, two_pass)

@@ -17,16 +17,16 @@ import torch
 from .. import model as M
 from ..arch import EXPERT_WEIGHTS, ModelConfig, expert_key
 from ..planner import HostTiering, MemoryPlan
-from .bandwidth import LinkSpeeds
-from .checkpoint import CheckpointReader
-from .formats import open_checkpoint
-from .source import BlockSource, WeightSizes
-from .streamer import BlockStreamer, StreamStats
-from .packed_format import PackedFormat
-from .prepacked import MARKER as PREPACKED_MARKER
-from .prepacked import PrepackedLayout, prepack_layout
-from .tiers import host_tiering, make_expert_tier, make_transport, resolve
-from .transport import Transport, to_compute
+from .transports.bandwidth import LinkSpeeds
+from .formats.reader import CheckpointReader
+from .formats.open import open_checkpoint
+from .formats.block_source import BlockSource, WeightSizes
+from .transports.streamer import BlockStreamer, StreamStats
+from .packed.compute_form import PackedFormat
+from .packed.prepacked import MARKER as PREPACKED_MARKER
+from .packed.prepacked import PrepackedLayout, prepack_layout
+from .transports.tiers import host_tiering, make_expert_tier, make_transport, resolve
+from .transports.base import Transport, to_compute
 
 if TYPE_CHECKING:
     from .self_draft import SelfDraftWeights
@@ -60,7 +60,7 @@ class ModelCheckpoint:
               device: torch.device = torch.device("cpu")) -> WeightSizes:
         """Bytes the planner needs in compute dtype `dtype` on `device`. A packed checkpoint's blocks count
         in their resident compute form and stream as stored; quantization (int8 | int4): blocks and
-        head as quantized at load (quantize.py), streamed as such."""
+        head as quantized at load (packed/quantize.py), streamed as such."""
         if self.packed:
             if quantization:
                 raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
@@ -68,7 +68,7 @@ class ModelCheckpoint:
             return self._packed_sizes(PackedFormat(dtype, device))
         sizes = self.source.sizes(dtype)
         if quantization:
-            from .quantize import quantized_plan_bytes
+            from .packed.quantize import quantized_plan_bytes
 
             block, glob = quantized_plan_bytes(self.cfg, self.source.global_views()["embed"].nbytes,
                                                quantization, dtype)
@@ -100,7 +100,7 @@ class ModelCheckpoint:
 
     def prepacked_layout(self, dtype: torch.dtype,
                          device: torch.device = torch.device("cpu")) -> PrepackedLayout | None:
-        """Where this GGUF checkpoint's blocks lie in its prepacked cache entry (prepacked.py), or None
+        """Where this GGUF checkpoint's blocks lie in its prepacked cache entry (packed/prepacked.py), or None
         where they are computed from the GGUF file itself (see prepack_refusal)."""
         return self._prepack(dtype, device)[0]
 
@@ -128,7 +128,7 @@ class ModelCheckpoint:
             if self.packed:
                 raise ValueError(f"{self.path}: quantization={quantization!r} applies to bf16/fp16/fp32 "
                                  "checkpoints; this one is already quantized")
-            from .quant_cache import QuantizedBlocks
+            from .packed.quant_cache import QuantizedBlocks
 
             store = QuantizedBlocks(self.source, quantization, dtype, on_progress=on_progress)
             store.close()
@@ -139,7 +139,7 @@ class ModelCheckpoint:
         layout, why = self._prepack(dtype, torch.device("cpu"))
         if layout is None:
             raise ValueError(f"{self.path}: no prepacked form in {str(dtype).replace('torch.', '')}: {why}")
-        from .prepacked import PrepackedBlocks
+        from .packed.prepacked import PrepackedBlocks
 
         store = PrepackedBlocks(self.source, layout, on_progress)
         store.close()
@@ -164,7 +164,7 @@ class ModelCheckpoint:
         if self.packed:
             return self.sizes(dtype).block_bytes, 0
         from .self_draft import SELF_DRAFT_QUANTIZATION
-        from .quantize import quantized_bytes
+        from .packed.quantize import quantized_bytes
 
         return (self.sizes(dtype, SELF_DRAFT_QUANTIZATION).block_bytes,
                 quantized_bytes((self.cfg.vocab_size, self.cfg.hidden_size), "int8", dtype))
@@ -193,7 +193,7 @@ class ModelCheckpoint:
     def measure_disk(self) -> tuple[float | None, str | None]:
         """(GB/s of the disk holding the checkpoint, None) or (None, why it could not be measured);
         cached per file system, so only the first start on a machine pays for the read."""
-        from .disk_bandwidth import disk_bandwidth
+        from .transports.disk_bandwidth import disk_bandwidth
 
         try:
             return disk_bandwidth(self._reader.files).gbps, None
@@ -205,7 +205,7 @@ class ModelCheckpoint:
         (bytes read, seconds). For benchmarks: the disk's speed for this access pattern right now."""
         import time
 
-        from .disk_reader import DiskReader, StagingBuffer, plan_reads
+        from .transports.disk_reader import DiskReader, StagingBuffer, plan_reads
 
         plans = [plan_reads(self.source.tensors(b)) for b in blocks]
         reader = DiskReader(self._reader.files)
@@ -281,8 +281,8 @@ class ModelWeights:
         try:
             if quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
-                # cache holds the quantized blocks and head (quant_cache.py); later loads map it.
-                from .quant_cache import QuantizedBlocks
+                # cache holds the quantized blocks and head (packed/quant_cache.py); later loads map it.
+                from .packed.quant_cache import QuantizedBlocks
 
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
             elif self._packed and experts is None and resolve(transport, device) != "cuda":
@@ -400,7 +400,7 @@ def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: tor
     layout = checkpoint.prepacked_layout(dtype, device)
     if layout is None:
         return None
-    from .prepacked import PrepackedBlocks
+    from .packed.prepacked import PrepackedBlocks
 
     try:
         store = PrepackedBlocks(source, layout, on_progress)
@@ -422,7 +422,7 @@ def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device
     lazy_embed = device.type == "cpu" and "lm_head" in views
     placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
               for k, v in views.items() if not (k == "lm_head" and quantized is not None)}
-    # Quantized at load: the head is int8 per row, whatever the blocks' mode (quantize.py).
+    # Quantized at load: the head is int8 per row, whatever the blocks' mode (packed/quantize.py).
     head = quantized.head() if quantized is not None else placed.get("lm_head", placed["embed"])
     return PlacedGlobals(placed["embed"], placed["norm"], head, dtype)
 

@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
-from .fuse import fuse_projections
-from .quantize import quantize_block, quantize_head
-from .source import BlockSource
-from .streamer import StreamStats
-from .transport import to_compute
+from .packed.fuse import fuse_projections
+from .packed.quantize import quantize_block, quantize_head
+from .formats.block_source import BlockSource
+from .transports.streamer import StreamStats
+from .transports.base import to_compute
 
 SELF_DRAFT_QUANTIZATION = "int4"  # blocks; the head is int8 (quantize.quantize_head)
 
@@ -77,5 +77,5 @@ class SelfDraftWeights:
 
 
 def _nbytes(w) -> int:
-    """A dense tensor's bytes, or a packed weight's (engine.weights.packed)."""
+    """A dense tensor's bytes, or a packed weight's (engine.weights.packed.weights)."""
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes

@@ -289,7 +289,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("the layerstream-gguf peers need --gguf FILE")
     if ns.decode_tokens < 2:
         raise ValueError(f"--decode-tokens must be >= 2 (the first token is prefill's), got {ns.decode_tokens}")
-    from engine.weights import measure_disk_bandwidth
+    from engine.weights.probes import measure_disk_bandwidth
     from engine.planner import format_bytes, parse_bytes
 
     model = Path(ns.model) if ns.model else bench_model_path()
@@ -332,7 +332,7 @@ def run(ns: argparse.Namespace) -> int:
         if r.get("plan"):
             print("    " + r["plan"].replace("\n", "\n    "), flush=True)
         if peer == "layerstream-gguf" and "stream_repack" in r:
-            print("    streamed GGUF blocks: " + ("repacked for the VNNI kernels (engine/weights/stream_repack.py)"
+            print("    streamed GGUF blocks: " + ("repacked for the VNNI kernels (engine/weights/packed/stream_repack.py)"
                                                  if r["stream_repack"] else "dequantized by each matmul (fallback)"),
                   flush=True)
         if "reader_busy_s" in r and "error" not in r:

@@ -53,7 +53,7 @@ def pinned_host_budget(ns, plan) -> int:
     transport's margin and 1 GiB. MemAvailable on a fresh VM may start small and would otherwise
     decide, silently, that the row runs from staging."""
     from engine.planner import parse_bytes
-    from engine.weights import PINNED_HOST_MARGIN as HOST_MARGIN
+    from engine.weights.probes import PINNED_HOST_MARGIN as HOST_MARGIN
 
     given = parse_bytes(getattr(ns, "max_host_memory", None))
     return given if given is not None else len(plan.streamed_blocks) * plan.block_bytes + HOST_MARGIN + (1 << 30)
@@ -130,7 +130,7 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
     from transformers.generation.streamers import BaseStreamer
 
     from engine.args import DTYPE_NAMES
-    from engine.weights import open_checkpoint
+    from engine.weights.probes import open_checkpoint
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -181,7 +181,7 @@ def _transformers_offload(ns, folder: Path, budget: int) -> dict:
 def run(ns: argparse.Namespace) -> int:
     import torch
 
-    from engine import weights
+    from engine.weights import probes
 
     # The transport logs its measured bandwidth and the expected time per step at start-up.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -190,7 +190,7 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     folder = Path(ns.model) if ns.model else bench_model_path()
     gpu = torch.cuda.get_device_name()
-    h2d = weights.host_to_device_gbps(ns.device)
+    h2d = probes.host_to_device_gbps(ns.device)
     print(f"{gpu}; host: {machine_description()}")
     print(f"model: {folder}")
     print(f"host->device (pinned, 256 MiB copies): {h2d:.1f} GB/s")
@@ -218,7 +218,7 @@ def run(ns: argparse.Namespace) -> int:
             name = f"{name} (FELL BACK to staging)"
         nbytes, tpot = r["bytes_per_token"], r["tpot_s"]
         floor = nbytes / (h2d * 1e9) if nbytes else None
-        achieved, pct = weights.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
+        achieved, pct = probes.efficiency(nbytes, tpot, h2d) if nbytes and tpot else (None, None)
         r.update(h2d_gbps=h2d, floor_s=floor, achieved_gbps=achieved, pct_of_floor=pct)
         rows.append([name, fmt((r.get("device_budget") or 0) / 2**30), f"{nbytes / 2**20:.1f}",
                      fmt(tpot * 1e3 if tpot else None), fmt(floor * 1e3 if floor else None),

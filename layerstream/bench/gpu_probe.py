@@ -116,7 +116,7 @@ def probe_attention(device, dtype) -> list[str]:
 def probe_host_register(device) -> str:
     if device.type != "cuda":
         return "cudaHostRegister: n/a (no CUDA device)"
-    from engine.weights import host_register_works
+    from engine.weights.probes import host_register_works
 
     return ("cudaHostRegister: works" if host_register_works(device) else
             "cudaHostRegister: FAILS here; pinned memory comes from the caching allocator instead")
@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     print(probe_host_register(device), flush=True)
     if device.type == "cuda":
-        from engine import bandwidth
+        from engine.weights.probes import host_to_device_gbps
 
-        print(f"host->device (pinned, 256 MiB copies): {bandwidth.host_to_device_gbps(device):.1f} GB/s")
+        print(f"host->device (pinned, 256 MiB copies): {host_to_device_gbps(device):.1f} GB/s")
     else:
         print("host->device: n/a (no CUDA device)")
     print(f"probe took {time.perf_counter() - t0:.1f} s")

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _weights(out: int, inner: int, copies: int, seed: int) -> dict[str, list]:
     """Each peer's packed form of the same random weight, `copies` times (distinct memory)."""
     from engine.kernels import int4_backend
-    from engine.weights import Int4Weight, Int8Weight, quantize_int4
+    from engine.weights import Int4Weight, Int8Weight
+    from engine.weights.probes import quantize_int4
 
     w = torch.randn(out, inner, generator=torch.Generator().manual_seed(seed)) * 0.05
     vnni = quantize_int4(w, torch.bfloat16)

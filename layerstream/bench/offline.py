@@ -59,7 +59,8 @@ def weight_bytes(folder: Path, dtype_name: str) -> tuple[int, str]:
     globals in the form the planner counts (packed blocks in their compute form)."""
     from engine.args import resolve_dtype
     from engine.arch import load_model_config
-    from engine.weights import ModelCheckpoint, open_checkpoint
+    from engine.weights import ModelCheckpoint
+    from engine.weights.probes import open_checkpoint
 
     if folder.is_file():
         checkpoint = ModelCheckpoint(folder)

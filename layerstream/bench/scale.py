@@ -405,7 +405,7 @@ def run(ns: argparse.Namespace) -> int:
                      "decode tok/s", "vs llama.cpp", "memory floor tok/s", "peak RssAnon", "error"], table_rows))
 
     if ns.capped or ns.capped_only:
-        from engine.weights import measure_disk_bandwidth
+        from engine.weights.probes import measure_disk_bandwidth
 
         from .disk import cgroups_unavailable
 

@@ -1,0 +1,104 @@
+"""A GGUF file's config, tokenizer and chat template, read from its metadata through transformers
+(`AutoConfig` / `AutoTokenizer.from_pretrained(folder, gguf_file=...)`) and cached."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from ...arch import FAMILIES, ModelConfig, UnsupportedModelError, config_from_hf
+from ...cache import build_once, cache_root
+
+log = logging.getLogger("layerstream")
+
+# llama.cpp's general.architecture -> the architecture the engine runs (the family table's gguf column)
+MODEL_TYPES = {f.gguf: arch for arch, f in FAMILIES.items() if f.gguf is not None}
+
+# Gemma's turn format (the template Google ships with its instruction-tuned models; a system message
+# opens the first user turn), for the Gemma files whose metadata carries no template.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ ((first if loop.first else '') + message['content']) | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# GGUF architecture -> (chat template, the token that ends a turn) for files that carry no template
+DEFAULT_CHAT = {"gemma2": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>"), "gemma3": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>")}
+
+METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
+
+
+def metadata_folder(path: Path, header_digest: str, architecture: str | None = None) -> Path:
+    """A folder with the transformers config and tokenizer that the GGUF metadata describes.
+
+    transformers reads them with gguf-py's GGUFReader, which takes seconds for a real vocabulary
+    (40-130 s for SmolLM2 on a busy 2-core machine), twice (config, tokenizer). So the first load
+    saves them under the layerstream cache, keyed by a hash of the file's header (metadata and
+    tensor table: the same file anywhere hits the same entry), and later loads read that folder.
+    Nothing is written beside the model file. A file of a family in DEFAULT_CHAT without a chat
+    template gets that family's, and its turn-end token as a stop token.
+    """
+    folder = cache_root() / f"gguf-metadata-v{METADATA_VERSION}" / f"{path.stem}-{header_digest[:20]}"
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        log.info("%s: reading config and tokenizer from the GGUF metadata (once; cached in %s)", path, folder)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        default = DEFAULT_CHAT.get(architecture or "")
+        if default is not None and not getattr(tok, "chat_template", None):
+            template, turn_end = default
+            tok.chat_template = template
+            end = tok.convert_tokens_to_ids(turn_end)
+            eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+            if end is not None and end != tok.unk_token_id and end not in eos:
+                config.eos_token_id = [e for e in eos if e is not None] + [end]
+            log.info("%s: no chat template in the metadata; using %s's", path, architecture)
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return build_once(folder, "layerstream-gguf-metadata.json", {"file": str(path), "header_sha256": header_digest},
+                      build)
+
+
+def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None) -> ModelConfig:
+    if architecture not in MODEL_TYPES:
+        raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
+                                    f"{', '.join(sorted(MODEL_TYPES))}")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture))
+    hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
+    # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
+    cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
+    return dataclasses.replace(cfg, **_llama_cpp_conventions(cfg, architecture, metadata or {}))
+
+
+_GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures
+
+
+def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict) -> dict:
+    """Where llama.cpp's files and runtime differ from transformers' config defaults: ModelConfig fields."""
+    out = {}
+    if cfg.norm_offset:
+        out["norm_offset"] = 0.0  # its converter stores Gemma's norms as 1 + w (convert_hf_to_gguf.py)
+    if (architecture, cfg.num_layers) in _GEMMA_27B:
+        # query_pre_attn_scalar is not in the metadata (transformers' reader leaves its default, 256); llama.cpp
+        # scales by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads) for the 27B models, known by their depth.
+        out["attn_scale"] = (cfg.hidden_size / cfg.num_heads) ** -0.5
+    elif architecture in ("gemma2", "gemma3"):
+        out["attn_scale"] = cfg.head_dim ** -0.5
+    for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        value = metadata.get(f"{architecture}.{key}")
+        if value is not None:  # Gemma 2's caps are in the metadata; transformers' reader leaves them at defaults
+            out[field] = float(value) or None
+    return out

@@ -1,0 +1,39 @@
+"""Which reader opens a checkpoint: the one place checkpoint formats are told apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .reader import CheckpointReader
+from .gguf_file import GGUFIndex
+from .safetensors_index import WeightIndex
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def open_checkpoint(path: str | Path) -> CheckpointReader:
+    """The reader for the checkpoint at `path`: a .gguf file (the first of a split set), or a
+    safetensors folder."""
+    path = Path(path)
+    if is_gguf(path):
+        return GGUFIndex(path)
+    return WeightIndex(path)
+
+
+def config_folder(path: str | Path) -> Path:
+    """The folder transformers reads the model's config, tokenizer and chat template from: the model
+    folder itself, or for a GGUF file the cached folder its metadata was saved to."""
+    path = Path(path)
+    if not is_gguf(path):
+        return path
+    from .gguf_config import metadata_folder
+    from .gguf_file import GGUFFile
+
+    first = GGUFFile(path)
+    try:
+        digest, architecture = first.header_sha256(), first.metadata.get("general.architecture")
+    finally:
+        first.close()
+    return metadata_folder(path, digest, architecture)

@@ -1,0 +1,405 @@
+"""GGUF blocks stored once in the CPU kernels' layout: the prepacked cache entry.
+
+In CPU fast mode with the VNNI kernels, a GGUF block is computed in its repacked form: int4 / int8
+VNNI codes and scales, q/k/v and gate/up stacked, norms and biases in the compute dtype
+(stream_repack.py writes it, byte for byte the load-time repack's). Without this module that form
+is made again at every load for resident blocks, and at every step for streamed ones. Here it is
+made once per GGUF file (on the first load, or ahead of time by `layerstream convert`) and written
+to `prepacked-v{VERSION}/{key}/blocks.bin` under engine.cache.cache_root(), never beside the user's
+file. Later loads map it: resident and streamed blocks are zero-copy views of the mapping (page
+cache), or read from it by the disk tier (transports/prepacked.py). Nothing is repacked per step. The
+head (the tied token table where there is no lm_head) is stored after the blocks in its compute form
+too, and mapped the same way.
+
+The file: an 8-byte little-endian length and the JSON header (the layout: each block's offset and
+bytes; each weight's kind, logical shape and parts, a part being an offset in its block, a dtype
+and a shape), padded to a page; then the blocks in order, each starting on a page and padded to
+one, so the disk tier reads a block with one aligned O_DIRECT request. A block holds exactly what
+StreamRepacker.fill makes of it; the head, laid out as a block of one weight ("head"), what
+PackedFormat.resident makes of it.
+
+The key hashes the GGUF's identity (quant_cache.checkpoint_identity: names, sizes, modification
+times, sampled bytes), the compute dtype, torch's version, the kernel layout and VERSION (bump it
+when the repack's bytes change). Every load checks the entry without reading all of it: its size,
+the sha256 of its header and of SAMPLES pieces spread over its blocks (digest.json), and that the
+header is the one this code would write (a layout change without a VERSION bump is stale too). A
+stale or damaged entry is removed and built again.
+
+Where it does not apply, the paths before it stay: fp32 exact mode and the aten fallback (no
+repack: stream_repack.make_repacker is None), mixtures of experts (experts stream from the GGUF
+file), LAYERSTREAM_PREPACK=off, or a cache that cannot be written (ModelWeights then warns).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import json
+import logging
+import math
+import mmap
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ...cache import build_once, cache_root
+from ...errors import CheckpointError
+from ..formats.reader import TensorInfo
+from .weights import INT4_TYPES, Int4Weight, Int8Weight
+from .compute_form import PackedFormat
+from .quant_cache import checkpoint_identity, kernel_layout
+from ..formats.block_source import BlockSource
+from ..formats.gguf_file import ggml_type
+from ..formats.safetensors_index import MADV_POPULATE_READ
+from .stream_repack import LANES, make_repacker
+from ..formats.views import close_mapping, typed_view
+
+log = logging.getLogger("layerstream")
+
+VERSION = 2  # bump when what an entry holds changes (the repack's bytes, the file's layout)
+MARKER = "layerstream-prepacked.json"
+DATA, DIGEST = "blocks.bin", "digest.json"
+PAGE = 4096  # blocks start on a page: O_DIRECT reads and madvise ranges need it
+ALIGN = 64  # every part starts on a cache line (and on its dtype's size)
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+ROOM_MARGIN = 512 << 20  # free bytes left on the cache's file system after building an entry
+MODES = ("auto", "off")
+DTYPE_NAMES = {torch.uint8: "uint8", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def prepack_mode() -> str:
+    """LAYERSTREAM_PREPACK: auto (the default: prepack where it applies) or off (repack at load and per step)."""
+    mode = os.environ.get("LAYERSTREAM_PREPACK", "auto")
+    if mode not in MODES:
+        raise ValueError(f"LAYERSTREAM_PREPACK must be auto or off, got {mode!r}")
+    return mode
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Part:
+    offset: int  # from the block's start
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    name: str  # its name in the block's weights ("wqkv", "w_gate_up", "attn_norm", ...)
+    kind: str  # "int4" | "int8" (VNNI layouts; parts: codes, scales) | "dense" (one part, compute dtype)
+    shape: tuple[int, ...]  # logical: (out, in), or (n,)
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    offset: int  # from the start of the blocks (page aligned)
+    nbytes: int  # a whole number of pages: what mapping or reading the block moves
+    weights: tuple[WeightLayout, ...]
+
+
+@dataclass(frozen=True)
+class PrepackedLayout:
+    """Where every block's compute form lies in the entry's file, and where the entry lives."""
+
+    dtype: torch.dtype  # the compute dtype
+    blocks: tuple[BlockLayout, ...]
+    folder: Path  # the cache entry (keyed by the source's identity)
+    # The head (the tied token table where there is no lm_head) in its compute form, after the blocks:
+    # made at every load it cost a repack of the largest matrix and its bytes in anonymous memory.
+    head: BlockLayout | None = None
+
+    @functools.cached_property
+    def header(self) -> bytes:
+        """The file's first bytes: length and JSON, unpadded."""
+        def block(b: BlockLayout) -> dict:
+            return {"offset": b.offset, "nbytes": b.nbytes,
+                    "weights": [{"name": w.name, "kind": w.kind, "shape": list(w.shape),
+                                 "parts": [[p.offset, DTYPE_NAMES[p.dtype], list(p.shape)] for p in w.parts]}
+                                for w in b.weights]}
+
+        doc = {"format": "layerstream-prepacked", "version": VERSION, "dtype": DTYPE_NAMES[self.dtype],
+               "layout": kernel_layout(), "blocks": [block(b) for b in self.blocks],
+               "head": block(self.head) if self.head is not None else None}
+        raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    @property
+    def data_start(self) -> int:
+        return _round_up(len(self.header), PAGE)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_start + sum(b.nbytes for b in self.blocks) + (self.head.nbytes if self.head else 0)
+
+    @property
+    def max_block_bytes(self) -> int:
+        return max((b.nbytes for b in self.blocks), default=0)
+
+
+def _output_parts(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[torch.dtype, tuple], ...]:
+    """(dtype, shape) of the parts StreamRepacker writes for one weight (its _write)."""
+    if kind in ("dense", "bias"):
+        return ((dtype, tuple(shape)),)
+    rows, inner = shape
+    blocks, groups = -(-rows // LANES), inner // 32
+    if kind == "int4":
+        return ((torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, 2, LANES)))
+    return ((torch.uint8, (blocks, groups * 512)), (torch.float32, (blocks, LANES)))
+
+
+def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLayout | None, str | None]:
+    """(the entry's layout, None) where this source's blocks come from a prepacked entry, else (None, why not)."""
+    if prepack_mode() == "off":
+        return None, "LAYERSTREAM_PREPACK=off"
+    if not source.packed:
+        return None, "the checkpoint is not packed (GGUF)"
+    if source.expert_blocks():
+        return None, "a mixture of experts streams its experts from the GGUF file"
+    repacker = make_repacker(source, fmt)
+    if repacker is None:
+        return None, ("blocks are computed from the GGUF file's bytes in this mode (fp32 exact mode, a GPU, "
+                      "or no VNNI kernels / repack on this CPU)")
+    blocks, offset = [], 0
+    for b in range(source.num_blocks):
+        outputs, kept = repacker.compute_form(b)
+        infos = source.tensors(b)
+        specs = [(o.name, "dense" if o.kind == "bias" else o.kind, o.shape, _output_parts(o.kind, o.shape, fmt.dtype))
+                 for o in outputs]
+        for short in kept:
+            t = infos[short]
+            if t.quant is not None and len(t.shape) != 1:
+                return None, f"{t.name} ({t.quant}, shape {list(t.shape)}) has no prepacked form"
+            specs.append((short, "dense", t.shape, ((fmt.dtype, tuple(t.shape)),)))
+        blocks.append(_place(offset, specs))
+        offset += blocks[-1].nbytes
+    head = _head_spec(source, fmt)
+    key = hashlib.sha256("\0".join([checkpoint_identity(source.files), "prepacked", str(fmt.dtype),
+                                    torch.__version__, kernel_layout(), str(VERSION)]).encode()).hexdigest()[:32]
+    return PrepackedLayout(fmt.dtype, tuple(blocks), cache_root() / f"prepacked-v{VERSION}" / key,
+                           _place(offset, [head]) if head is not None else None), None
+
+
+def _place(offset: int, specs) -> BlockLayout:
+    """A block at `offset` holding `specs` ((name, kind, shape, parts' (dtype, shape)) each), every part
+    on a cache line, the block a whole number of pages."""
+    weights, at = [], 0
+    for name, kind, shape, parts in specs:
+        placed = []
+        for dtype, part_shape in parts:
+            at = _round_up(at, ALIGN)
+            placed.append(Part(at, dtype, tuple(part_shape)))
+            at += placed[-1].nbytes
+        weights.append(WeightLayout(name, kind, tuple(shape), tuple(placed)))
+    return BlockLayout(offset, _round_up(max(at, 1), PAGE), tuple(weights))
+
+
+HEAD = "head"
+
+
+def _head_spec(source: BlockSource, fmt: PackedFormat):
+    """The head's (name, kind, shape, parts), as PackedFormat.resident makes it; None where that form
+    is not one the kernels' layouts describe (it is then made at load, as before)."""
+    infos = source.global_infos()
+    t = infos.get("lm_head", infos["embed"])
+    if t.quant is None:
+        return HEAD, "dense", tuple(t.shape), ((fmt.dtype, tuple(t.shape)),)
+    if len(t.shape) != 2 or t.shape[1] % 32:
+        return None
+    kind = "int4" if ggml_type(t) in INT4_TYPES else "int8"
+    return HEAD, kind, tuple(t.shape), _output_parts(kind, t.shape, fmt.dtype)
+
+
+def _weights(block: BlockLayout, raw: torch.Tensor) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for w in block.weights:
+        parts = [typed_view(raw[p.offset:p.offset + p.nbytes], p.offset, p.dtype, p.shape) for p in w.parts]
+        if w.kind == "int4":
+            out[w.name] = Int4Weight(parts[0], parts[1], w.shape, "vnni")
+        elif w.kind == "int8":
+            out[w.name] = Int8Weight(parts[0], parts[1], w.shape, "vnni")
+        else:
+            out[w.name] = parts[0]
+    return out
+
+
+def _parts_of(w) -> tuple[torch.Tensor, ...]:
+    return (w.codes, w.scales) if isinstance(w, (Int4Weight, Int8Weight)) else (w,)
+
+
+def _sample_digest(fd: int, start: int, end: int) -> str:
+    """sha256 of SAMPLES pieces spread over [start, end): damage anywhere in a block shows up on
+    some loads' checks only, but reading the whole file at every load would cost what mapping it saves."""
+    h = hashlib.sha256()
+    for i in range(SAMPLES):
+        at = start + (end - start) * i // SAMPLES
+        h.update(os.pread(fd, min(SAMPLE_BYTES, end - at), at))
+    return h.hexdigest()
+
+
+class PrepackedBlocks:
+    """Every block of a GGUF file in its compute form, from the prepacked cache entry (built on the
+    first load: `built` says this one did). Owns the entry's mapping until close(). OSError when
+    the entry is missing and cannot be built (the cache is read-only or its disk full)."""
+
+    def __init__(self, source: BlockSource, layout: PrepackedLayout,
+                 on_progress: Callable[[int], None] | None = None):
+        self.source, self.layout = source, layout
+        self.folder, self.path = layout.folder, layout.folder / DATA
+        self.built = False
+        self._fd, self._map, self._base = -1, None, None
+        self._open(on_progress)
+
+    # -- building and checking the entry ---------------------------------------------------------
+    def _open(self, on_progress) -> None:
+        info = {"version": VERSION, "dtype": DTYPE_NAMES[self.layout.dtype], "layout": kernel_layout(),
+                "source": [str(p) for p in self.source.files]}
+        for attempt in (1, 2):
+            build_once(self.folder, MARKER, info, lambda tmp: self._build(tmp, on_progress))
+            try:
+                self._map_checked()
+                return
+            except (OSError, ValueError, KeyError, CheckpointError) as e:
+                self._unmap()
+                if attempt == 2:
+                    raise CheckpointError(f"{self.folder}: the prepacked cache entry just built is unusable: "
+                                          f"{e}") from e
+                log.warning("%s: prepacked cache entry is stale or damaged (%s); building it again", self.folder, e)
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _build(self, tmp: Path, on_progress) -> None:
+        layout = self.layout
+        tmp.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(tmp).free
+        if free < layout.file_bytes + ROOM_MARGIN:
+            raise OSError(errno.ENOSPC, f"{layout.file_bytes >> 20} MiB needed for the prepacked entry, "
+                                        f"{free >> 20} MiB free", str(tmp))
+        repacker = make_repacker(self.source, PackedFormat(layout.dtype))
+        assert repacker is not None, "prepack_layout made a layout where there is no repack"
+        log.info("prepacking %d GGUF blocks for the %s kernels, once (cached in %s)", len(layout.blocks),
+                 kernel_layout(), self.folder)
+        with open(tmp / DATA, "wb") as f:
+            f.truncate(layout.file_bytes)
+            f.write(layout.header)
+            for b, block in enumerate(layout.blocks):
+                weights, slot = repacker.fill(b, self.source.stored_rows(b))
+                try:
+                    self._write(f, block, weights)
+                finally:
+                    repacker.give(slot)
+                # Its GGUF bytes are not read again (later loads map the entry): out of this process.
+                self.source.advise(b, mmap.MADV_DONTNEED)
+                if on_progress:
+                    on_progress(b)
+            if layout.head is not None:
+                infos = self.source.global_infos()
+                name = "lm_head" if "lm_head" in infos else "embed"
+                head = PackedFormat(layout.dtype).resident(infos[name], self.source.global_rows(name))
+                self._write(f, layout.head, {HEAD: head})
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(tmp / DATA, os.O_RDONLY)
+        try:
+            samples = _sample_digest(fd, layout.data_start, layout.file_bytes)
+        finally:
+            os.close(fd)
+        (tmp / DIGEST).write_text(json.dumps({"size": layout.file_bytes, "sample_sha256": samples,
+                                              "header_sha256": hashlib.sha256(layout.header).hexdigest()}))
+        self.built = True
+
+    def _write(self, f, block: BlockLayout, weights: dict[str, object]) -> None:
+        assert weights.keys() == {w.name for w in block.weights}, sorted(weights)
+        for w in block.weights:
+            for part, t in zip(w.parts, _parts_of(weights[w.name]), strict=True):
+                assert t.dtype == part.dtype and tuple(t.shape) == part.shape, (w.name, t.shape, part)
+                f.seek(self.layout.data_start + block.offset + part.offset)
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    def _map_checked(self) -> None:
+        layout = self.layout
+        digest = json.loads((self.folder / DIGEST).read_text())
+        self._fd = os.open(self.path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        if size != digest["size"] or size != layout.file_bytes:
+            raise CheckpointError(f"{self.path} is {size} bytes, expected {layout.file_bytes} (truncated or replaced)")
+        header = os.pread(self._fd, len(layout.header), 0)
+        if hashlib.sha256(header).hexdigest() != digest["header_sha256"]:
+            raise CheckpointError(f"{self.path}: header does not match {DIGEST} (overwritten)")
+        if header != layout.header:
+            raise CheckpointError(f"{self.path}: header is not this version's layout of the source")
+        if _sample_digest(self._fd, layout.data_start, layout.file_bytes) != digest["sample_sha256"]:
+            raise CheckpointError(f"{self.path}: sampled block bytes do not match {DIGEST} (overwritten)")
+        # MAP_PRIVATE (ACCESS_COPY) gives torch a writable buffer without ever writing the file.
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        self._base = torch.frombuffer(self._map, dtype=torch.uint8)  # (file_bytes,)
+
+    # -- the blocks ------------------------------------------------------------------------------
+    def _span(self, block: int) -> tuple[int, int]:
+        b = self.layout.blocks[block]
+        start = self.layout.data_start + b.offset
+        return start, start + b.nbytes
+
+    def nbytes(self, block: int) -> int:
+        """What mapping or reading block `block` moves (whole pages)."""
+        return self.layout.blocks[block].nbytes
+
+    def raw(self, block: int) -> torch.Tensor:
+        """Block `block`'s bytes, (nbytes,) uint8 over the mapping: zero-copy, nothing read yet."""
+        start, end = self._span(block)
+        return self._base[start:end]
+
+    def weights(self, block: int, raw: torch.Tensor) -> dict[str, object]:
+        """Block `block`'s weights in their compute form over `raw`, its bytes ((nbytes,) uint8: the
+        mapping's, or a disk read's staging buffer), zero-copy."""
+        return _weights(self.layout.blocks[block], raw)
+
+    def head(self):
+        """The head in its compute form as zero-copy views of the mapped entry (faulted in now), or None
+        where the entry holds none."""
+        head = self.layout.head
+        if head is None:
+            return None
+        start = self.layout.data_start + head.offset
+        try:
+            self._map.madvise(MADV_POPULATE_READ, start, head.nbytes)
+        except (OSError, ValueError):
+            pass  # an older kernel: pages fault in on first use
+        return _weights(head, self._base[start:start + head.nbytes])[HEAD]
+
+    def mapped(self, block: int) -> dict[str, object]:
+        """Block `block`'s weights as zero-copy views of the mapped entry."""
+        return self.weights(block, self.raw(block))
+
+    def read_info(self, block: int) -> TensorInfo:
+        """Block `block` as one byte range of the entry's file, for the disk tier's reader."""
+        start, end = self._span(block)
+        return TensorInfo(f"prepacked block {block}", self.path, torch.uint8, (end - start,), start, end)
+
+    def advise(self, block: int, advice: int) -> None:
+        """madvise block `block`'s pages (MADV_POPULATE_READ ahead of use, MADV_DONTNEED after)."""
+        start, end = self._span(block)
+        try:
+            self._map.madvise(advice, start, end - start)
+        except (OSError, ValueError):
+            pass  # an older kernel without POPULATE_READ: pages fault in on use instead
+
+    def _unmap(self) -> None:
+        self._base = None
+        close_mapping(self._map, self._fd)
+        self._map, self._fd = None, -1
+
+    def close(self) -> None:
+        self._unmap()
