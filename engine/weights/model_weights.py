@@ -185,7 +185,7 @@ class ModelCheckpoint:
         where a GGUF file has one, else the checkpoint's own files (for benchmarks: the disk the tier reads)."""
         layout = self.prepacked_layout(dtype, device) if self.packed else None
         if layout is not None:
-            from .prepacked import DATA
+            from .packed.prepacked import DATA
 
             return [layout.folder / DATA]
         return list(self._reader.files)
