@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import ops
 from .arch import Family, ModelConfig
 from .attention_backend import AttentionScratch, attend
 from .kernels import onednn_has_amx
-from .kernels.bf16_rows import bf16_rows
 from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 
@@ -157,27 +157,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConf
     return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.shape[-1] else out
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed.weights)
-    that multiplies itself with its own kernel."""
-    if not isinstance(w, torch.Tensor):
-        return w.linear(x, bias)
-    if _few_bf16_rows(x):
-        return bf16_rows().linear(x, w, bias)  # its kernel where it applies, else F.linear's (bf16_rows.cpp)
-    return F.linear(x, w, bias)
-
-
-def _few_bf16_rows(x: torch.Tensor) -> bool:
-    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
-    whose products kernels/bf16_rows.cpp runs 1.2-2.3x faster than oneDNN on a CPU without AMX (AMD
-    EPYC: layerstream/bench/bf16_rows.py, 2 threads; at 16 rows 1.3-1.9x the cost of one row on torch's
-    matrix-vector kernel). With AMX, oneDNN is the faster and bf16_rows() is None."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
-        return False
-    kernel = bf16_rows()
-    return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
-
-
 def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
     """A single bf16 row on a CPU without AMX: every dense product of the step is a matrix-vector
     product, which torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's there (AMD EPYC: it reads
@@ -206,12 +185,6 @@ def single_row_products(x: torch.Tensor):
         torch._C._set_mkldnn_enabled(was)
 
 
-def embed(input_ids: torch.Tensor, embed_weight) -> torch.Tensor:
-    if not isinstance(embed_weight, torch.Tensor):
-        return embed_weight.embedding(input_ids)  # packed table: only the looked-up rows are unpacked
-    return F.embedding(input_ids, embed_weight)  # (tokens, hidden)
-
-
 def scale_embeddings(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """x (tokens, hidden) times the family's embedding scale (Gemma: sqrt(hidden); Granite: its multiplier).
     A Python float: fp32 multiplies by it as the fp32 reference does; bf16 in fp32 with one rounding, as
@@ -232,12 +205,12 @@ def attention(
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.packed.fuse)
     if fused:
-        qkv = linear(x, w["wqkv"], w.get("bqkv"))  # (tokens, (heads + 2 kv_heads) * head_dim)
+        qkv = ops.linear(x, w["wqkv"], w.get("bqkv"))  # (tokens, (heads + 2 kv_heads) * head_dim)
         q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)  # views
     else:
-        q = linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
-        k = linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
-        v = linear(x, w["wv"], w.get("bv"))
+        q = ops.linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
+        k = ops.linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
+        v = ops.linear(x, w["wv"], w.get("bv"))
     if fused and not cfg.qk_norm and cfg.clip_qkv is None and step.cos is not None:
         # q's and k's heads are adjacent in each row of qkv: one rotary over both.
         qk = rotate(qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv], step.cos, step.sin, cfg)
@@ -266,7 +239,7 @@ def attention(
         # One C++ call for the KV write and the attention of each token (fused_ops.cpp).
         out = fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, tables,
                                            step.positions, step.window or 0)  # (tokens, heads*head_dim)
-        return linear(out, w["wo"], w.get("bo"))
+        return ops.linear(out, w["wo"], w.get("bo"))
     # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
     # index_copy_ rather than indexed assignment: the same copy without advanced indexing's setup.
     k_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, k)
@@ -287,7 +260,7 @@ def attention(
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
-    return linear(out, w["wo"], w.get("bo"))
+    return ops.linear(out, w["wo"], w.get("bo"))
 
 
 def _tokenwise_tables(step: StepInputs, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor | None:
@@ -327,12 +300,12 @@ def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "", activatio
     "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
     gate_up = w.get(prefix + "w_gate_up")
     if gate_up is not None:
-        gate, up = linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
+        gate, up = ops.linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
     else:
-        gate, up = linear(x, w[prefix + "w_gate"]), linear(x, w[prefix + "w_up"])
+        gate, up = ops.linear(x, w[prefix + "w_gate"]), ops.linear(x, w[prefix + "w_up"])
     if activation == "gelu_tanh":
-        return linear(F.gelu(gate, approximate="tanh") * up, w[prefix + "w_down"])
-    return linear(silu_mul(gate, up), w[prefix + "w_down"])
+        return ops.linear(F.gelu(gate, approximate="tanh") * up, w[prefix + "w_down"])
+    return ops.linear(silu_mul(gate, up), w[prefix + "w_down"])
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -391,11 +364,20 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_pro
     """h: (tokens, hidden) normed hidden states; router: (experts, hidden) -> ids, weights (tokens, top_k).
     Softmax over all experts in fp32 first, then the top k (as every supported family does), optionally
     renormalised over the k chosen."""
-    probs = torch.softmax(linear(h, router).float(), dim=-1)  # (tokens, experts)
+    probs = torch.softmax(ops.linear(h, router).float(), dim=-1)  # (tokens, experts)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (tokens, top_k)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+def guess_experts(hidden: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The experts a MoE block's router (w: its "mlp_norm" and "router") chooses for hidden (tokens, hidden)
+    taken before the block's own attention: (tokens, top_k) int64. The expert tier's guess of the next
+    block's experts from this block's residual stream, made while this block computes."""
+    m = cfg.moe
+    ids, _ = router_topk(rms_norm(hidden, w["mlp_norm"], cfg.rms_norm_eps), w["router"], m.top_k, m.norm_topk_prob)
+    return ids
 
 
 def route(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> Routing:
@@ -438,7 +420,7 @@ def moe_experts(
 
 def shared_expert(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """Qwen2-MoE's always-on expert, scaled per token by sigmoid(shared_gate . h): (tokens, hidden)."""
-    return torch.sigmoid(linear(h, w["shared_gate"])) * mlp(h, w, "shared.")
+    return torch.sigmoid(ops.linear(h, w["shared_gate"])) * mlp(h, w, "shared.")
 
 
 def block_forward(
@@ -491,7 +473,7 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     wqkv, wo, w_gate_up, w_down = weights
     return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
             w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables, step.positions,
-            step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
+            step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ops._few_bf16_rows(x))
 
 
 def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
@@ -507,7 +489,7 @@ def final_logits(
 ) -> torch.Tensor:
     """Logits only for the tokens in step.logits_index (sampled, or scored for prompt logprobs): (rows, vocab)
     fp32, after the family's logit scaling (Granite) and soft-cap (Gemma 2)."""
-    logits = linear(norm(x[step.logits_index], final_norm, cfg), head_weight)  # (rows, vocab) compute dtype
+    logits = ops.linear(norm(x[step.logits_index], final_norm, cfg), head_weight)  # (rows, vocab) compute dtype
     if cfg.logits_divisor != 1.0:
         logits = logits / cfg.logits_divisor
     if cfg.final_softcap is not None:

@@ -185,9 +185,13 @@ class ModelRunner:
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
         out = M.shared_expert(hn, w) if "shared_gate" in w else torch.zeros_like(hn)  # (tokens, hidden)
-        for group in self.weights.experts(block, routing.chosen, h):
+        for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
             M.moe_experts(hn, routing, group, out)
         return h + out
+
+    def _guess_experts(self, hidden: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The router the expert tier guesses the next MoE block's experts with: (tokens, top_k) ids."""
+        return M.guess_experts(hidden, w, self.cfg)
 
     @torch.inference_mode()
     def copy_kv_blocks(self, copies: list[BlockCopy]) -> None:

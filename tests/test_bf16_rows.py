@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import model as M
+from engine import ops
 from engine.kernels import bf16_rows as br
 
 module = br.built()  # the kernel itself, also where the engine prefers oneDNN's AMX path
@@ -127,14 +127,14 @@ def test_model_linear_routes_two_to_sixteen_bf16_rows(monkeypatch):
             calls.append(x.shape[0])
             return F.linear(x, w, bias)
 
-    monkeypatch.setattr(M, "bf16_rows", lambda: Spy())
+    monkeypatch.setattr(ops, "bf16_rows", lambda: Spy())
     w = torch.randn(8, 64).bfloat16()
     for rows in (1, 2, 16, 17):
-        M.linear(torch.randn(rows, 64).bfloat16(), w)
-    M.linear(torch.randn(4, 64), w.float())
+        ops.linear(torch.randn(rows, 64).bfloat16(), w)
+    ops.linear(torch.randn(4, 64), w.float())
     assert calls == [2, 16]
-    monkeypatch.setattr(M, "bf16_rows", lambda: None)
-    M.linear(torch.randn(4, 64).bfloat16(), w)
+    monkeypatch.setattr(ops, "bf16_rows", lambda: None)
+    ops.linear(torch.randn(4, 64).bfloat16(), w)
     assert calls == [2, 16]
 
 
@@ -159,7 +159,7 @@ def test_a_decode_step_of_four_sequences_is_unchanged_in_tokens(monkeypatch, tmp
             return real.linear(x, w, bias)
 
     for kernel in (Spy(), None):
-        monkeypatch.setattr(M, "bf16_rows", lambda k=kernel: k)
+        monkeypatch.setattr(ops, "bf16_rows", lambda k=kernel: k)
         llm = LLM(str(path), max_model_len=64, max_num_seqs=4)
         try:
             outs = llm.generate(prompts, params)

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from engine import LLM, SamplingParams
 from engine import kernels
 from engine import model as M
+from engine import ops
 from engine.arch import ModelConfig
 from engine.kernels import bf16_rows as br
 from engine.kernels import decode_block as db
@@ -94,9 +95,9 @@ def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, wi
     if not kind.startswith("dense") and kernels.int4_backend() != "vnni":
         pytest.skip("VNNI layouts need the VNNI kernels")
     if kind == "dense":
-        monkeypatch.setattr(M, "bf16_rows", br.built)
+        monkeypatch.setattr(ops, "bf16_rows", br.built)
     if kind == "dense, F.linear":
-        monkeypatch.setattr(M, "bf16_rows", lambda: None)
+        monkeypatch.setattr(ops, "bf16_rows", lambda: None)
         kind = "dense"
     cfg = _cfg(window)
     w = _block(kind, bias)

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from engine import LLM, kernels
-from engine import model as M
+from engine import ops
 from engine.weights.packed.fuse import fuse_projections, stack_rows
 from engine.weights.packed.weights import GGUFWeight, Int4Weight, Int8Weight
 from engine.weights.packed.quantize import quantize_int4
@@ -32,7 +32,7 @@ def _gguf(w: torch.Tensor, qtype: Q) -> GGUFWeight:
 def _assert_stacks_exactly(parts, x):
     fused = stack_rows(parts)
     assert fused is not None and tuple(fused.shape) == (sum(p.shape[0] for p in parts), parts[0].shape[1])
-    torch.testing.assert_close(M.linear(x, fused), torch.cat([M.linear(x, p) for p in parts], dim=-1),
+    torch.testing.assert_close(ops.linear(x, fused), torch.cat([ops.linear(x, p) for p in parts], dim=-1),
                                atol=0, rtol=0)
 
 
@@ -93,7 +93,7 @@ def test_stacked_weight_computes_what_its_parts_compute(kind):
              "q4_0": [_gguf(w, Q.Q4_0) for w in dense], "q8_0": [_gguf(w, Q.Q8_0) for w in dense]}[kind]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     if kind == "dense":  # the fp32 GEMM may block the reduction differently for a taller matrix
-        torch.testing.assert_close(M.linear(x, stack_rows(parts)), torch.cat([x @ p.T for p in parts], -1))
+        torch.testing.assert_close(ops.linear(x, stack_rows(parts)), torch.cat([x @ p.T for p in parts], -1))
     else:
         _assert_stacks_exactly(parts, x)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, quants
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, ops
 from engine.weights import CheckpointError
 from engine.weights.packed.dequant import SUPPORTED_TYPES, dequantize
 from engine.weights.formats.gguf_file import GGUFIndex
@@ -62,12 +62,12 @@ def test_int4_repack_keeps_the_codes(qtype):
     raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=3))
     w = dequantize(raw, qtype, (rows, cols))
     packed = int4_from_gguf(raw, qtype, (rows, cols), torch.float32)
-    back = packed.linear(torch.eye(cols)).T  # (rows, cols)
+    back = ops.linear(torch.eye(cols), packed).T  # (rows, cols)
     fp16_products = packed.layout == "vnni" and qtype == Q.Q4_K
     torch.testing.assert_close(back, w, rtol=1e-5, atol=(2.0 ** -10 if fp16_products else 1e-6) * w.abs().max().item())
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
     ref = x @ w.T
-    got16 = int4_from_gguf(raw, qtype, (rows, cols), torch.bfloat16).linear(x.bfloat16()).float()
+    got16 = ops.linear(x.bfloat16(), int4_from_gguf(raw, qtype, (rows, cols), torch.bfloat16)).float()
     assert (got16 - ref).abs().max() < 0.02 * ref.abs().max()
 
 

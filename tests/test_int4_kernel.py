@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from engine import kernels
+from engine import kernels, ops
 from engine.weights.packed.weights import GROUP, Int4Weight, Int8Weight
 from engine.weights.packed.quantize import quantize_int4
 
@@ -67,7 +67,7 @@ def test_kernel_matches_the_same_math(out, inner, m):
     assert w.layout == "vnni"
     x = torch.randn(m, inner, generator=torch.Generator().manual_seed(m))
     ref = reference(x, codes, scale, minimum)
-    got = w.linear(x)
+    got = ops.linear(x, w)
     assert got.shape == (m, out) and got.dtype == torch.float32
     # fp32 accumulation of exact integer sums: rounding only.
     torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
@@ -102,14 +102,14 @@ def test_int8_kernel_matches_the_same_math(out, inner, m):
     assert q.layout == "vnni" and q.shape == (out, inner)
     x = torch.randn(m, inner, generator=torch.Generator().manual_seed(m))
     ref = int8_reference(x, w)
-    got = q.linear(x)
+    got = ops.linear(x, q)
     assert got.shape == (m, out) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
     assert (got - x @ w.T).abs().max() < 0.02 * (x @ w.T).abs().max()  # the int8 weights' own rounding
     bias, xb = torch.randn(out).bfloat16(), x.bfloat16()
     ref = int8_reference(xb.float(), w) + bias.double()
     # One rounding of the output to bf16.
-    torch.testing.assert_close(q.linear(xb, bias).double(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
+    torch.testing.assert_close(ops.linear(xb, q, bias).double(), ref, atol=4e-3 * ref.abs().max().item(), rtol=1e-2)
 
 
 def test_int8_rows_not_a_multiple_of_32_use_aten():
@@ -117,7 +117,7 @@ def test_int8_rows_not_a_multiple_of_32_use_aten():
     assert q.layout == "aten" and q.shape == (8, 40)
     x = torch.randn(2, 40)
     ref = x @ (q.codes.float() * q.scales[:, None]).T
-    torch.testing.assert_close(q.linear(x), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ops.linear(x, q), ref, atol=1e-4, rtol=1e-4)
 
 
 @vnni
@@ -133,7 +133,7 @@ def test_one_pass_matches_its_math(out, inner, m):
     torch.testing.assert_close(got.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
     dense = x @ dequantized(codes, scale, minimum).T
     assert (got - dense).abs().max() < 0.02 * dense.abs().max()
-    assert (got - dense).abs().max() > 10 * (w.linear(x) - dense).abs().max()  # two passes are finer
+    assert (got - dense).abs().max() > 10 * (ops.linear(x, w) - dense).abs().max()  # two passes are finer
 
 
 @vnni
@@ -143,7 +143,7 @@ def test_kernel_takes_half_activations_with_leading_dims_and_bias(dtype):
     w = Int4Weight.from_codes(codes, scale, minimum, dtype)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(2)).to(dtype)  # (batch, tokens, in)
     bias = torch.randn(64).to(dtype)
-    got = w.linear(x, bias)
+    got = ops.linear(x, w, bias)
     assert got.shape == (2, 3, 64) and got.dtype == dtype
     ref = reference(x.reshape(6, 256).float(), codes, scale, minimum).reshape(2, 3, 64) + bias.double()
     # One rounding of the output to the half type.
@@ -160,9 +160,9 @@ def test_threads_split_rows_without_changing_a_bit():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = w.linear(x)
+        one = ops.linear(x, w)
         torch.set_num_threads(2)
-        two = w.linear(x)
+        two = ops.linear(x, w)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -177,7 +177,7 @@ def test_kernel_zero_and_constant_groups():
     q = quantize_int4(w, torch.float32)
     x = torch.randn(3, 64)
     x[:, 32:] = 0
-    got = q.linear(x)
+    got = ops.linear(x, q)
     torch.testing.assert_close(got, x[:, :32].sum(-1, keepdim=True).expand(3, 8) * 0.25, atol=1e-5, rtol=1e-5)
 
 
@@ -186,11 +186,11 @@ def test_kernel_rejects_bad_input():
     codes, scale, minimum = random_int4(16, 64, seed=0)
     w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
-        w.linear(torch.randn(1, 32))
+        ops.linear(torch.randn(1, 32), w)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
-        w.linear(torch.randn(1, 64).double())
+        ops.linear(torch.randn(1, 64).double(), w)
     with pytest.raises(RuntimeError, match="bias has 3 values, expected 16"):
-        w.linear(torch.randn(1, 64), torch.randn(3))
+        ops.linear(torch.randn(1, 64), w, torch.randn(3))
 
 
 def test_scales_that_overflow_float16_are_refused():
@@ -223,7 +223,7 @@ def test_forced_fallback_uses_aten_and_agrees(backend, caplog):
     assert w.layout == "aten"
     x = torch.randn(3, 576)
     dense = x @ dequantized(codes, scale, minimum).T
-    torch.testing.assert_close(w.linear(x), dense, atol=1e-4 * dense.abs().max().item(), rtol=1e-4)
+    torch.testing.assert_close(ops.linear(x, w), dense, atol=1e-4 * dense.abs().max().item(), rtol=1e-4)
 
 
 def test_a_kernel_that_does_not_build_falls_back(backend, caplog, tmp_path):
@@ -258,13 +258,13 @@ def test_symmetric_layout_drops_the_mins_and_no_bit(m):
     assert sym.scales.shape == (3, 18, 16) and sym.nbytes == w.nbytes - 3 * 18 * 16 * 2
     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
     bias = torch.randn(40).bfloat16()
-    assert torch.equal(sym.linear(x, bias), w.linear(x, bias))
+    assert torch.equal(ops.linear(x, sym, bias), ops.linear(x, w, bias))
     other = Int4Weight.from_codes(*random_int4(48, 576, seed=2), torch.bfloat16)
     assert other.without_min() is other
     assert stack_rows([sym, other]) is None  # one layout per stacked weight
     part = Int4Weight.from_codes(codes[:32], scale[:32], -8 * scale[:32], torch.bfloat16).without_min()
     stacked = stack_rows([part, sym])
-    assert torch.equal(stacked.linear(x), torch.cat([part.linear(x), sym.linear(x)], dim=-1))
+    assert torch.equal(ops.linear(x, stacked), torch.cat([ops.linear(x, part), ops.linear(x, sym)], dim=-1))
     block = drop_symmetric_mins({"wo": w, "w_down": other, "attn_norm": bias})
     assert block["wo"].scales.dim() == 3 and block["w_down"] is other and block["attn_norm"] is bias
     with pytest.raises(RuntimeError, match=r"or, symmetric, \(N16/16, K/32, 16\)"):

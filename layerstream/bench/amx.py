@@ -53,13 +53,14 @@ def step_ab(folder: Path, budget: int | None, ns: argparse.Namespace, products: 
             max_model_len: int = 1024) -> str:
     """One line: the two choices' median step times per round, and the products' share (products=True)."""
     from engine import model as M
+    from engine import ops
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=str(folder), max_device_memory=budget, max_model_len=max_model_len,
                                   max_num_seqs=4, max_num_batched_tokens=128, show_progress=False))
-    real_choice, real_linear = M.onednn_has_amx, M.linear
+    real_choice, real_linear = M.onednn_has_amx, ops.linear
     spent = [0.0]
 
     def timed_linear(x, w, bias=None):
@@ -80,7 +81,7 @@ def step_ab(folder: Path, budget: int | None, ns: argparse.Namespace, products: 
         for _ in range(ns.rounds):
             for amx in (True, False):
                 M.onednn_has_amx = lambda amx=amx: amx
-                M.linear = timed_linear if products else real_linear
+                ops.linear = timed_linear if products else real_linear
                 times = []
                 for _ in range(ns.steps):
                     spent[0] = 0.0
@@ -90,14 +91,14 @@ def step_ab(folder: Path, budget: int | None, ns: argparse.Namespace, products: 
                     share[amx].append(spent[0] / times[-1])
                 medians[amx].append(_median_ms(times))
     finally:
-        M.onednn_has_amx, M.linear = real_choice, real_linear
+        M.onednn_has_amx, ops.linear = real_choice, real_linear
         engine.close()
     line = (f"{streamed} of {engine.plan.num_layers} blocks streamed; median step per round, ms: oneDNN "
             f"{' '.join(f'{t:.1f}' for t in medians[True])} (median {statistics.median(medians[True]):.1f}) | "
             f"torch's kernel {' '.join(f'{t:.1f}' for t in medians[False])} "
             f"(median {statistics.median(medians[False]):.1f})")
     if products:
-        line += (f"; dense products (model.linear) {statistics.median(share[True]):.0%} of a step on oneDNN, "
+        line += (f"; dense products (ops.linear) {statistics.median(share[True]):.0%} of a step on oneDNN, "
                  f"{statistics.median(share[False]):.0%} on torch's kernel")
     return line
 

@@ -37,6 +37,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from engine import LLM, SamplingParams
     from engine import model as M
+    from engine import ops
 
     if not Path(ns.model).exists():
         sys.exit(f"{ns.model} not found (bench-packed makes it)")
@@ -85,11 +86,11 @@ def run(ns: argparse.Namespace) -> int:
                 for w in blocks:
                     for name, x in (("wqkv", x0), ("wo", x0), ("w_gate_up", x0), ("w_down", act)):
                         if name in w:
-                            M.linear(x, w[name])
+                            ops.linear(x, w[name])
 
         def head_once():
             with M.single_row_products(x0):
-                M.linear(x0, runner.globals.head)
+                ops.linear(x0, runner.globals.head)
 
         real_block, real_attention = M.decode_block, M._tokenwise_tables
         modes = {"whole step (engine.step)": (real_block, real_attention),

@@ -1,7 +1,8 @@
 """Weights that stay packed in memory and are multiplied packed, or unpacked just before use.
 
-The model math calls `linear(x, w, bias)` and `embedding(ids, w)` (engine.model); `w` is either a
-plain tensor or one of the classes here, each of which knows how to multiply itself:
+The classes here are data: the packed bytes, their layout, and how they are made (from codes, from
+GGUF blocks, by quantizing). engine.ops multiplies them (`ops.linear(x, w, bias)` takes a plain tensor or
+one of these, told apart by `kind`), with the kernel chosen for the layout:
 
   GGUFWeight   GGML blocks as they lie in the file; dequantized to the compute dtype at each use.
                How a streamed GGUF block is computed in float32, the exact reference mode
@@ -39,6 +40,8 @@ INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 class GGUFWeight:
     """GGML-packed rows, (rows, bytes_per_row) uint8, dequantized to `dtype` on use."""
 
+    kind = "gguf"
+
     def __init__(self, data: torch.Tensor, qtype: Q, shape: tuple[int, int], dtype: torch.dtype):
         self.data, self.qtype, self.shape, self.dtype = data, qtype, tuple(shape), dtype
 
@@ -49,9 +52,6 @@ class GGUFWeight:
     def dense(self) -> torch.Tensor:
         # The dequantization is exact in fp32; the cast rounds once, like casting a fp32 checkpoint.
         return dequantize(self.data, self.qtype, self.shape).to(self.dtype)  # (out, in)
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.dense(), bias)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         # Only the looked-up rows are unpacked: (tokens, hidden).
@@ -74,21 +74,15 @@ class Int4Weight:
               _weight_int4pack_mm_for_cpu.
     """
 
+    kind = "int4"
+    group = GROUP  # weights per (scale, min)
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], layout: str):
         self.codes, self.scales, self.shape, self.layout = codes, scales, tuple(shape), layout
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layout == "vnni":
-            return kernels.int4_linear(x, self.codes, self.scales, self.shape[0], bias)  # (..., out)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.codes, GROUP, self.scales)
-        y = y.reshape(*lead, self.shape[0])  # (..., out)
-        return y if bias is None else y + bias
 
     def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(codes, scales, out_features) for C++ callers of the VNNI kernel (engine/kernels/decode_block.cpp),
@@ -167,6 +161,8 @@ class Int8Weight:
               used where the row is not a multiple of 32 (the activations are quantized per 32).
     """
 
+    kind = "int8"
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int] | None = None,
                  layout: str | None = None):
         # The layout is in the codes' type: the vnni layout's are offset to uint8.
@@ -177,14 +173,6 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layout == "vnni":
-            return kernels.int8_linear(x, self.codes, self.scales, self.shape[0], bias)  # (..., out)
-        lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.codes, self.scales)
-        y = y.reshape(*lead, self.shape[0])  # (..., out)
-        return y if bias is None else y + bias
 
     def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """As Int4Weight.vnni_args: float32 scales tell the int8 layout from the int4 one."""
