@@ -1,4 +1,5 @@
-"""attention_backend.attend against the reference math, and its memory against the planner's estimate.
+"""The engine's attention (engine.ops.attend over attention_backend) against the reference math, and its
+memory against the planner's estimate.
 
 Tolerances, stated: fp32 atol = rtol = 1e-5 against a float64 reference (the two orderings of the
 same sums); bf16 atol = rtol = 2e-2 (8 mantissa bits). Memory is measured with torch's profiler
@@ -14,8 +15,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from engine import LLM, attention_backend
-from engine.attention_backend import attend, call_bytes, split
+from engine import LLM, attention_backend, ops
+from engine.attention_backend import call_bytes, split
+from engine.ops import attend
 from engine.workspace import MIN_ATTN_CHUNK_BYTES, attention_chunk_bytes, workspace_bytes
 from engine.scheduler import ScheduledChunk, Sequence
 
@@ -163,7 +165,7 @@ def test_cpu_steps_run_the_flash_kernel_within_its_bound(dtype, monkeypatch):
     """Every shape a step forms (decodes, mixed chunks, a long prefill chunk; GQA folded) goes to the
     CPU flash kernel, whose measured peak stays under flash_cpu_call_bytes; for a large call the
     bound is not a blanket margin (the per-thread tiles are a fixed part, so small calls are looser)."""
-    monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", False)  # a CPU without bf16 dot products
+    monkeypatch.setattr(ops, "bf16_matmul_attention", lambda: False)  # a CPU without bf16 dot products
     problems = [padded_problem(*MIXED, heads=8, kv_heads=2, head_dim=16, dtype=dtype),
                 padded_problem([1] * 16, list(range(40, 56)), heads=16, kv_heads=4, head_dim=64, dtype=dtype),
                 padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=dtype)]
@@ -185,7 +187,7 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
     math-path calls; on the CPU the flash kernel runs, which needs a fraction of that, so attend
     makes one call (three re-read K/V with smaller tiles: 1.07-1.15x the time here) with the same result.
     Under sdpa_kernel(MATH) the math path runs, and the math bound splits it again."""
-    monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", False)  # a CPU without bf16 dot products
+    monkeypatch.setattr(ops, "bf16_matmul_attention", lambda: False)  # a CPU without bf16 dot products
     q, k, v, mask = padded_problem([128], [1872], heads=16, kv_heads=4, head_dim=64, dtype=torch.bfloat16)
     bound = 30_282_880
     sp, rp = split(1, 4 * 128, 2000, 4, 64, 2, bound)
@@ -205,7 +207,7 @@ def test_cpu_flash_is_not_split_by_the_math_paths_bound(monkeypatch):
 
 
 # bf16 attention on a CPU with bf16 dot products: two fp32 oneDNN matmuls around an fp32 softmax. The
-# tests force the path on (BF16_MATMUL_CPU), whatever the CPU. Its accuracy and memory claims hold where
+# tests force the path on (ops.bf16_matmul_attention), whatever the CPU. Its accuracy and memory claims hold where
 # the engine uses it, a CPU without AMX: with AMX, oneDNN's bf16 math mode rounds the fp32 inputs to
 # bf16 (in temporaries of its own), and the engine takes SDPA's flash kernel instead.
 AMX = attention_backend.onednn_has_amx()
@@ -233,10 +235,10 @@ def test_bf16_matmul_path_is_at_least_as_accurate_as_flash(name, monkeypatch):
     want = reference_attention(q, k, v, mask)
     precision = torch.backends.mkldnn.matmul.fp32_precision
     with torch.inference_mode():
-        monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", False)
+        monkeypatch.setattr(ops, "bf16_matmul_attention", lambda: False)
         flash = attend(q, k, v, mask)
-        monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", True)
-        assert attention_backend.uses_bf16_matmul_cpu(q) and not attention_backend.uses_bf16_matmul_cpu(q.float())
+        monkeypatch.setattr(ops, "bf16_matmul_attention", lambda: True)
+        assert ops.uses_bf16_matmul(q) and not ops.uses_bf16_matmul(q.float())
         scratch = attention_backend.AttentionScratch()
         ours = attend(q, k, v, mask, open_keys=min(starts), scratch=scratch)
         masked = attend(q, k, v, mask, open_keys=0, scratch=scratch)
@@ -260,7 +262,8 @@ def test_bf16_matmul_path_reads_the_mask():
     mask[..., 0] = True
     with torch.inference_mode():
         ours = attention_backend._attend_bf16_matmul(
-            q.reshape(2, 2, 64, 16), k, v, mask[:, :, None].expand(2, 1, 4, 16, 58).reshape(2, 1, 64, 58), 0, None, None)
+            q.reshape(2, 2, 64, 16), k, v, mask[:, :, None].expand(2, 1, 4, 16, 58).reshape(2, 1, 64, 58), 0, None, None,
+            softmax=ops.attention_ops())
     want = reference_attention(q, k, v, mask)
     torch.testing.assert_close(ours.reshape(q.shape).double(), want, atol=2e-2, rtol=2e-2)
     assert (reference_attention(q, k, v, torch.ones_like(mask)) - want).abs().max() > 0.1
@@ -275,14 +278,17 @@ def test_bf16_matmul_path_within_its_bound():
     qf = q.reshape(1, 4, 512, 64)
     mf = mask[:, :, None].expand(1, 1, 4, 128, 2000).reshape(1, 1, 512, 2000)
     bound = 8 << 20  # splits the rows
-    probs = attention_backend.attention_ops() is None  # the C++ softmax needs no second score buffer
+    softmax = ops.attention_ops()
+    probs = softmax is None  # the C++ softmax needs no second score buffer
     cost = lambda *shape: attention_backend.matmul_cpu_call_bytes(*shape, probs=probs)  # noqa: E731
     sp, rp = split(1, 512, 2000, 4, 64, 2, bound, cost)
     assert rp < 512
     scratch = attention_backend.AttentionScratch()
     with torch.inference_mode():
-        first = peak_bytes(lambda: attention_backend._attend_bf16_matmul(qf, k, v, mf, 1872, bound, scratch))
-        again = peak_bytes(lambda: attention_backend._attend_bf16_matmul(qf, k, v, mf, 1872, bound, scratch))
+        first = peak_bytes(lambda: attention_backend._attend_bf16_matmul(qf, k, v, mf, 1872, bound, scratch,
+                                                                         softmax=softmax))
+        again = peak_bytes(lambda: attention_backend._attend_bf16_matmul(qf, k, v, mf, 1872, bound, scratch,
+                                                                         softmax=softmax))
     limit = cost(sp, rp, 2000, 4, 64, 2)
     out_bytes = qf.numel() * 2  # the result, which outlives the call
     assert first - out_bytes <= limit <= 2 * (first - out_bytes), (first, limit)
@@ -295,12 +301,12 @@ def test_bf16_matmul_path_within_its_bound():
 def test_cpu_attention_setting(monkeypatch):
     """LAYERSTREAM_CPU_ATTENTION picks the matmul path (auto) or SDPA; anything else is refused by name."""
     monkeypatch.setenv("LAYERSTREAM_CPU_ATTENTION", "sdpa")
-    assert attention_backend.cpu_attention_mode() == "sdpa"
+    assert ops.cpu_attention_mode() == "sdpa"
     monkeypatch.delenv("LAYERSTREAM_CPU_ATTENTION")
-    assert attention_backend.cpu_attention_mode() == "auto"
+    assert ops.cpu_attention_mode() == "auto"
     monkeypatch.setenv("LAYERSTREAM_CPU_ATTENTION", "flash")
     with pytest.raises(ValueError, match="LAYERSTREAM_CPU_ATTENTION must be auto or sdpa, got 'flash'"):
-        attention_backend.cpu_attention_mode()
+        ops.cpu_attention_mode()
 
 
 @pytest.mark.parametrize("flags,amx,matmul", [({"avx512_bf16"}, False, True),
@@ -310,9 +316,10 @@ def test_the_matmul_path_is_for_bf16_dot_products_without_amx(monkeypatch, flags
     """AVX512-BF16 without AMX: the matmul path. With AMX, SDPA's flash kernel (faster there, and oneDNN's
     bf16 math mode rounds); neither: SDPA, unmeasured against it. With AMX the flash bound counts the
     packed K/V copies."""
-    monkeypatch.setattr(attention_backend, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(ops, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(ops, "onednn_has_amx", lambda: amx)
     monkeypatch.setattr(attention_backend, "onednn_has_amx", lambda: amx)
-    assert attention_backend._bf16_dot_products() == (matmul and torch.backends.mkldnn.is_available())
+    assert ops._bf16_dot_products() == (matmul and torch.backends.mkldnn.is_available())
     plain = attention_backend.flash_cpu_call_bytes(1, 512, 2000, 4, 64, 2, threads=2)
     monkeypatch.setattr(attention_backend, "onednn_has_amx", lambda: not amx)
     other = attention_backend.flash_cpu_call_bytes(1, 512, 2000, 4, 64, 2, threads=2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import attention_backend
+from engine import ops as dispatch
 from engine.kernels.attention_ops import attention_ops
 from tests.test_attention_backend import padded_problem
 
@@ -60,10 +60,10 @@ def test_attend_same_with_the_torch_softmax(monkeypatch):
     """attend's bf16 matmul path gives the same result with the C++ softmax and with torch's."""
     q, k, v, mask = padded_problem([64, 32, 1], [900, 1500, 40], heads=16, kv_heads=4, head_dim=64,
                                    dtype=torch.bfloat16)
-    monkeypatch.setattr(attention_backend, "BF16_MATMUL_CPU", True)
+    monkeypatch.setattr(dispatch, "bf16_matmul_attention", lambda: True)
     with torch.inference_mode():
-        fused = attention_backend.attend(q, k, v, mask, open_keys=40)
-        monkeypatch.setattr(attention_backend, "attention_ops", lambda: None)
-        plain = attention_backend.attend(q, k, v, mask, open_keys=40)
+        fused = dispatch.attend(q, k, v, mask, open_keys=40)
+        monkeypatch.setattr(dispatch, "attention_ops", lambda: None)
+        plain = dispatch.attend(q, k, v, mask, open_keys=40)
     torch.testing.assert_close(fused, plain, atol=1e-2, rtol=1e-2)  # bf16 outputs: at most an ulp apart
     assert (fused.float() - plain.float()).abs().max() <= 2 ** -7 * plain.float().abs().max()

@@ -6,15 +6,13 @@ import argparse
 import re
 
 from layerstream.bench import amx
-from engine import attention_backend
-from engine import model as M
 from engine import ops
 
 
 def test_attention_ab_reports_both_paths_and_restores_the_choice():
-    before = attention_backend.BF16_MATMUL_CPU
+    before = ops.bf16_matmul_attention
     lines = amx.attention_ab(argparse.Namespace(calls=2))
-    assert attention_backend.BF16_MATMUL_CPU == before
+    assert ops.bf16_matmul_attention is before
     assert [line.split(":")[0] for line in lines] == ["128 tokens over 2000 keys", "128 tokens over 1000 keys"]
     for line in lines:
         errors = [float(e) for e in re.findall(r"error max ([0-9.e+-]+)", line)]
@@ -23,10 +21,10 @@ def test_attention_ab_reports_both_paths_and_restores_the_choice():
 
 
 def test_step_ab_times_both_choices_and_restores_them(llama_dir):
-    choice, linear = M.onednn_has_amx, ops.linear
+    choice, linear = ops.onednn_has_amx, ops.linear
     line = amx.step_ab(llama_dir, None, argparse.Namespace(rounds=2, steps=3), products=True,
                       max_model_len=256)
-    assert M.onednn_has_amx is choice and ops.linear is linear
+    assert ops.onednn_has_amx is choice and ops.linear is linear
     assert re.search(r"oneDNN( [0-9.]+){2} \(median [0-9.]+\) \| torch's kernel( [0-9.]+){2}", line), line
     shares = [int(s) for s in re.findall(r"(\d+)% ", line)]
     assert len(shares) == 2 and all(0 < s <= 100 for s in shares), line

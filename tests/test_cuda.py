@@ -293,7 +293,7 @@ def test_attention_runs_the_chosen_kernel(dtype):
     """Our attention call with a boolean mask runs memory-efficient attention (never cuDNN, whose
     per-shape graph builds decode would pay every step) and equals the reference math."""
     from layerstream.bench.gpu_probe import decode_problem, sdpa_backends_used
-    from engine.attention_backend import attend
+    from engine.ops import attend
     from tests.test_attention_backend import padded_problem, reference_attention
 
     q, k, v, m = decode_problem(1000, torch.device("cuda"), DTYPES[dtype])

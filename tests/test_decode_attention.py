@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from engine import model as M
+from engine import ops as dispatch
 from engine.arch import ModelConfig
-from engine.attention_backend import attend
 from engine.kernels import fused_ops as fo
+from engine.ops import attend
 
 ops = fo.fused_ops()
 needs_ops = pytest.mark.skipif(ops is None, reason="the fused CPU ops could not be built here")
@@ -108,8 +109,8 @@ def test_model_attention_takes_the_fused_path_for_16_bit_decode_steps(monkeypatc
                       max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
                       checkpoint_dtype=dtype, rope_inv_freq=tuple((1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)).tolist()))
     taken = []
-    tables_for = M._tokenwise_tables
-    monkeypatch.setattr(M, "_tokenwise_tables", lambda *a: taken.append(tables_for(*a) is not None) or tables_for(*a))
+    tables_for = dispatch.token_by_token
+    monkeypatch.setattr(dispatch, "token_by_token", lambda *a: taken.append(tables_for(*a) is not None) or tables_for(*a))
     g = torch.Generator().manual_seed(1)
     w = {"wqkv": (torch.randn((4 + 2 * 2) * 16, 64, generator=g) / 8).to(dtype),  # (q + k + v rows, hidden)
          "wo": (torch.randn(64, 64, generator=g) / 8).to(dtype)}
@@ -125,7 +126,7 @@ def test_model_attention_takes_the_fused_path_for_16_bit_decode_steps(monkeypatc
     kc, vc = k_cache.clone(), v_cache.clone()
     out = M.attention(x, w, kc, vc, step, cfg)
     assert taken == [dtype == torch.bfloat16]
-    monkeypatch.setattr(M, "_tokenwise_tables", lambda *a: None)  # the SDPA path for the same step
+    monkeypatch.setattr(dispatch, "token_by_token", lambda *a: None)  # the SDPA path for the same step
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     ref = M.attention(x, w, kc2, vc2, step, cfg)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)

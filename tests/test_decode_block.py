@@ -74,10 +74,10 @@ def _step(positions, tables, cfg):
 def assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg) -> torch.Tensor:
     """The step runs as the one C++ block call, and its output and cache writes are bit for bit the
     op-by-op path's (which stays switched on afterwards); returns that output."""
-    assert M._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
+    assert ops._decode_block_args(x, w, k_cache, v_cache, step, cfg) is not None
     kc, vc = k_cache.clone(), v_cache.clone()
     fast = M.block_forward(x, w, kc, vc, step, cfg)
-    monkeypatch.setattr(M, "decode_block", lambda: None)
+    monkeypatch.setattr(ops, "decode_block", lambda: None)
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     ref = M.block_forward(x, w, kc2, vc2, step, cfg)
     assert torch.equal(fast, ref)
@@ -125,7 +125,7 @@ def test_prompt_chunks_attending_token_by_token_run_as_the_block(monkeypatch):
     x = torch.randn(5, HIDDEN, generator=g).bfloat16()  # (tokens, hidden)
     k_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
     v_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
-    assert M._decode_block_args(x, w, k_cache, v_cache, M.StepInputs(**{**step.__dict__, "token_tables": None}),
+    assert ops._decode_block_args(x, w, k_cache, v_cache, M.StepInputs(**{**step.__dict__, "token_tables": None}),
                                 cfg) is None
     ref = assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg)  # op by op from here
     # causal: the chunk's first token does not see the two after it (their K/V changed, its output not)
@@ -143,15 +143,15 @@ def test_blocks_it_cannot_run_stay_op_by_op():
     step = _step([5], [[0]], cfg)
     x = torch.randn(1, HIDDEN).bfloat16()
     kc = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
-    assert M._decode_block_args(x, w, kc, kc, step, cfg) is not None
-    assert M._decode_block_args(x.float(), {k: v.float() for k, v in w.items()}, kc.float(), kc.float(), step,
+    assert ops._decode_block_args(x, w, kc, kc, step, cfg) is not None
+    assert ops._decode_block_args(x.float(), {k: v.float() for k, v in w.items()}, kc.float(), kc.float(), step,
                                 cfg) is None  # float32: the exact mode
-    assert M._decode_block_args(x, {k: v for k, v in w.items() if k != "wqkv"}, kc, kc, step, cfg) is None
+    assert ops._decode_block_args(x, {k: v for k, v in w.items() if k != "wqkv"}, kc, kc, step, cfg) is None
     two = _step([5, 6], [[0], [1]], cfg)
     prefill = M.StepInputs(**{**two.__dict__, "max_query": 2, "block_tables": two.block_tables[:1]})
-    assert M._decode_block_args(torch.randn(2, HIDDEN).bfloat16(), w, kc, kc, prefill, cfg) is None
+    assert ops._decode_block_args(torch.randn(2, HIDDEN).bfloat16(), w, kc, kc, prefill, cfg) is None
     qk_norm = ModelConfig(**{**cfg.__dict__, "qk_norm": True})
-    assert M._decode_block_args(x, w, kc, kc, step, qk_norm) is None
+    assert ops._decode_block_args(x, w, kc, kc, step, qk_norm) is None
 
 
 @needs_block
@@ -170,7 +170,7 @@ def test_fast_mode_run_is_the_same_with_and_without_it(monkeypatch, tmp_path, ar
 
     runs = []
     for block in (Spy(), None):
-        monkeypatch.setattr(M, "decode_block", lambda: block)
+        monkeypatch.setattr(ops, "decode_block", lambda: block)
         llm = LLM(str(path), max_model_len=64, max_num_seqs=2)
         try:
             if qtype == Q.Q4_0 and kernels.int4_backend() == "vnni":

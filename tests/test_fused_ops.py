@@ -1,4 +1,4 @@
-"""The fused CPU ops (engine/kernels/fused_ops.cpp) against the torch code they replace in engine/model.py.
+"""The fused CPU ops (engine/kernels/fused_ops.cpp) against the torch code they replace in engine/ops.py.
 
 Stated tolerances: fp32 within 1e-6 (absolute + relative: RMSNorm's fp32 sum runs in another order and
 SiLU's expf may differ from torch's in the last bit); bf16 / fp16 results equal, or one ulp apart where
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import model as M
+from engine import ops as dispatch
 from engine.kernels import fused_ops as fo
 
 ops = fo.fused_ops()
@@ -53,10 +54,10 @@ def _torch_rotary(x, cos, sin):
 def test_rms_norm_and_residual_add_match_torch(dtype, rows, n):
     x, r = _rand(rows, n, dtype=dtype, seed=1, scale=3.0), _rand(rows, n, dtype=dtype, seed=2)
     w = _rand(n, dtype=dtype, seed=3)
-    assert_matches(ops.rms_norm(x, w, 1e-5), M._rms_norm_torch(x, w, 1e-5))
+    assert_matches(ops.rms_norm(x, w, 1e-5), dispatch._rms_norm_torch(x, w, 1e-5))
     h, y = ops.add_rms_norm(x, r, w, 1e-5)
     assert_matches(h, x + r, exact=True)
-    assert_matches(y, M._rms_norm_torch(x + r, w, 1e-5))
+    assert_matches(y, dispatch._rms_norm_torch(x + r, w, 1e-5))
 
 
 @needs_ops
@@ -66,7 +67,7 @@ def test_rms_norm_of_strided_views_matches_torch(dtype):
     qkv = _rand(3, (4 + 2 * 2) * 16, dtype=dtype, seed=4)
     q = qkv[:, :64].view(3, 4, 16)  # (tokens, heads, head_dim), row stride 128 per token
     w = _rand(16, dtype=dtype, seed=5)
-    assert_matches(ops.rms_norm(q, w, 1e-6), M._rms_norm_torch(q, w, 1e-6))
+    assert_matches(ops.rms_norm(q, w, 1e-6), dispatch._rms_norm_torch(q, w, 1e-6))
 
 
 @needs_ops
@@ -114,7 +115,7 @@ def test_rows_split_over_threads_give_what_one_thread_gives(dtype):
         torch.set_num_threads(threads)
     for a, b in zip(one, split):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert_matches(split[0], M._rms_norm_torch(x, w, 1e-5))
+    assert_matches(split[0], dispatch._rms_norm_torch(x, w, 1e-5))
     assert_matches(split[3], F.silu(g) * u)
     assert_matches(split[4], _torch_rotary(q, cos, sin), exact=True)
 
@@ -152,15 +153,15 @@ def test_bad_input_is_refused():
 
 @needs_ops
 def test_model_functions_use_the_fused_ops_and_the_torch_code_alike(monkeypatch):
-    """engine/model.py's rms_norm / add_rms_norm / silu_mul / apply_rotary give the same with the ops
+    """engine/ops.py's rms_norm / add_rms_norm / silu_mul / apply_rotary give the same with the ops
     and with LAYERSTREAM_FUSED_OPS=torch, which turns them off (logged)."""
     x, r, w = _rand(3, 96, seed=8), _rand(3, 96, seed=9), _rand(96, seed=10)
     cos, sin = M.rotary_cos_sin(torch.tensor([1, 2, 3]), torch.rand(16), 1.0, torch.float32)
     q = _rand(3, 2, 32, seed=11)
 
     def run():
-        return (M.rms_norm(x, w, 1e-5), *M.add_rms_norm(x, r, w, 1e-5), M.silu_mul(x, r),
-                M.apply_rotary(q, cos, sin))
+        return (dispatch.rms_norm(x, w, 1e-5), *dispatch.add_rms_norm(x, r, w, 1e-5), dispatch.silu_mul(x, r),
+                dispatch.apply_rotary(q, cos, sin))
 
     fused = run()
     fo.fused_ops.cache_clear()

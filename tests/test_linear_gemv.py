@@ -1,4 +1,4 @@
-"""model.single_row_products: a step of one bf16 row takes torch's own matrix-vector kernel instead of
+"""ops.single_row_products: a step of one bf16 row takes torch's own matrix-vector kernel instead of
 oneDNN's (faster for a single row on a CPU without AMX; with AMX oneDNN is the faster and is kept), with the
 process-wide oneDNN switch always put back."""
 
@@ -6,14 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import model as M
 from engine import ops
 
 
 @pytest.fixture(autouse=True)
 def without_amx(monkeypatch):
     """The switch as a CPU without AMX makes it, wherever the tests run (test_amx_keeps_onednn: with)."""
-    monkeypatch.setattr(M, "onednn_has_amx", lambda: False)
+    monkeypatch.setattr(ops, "onednn_has_amx", lambda: False)
 
 
 def _weights(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +31,7 @@ def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
         expected = F.linear(x, w, b)  # torch's kernel, as the one-row path runs it
     finally:
         torch._C._set_mkldnn_enabled(True)
-    with M.single_row_products(x):
+    with ops.single_row_products(x):
         got = ops.linear(x, w, b)
     assert torch.equal(got, expected)
     reference = F.linear(x.double(), w.double(), b.double())
@@ -41,24 +40,24 @@ def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
 
 
 def test_only_single_bf16_rows_on_the_cpu_take_it():
-    assert M._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.bfloat16))
+    assert ops._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.bfloat16))
     # 2-16 rows: bf16_rows.cpp (linear); more: oneDNN
-    assert not M._one_bf16_row_on_cpu(torch.zeros(2, 8, dtype=torch.bfloat16))
-    assert not M._one_bf16_row_on_cpu(torch.zeros(1, 8))  # fp32: the exact mode keeps its path
-    assert not M._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.float16))  # not measured
+    assert not ops._one_bf16_row_on_cpu(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not ops._one_bf16_row_on_cpu(torch.zeros(1, 8))  # fp32: the exact mode keeps its path
+    assert not ops._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.float16))  # not measured
 
 
 def test_the_onednn_switch_is_restored_when_the_product_fails():
     w, _ = _weights(16, 32)
     x = torch.zeros(1, 31, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
-        with M.single_row_products(x):
+        with ops.single_row_products(x):
             ops.linear(x, w)  # wrong inner size
     assert torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)  # a caller that had it off keeps it off
     try:
         x = torch.zeros(1, 32, dtype=torch.bfloat16)
-        with M.single_row_products(x):
+        with ops.single_row_products(x):
             ops.linear(x, w)
         assert not torch._C._get_mkldnn_enabled()
     finally:
@@ -69,7 +68,7 @@ def test_a_one_row_bf16_step_runs_without_onednn(llama_dir, monkeypatch):
     from engine import LLM, SamplingParams
 
     seen = []  # (rows, oneDNN enabled inside) per step
-    real = M.single_row_products
+    real = ops.single_row_products
 
     def spy(x):
         cm = real(x)
@@ -84,7 +83,7 @@ def test_a_one_row_bf16_step_runs_without_onednn(llama_dir, monkeypatch):
 
         return Recorder()
 
-    monkeypatch.setattr(M, "single_row_products", spy)
+    monkeypatch.setattr(ops, "single_row_products", spy)
     llm = LLM(str(llama_dir), dtype="bfloat16", max_model_len=64, max_num_seqs=1)
     try:
         llm.generate([[3, 5, 7, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
@@ -97,8 +96,8 @@ def test_a_one_row_bf16_step_runs_without_onednn(llama_dir, monkeypatch):
 
 def test_amx_keeps_onednn_for_one_row(monkeypatch):
     """With AMX, oneDNN's product is the faster at one row too: the switch is not touched."""
-    monkeypatch.setattr(M, "onednn_has_amx", lambda: True)
+    monkeypatch.setattr(ops, "onednn_has_amx", lambda: True)
     x = torch.zeros(1, 8, dtype=torch.bfloat16)
-    assert not M._one_bf16_row_on_cpu(x)
-    with M.single_row_products(x):
+    assert not ops._one_bf16_row_on_cpu(x)
+    with ops.single_row_products(x):
         assert torch._C._get_mkldnn_enabled()

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from engine import LLM
-from engine import attention_backend
+from engine import ops
 from engine import model as M
 from engine.runner import TokenIdError
 from engine.scheduler import ScheduledChunk, Sequence
@@ -55,7 +55,7 @@ def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
     # no sliding window in these models: a chunk's tokens read start + 1, ..., start + count keys
     prefill_keys = sum(sum(range(c.start + 1, c.start + c.count + 1)) for c in chunks if c.count > 1)
     token_tables = None
-    if mq > 1 and attention_backend.tokenwise_attention_pays(dev, runner.dtype, prefill_keys):
+    if mq > 1 and ops.tokenwise_attention_pays(dev, runner.dtype, prefill_keys):
         token_tables = torch.tensor([tables[i] for i, c in enumerate(chunks) for _ in range(c.count)],
                                     dtype=torch.long, device=dev)
     return M.StepInputs(
@@ -174,9 +174,9 @@ def test_token_tables_only_for_short_prompt_chunks_in_16_bit(runner, monkeypatch
         assert torch.equal(step.token_tables, step.block_tables[rows])
         assert with_dtype(runner, torch.float32)._step_inputs(chunks).token_tables is None
         assert with_dtype(runner, torch.bfloat16)._step_inputs(chunks[1:2]).token_tables is None
-        monkeypatch.setattr(attention_backend, "TOKENWISE_MAX_KEYS", 24)
+        monkeypatch.setattr(ops, "TOKENWISE_MAX_KEYS", 24)
         assert with_dtype(runner, torch.bfloat16)._step_inputs(chunks).token_tables is not None
-        monkeypatch.setattr(attention_backend, "TOKENWISE_MAX_KEYS", 23)
+        monkeypatch.setattr(ops, "TOKENWISE_MAX_KEYS", 23)
         assert with_dtype(runner, torch.bfloat16)._step_inputs(chunks).token_tables is None
 
 

@@ -1,5 +1,5 @@
-"""Prompt chunks attended token by token (engine.model._tokenwise_tables, chosen by the runner through
-attention_backend.tokenwise_attention_pays): in bf16 on the CPU, steps with short prompt chunks, alone
+"""Prompt chunks attended token by token (engine.ops.token_by_token, chosen by the runner through
+ops.tokenwise_attention_pays): in bf16 on the CPU, steps with short prompt chunks, alone
 or beside decodes, go to the fused decode-attention kernel, one query token at a time over its own
 sequence's cache. Checked end to end against transformers on the same bf16 weights and against the
 padded path the same steps took before, with chunked prefill, batching and a shared prefix."""
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import attention_backend
-from engine import model as M
+from engine import ops
 from engine.kernels.fused_ops import fused_ops
 from tests.models import build
 
@@ -26,9 +25,9 @@ def scored(folder, monkeypatch, max_keys: int) -> tuple[list[list[float]], list[
     """Prompt logprobs and greedy tokens of PROMPTS in one batch (chunks of 5 tokens a step, so prompts
     are prefilled in pieces beside each other's decodes), with TOKENWISE_MAX_KEYS = max_keys; and how
     many multi-token steps attended token by token."""
-    monkeypatch.setattr(attention_backend, "TOKENWISE_MAX_KEYS", max_keys)
+    monkeypatch.setattr(ops, "TOKENWISE_MAX_KEYS", max_keys)
     taken = []
-    tables_for = M._tokenwise_tables
+    tables_for = ops.token_by_token
 
     def spy(step, *tensors):
         tables = tables_for(step, *tensors)
@@ -36,7 +35,7 @@ def scored(folder, monkeypatch, max_keys: int) -> tuple[list[list[float]], list[
             taken.append(tables is not None)
         return tables
 
-    monkeypatch.setattr(M, "_tokenwise_tables", spy)
+    monkeypatch.setattr(ops, "token_by_token", spy)
     llm = LLM(str(folder), max_model_len=64, max_num_seqs=3, max_num_batched_tokens=5)
     try:
         assert llm.engine.model.dtype == torch.bfloat16
@@ -57,7 +56,7 @@ def test_prompt_chunks_token_by_token_match_transformers_and_the_padded_path(tmp
         ref = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1) for p in PROMPTS]
     expected = [[float(r[i, p[i + 1]]) for i in range(len(p) - 1)] for r, p in zip(ref, PROMPTS)]
 
-    tokenwise, tokens, taken = scored(folder, monkeypatch, attention_backend.TOKENWISE_MAX_KEYS)
+    tokenwise, tokens, taken = scored(folder, monkeypatch, ops.TOKENWISE_MAX_KEYS)
     padded, padded_tokens, padded_taken = scored(folder, monkeypatch, -1)
     assert taken > 5 and padded_taken == 0  # every prompt step went token by token, then none did
     # bf16 keeps 8 bits of mantissa: two orders of the same sums differ by a few ulps (test_reference's bound)

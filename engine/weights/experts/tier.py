@@ -204,7 +204,8 @@ class ExpertTier:
         for group in groups:
             self.cache.reserve(group)
             if len(groups) == 1:
-                self._prefetch_next(block, hidden, router)  # queued behind this group's misses, fetched while it computes
+                # queued behind this group's misses, fetched while it computes
+                self._prefetch_next(block, hidden, router)
             where = self.cache.wait(group)
             held = [where[k] for k in sorted(group)]
             self.slots.activate(held)

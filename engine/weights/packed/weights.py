@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from ... import kernels
+from ... import ops
 from .dequant import _f16, _nibbles, dequantize, k_scale_min
 
 GROUP = 32  # weights per (scale, zero) group of the int4 kernel, and of every ggml 4-bit type
@@ -61,7 +61,7 @@ class GGUFWeight:
 class Int4Weight:
     """4-bit codes q (0..15) with a (scale, min) per 32 weights of a row: w = scale * q + min.
 
-    Stored in the layout of the int4 kernel this process uses (engine.kernels.int4_backend()):
+    Stored in the layout of the int4 kernel this process uses (engine.ops.int4_layout()):
       "vnni"  rows in blocks of 16 (the last padded with zero rows), engine/kernels/int4_vnni.cpp:
               codes (out16 / 16, in / 32 * 256) uint8: per block and group of 32, four 64-byte vectors;
               in vector v, row j's 4 bytes hold q[8v + t] | q[8v + 4 + t] << 4 for t = 0..3;
@@ -127,7 +127,7 @@ class Int4Weight:
         packed for this process's int4 kernel (`dtype`: the compute dtype, which the aten layout
         keeps its scales in; the vnni layout keeps them in float16)."""
         out, inner = codes.shape
-        if kernels.int4_backend() == "vnni":
+        if ops.int4_layout() == "vnni":
             return cls(*_vnni_layout(codes, scale, minimum), (out, inner), "vnni")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         zero = minimum + 8 * scale  # aten's kernel centres the codes: (q - 8) * scale + zero
@@ -153,7 +153,7 @@ def _vnni_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 
 class Int8Weight:
     """int8 codes with one scale per output row: w = q * scale. Like Int4Weight, in the layout of this
-    process's kernel (engine.kernels.int4_backend()):
+    process's kernel (engine.ops.int4_layout()):
       "vnni"  rows in blocks of 16 (the last padded with zero rows): codes (out16 / 16, in / 32 * 512)
               uint8 = q + 128, per block and group of 32 eight 64-byte vectors, vector v row j's 4 bytes
               being q[4v + t] + 128; scales (out16 / 16, 16) float32. engine.kernels.int8_linear.
@@ -201,7 +201,7 @@ class Int8Weight:
         scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         out, inner = w.shape
-        if inner % GROUP == 0 and kernels.int4_backend() == "vnni":
+        if inner % GROUP == 0 and ops.int4_layout() == "vnni":
             blocks, pad = -(-out // 16), -out % 16
             q = (F.pad(codes, (0, 0, 0, pad)).to(torch.int16) + 128).to(torch.uint8)
             q = q.reshape(blocks, 16, inner // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # (block, group, v, row, t)
@@ -213,7 +213,7 @@ class Int8Weight:
 def int8_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Bytes of an (out, in) Int8Weight in this process's layout (`dtype`: the compute dtype)."""
     out, inner = shape
-    if inner % GROUP == 0 and kernels.int4_backend() == "vnni":
+    if inner % GROUP == 0 and ops.int4_layout() == "vnni":
         out16 = -(-out // 16) * 16
         return out16 * inner + out16 * 4
     return out * inner + out * dtype.itemsize
@@ -222,7 +222,7 @@ def int8_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
 def int4_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Bytes of an (out, in) Int4Weight in this process's layout (`dtype`: the compute dtype)."""
     out, inner = shape
-    if kernels.int4_backend() == "vnni":
+    if ops.int4_layout() == "vnni":
         out, scale_bytes = -(-out // 16) * 16, 2  # rows padded to blocks of 16; float16 scales
     else:
         scale_bytes = dtype.itemsize
