@@ -31,7 +31,7 @@ chooses the path per call (`matmul`, `softmax`); everything here is the kernels 
   the same largest error against float64 as IEEE fp32), and faster than the default fp32 path. The
   scores' inputs are bf16 values, so even a CPU where oneDNN does round to bf16 in that mode gets the
   exact products flash computes; the probabilities (fp32) times V would there be rounded as flash rounds
-  them. Its errors against float64 are below flash's (tests/test_attention_backend.py checks it). Keys
+  them. Its errors against float64 are below flash's (tests/kernels/test_attention_backend.py checks it). Keys
   that every query row of the call may see (`open_keys`: the cached prefix before the earliest chunk)
   skip the mask. fp32 (exact mode) and fp16 keep SDPA. Timings of both paths: docs/benchmarks/amx.md
   (`python -m layerstream.bench.amx`).

@@ -2,7 +2,7 @@
 
 Each variable is read where it acts (the module named in `read_by`); this table only names and describes
 them, so docs/reference/environment.md can be generated from it (`python -m layerstream.reference`) and
-tests/test_docs_reference.py can check that every LAYERSTREAM_* name in the source tree is listed here.
+tests/layerstream/test_docs_reference.py can check that every LAYERSTREAM_* name in the source tree is listed here.
 The LAYERSTREAM_<FLAG> variables of `layerstream serve` (server/launch.py) are not listed: the reference
 derives them from the flags themselves. Imports nothing.
 """

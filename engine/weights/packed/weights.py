@@ -109,7 +109,7 @@ class Int4Weight:
         layout cannot stack them without repacking. Both layouts pack rows in tiles (vnni: blocks of
         16, the last padded; aten: BLOCK_N = 64), so the parts' packed bytes concatenate into the
         packing of the stacked rows exactly when every part but the last is whole tiles
-        (tests/test_fuse.py checks it against from_codes)."""
+        (tests/weights/test_fuse.py checks it against from_codes)."""
         layout = parts[0].layout
         tile = 16 if layout == "vnni" else 64
         if (any(p.shape[0] % tile for p in parts[:-1])
