@@ -27,7 +27,7 @@ RUN set -eu; \
     python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /opt/torch-constraint.txt
 
 # The wheel, built from the whole build context: .dockerignore lets in exactly what pyproject.toml
-# packages (tests/test_install.py builds the same wheel from the same context), so no package is
+# packages (tests/deploy/test_install.py builds the same wheel from the same context), so no package is
 # left behind by a hand-kept COPY list.
 FROM base AS wheel
 # Optional extras of the project, e.g. EXTRAS=ray for the image the KubeRay RayService runs (deploy/).

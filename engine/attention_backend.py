@@ -1,11 +1,10 @@
-"""Scaled dot-product attention over a padded batch: which kernel runs, and how much memory it may
-take, decided here and nowhere else (model.attention calls `attend`).
+"""Scaled dot-product attention over a padded batch, and how much memory one call may take. engine.ops
+chooses the path per call (`matmul`, `softmax`); everything here is the kernels and their bounds.
 
-Four choices, each for a reason found reading the CUDA path against torch 2.11 (the last, the CPU's):
 - On CUDA, cuDNN attention is turned off (on the first call): memory-efficient attention runs,
   with the math path as the fallback. With a boolean mask in bf16/fp16 and cuDNN >= 9.15 SDPA would pick
-  cuDNN, which builds a graph for every new shape; decode changes the context length every step, a
-  build takes 55-400 ms and the graph cache grows without bound in a server. Flash takes no mask.
+  cuDNN, which builds a graph for every new shape; decode changes the context length every step, each
+  build is costly and the graph cache grows without bound in a server. Flash takes no mask.
 - GQA is folded into the query axis: the `group` query heads that share a KV head become `group`
   times as many query rows of that KV head. The call is then plain multi-head attention over the KV
   heads as stored, which memory-efficient attention accepts with a mask in every torch version
@@ -20,25 +19,22 @@ Four choices, each for a reason found reading the CUDA path against torch 2.11 (
   for every shape the engine forms). That kernel works in per-thread tiles: beyond its output it
   holds only the mask made additive, so `flash_cpu_call_bytes` bounds its calls, not the math
   path's formula. Split by the math formula, a 128-token chunk over a 2000-token context at a 25%
-  budget became three calls of ~210 query rows, each re-reading all of K/V with smaller tiles:
-  1.07-1.15x the CPU time of one call (measured side by side here), for memory the flash kernel
-  never takes. The plan keeps the math path's
-  bound (the most any backend takes), so a step's flash calls always fit inside it.
-- On the CPU, bf16 attention is not SDPA's at all where this was measured to pay (a CPU with
-  AVX512-BF16 and without AMX: with AMX the flash kernel is the faster, see `_bf16_dot_products`):
-  it is two fp32 oneDNN matmuls around an fp32 softmax (`_attend_bf16_matmul`).
-  SDPA's CPU flash kernel does its bf16 x bf16 -> fp32 tile products through MKL, which on this AMD
-  EPYC converts them to fp32 and runs its sgemm (perf: `mkl_blas_def_xgemm_bf16bf16f32` calling
-  `sgemm_kernel_0_zen`, ~50% of the kernel), so bf16 attention ran no faster than fp32 (~65 GFLOP/s
-  for a 128-token chunk over 2000 keys). torch sends fp32 matmuls to oneDNN instead of MKL only under
-  oneDNN's "bf16" math mode, which it sets around these calls; measured here, oneDNN then computes at
-  fp32 accuracy (on random fp32 inputs the same largest error against float64 as IEEE fp32) and 2.4x
-  faster than the default fp32 path. The scores' inputs are bf16 values, so even a CPU where oneDNN
-  does round to bf16 in that mode gets the exact products flash computes; the probabilities (fp32)
-  times V would there be rounded as flash rounds them. Errors against float64, measured here, are
-  below flash's (mean 4e-5 vs 6.5e-5, max 4.9e-4 vs 5.9e-4 at 2000 keys). Keys that every query row
-  of the call may see (`open_keys`: the cached prefix before the earliest chunk) skip the mask.
-  fp32 (exact mode) and fp16 keep SDPA, and so does everything with LAYERSTREAM_CPU_ATTENTION=sdpa.
+  budget became three calls, each re-reading all of K/V with smaller tiles, for memory the flash
+  kernel never takes. The plan keeps the math path's bound (the most any backend takes), so a step's
+  flash calls always fit inside it.
+- On the CPU, bf16 attention can be two fp32 oneDNN matmuls around an fp32 softmax instead
+  (`_attend_bf16_matmul`, where engine.ops.bf16_matmul_attention chose it: a CPU with AVX512-BF16 and
+  without AMX). SDPA's CPU flash kernel does its bf16 x bf16 -> fp32 tile products through MKL, which on
+  such a CPU (an AMD EPYC, measured) converts them to fp32 and runs its sgemm, so bf16 attention ran no
+  faster than fp32. torch sends fp32 matmuls to oneDNN instead of MKL only under oneDNN's "bf16" math
+  mode, which it sets around these calls; oneDNN then computes at fp32 accuracy (on random fp32 inputs
+  the same largest error against float64 as IEEE fp32), and faster than the default fp32 path. The
+  scores' inputs are bf16 values, so even a CPU where oneDNN does round to bf16 in that mode gets the
+  exact products flash computes; the probabilities (fp32) times V would there be rounded as flash rounds
+  them. Its errors against float64 are below flash's (tests/kernels/test_attention_backend.py checks it). Keys
+  that every query row of the call may see (`open_keys`: the cached prefix before the earliest chunk)
+  skip the mask. fp32 (exact mode) and fp16 keep SDPA. Timings of both paths: docs/benchmarks/amx.md
+  (`python -m layerstream.bench.amx`).
 """
 
 from __future__ import annotations
@@ -47,14 +43,13 @@ import contextlib
 import functools
 import logging
 import math
-import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .kernels import _cpu_flags, onednn_has_amx
-from .kernels.attention_ops import attention_ops
+from .kernels import onednn_has_amx
 
 log = logging.getLogger("layerstream")
 
@@ -86,9 +81,8 @@ def flash_cpu_call_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: i
     boolean mask made additive in the query's dtype, the output and its log-sum-exp, per thread one
     tile of fp32 scores (plus its half-precision copy) and fp32 output rows, and, in half precision on
     a CPU with AMX, K and V copied into oneDNN's packed layout (torch packs them there for calls of at
-    least 64 rows and keys: a 128-token chunk over 2000 keys peaked at 4.92 MB on an Intel Xeon with
-    AMX, over the 4.16 MB the rest accounts for, as test_cpu_steps_run_the_flash_kernel_within_its_bound
-    printed before these copies were counted)."""
+    least 64 rows and keys: test_cpu_steps_run_the_flash_kernel_within_its_bound measured them on an Intel
+    Xeon with AMX before these copies were counted)."""
     threads = torch.get_num_threads() if threads is None else threads
     mask = seqs * rows * ctx * itemsize
     out = seqs * heads * rows * (head_dim * itemsize + 4)
@@ -102,7 +96,8 @@ _sdp_choice = getattr(torch, "_fused_sdp_choice", None)
 
 
 def uses_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether SDPA will run these on the CPU flash kernel (its own dispatch decision, ~5 us)."""
+    """Whether SDPA will run these on the CPU flash kernel (its own dispatch decision, which costs a few
+    microseconds: asked only for calls the math path's bound would split)."""
     return q.device.type == "cpu" and _sdp_choice is not None and _sdp_choice(q, k, v, attn_mask=mask) == _FLASH
 
 
@@ -120,19 +115,19 @@ def _scratch_floats(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, p
     return seqs * heads * (2 * ctx * head_dim + (2 if probs else 1) * rows * ctx)
 
 
-# At most this much per bf16 matmul call, whatever the plan allows. Measured here (one thread, a
-# 128-token chunk over 2032 keys, fresh temporaries per call): 11-12 ms in calls of 12-24 MiB, 21-25 ms
-# in calls of ~30 MB, ~40 ms in one call of ~45 MB, the larger calls paying page faults on memory the
-# allocator had returned to the system; more, smaller calls cost little (each re-reads only K and V).
+# At most this much per bf16 matmul call, whatever the plan allows: larger calls paid page faults on
+# memory the allocator had returned to the system (a 128-token chunk over 2032 keys on one thread took
+# twice as long in calls of ~30 MB as in calls of 12-24 MiB); more, smaller calls cost little (each
+# re-reads only K and V).
 MATMUL_CPU_CALL_BYTES = 16 << 20
 
 
 class AttentionScratch:
     """fp32 memory the bf16 matmul path reuses from call to call (a runner owns one, passed in through
     StepInputs): fresh temporaries of several MiB per call are page-faulted in again whenever the
-    allocator has given them back to the system, which measured 9.7 ms against 16 ms for the same
-    call. It grows to the largest call's need, at most MATMUL_CPU_CALL_BYTES (within the plan's
-    attention workspace, which this memory is part of)."""
+    allocator has given them back to the system, which made the same call markedly slower. It grows to
+    the largest call's need, at most MATMUL_CPU_CALL_BYTES (within the plan's attention workspace, which
+    this memory is part of)."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(0)
@@ -165,58 +160,6 @@ def workspace_bytes(seqs: int, rows: int, ctx: int, heads: int, head_dim: int, i
     return call_bytes(s, r, ctx, heads, head_dim, itemsize)
 
 
-def _bf16_dot_products() -> bool:
-    """Whether this CPU is of the kind the matmul path was measured faster on: bf16 dot products
-    (AVX512-BF16) without AMX. With AMX, SDPA's flash kernel packs K and V for oneDNN's AMX
-    micro-kernels and is the faster (a 128-token chunk over 2000 keys: 2.31 ms against the matmul
-    path's 3.33, median 2.51 vs 3.69, Intel Xeon, 2 threads: `python -m layerstream.bench.amx`), and oneDNN's
-    bf16 math mode there really rounds the fp32 inputs to bf16 (mean error 7.4e-4 against flash's
-    6.4e-4 on the mixed problem of test_bf16_matmul_path_is_at_least_as_accurate_as_flash, which failed
-    on it). Elsewhere SDPA keeps running, unmeasured against it."""
-    flags = _cpu_flags()
-    return torch.backends.mkldnn.is_available() and "avx512_bf16" in flags and not onednn_has_amx()
-
-
-CPU_ATTENTION_MODES = ("auto", "sdpa")
-
-
-def cpu_attention_mode() -> str:
-    """LAYERSTREAM_CPU_ATTENTION: auto (the default: the matmul path for bf16 where the CPU is of the
-    kind it was measured on) or sdpa (SDPA for every dtype, as before; for A/B runs of a benchmark)."""
-    mode = os.environ.get("LAYERSTREAM_CPU_ATTENTION", "auto")
-    if mode not in CPU_ATTENTION_MODES:
-        raise ValueError(f"LAYERSTREAM_CPU_ATTENTION must be auto or sdpa, got {mode!r}")
-    return mode
-
-
-BF16_MATMUL_CPU = cpu_attention_mode() == "auto" and _bf16_dot_products()
-
-
-# A step with prompt chunks attends token by token (engine.model._tokenwise_tables) when its chunks' tokens
-# read at most this many keys in all. Measured here on the benchmark model (20 blocks, 16 heads of 64 over
-# 4 KV heads, bf16; one 128-token chunk a step, both paths alternated in one process): token by token
-# costs ~1.7 ms a step more per 1000 keys, the padded path stays at 176-208 ms a step whatever the
-# start; 171 vs 208 ms at 8256 keys (a chunk from position 0), 211 vs 189 at 24640 (from 128). A step of
-# 8 prompts of 16 tokens: 139 vs 149 ms; 7 prompt tokens beside 16 decodes: 50 vs 66 ms.
-TOKENWISE_MAX_KEYS = 12288
-
-
-def tokenwise_attention_pays(device: torch.device, dtype: torch.dtype, prefill_keys: int) -> bool:
-    """Whether a step with prompt chunks (maybe beside decodes) should attend token by token, as decode
-    steps do, rather than through the padded batch `attend` takes; prefill_keys: the keys its chunks'
-    tokens read in all (decode tokens are not counted: token by token is their better path at any
-    context). Token by token, a chunk's tokens each read their keys again (no reuse of a key across a
-    chunk's rows); the padded path pays a fixed cost per call (gathering K/V, mask, padding, fp32
-    copies, two small matmuls) and then reuses every key across the chunk: short prompts go token by
-    token, long ones keep `attend`. The CPU in a 16-bit dtype only: that kernel's domain."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and prefill_keys <= TOKENWISE_MAX_KEYS
-
-
-def uses_bf16_matmul_cpu(q: torch.Tensor) -> bool:
-    """Whether attend runs these queries through `_attend_bf16_matmul` rather than SDPA."""
-    return BF16_MATMUL_CPU and q.dtype == torch.bfloat16 and q.device.type == "cpu"
-
-
 @contextlib.contextmanager
 def _fp32_matmul_as_bf16():
     """oneDNN's bf16 math mode for fp32 matmuls, for the calls inside only. The setting is process
@@ -231,17 +174,18 @@ def _fp32_matmul_as_bf16():
 
 
 def _attend_bf16_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, open_keys: int,
-                        chunk_bytes: int | None, scratch: AttentionScratch | None, scale: float | None = None
-                        ) -> torch.Tensor:
+                        chunk_bytes: int | None, scratch: AttentionScratch | None, scale: float | None = None,
+                        softmax: ModuleType | None = None) -> torch.Tensor:
     """Folded attention (GQA already folded into q's rows) as two matmuls: q (seqs, kv_heads, rows,
     head_dim) bf16; k, v (seqs, kv_heads, context, head_dim); mask (seqs, 1, rows, context), whose first
-    open_keys columns are all True; scale multiplies q . k (None: 1 / sqrt(head_dim)). Returns (seqs,
+    open_keys columns are all True; scale multiplies q . k (None: 1 / sqrt(head_dim)); softmax: the C++
+    scale + mask + softmax in place (kernels/attention_ops.py), or None for torch's ops. Returns (seqs,
     kv_heads, rows, head_dim) bf16."""
     seqs, nkv, rows, hd = q.shape
     scale = hd ** -0.5 if scale is None else scale
     ctx = k.shape[2]
     bound = min(CHUNK_BYTES if chunk_bytes is None else chunk_bytes, MATMUL_CPU_CALL_BYTES)
-    ops = attention_ops()  # the C++ softmax in place, or None: torch's ops
+    ops = softmax
     probs = ops is None  # torch's softmax writes a second (rows x context) buffer
     cost = functools.partial(matmul_cpu_call_bytes, probs=probs)
     sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), bound, cost)
@@ -286,10 +230,10 @@ def _carve(buf: torch.Tensor, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
           ) -> torch.Tensor:
     if q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled():
-        # cuDNN SDPA off for the process, once, rather than an sdpa_kernel() context around every
-        # call: entering and leaving it costs tens of microseconds (55 us measured here), per block
-        # per step. With cuDNN off and a mask given (flash takes none), SDPA's own order is then
-        # memory-efficient, then math (the probe and the cuda tests check which one ran).
+        # cuDNN SDPA off for the process, once, rather than an sdpa_kernel() context around every call:
+        # entering and leaving it costs tens of microseconds, per block per step. With cuDNN off and a mask
+        # given (flash takes none), SDPA's own order is then memory-efficient, then math (the probe and the
+        # cuda tests check which one ran).
         torch.backends.cuda.enable_cudnn_sdp(False)
         log.info("attention: cuDNN SDPA turned off for this process; memory-efficient attention runs instead")
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -318,12 +262,14 @@ def _attend_softcap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
            chunk_bytes: int | None = None, open_keys: int = 0, scratch: AttentionScratch | None = None,
-           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+           scale: float | None = None, softcap: float | None = None, *, matmul: bool = False,
+           softmax: ModuleType | None = None) -> torch.Tensor:
     """q: (seqs, heads, max_query, head_dim); k, v: (seqs, kv_heads, context, head_dim);
     mask: (seqs, 1, max_query, context) bool, True = may attend; its first open_keys columns must be
     all True (a promise the bf16 matmul path relies on; 0 makes none); scratch: memory that path reuses;
     scale: multiplies q . k (None: 1 / sqrt(head_dim)); softcap: scores -> softcap * tanh(scores / softcap).
-    Returns (seqs, heads, max_query, head_dim)."""
+    matmul: bf16 queries on the CPU take the matmul path, with `softmax` (its C++ softmax, or None: torch's
+    ops), not SDPA (engine.ops chooses). Returns (seqs, heads, max_query, head_dim)."""
     seqs, nh, mq, hd = q.shape
     nkv, ctx = k.shape[1], k.shape[2]
     group = nh // nkv
@@ -335,13 +281,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if softcap is not None:
         out = _attend_softcap(q, k, v, mask, hd ** -0.5 if scale is None else scale, softcap, chunk_bytes)
         return out.reshape(seqs, nh, mq, hd)
-    if uses_bf16_matmul_cpu(q):
-        out = _attend_bf16_matmul(q, k, v, mask, open_keys, chunk_bytes, scratch, scale)
+    if matmul and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        out = _attend_bf16_matmul(q, k, v, mask, open_keys, chunk_bytes, scratch, scale, softmax)
         return out.reshape(seqs, nh, mq, hd)
     sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
     if (sp < seqs or rp < rows) and uses_flash_cpu(q, k, v, mask):
-        # Only a call the math path's bound would split asks SDPA's dispatch (~5 us, once per block
-        # per step otherwise): the CPU flash kernel takes far less, so split by its own bound.
+        # Only a call the math path's bound would split asks SDPA's dispatch (not free, and once per
+        # block per step otherwise): the CPU flash kernel takes far less, so split by its own bound.
         sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes, flash_cpu_call_bytes)
     if sp >= seqs and rp >= rows:
         out = _sdpa(q, k, v, mask, scale)

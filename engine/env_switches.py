@@ -2,7 +2,7 @@
 
 Each variable is read where it acts (the module named in `read_by`); this table only names and describes
 them, so docs/reference/environment.md can be generated from it (`python -m layerstream.reference`) and
-tests/test_docs_reference.py can check that every LAYERSTREAM_* name in the source tree is listed here.
+tests/layerstream/test_docs_reference.py can check that every LAYERSTREAM_* name in the source tree is listed here.
 The LAYERSTREAM_<FLAG> variables of `layerstream serve` (server/launch.py) are not listed: the reference
 derives them from the flags themselves. Imports nothing.
 """
@@ -51,7 +51,7 @@ SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("LAYERSTREAM_PREPACK", "auto", "auto, off", ENGINE, "engine/weights/packed/prepacked.py",
               "A GGUF file's blocks written once in the CPU kernels' layout to a cache entry that later loads "
               "map; off repacks at load and per step."),
-    EnvSwitch("LAYERSTREAM_CPU_ATTENTION", "auto", "auto, sdpa", ENGINE, "engine/attention_backend.py",
+    EnvSwitch("LAYERSTREAM_CPU_ATTENTION", "auto", "auto, sdpa", ENGINE, "engine/ops.py",
               "CPU bf16 prompt attention: auto picks the matmul path on AVX512-BF16 CPUs without AMX; sdpa "
               "uses torch's SDPA for every dtype (for A/B runs)."),
     EnvSwitch("LAYERSTREAM_SIM_GBPS", "2", "GB/s, >= 0 (0: no delay)", ENGINE, "engine/weights/transports/simulated.py",

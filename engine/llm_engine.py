@@ -516,6 +516,7 @@ class LLMEngine:
             structured_output=self.grammar.telemetry(),
             pinned_cache=weights.pinned_cache,
             speculative=self.spec_counters.snapshot() if self.spec_counters is not None else None,
+            kernels=self.model.kernels,
         )
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:

@@ -16,13 +16,13 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from . import ops
 from .args import EngineArgs, resolve_dtype
 from .arch import ModelConfig
 from .errors import UnsupportedModelError, out_of_memory_error
 from .host_memory import anonymous_bytes, host_budget
-from .kernels.prepare import describe as describe_kernels
-from .kernels.prepare import prepare as prepare_kernels
 from .kv_cache import KVCache
+from .ops import KernelChoices
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
 from .workspace import attention_chunk_bytes, workspace_bytes
@@ -243,6 +243,7 @@ class LoadedModel:
     path: Path
     checkpoint: ModelCheckpoint
     weights: ModelWeights
+    kernels: KernelChoices  # what this model's operations run on (engine.ops)
 
     def close(self) -> None:
         """Stop streaming and give back threads, buffers, pinned memory, file descriptors, mappings."""
@@ -263,10 +264,11 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         host_room = host_budget(args.max_host_memory)
+        device = torch.device(args.device)
         # Every kernel choice now, before the plan sizes packed weights for one and before any
         # request: a no-op where the engine loop (or an earlier load) has made them. Builds run on
-        # prepare's threads, whose compilers a Ctrl-C here stops.
-        log.info("%s", describe_kernels(prepare_kernels()))
+        # prepare's threads, whose compilers a Ctrl-C here stops. The table is logged once.
+        kernels = ops.choose(device, dtype)
         plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft)
         disk_gbps = None
         if plan.disk_blocks:
@@ -277,7 +279,6 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
                  str(dtype).replace("torch.", ""), plan.describe(disk_gbps))
         if checkpoint.describe(dtype):
             log.info("%s", checkpoint.describe(dtype))
-        device = torch.device(args.device)
         # GGUF in CPU fast mode: every block is prepacked once (cached), then resident ones load.
         prepack = 0 if args.quantization else checkpoint.prepack_pending(dtype, device)
         bar = tqdm(total=len(plan.resident_blocks) + 1, desc="loading blocks", unit="block",
@@ -307,7 +308,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         if isinstance(e, torch.OutOfMemoryError):
             raise out_of_memory_error(plan, torch.device(args.device), e) from e
         raise
-    return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights)
+    return LoadedModel(cfg, plan, runner, dtype, path, checkpoint, weights, kernels)
 
 
 def load_draft_model(args: EngineArgs) -> LoadedModel:

@@ -1,10 +1,12 @@
 """Transformer math as plain functions of (weights, activations, KV cache, step metadata).
 
-Nothing here knows where weights live: a block's weights arrive as a dict of tensors from the
-streamer. Nothing here branches on an architecture's name either: how a family's block differs from
-Llama's (norm placement, activation, scales, caps) is its row of the family table (arch.Family) and
-the numbers its config sets (arch.ModelConfig); what differs between the blocks of one model (sliding
-window, RoPE table) arrives with the block's step inputs (StepInputs.window, attn_mask, cos, sin).
+Nothing here knows where weights live: a block's weights arrive as a dict of tensors from the streamer.
+Nothing here knows which kernel runs an operation: engine.ops chooses (products, norms, rotary,
+SwiGLU, attention, a whole block in one call). Nothing here branches on an architecture's name either:
+how a family's block differs from Llama's (norm placement, activation, scales, caps) is its row of the
+family table (arch.Family) and the numbers its config sets (arch.ModelConfig); what differs between the
+blocks of one model (sliding window, RoPE table) arrives with the block's step inputs
+(StepInputs.window, attn_mask, cos, sin).
 
 Tokens of every sequence in a step are packed into one flat (tokens, hidden) matrix so that each
 projection is a single matmul over the whole batch; only attention unpacks them into a padded
@@ -13,18 +15,17 @@ projection is a single matmul over the whole batch; only attention unpacks them 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from . import ops
 from .arch import Family, ModelConfig
-from .attention_backend import AttentionScratch, attend
-from .kernels import onednn_has_amx
-from .kernels.bf16_rows import bf16_rows
-from .kernels.decode_block import decode_block
-from .kernels.fused_ops import fused_ops
+
+if TYPE_CHECKING:
+    from .attention_backend import AttentionScratch
 
 
 @dataclass
@@ -61,33 +62,9 @@ class StepInputs:
     window: int | None = None
 
 
-def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether engine.kernels' fused CPU ops take these tensors: on the CPU, one floating dtype, last
-    dimension contiguous (the ops check the rest and raise)."""
-    return (x.is_cpu and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
-            and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in others) and fused_ops() is not None)
-
-
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fusable(x, weight):
-        return fused_ops().rms_norm(x, weight, eps)  # the same math in one call (fused_ops.cpp)
-    return _rms_norm_torch(x, weight, eps)
-
-
-def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Accumulate in fp32 as the reference does, so bf16/fp16 inputs round the same way.
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
 def norm(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The family's RMSNorm: x / rms(x) * (norm_offset + weight)."""
-    return rms_norm(x, norm_weight(weight, cfg), cfg.rms_norm_eps)
+    return ops.rms_norm(x, norm_weight(weight, cfg), cfg.rms_norm_eps)
 
 
 def norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -95,15 +72,6 @@ def norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     dtype (fp32 in the exact mode, as the reference forms it), rather than stored: a streamed block is a
     view of the file."""
     return weight if not cfg.norm_offset else weight + cfg.norm_offset
-
-
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + r and rms_norm(h): a residual add and the norm after it, one call on the CPU."""
-    if _fusable(x, r, weight):
-        return fused_ops().add_rms_norm(x, r, weight, eps)
-    h = x + r
-    return h, _rms_norm_torch(h, weight, eps)
 
 
 def rotary_inv_freq(cfg: ModelConfig, table: str = "global") -> tuple[torch.Tensor, float]:
@@ -127,23 +95,14 @@ def rotary_cos_sin(
     return cos[:, None], sin[:, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (tokens, heads, head_dim); cos, sin: (tokens, 1, head_dim) from rotary_cos_sin.
-    The reference computes x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); here the halves
-    are swapped by roll and the sign sits in sin: (-x2) * s == x2 * (-s) bit for bit, so this is exact."""
-    if _fusable(x, cos, sin) and x.dim() == 3:
-        return fused_ops().rotary(x, cos, sin)  # (tokens, heads, head_dim), the same roundings
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """RoPE in the family's form. x: (tokens, heads, head_dim); cos, sin: (tokens, 1, rotary_dim) from
     rotary_cos_sin. Only the first rotary_dim dims of each head rotate (partial rotary: Phi-3/4, GLM-4),
-    as halves (apply_rotary) or as adjacent pairs (GLM-4's interleaved form)."""
+    as halves (ops.apply_rotary) or as adjacent pairs (GLM-4's interleaved form)."""
     rot = cos.shape[-1]
     interleaved = cfg.family.rope_interleaved
     if rot == x.shape[-1] and not interleaved:
-        return apply_rotary(x, cos, sin)
+        return ops.apply_rotary(x, cos, sin)
     xr = x[..., :rot]  # (tokens, heads, rotary_dim), a view
     if interleaved:
         half = rot // 2
@@ -155,61 +114,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConf
     else:
         out = xr * cos + xr.roll(rot // 2, -1) * sin
     return torch.cat((out, x[..., rot:]), dim=-1) if rot < x.shape[-1] else out
-
-
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + bias, where w is a dense (out, in) tensor or a packed weight (engine.weights.packed.weights)
-    that multiplies itself with its own kernel."""
-    if not isinstance(w, torch.Tensor):
-        return w.linear(x, bias)
-    if _few_bf16_rows(x):
-        return bf16_rows().linear(x, w, bias)  # its kernel where it applies, else F.linear's (bf16_rows.cpp)
-    return F.linear(x, w, bias)
-
-
-def _few_bf16_rows(x: torch.Tensor) -> bool:
-    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
-    whose products kernels/bf16_rows.cpp runs 1.2-2.3x faster than oneDNN on a CPU without AMX (AMD
-    EPYC: layerstream/bench/bf16_rows.py, 2 threads; at 16 rows 1.3-1.9x the cost of one row on torch's
-    matrix-vector kernel). With AMX, oneDNN is the faster and bf16_rows() is None."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
-        return False
-    kernel = bf16_rows()
-    return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
-
-
-def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
-    """A single bf16 row on a CPU without AMX: every dense product of the step is a matrix-vector
-    product, which torch's own bf16 kernel runs 1.5-2.1x faster than oneDNN's there (AMD EPYC: it reads
-    the weight at up to ~40 GB/s on 2 threads; measured for SmolLM2's and the benchmark model's shapes,
-    1 and 2 threads: layerstream/bench/bf16_rows.py). From 2 rows on it runs row by row; 2-16 rows take
-    kernels/bf16_rows.cpp (linear), more take oneDNN. With AMX, oneDNN is the faster at one row too (or
-    no slower): the benchmark model's one-sequence decode step took 36.1 ms with it against 44.8 ms with
-    torch's kernel all resident, 43.4 against 45.2 streamed (`python -m layerstream.bench.amx`, Intel Xeon, 2 threads)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and not onednn_has_amx()
-
-
-@contextlib.contextmanager
-def single_row_products(x: torch.Tensor):
-    """Around a step's forward whose activations are x (tokens, hidden): for a single bf16 row on a
-    CPU without AMX, torch's dense products (F.linear here, at::linear in kernels/decode_block.cpp) without oneDNN;
-    otherwise nothing. The switch is process-wide: the engine's one compute thread is the only one
-    multiplying while it is off."""
-    if not _one_bf16_row_on_cpu(x):
-        yield
-        return
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(was)
-
-
-def embed(input_ids: torch.Tensor, embed_weight) -> torch.Tensor:
-    if not isinstance(embed_weight, torch.Tensor):
-        return embed_weight.embedding(input_ids)  # packed table: only the looked-up rows are unpacked
-    return F.embedding(input_ids, embed_weight)  # (tokens, hidden)
 
 
 def scale_embeddings(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -232,12 +136,12 @@ def attention(
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.packed.fuse)
     if fused:
-        qkv = linear(x, w["wqkv"], w.get("bqkv"))  # (tokens, (heads + 2 kv_heads) * head_dim)
+        qkv = ops.linear(x, w["wqkv"], w.get("bqkv"))  # (tokens, (heads + 2 kv_heads) * head_dim)
         q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)  # views
     else:
-        q = linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
-        k = linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
-        v = linear(x, w["wv"], w.get("bv"))
+        q = ops.linear(x, w["wq"], w.get("bq"))  # (tokens, heads*head_dim)
+        k = ops.linear(x, w["wk"], w.get("bk"))  # (tokens, kv_heads*head_dim)
+        v = ops.linear(x, w["wv"], w.get("bv"))
     if fused and not cfg.qk_norm and cfg.clip_qkv is None and step.cos is not None:
         # q's and k's heads are adjacent in each row of qkv: one rotary over both.
         qk = rotate(qkv.view(tokens, nh + 2 * nkv, hd)[:, :nh + nkv], step.cos, step.sin, cfg)
@@ -256,17 +160,15 @@ def attention(
             q = rotate(q, step.cos, step.sin, cfg)
             k = rotate(k, step.cos, step.sin, cfg)
 
-    tables = _tokenwise_tables(step, q, k, v, k_cache) if cfg.attn_softcap is None else None
+    tables = ops.token_by_token(step, q, k, v, k_cache) if cfg.attn_softcap is None else None
     if tables is not None:
         factor = 1.0 if cfg.attn_scale is None else cfg.attn_scale * hd ** 0.5
         if factor != 1.0:
             # The kernel scales by 1/sqrt(head_dim); the family's own scale goes into q (16-bit only: the
             # exact fp32 mode takes the path below, which passes the scale to the attention call).
             q = q * factor
-        # One C++ call for the KV write and the attention of each token (fused_ops.cpp).
-        out = fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, tables,
-                                           step.positions, step.window or 0)  # (tokens, heads*head_dim)
-        return linear(out, w["wo"], w.get("bo"))
+        out = ops.decode_attention(q, k, v, k_cache, v_cache, step, tables)  # (tokens, heads*head_dim)
+        return ops.linear(out, w["wo"], w.get("bo"))
     # k_cache: (blocks, block_size, kv_heads, head_dim); flattened, one row per token position.
     # index_copy_ rather than indexed assignment: the same copy without advanced indexing's setup.
     k_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, k)
@@ -282,29 +184,12 @@ def attention(
     keys = gather_blocks(k_cache, step.block_tables, step.context_len)  # (seqs, kv_heads, context, head_dim)
     values = gather_blocks(v_cache, step.block_tables, step.context_len)
     # (seqs, heads, max_query, head_dim)
-    out = attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch,
-                 scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+    out = ops.attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch,
+                     scale=cfg.attn_scale, softcap=cfg.attn_softcap)
     out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
-    return linear(out, w["wo"], w.get("bo"))
-
-
-def _tokenwise_tables(step: StepInputs, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor | None:
-    """The block table of each token's sequence, (tokens, max_blocks), when this step's attention goes
-    to the fused CPU kernel token by token, else None. That kernel writes every token's K/V first, then
-    attends each token over its own sequence's cache up to its own position: causal attention, so a
-    chunk of prompt tokens is as many one-token attentions. It runs on the CPU in a 16-bit dtype
-    (float32 is the exact mode, kept on SDPA, which the reference tests hold to transformers), for a
-    decode step (one token per sequence: the block tables are already per token) and for the steps
-    where the runner found it pays (tokenwise_attention_pays). Decode: it beat the gather + SDPA at
-    every context measured, most at short ones (1 sequence: 10x at 20 keys, 2x at 200, 1.1x at 2000;
-    16 sequences at 2000: 1.2x)."""
-    if x.dtype == torch.float32 or not _fusable(x, *others):
-        return None
-    if step.max_query == 1 and step.pad_rows is None:
-        return step.block_tables
-    return step.token_tables
+    return ops.linear(out, w["wo"], w.get("bo"))
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -315,7 +200,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: 
     _, bs, nkv, hd = cache.shape
     # index_select over whole blocks, not cache[block_tables]: advanced indexing copies element by
     # element through TensorIterator, index_select a block (block_size * kv_heads * head_dim values)
-    # at a time: 2-6x faster here (16 sequences at 2000 tokens: 0.7 ms instead of 4.5 ms per call).
+    # at a time: several times faster for the steps the engine forms.
     x = cache.index_select(0, block_tables.flatten())  # (seqs * max_blocks, block_size, kv_heads, head_dim), a copy
     x = x.view(seqs, max_blocks * bs, nkv, hd)[:, :context_len]  # (seqs, context, kv_heads, head_dim)
     return x.transpose(1, 2)
@@ -327,19 +212,12 @@ def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str = "", activatio
     "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
     gate_up = w.get(prefix + "w_gate_up")
     if gate_up is not None:
-        gate, up = linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
+        gate, up = ops.linear(x, gate_up).chunk(2, dim=-1)  # (tokens, intermediate) views
     else:
-        gate, up = linear(x, w[prefix + "w_gate"]), linear(x, w[prefix + "w_up"])
+        gate, up = ops.linear(x, w[prefix + "w_gate"]), ops.linear(x, w[prefix + "w_up"])
     if activation == "gelu_tanh":
-        return linear(F.gelu(gate, approximate="tanh") * up, w[prefix + "w_down"])
-    return linear(silu_mul(gate, up), w[prefix + "w_down"])
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's silu(gate) * up: (tokens, intermediate), one call on the CPU."""
-    if _fusable(gate, up):
-        return fused_ops().silu_mul(gate, up)
-    return F.silu(gate) * up
+        return ops.linear(F.gelu(gate, approximate="tanh") * up, w[prefix + "w_down"])
+    return ops.linear(ops.silu_mul(gate, up), w[prefix + "w_down"])
 
 
 def attention_residual(
@@ -391,11 +269,21 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_pro
     """h: (tokens, hidden) normed hidden states; router: (experts, hidden) -> ids, weights (tokens, top_k).
     Softmax over all experts in fp32 first, then the top k (as every supported family does), optionally
     renormalised over the k chosen."""
-    probs = torch.softmax(linear(h, router).float(), dim=-1)  # (tokens, experts)
+    probs = torch.softmax(ops.linear(h, router).float(), dim=-1)  # (tokens, experts)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (tokens, top_k)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+def guess_experts(hidden: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The experts a MoE block's router (w: its "mlp_norm" and "router") chooses for hidden (tokens, hidden)
+    taken before the block's own attention: (tokens, top_k) int64. The expert tier's guess of the next
+    block's experts from this block's residual stream, made while this block computes."""
+    m = cfg.moe
+    normed = ops.rms_norm(hidden, w["mlp_norm"], cfg.rms_norm_eps)  # (tokens, hidden)
+    ids, _ = router_topk(normed, w["router"], m.top_k, m.norm_topk_prob)
+    return ids
 
 
 def route(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> Routing:
@@ -438,7 +326,7 @@ def moe_experts(
 
 def shared_expert(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """Qwen2-MoE's always-on expert, scaled per token by sigmoid(shared_gate . h): (tokens, hidden)."""
-    return torch.sigmoid(linear(h, w["shared_gate"])) * mlp(h, w, "shared.")
+    return torch.sigmoid(ops.linear(h, w["shared_gate"])) * mlp(h, w, "shared.")
 
 
 def block_forward(
@@ -452,11 +340,11 @@ def block_forward(
     """One dense decoder block. x: (tokens, hidden) -> (tokens, hidden)."""
     if not _llama_block(cfg, step):
         return mlp_residual(attention_residual(x, w, k_cache, v_cache, step, cfg), w, cfg)
-    args = _decode_block_args(x, w, k_cache, v_cache, step, cfg)
-    if args is not None:
-        return decode_block().block(*args)  # the same ops in one C++ call (kernels/decode_block.cpp)
-    a = attention(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
-    h, hn = add_rms_norm(x, a, w["mlp_norm"], cfg.rms_norm_eps)  # h = x + a, hn = norm(h)
+    out = ops.fused_block(x, w, k_cache, v_cache, step, cfg)  # the same ops in one call, where it runs
+    if out is not None:
+        return out
+    a = attention(ops.rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), w, k_cache, v_cache, step, cfg)
+    h, hn = ops.add_rms_norm(x, a, w["mlp_norm"], cfg.rms_norm_eps)  # h = x + a, hn = norm(h)
     return h + mlp(hn, w)
 
 
@@ -472,42 +360,12 @@ def _llama_block(cfg: ModelConfig, step: StepInputs) -> bool:
             and not f.rope_interleaved and step.cos.shape[-1] == cfg.head_dim)
 
 
-def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       step: StepInputs, cfg: ModelConfig) -> tuple | None:
-    """decode_block().block's arguments when this block can run as one C++ call, else None: a step whose
-    attention runs token by token (_tokenwise_tables: decode steps, and the short prefill chunks the
-    runner chose it for) on the CPU in a 16-bit dtype (float32, the exact mode, stays op by op), q/k/v
-    and gate/up stacked (engine.weights.packed.fuse; the streamed blocks' repack does it too), no per-head
-    norms or clipping, and every matmul a dense weight of x's dtype or a VNNI-layout one."""
-    if ("wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
-            or decode_block() is None):
-        return None
-    tables = _tokenwise_tables(step, x, w["attn_norm"], w["mlp_norm"], step.cos, k_cache)
-    if tables is None:
-        return None
-    weights = [_kernel_weight(w[name], x.dtype) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-    if None in weights:
-        return None
-    wqkv, wo, w_gate_up, w_down = weights
-    return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
-            w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables, step.positions,
-            step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
-
-
-def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
-    """(tensor, scales or None, out_features) as decode_block takes a weight, or None when it cannot."""
-    if isinstance(w, torch.Tensor):
-        return (w, None, w.shape[0]) if w.dtype == dtype and w.dim() == 2 else None
-    vnni_args = getattr(w, "vnni_args", None)
-    return vnni_args() if vnni_args is not None else None
-
-
 def final_logits(
     x: torch.Tensor, final_norm: torch.Tensor, head_weight, step: StepInputs, cfg: ModelConfig
 ) -> torch.Tensor:
     """Logits only for the tokens in step.logits_index (sampled, or scored for prompt logprobs): (rows, vocab)
     fp32, after the family's logit scaling (Granite) and soft-cap (Gemma 2)."""
-    logits = linear(norm(x[step.logits_index], final_norm, cfg), head_weight)  # (rows, vocab) compute dtype
+    logits = ops.linear(norm(x[step.logits_index], final_norm, cfg), head_weight)  # (rows, vocab) compute dtype
     if cfg.logits_divisor != 1.0:
         logits = logits / cfg.logits_divisor
     if cfg.final_softcap is not None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from . import model as M
+from . import ops
 from .arch import LayerAttention, ModelConfig
-from .attention_backend import AttentionScratch, tokenwise_attention_pays
+from .attention_backend import AttentionScratch
 from .block_manager import BlockCopy
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
@@ -147,7 +148,7 @@ class ModelRunner:
         token_tables = None
         # One choice for every block: by the keys of the widest kind (a full-attention block reads them all).
         widest = None if any(k.window is None for k in self.kinds) else max(k.window for k in self.kinds)
-        if mq > 1 and tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, widest)):
+        if mq > 1 and ops.tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, widest)):
             token_tables = block_tables.repeat_interleave(counts_t, dim=0)  # (tokens, max_blocks)
         first = self.kinds[0]
         step = M.StepInputs(
@@ -185,9 +186,13 @@ class ModelRunner:
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
         out = M.shared_expert(hn, w) if "shared_gate" in w else torch.zeros_like(hn)  # (tokens, hidden)
-        for group in self.weights.experts(block, routing.chosen, h):
+        for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
             M.moe_experts(hn, routing, group, out)
         return h + out
+
+    def _guess_experts(self, hidden: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The router the expert tier guesses the next MoE block's experts with: (tokens, top_k) ids."""
+        return M.guess_experts(hidden, w, self.cfg)
 
     @torch.inference_mode()
     def copy_kv_blocks(self, copies: list[BlockCopy]) -> None:
@@ -208,7 +213,7 @@ class ModelRunner:
         steps = self._layer_step_inputs(chunks)
         step = steps[0]
         x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
-        with M.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
+        with ops.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
             try:
                 for block in range(self.cfg.num_layers):
                     w = self.weights.acquire(block)

@@ -79,9 +79,9 @@ def argmax(logits: torch.Tensor) -> int:
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
     """One token drawn from probs (vocab,) by inverting its CDF with one uniform number; None when
-    the probabilities are not finite. torch.multinomial draws the same distribution but took
-    ~1 ms per call over a 49k vocabulary on a 2-core CPU (a quarter of a batch-16 decode step),
-    this ~0.05 ms. The CDF is summed in fp64 so the tail of a large vocabulary keeps its mass."""
+    the probabilities are not finite. torch.multinomial draws the same distribution but was about
+    twenty times slower over a 49k vocabulary, a large part of a batch-16 CPU decode step. The CDF is
+    summed in fp64 so the tail of a large vocabulary keeps its mass."""
     cdf = probs.cumsum(0, dtype=torch.float64)  # (vocab,)
     total = float(cdf[-1])
     if not (math.isfinite(total) and total > 0):

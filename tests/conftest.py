@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.models import ARCHS, build
+from tests.support.models import ARCHS, build
 
 try:
     HAS_CUDA = torch.cuda.is_available()

@@ -12,7 +12,7 @@ Interface:
   int8_linear(x, codes, scales, out_features, bias)  its int8-weight twin (one scale per row; Int8Weight
       "vnni"), used on the same condition; its fallback is aten's `_weight_int8pack_mm`.
   onednn_has_amx() -> bool   whether oneDNN can use AMX tiles here, for the choices that turn on it
-      (bf16_rows.py, model.single_row_products, attention_backend).
+      (engine/ops.py makes them: bf16_rows, the one-row products, CPU attention).
 
 The choice fixes the int4 weight layout, so everything that stores int4 weights (the quantization
 cache) keys on it. Tests reset the choice with `int4_backend.cache_clear()`.
@@ -52,8 +52,8 @@ def _cpu_flags() -> set[str]:
 def onednn_has_amx() -> bool:
     """Whether torch's oneDNN can use AMX tiles here (Intel Sapphire Rapids and later; the OS must
     allow them too, which torch's probe asks). Where it can, oneDNN's bf16 products and SDPA's CPU
-    flash kernel (which packs K and V for them) beat the engine's own bf16 paths: bf16_rows.py and
-    attention_backend.py say by how much."""
+    flash kernel (which packs K and V for them) beat the engine's own bf16 paths:
+    docs/benchmarks/amx.md says by how much."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so probed: absent means no
     return bool(probe is not None and probe())
 

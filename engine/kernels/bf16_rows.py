@@ -1,13 +1,13 @@
 """bf16 products of 2-16 rows (bf16_rows.cpp) for decode steps of a few sequences, with a logged fallback.
 
 Interface:
-  bf16_rows() -> module | None   the compiled kernel, or None when engine/model.py keeps F.linear: the
+  bf16_rows() -> module | None   the compiled kernel, or None when engine/ops.py keeps F.linear: the
       CPU lacks AVX512-BF16 (or AVX512 F/BW/DQ), the CPU has AMX (oneDNN then multiplies 2-16 rows with
       its tile unit, at about the cost of one row and faster than this kernel: onednn_has_amx), the
       extension cannot be built (no compiler, no ninja, a build error), or LAYERSTREAM_BF16_ROWS=off asks
       for that (auto, the default: the kernel where it builds, runs and beats oneDNN). The reason is
       logged once. Decided once per process; tests reset it with `bf16_rows.cache_clear()`.
-      decode_block.cpp has the kernel built in and is told per call whether to use it (engine/model.py
+      decode_block.cpp has the kernel built in and is told per call whether to use it (engine/ops.py
       passes `_few_bf16_rows(x)`, what its linear decides).
   built() -> module | None   the kernel wherever it builds and runs, AMX or not: for its tests and
       layerstream/bench/bf16_rows.py, which compare it with oneDNN.
@@ -33,8 +33,8 @@ WHAT = "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel"
 
 
 def _blocked() -> str | None:
-    # With AMX (2 cores, ~20 GB/s) oneDNN took 16 rows of 5632x1024 in 667 us against this kernel's
-    # 939, and 1 row in 607 (layerstream/bench/bf16_rows.py); layerstream.bench.paged's 16 streams ran 331 tok/s against 273.
+    # With AMX oneDNN multiplies 16 rows faster than this kernel, at about the cost of one row, and the
+    # served 16 streams ran faster with it: docs/benchmarks/bf16-rows.md and paged.md.
     return "oneDNN multiplies them on this CPU's AMX tiles, faster" if onednn_has_amx() else None
 
 

@@ -1,7 +1,7 @@
 """A decoder block of a decode step as one C++ call (decode_block.cpp), with a logged fallback.
 
 Interface:
-  decode_block() -> module | None   the compiled block, or None when engine/model.py must run the
+  decode_block() -> module | None   the compiled block, or None when engine/ops.py runs the
       block op by op: LAYERSTREAM_DECODE_BLOCK=off asks for that (auto, the default: the C++ block
       where it builds), as do the fused CPU ops being off (it is made of them) and the AVX512-VNNI
       kernels not being in use (it is made of them too, and built for their instruction sets); a
@@ -9,7 +9,7 @@ Interface:
   module.block(x, attn_norm, mlp_norm, eps, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, k_cache,
                v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim, few_rows) -> (seqs, hidden)
       a weight being (tensor, scales or None, out_features): see decode_block.cpp; few_rows: dense bf16
-      products of 2-16 rows take bf16_rows.cpp's kernel (as engine/model.py's linear does when it is loaded).
+      products of 2-16 rows take bf16_rows.cpp's kernel (as engine/ops.py's linear does when it is loaded).
 """
 
 from __future__ import annotations

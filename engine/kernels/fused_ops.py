@@ -1,7 +1,7 @@
-"""Fused CPU ops for the per-token small ops of engine/model.py (fused_ops.cpp), with a logged fallback.
+"""Fused CPU ops for the per-token small ops of engine/ops.py (fused_ops.cpp), with a logged fallback.
 
 Interface:
-  fused_ops() -> module | None   the compiled ops, or None when engine/model.py must use its torch
+  fused_ops() -> module | None   the compiled ops, or None when engine/ops.py uses its torch
       code: LAYERSTREAM_FUSED_OPS=torch asks for that (auto, the default: the ops where they build),
       or the extension cannot be built (no compiler, no ninja, a build error); the reason is logged
       once. Decided once per process; tests reset it with `fused_ops.cache_clear()`.

@@ -26,11 +26,12 @@ tests/test_import_rules.py enforces both):
       Block i's weights for the math, then give its buffer back (compute thread only, blocks in order).
       A weight is a tensor or a packed weight (GGUFWeight, Int4Weight, Int8Weight: data, which engine.ops
       multiplies).
-  weights.experts(i, chosen, hidden) -> iterator of {expert: {"w_gate", "w_up", "w_down"}} groups
+  weights.experts(i, chosen, hidden, router) -> iterator of {expert: {"w_gate", "w_up", "w_down"}} groups
       Mixtures of experts: the experts the step's tokens chose in block i (acquired). With a plan that
       streams experts (plan.expert_streaming) each is its own unit, read by byte range into the device
-      expert cache (experts/); `hidden` lets the tier guess block i+1's experts and prefetch them.
-      Otherwise they come out of block i's own weights.
+      expert cache (experts/); `router(hidden, {"mlp_norm", "router"})` -> expert ids (the model's router,
+      passed by the runner: this package holds weights, not math) lets the tier guess block i+1's
+      experts from `hidden` and prefetch them. Otherwise they come out of block i's own weights.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:

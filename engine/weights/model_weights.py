@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
-from .. import model as M
 from ..arch import EXPERT_WEIGHTS, ModelConfig, expert_key
 from ..planner import HostTiering, MemoryPlan
 from .transports.bandwidth import LinkSpeeds
@@ -29,6 +29,7 @@ from .transports.tiers import host_tiering, make_expert_tier, make_transport, re
 from .transports.base import Transport, to_compute
 
 if TYPE_CHECKING:
+    from .experts.tier import Router
     from .self_draft import SelfDraftWeights
 
 log = logging.getLogger("layerstream")
@@ -244,7 +245,10 @@ class PlacedGlobals:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(tokens,) int64 -> (tokens, hidden) in the compute dtype."""
-        return M.embed(input_ids, self.embed_table).to(self.dtype)
+        table = self.embed_table
+        if isinstance(table, torch.Tensor):
+            return F.embedding(input_ids, table).to(self.dtype)  # (tokens, hidden)
+        return table.embedding(input_ids).to(self.dtype)  # packed: only the looked-up rows are unpacked
 
 
 @dataclass(frozen=True)
@@ -330,14 +334,15 @@ class ModelWeights:
         self._acquired.pop(block, None)
         self._streamer.release(block)
 
-    def experts(self, block: int, chosen: list[int], hidden: torch.Tensor
+    def experts(self, block: int, chosen: list[int], hidden: torch.Tensor, router: "Router"
                 ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
         """The chosen experts of MoE block `block` (acquired), as groups {expert: {"w_gate", "w_up",
         "w_down"}} that are valid until the next group is asked for. `hidden` (tokens, hidden) is the
         block's residual stream after attention: the expert tier guesses the next MoE block's experts
-        from it and starts fetching them while this block computes."""
+        from it with `router` (the model's, experts/tier.py Router) and starts fetching them while this
+        block computes."""
         if self._experts is not None:
-            yield from self._experts.groups(block, chosen, hidden)
+            yield from self._experts.groups(block, chosen, hidden, router)
             return
         w = self._acquired[block]  # whole-block streaming: the experts came with the block
         yield {e: {k: w[expert_key(e, k)] for k in EXPERT_WEIGHTS} for e in chosen}

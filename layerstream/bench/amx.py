@@ -1,4 +1,4 @@
-"""`python -m layerstream.bench.amx`: the CPU choices that turn on AMX (engine.kernels.onednn_has_amx), each A/B'd in
+"""`python -m layerstream.bench.amx`: the CPU choices that turn on AMX (engine.ops.onednn_has_amx), each A/B'd in
 one process on the same weights, alternating, so that this VM's drifting memory bandwidth hits both sides:
 
 1. step: a one-sequence decode step's median time with one bf16 row on oneDNN (the AMX choice) and on
@@ -52,14 +52,14 @@ def _median_ms(times: list[float]) -> float:
 def step_ab(folder: Path, budget: int | None, ns: argparse.Namespace, products: bool,
             max_model_len: int = 1024) -> str:
     """One line: the two choices' median step times per round, and the products' share (products=True)."""
-    from engine import model as M
+    from engine import ops
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=str(folder), max_device_memory=budget, max_model_len=max_model_len,
                                   max_num_seqs=4, max_num_batched_tokens=128, show_progress=False))
-    real_choice, real_linear = M.onednn_has_amx, M.linear
+    real_choice, real_linear = ops.onednn_has_amx, ops.linear
     spent = [0.0]
 
     def timed_linear(x, w, bias=None):
@@ -79,8 +79,8 @@ def step_ab(folder: Path, budget: int | None, ns: argparse.Namespace, products: 
         share: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(ns.rounds):
             for amx in (True, False):
-                M.onednn_has_amx = lambda amx=amx: amx
-                M.linear = timed_linear if products else real_linear
+                ops.onednn_has_amx = lambda amx=amx: amx
+                ops.linear = timed_linear if products else real_linear
                 times = []
                 for _ in range(ns.steps):
                     spent[0] = 0.0
@@ -90,14 +90,14 @@ def step_ab(folder: Path, budget: int | None, ns: argparse.Namespace, products: 
                     share[amx].append(spent[0] / times[-1])
                 medians[amx].append(_median_ms(times))
     finally:
-        M.onednn_has_amx, M.linear = real_choice, real_linear
+        ops.onednn_has_amx, ops.linear = real_choice, real_linear
         engine.close()
     line = (f"{streamed} of {engine.plan.num_layers} blocks streamed; median step per round, ms: oneDNN "
             f"{' '.join(f'{t:.1f}' for t in medians[True])} (median {statistics.median(medians[True]):.1f}) | "
             f"torch's kernel {' '.join(f'{t:.1f}' for t in medians[False])} "
             f"(median {statistics.median(medians[False]):.1f})")
     if products:
-        line += (f"; dense products (model.linear) {statistics.median(share[True]):.0%} of a step on oneDNN, "
+        line += (f"; dense products (ops.linear) {statistics.median(share[True]):.0%} of a step on oneDNN, "
                  f"{statistics.median(share[False]):.0%} on torch's kernel")
     return line
 
@@ -124,28 +124,28 @@ def _reference(q, k, v, mask):
 
 
 def attention_ab(ns: argparse.Namespace) -> list[str]:
-    from engine import attention_backend as ab
+    from engine import ops
 
-    lines, real = [], ab.BF16_MATMUL_CPU
+    lines, real = [], ops.bf16_matmul_attention
     try:
         for rows, ctx in ((128, 2000), (128, 1000)):
             q, k, v, mask, start = _problem(rows, ctx)
             want = _reference(q, k, v, mask)
             cells = []
             for name, matmul in (("flash", False), ("matmul path", True)):
-                ab.BF16_MATMUL_CPU = matmul
-                out = ab.attend(q, k, v, mask, None, start, None)
+                ops.bf16_matmul_attention = lambda matmul=matmul: matmul
+                out = ops.attend(q, k, v, mask, None, start, None)
                 err = (out.double() - want).abs()
                 times = []
                 for _ in range(ns.calls):
                     t0 = time.perf_counter()
-                    ab.attend(q, k, v, mask, None, start, None)
+                    ops.attend(q, k, v, mask, None, start, None)
                     times.append(time.perf_counter() - t0)
                 cells.append(f"{name} min {min(times) * 1000:.2f} ms, median {_median_ms(times):.2f}, "
                              f"error max {err.max():.2e} mean {err.mean():.2e}")
             lines.append(f"{rows} tokens over {ctx} keys: " + " | ".join(cells))
     finally:
-        ab.BF16_MATMUL_CPU = real
+        ops.bf16_matmul_attention = real
     return lines
 
 

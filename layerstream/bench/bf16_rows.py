@@ -1,6 +1,6 @@
 """bf16 products of a few rows on the CPU: oneDNN's kernel (torch's default) against torch's own, which
-engine.model.single_row_products chooses for a step of one row, and against engine/kernels/bf16_rows.cpp,
-which engine.model.linear chooses for 2-16 rows ("-" where it does not apply). Each shape is cycled
+engine.ops.single_row_products chooses for a step of one row, and against engine/kernels/bf16_rows.cpp,
+which engine.ops.linear chooses for 2-16 rows ("-" where it does not apply). Each shape is cycled
 through enough distinct weights that every call reads its weight from memory, as a decode step does;
 best of --rounds rounds, microseconds per product, 1 and 2 threads.
 """

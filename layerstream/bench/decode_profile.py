@@ -37,6 +37,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from engine import LLM, SamplingParams
     from engine import model as M
+    from engine import ops
 
     if not Path(ns.model).exists():
         sys.exit(f"{ns.model} not found (bench-packed makes it)")
@@ -75,23 +76,23 @@ def run(ns: argparse.Namespace) -> int:
 
         def blocks_once():
             x = x0
-            with M.single_row_products(x0):  # as runner.execute runs them
+            with ops.single_row_products(x0):  # as runner.execute runs them
                 for i, w in enumerate(blocks):
                     k_cache, v_cache = runner.kv.layer(i)
                     x = M.block_forward(x, w, k_cache, v_cache, step, cfg)
 
         def matmuls_once():
-            with M.single_row_products(x0):
+            with ops.single_row_products(x0):
                 for w in blocks:
                     for name, x in (("wqkv", x0), ("wo", x0), ("w_gate_up", x0), ("w_down", act)):
                         if name in w:
-                            M.linear(x, w[name])
+                            ops.linear(x, w[name])
 
         def head_once():
-            with M.single_row_products(x0):
-                M.linear(x0, runner.globals.head)
+            with ops.single_row_products(x0):
+                ops.linear(x0, runner.globals.head)
 
-        real_block, real_attention = M.decode_block, M._tokenwise_tables
+        real_block, real_attention = ops.decode_block, ops.token_by_token
         modes = {"whole step (engine.step)": (real_block, real_attention),
                  "whole step, blocks op by op": (lambda: None, real_attention),
                  "whole step, op by op, SDPA attention": (lambda: None, lambda *a: None)}
@@ -101,11 +102,11 @@ def run(ns: argparse.Namespace) -> int:
         whole_step()  # warm
         for _ in range(ns.rounds):
             for name, (block, attention) in modes.items():
-                M.decode_block, M._tokenwise_tables = block, attention
+                ops.decode_block, ops.token_by_token = block, attention
                 try:
                     times[name].append(whole_step())
                 finally:
-                    M.decode_block, M._tokenwise_tables = real_block, real_attention
+                    ops.decode_block, ops.token_by_token = real_block, real_attention
             for name, fn in parts.items():
                 t = time.thread_time()
                 for _ in range(ns.calls):

@@ -23,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine import ops
+
 SHAPES = "576x576,1536x576,576x1536,49152x576"
 PEERS = ("vnni", "aten-int4", "int8", "vnni-int8", "bf16")
 
@@ -70,7 +72,7 @@ def _weights(out: int, inner: int, copies: int, seed: int) -> dict[str, list]:
 
 def _call(peer: str, x: torch.Tensor, w) -> torch.Tensor:
     if peer in ("vnni", "int8", "vnni-int8"):
-        return w.linear(x)
+        return ops.linear(x, w)
     if peer == "aten-int4":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1])
     return F.linear(x, w)

@@ -219,13 +219,13 @@ def run(ns: argparse.Namespace) -> int:
     budget = int(ns.budget_fraction * fp32)
     import torch
 
-    from engine import attention_backend
+    from engine import ops
 
-    attention = "bf16 matmul path" if attention_backend.BF16_MATMUL_CPU else "SDPA"
+    attention = "bf16 matmul path" if ops.bf16_matmul_attention() else "SDPA"
     print(f"model {folder}; budget {budget / 1e6:.0f} MB = {ns.budget_fraction:.0%} of the fp32 weights "
           f"({fp32 / 1e9:.2f} GB); machine: {machine_description()}; torch threads {torch.get_num_threads()} "
           f"(servers and in-process alike); CPU attention: {attention} (LAYERSTREAM_CPU_ATTENTION="
-          f"{attention_backend.cpu_attention_mode()})", flush=True)
+          f"{ops.cpu_attention_mode()})", flush=True)
     common = ["--max-model-len", str(ns.max_model_len), "--max-num-seqs", str(ns.max_num_seqs),
               "--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
     ttft: dict[str, list] = {}

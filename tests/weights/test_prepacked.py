@@ -1,0 +1,331 @@
+"""GGUF blocks prepacked once into a cache entry (engine/weights/packed/prepacked.py, transports/prepacked.py):
+the same logits and tokens as the repack at load and per step, whatever tier a block comes from;
+streamed blocks are views of the mapped entry; a stale or damaged entry is rebuilt; a second load
+converts nothing; the model's folder is never written; `layerstream convert`; the fallbacks.
+Tiny GGUFs (tests/support/gguf_models.py), a few seconds once the kernels are built."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine import LLM
+from engine import kernels
+from engine.kernels import ggml_repack as repack_module
+from engine.weights import CheckpointError
+from engine.weights.transports.disk_reader import StagingBuffer
+from engine.weights.packed.fuse import fuse_projections
+from engine.weights.formats.gguf_file import GGUFIndex
+from engine.weights.packed.weights import Int4Weight, Int8Weight
+from engine.weights.packed.compute_form import PackedFormat
+from engine.weights.transports.gguf import PackedCpuTransport
+from engine.weights.packed.prepacked import DATA, PrepackedBlocks, prepack_layout, prepack_mode
+from engine.weights.transports.prepacked import PrepackedTransport
+from engine.weights.formats.block_source import BlockSource
+from engine.weights.packed.stream_repack import make_repacker
+from tests.weights.test_gguf import SHORT, _tokens, tiny_gguf
+from tests.engine.test_reference import PROMPT, prompt_logits
+from tests.weights.test_stream_repack import _same, _streamed_kinds
+
+BF16 = PackedFormat(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def repack():
+    if kernels.int4_backend() != "vnni" or repack_module.ggml_repack() is None:
+        pytest.skip("the VNNI kernels or the repack do not run here: GGUF blocks are not prepacked")
+
+
+@pytest.fixture(scope="module")
+def gguf_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf-prepacked")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A layerstream cache of this test's own (the kernels are built before: conftest)."""
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+class Opened:
+    """A tiny GGUF's reader and block source, and its prepacked layout in bf16."""
+
+    def __init__(self, path):
+        self.index = GGUFIndex(path)
+        self.source = BlockSource(self.index, self.index.model_config())
+        self.layout, why = prepack_layout(self.source, BF16)
+        assert self.layout is not None, why
+
+    def close(self):
+        self.index.close()
+
+
+def _tensors(w) -> list[torch.Tensor]:
+    return [w.codes, w.scales] if isinstance(w, (Int4Weight, Int8Weight)) else [w]
+
+
+# -- the same computation from every tier ---------------------------------------------------------------
+
+RUN_CASES = [("llama", Q.Q4_0), ("qwen2", Q.Q4_K), ("llama", Q.Q8_0)]
+
+
+@pytest.mark.parametrize("arch,qtype", RUN_CASES, ids=[f"{a}-{q.name}" for a, q in RUN_CASES])
+def test_every_tier_computes_the_repack_paths_logits(repack, gguf_root, cache, monkeypatch, arch, qtype):
+    """The reference is today's path (LAYERSTREAM_PREPACK=off: repacked at load, all resident). From the
+    prepacked entry, all resident, streamed from the page cache, and read from disk each step: the
+    same prompt logits bit for bit and the same greedy tokens, with no block repacked on the host and
+    every streamed block counted at the entry's bytes the plan counts."""
+    path = tiny_gguf(gguf_root, arch, qtype)
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
+    llm = LLM(str(path), **SHORT)
+    try:
+        ref_logits, ref_tokens, budget = prompt_logits(llm, PROMPT), _tokens(llm), llm.plan.budget_keeping(1)
+        assert llm.telemetry().transport_name == "PackedCpuTransport"
+    finally:
+        llm.close()
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "auto")
+    for transport, cap in (("auto", None), ("cpu", budget), ("disk", budget)):
+        llm = LLM(str(path), transport=transport, max_device_memory=cap, **SHORT)
+        try:
+            plan, telemetry = llm.plan, llm.telemetry()
+            assert telemetry.transport_name == "PrepackedTransport"
+            assert torch.equal(prompt_logits(llm, PROMPT), ref_logits), transport
+            assert _tokens(llm) == ref_tokens, transport
+            if cap is None:
+                assert not plan.streamed_blocks
+                continue
+            assert len(plan.resident_blocks) == 1 and plan.streamed_blocks
+            assert _streamed_kinds(llm) <= {Int4Weight, Int8Weight}
+            total = llm.telemetry().total
+            assert total.blocks_streamed > 0 and llm.telemetry().blocks_converted == 0
+            assert total.bytes_streamed == total.blocks_streamed * plan.stream_block_bytes
+            assert plan.stream_block_bytes % 4096 == 0  # whole pages of the entry, not the GGUF's bytes
+            if transport == "disk":
+                assert plan.disk_block_bytes == plan.stream_block_bytes
+                assert total.disk_bytes_read == total.disk_tier_bytes == total.bytes_streamed
+        finally:
+            llm.close()
+
+
+# -- views, copies, and the repack's bytes --------------------------------------------------------------
+
+def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
+    """Page-cache tier: every tensor of a prepared block shares the mapped entry's storage and lies
+    inside the mapping, and its bytes are the per-step repack's (and the resident repack's, stacked).
+    With a disk tier, resident blocks and disk-tier blocks are not views of the mapping (read into a
+    buffer of their own; a staging buffer); without one, resident blocks are views too."""
+    opened = Opened(tiny_gguf(gguf_root, "qwen2", Q.Q4_1))
+    store = PrepackedBlocks(opened.source, opened.layout)
+    transport = PrepackedTransport(store, disk_blocks=[2], depth=1, direct=False)
+    try:
+        repacker = make_repacker(opened.source, BF16)
+        old = PackedCpuTransport(opened.source, BF16, repacker=repacker)
+        base = store.raw(0).untyped_storage()
+        lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+        for block in (1, 3):
+            ticket = transport.prepare(block)
+            repacked = old.prepare(block)
+            assert ticket.weights.keys() == repacked.weights.keys()
+            for name, w in ticket.weights.items():
+                assert _same(w, repacked.weights[name]), name
+                for t in _tensors(w):
+                    assert t.untyped_storage().data_ptr() == lo, name
+                    assert lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi, name
+            assert ticket.nbytes == store.nbytes(block)
+            old.retire(repacked)
+            transport.retire(ticket)
+        resident = transport.resident(0)
+        assert all(_same(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
+        assert not any(lo <= t.data_ptr() < hi for w in resident.values() for t in _tensors(w))
+        ticket = transport.prepare(2)
+        assert isinstance(ticket.staging, StagingBuffer) and ticket.tier == "disk"
+        start = ticket.staging.tensor.data_ptr()
+        assert all(start <= t.data_ptr() < start + ticket.staging.nbytes
+                   for w in ticket.weights.values() for t in _tensors(w))
+        transport.retire(ticket)
+    finally:
+        transport.close()
+    store = PrepackedBlocks(opened.source, opened.layout)
+    transport = PrepackedTransport(store, depth=1)
+    try:
+        base = store.raw(0).untyped_storage()
+        lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+        resident = transport.resident(0)
+        assert all(_same(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
+        assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for w in resident.values() for t in _tensors(w))
+    finally:
+        transport.close()
+        opened.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4-head", "int8-head"])
+def test_head_is_a_view_of_the_entry_with_the_load_time_repacks_bytes(repack, gguf_root, cache, qtype):
+    """The head (the tied token table here) is stored in the entry after the blocks, in the form the
+    load made of it before (PackedFormat.resident), and handed out as views of the mapping."""
+    opened = Opened(tiny_gguf(gguf_root, "llama", qtype))
+    store = PrepackedBlocks(opened.source, opened.layout)
+    try:
+        assert opened.layout.head is not None
+        head = store.head()
+        infos = opened.source.global_infos()
+        name = "lm_head" if "lm_head" in infos else "embed"
+        made = BF16.resident(infos[name], opened.source.global_rows(name))
+        assert type(head) is type(made) and _same(head, made)
+        base = store.raw(0).untyped_storage()
+        lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+        assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t in _tensors(head))
+    finally:
+        store.close()
+        opened.close()
+
+
+# -- once, checked, rebuilt -----------------------------------------------------------------------------
+
+def test_second_load_converts_nothing_and_the_model_folder_is_untouched(repack, gguf_root, cache, caplog):
+    """Two loads of the same GGUF: the first prepacks (once, logged), the second maps the same file
+    (same inode and mtime, nothing logged) and computes the same tokens; the model's folder is unchanged."""
+    path = tiny_gguf(gguf_root, "llama", Q.Q4_K)
+    before = {p.name: p.stat().st_mtime_ns for p in path.parent.iterdir()}
+    tokens, stats = [], []
+    for _ in range(2):
+        with caplog.at_level(logging.INFO, logger="layerstream"):
+            llm = LLM(str(path), **SHORT)
+        try:
+            tokens.append(_tokens(llm))
+        finally:
+            llm.close()
+        entry = next(cache.glob(f"prepacked-v*/*/{DATA}"))
+        stats.append((entry.stat().st_ino, entry.stat().st_mtime_ns))
+    assert sum("prepacking" in r.message for r in caplog.records) == 1
+    assert len(list(cache.glob(f"prepacked-v*/*/{DATA}"))) == 1
+    assert stats[0] == stats[1] and tokens[0] == tokens[1]
+    assert {p.name: p.stat().st_mtime_ns for p in path.parent.iterdir()} == before
+
+
+def _truncate(path, layout):
+    os.truncate(path, layout.file_bytes - 4096)
+
+
+def _overwrite_header(path, layout):
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\x00" * 8)
+
+
+def _overwrite_block(path, layout):
+    with open(path, "r+b") as f:  # the first bytes of block 0: the first sampled piece
+        f.seek(layout.data_start)
+        f.write(bytes(b ^ 0xFF for b in f.read(64)[::-1]))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _overwrite_header, _overwrite_block], ids=lambda f: f.__name__[1:])
+def test_damaged_entry_is_detected_and_rebuilt(repack, gguf_root, cache, caplog, damage):
+    opened = Opened(tiny_gguf(gguf_root, "llama", Q.Q4_0))
+    try:
+        first = PrepackedBlocks(opened.source, opened.layout)
+        assert first.built
+        good = [{k: [t.clone() for t in _tensors(w)] for k, w in first.mapped(b).items()}
+                for b in range(opened.source.num_blocks)]
+        first.close()
+        damage(first.path, opened.layout)
+        with caplog.at_level(logging.WARNING, logger="layerstream"):
+            second = PrepackedBlocks(opened.source, opened.layout)
+        try:
+            assert second.built
+            assert any("stale or damaged" in r.message for r in caplog.records)
+            for b, weights in enumerate(good):
+                for k, w in second.mapped(b).items():
+                    assert all(torch.equal(t.view(torch.uint8), r.view(torch.uint8))
+                               for t, r in zip(_tensors(w), weights[k]))
+        finally:
+            second.close()
+    finally:
+        opened.close()
+
+
+def test_changed_source_gets_a_new_entry(repack, gguf_root, cache, tmp_path):
+    """The key covers the source's identity: a GGUF file rewritten in place (other bytes, same name)
+    is prepacked again into another entry; the stale one is never mapped for it."""
+    src = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    path = tmp_path / "model" / src.name
+    path.parent.mkdir()
+    path.write_bytes(src.read_bytes())
+    opened = Opened(path)
+    store = PrepackedBlocks(opened.source, opened.layout)
+    assert store.built
+    store.close()
+    opened.close()
+    data = bytearray(path.read_bytes())
+    data[-100:] = bytes(b ^ 0x11 for b in data[-100:])  # the last tensor's last bytes
+    path.write_bytes(bytes(data))
+    opened = Opened(path)
+    try:
+        again = PrepackedBlocks(opened.source, opened.layout)
+        assert again.built and again.folder != store.folder
+        again.close()
+    finally:
+        opened.close()
+
+
+# -- fallbacks and the command --------------------------------------------------------------------------
+
+def test_fallbacks_keep_the_gguf_paths(gguf_root, cache, monkeypatch, caplog):
+    """fp32 exact mode and LAYERSTREAM_PREPACK=off: no entry; a bad setting: a clear error; a cache
+    without room: a warning, and the repack at load and per step (the same tokens)."""
+    path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    opened = Opened(path) if repack_module.ggml_repack() is not None else None
+    index = GGUFIndex(path)
+    try:
+        source = BlockSource(index, index.model_config())
+        layout, why = prepack_layout(source, PackedFormat(torch.float32))
+        assert layout is None and "exact" in why
+        monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
+        assert prepack_layout(source, BF16) == (None, "LAYERSTREAM_PREPACK=off")
+        monkeypatch.setenv("LAYERSTREAM_PREPACK", "sometimes")
+        with pytest.raises(ValueError, match="auto or off, got 'sometimes'"):
+            prepack_mode()
+    finally:
+        index.close()
+    monkeypatch.delenv("LAYERSTREAM_PREPACK")
+    if opened is None:
+        return
+    opened.close()
+    ref = LLM(str(path), **SHORT)
+    tokens = _tokens(ref)
+    ref.close()
+    import engine.weights.packed.prepacked as prepacked
+
+    for entry in cache.glob("prepacked-v*/*"):  # the run above built it: gone, so this load has to build
+        prepacked.shutil.rmtree(entry)
+    monkeypatch.setattr(prepacked.shutil, "disk_usage", lambda _path: _Usage(free=0))
+    with caplog.at_level(logging.WARNING, logger="layerstream"):
+        llm = LLM(str(path), max_device_memory=None, **SHORT)
+    try:
+        assert any("cannot build the prepacked cache entry" in r.message for r in caplog.records)
+        assert llm.telemetry().transport_name == "PackedCpuTransport"
+        assert _tokens(llm) == tokens
+    finally:
+        llm.close()
+
+
+class _Usage:
+    def __init__(self, free):
+        self.free = free
+
+
+def test_damaged_entry_that_stays_damaged_is_an_error(repack, gguf_root, cache, monkeypatch):
+    """A build whose result does not check (here: its digest forced wrong) fails loudly, naming the entry."""
+    opened = Opened(tiny_gguf(gguf_root, "llama", Q.Q4_0))
+    import engine.weights.packed.prepacked as prepacked
+
+    monkeypatch.setattr(prepacked, "_sample_digest", lambda fd, s, e: os.urandom(8).hex())
+    try:
+        with pytest.raises(CheckpointError, match="just built is unusable"):
+            PrepackedBlocks(opened.source, opened.layout)
+    finally:
+        opened.close()
