@@ -327,3 +327,22 @@ def test_step_inputs_through_one_pinned_copy_equal_the_cpu_ones(llama_dir):
     finally:
         gpu.close()
         cpu.close()
+
+
+def test_device_memory_stays_within_the_budget(mid_model):
+    """On a GPU the budget bounds what the engine allocates on the device (torch.cuda.max_memory_allocated)
+    through loading, a prompt and decoding: resident blocks, stream buffers, KV pool, workspace."""
+    budget = budget_for(mid_model, resident=2, dtype="bfloat16")
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(str(mid_model), device="cuda", max_model_len=128, max_num_seqs=2, max_device_memory=budget)
+    try:
+        assert llm.plan.streamed_blocks and llm.plan.device_bytes <= budget
+        out = llm.generate(["The history of the river valley"] * 2, SamplingParams(max_tokens=16, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= budget, f"peak {peak / 2**20:.1f} MiB allocated over a budget of {budget / 2**20:.1f} MiB"
+    finally:
+        llm.close()
