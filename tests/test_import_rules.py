@@ -21,7 +21,7 @@ PACKAGES = ("engine", "server", "layerstream")
 # swap CudaRuntime for a recording one); the GGUF reader, dequantizers and packed kernels are unit-tested
 # against gguf-py and transformers (gguf_models.py builds their reference models).
 WEIGHTS_UNIT_TESTS = {"test_streamer.py", "test_disk_tier.py", "test_checkpoint_errors.py", "test_overlap.py",
-                      "test_cuda.py", "test_gpu_check.py", "test_gguf.py", "test_quantization.py", "gguf_models.py",
+                      "test_cuda.py", "test_gpu_check.py", "test_gguf.py", "test_quantization.py", "gguf_models.py", "cuda_replay.py",
                       "test_expert_cache.py", "test_moe.py", "test_fuse.py", "test_int4_kernel.py",
                       "test_stream_repack.py", "test_prepacked.py"}
 
