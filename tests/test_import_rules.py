@@ -1,13 +1,18 @@
 """The layering the architecture doc promises, checked on the source (docs/ARCHITECTURE.md):
 
-- nothing outside engine/weights imports its internals: only the package itself (`engine.weights`), and
-  the benchmarks (and tests) its probes (`engine.weights.probes`);
+- nothing outside engine/weights imports its sub-packages (formats/, packed/, transports/, experts/) or any
+  other module inside it: only the package itself (`engine.weights`), and the benchmarks (and tests) its
+  probes (`engine.weights.probes`);
+- engine/weights imports no model math (`engine.model`): the runner passes it the router it needs;
+- engine/model.py imports no kernel module (`engine.kernels`, `engine.attention_backend`): it calls
+  `engine.ops`, and inside engine only ops (with the attention kernels it dispatches to, and the engine
+  loop, which reports builds) reaches engine/kernels;
 - `engine` imports nothing from `server` or `layerstream` (the dispatcher and its benchmarks);
 - no import circles between modules (imports inside functions count: a lazy import is still a circle);
 - no code outside `engine` walks the engine's object graph (`.runner`, `.streamer`, `.transport`).
 
-Tests that unit-test the weights package's own parts (its streamer, transports, readers) may import
-them; they are listed below, every other test goes through public interfaces.
+The weights package's own unit tests (tests/weights/, and tests/support/ where they share a harness) may
+import its parts; so may the tests listed below. Every other test goes through public interfaces.
 """
 
 from __future__ import annotations
@@ -17,13 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "layerstream")
-# Unit tests of the weights package's parts, and tests that replay its CUDA transport on CPU (they
-# swap CudaRuntime for a recording one); the GGUF reader, dequantizers and packed kernels are unit-tested
-# against gguf-py and transformers (gguf_models.py builds their reference models).
-WEIGHTS_UNIT_TESTS = {"test_streamer.py", "test_disk_tier.py", "test_checkpoint_errors.py", "test_overlap.py",
-                      "test_cuda.py", "test_gpu_check.py", "test_gguf.py", "test_quantization.py", "gguf_models.py",
-                      "test_expert_cache.py", "test_moe.py", "test_fuse.py", "test_int4_kernel.py",
-                      "test_stream_repack.py", "test_prepacked.py"}
+# Tests outside tests/weights/ that unit-test one part of the weights package: the int4/int8 layouts
+# against the kernel that reads them, and the GPU check that replays the CUDA transport without a GPU.
+WEIGHTS_UNIT_TESTS = {"tests/kernels/test_int4_kernel.py", "tests/deploy/test_gpu_check.py"}
+WEIGHTS_TEST_DIRS = ("tests/weights/", "tests/support/")
+PROBES = "engine.weights.probes"  # what benchmarks measure inside the weights package: bench and tests only
+SUB_PACKAGES = ("formats", "packed", "transports", "experts")
 
 
 def module_name(path: Path) -> str:
@@ -81,19 +85,61 @@ def project(names: set[str]) -> set[str]:
     return {n for n in names if n.split(".")[0] in PACKAGES}
 
 
-PROBES = "engine.weights.probes"  # what benchmarks measure inside the weights package: bench and tests only
+def _weights_unit_test(path: Path) -> bool:
+    rel = str(path.relative_to(ROOT))
+    return rel.startswith(WEIGHTS_TEST_DIRS) or rel in WEIGHTS_UNIT_TESTS
 
 
 def test_nothing_outside_weights_imports_its_internals():
     bad = []
     for path in sources(*PACKAGES, "tests"):
         me = module_name(path)
-        if me.startswith("engine.weights") or (me.startswith("tests.") and path.name in WEIGHTS_UNIT_TESTS):
+        if me.startswith("engine.weights") or _weights_unit_test(path):
             continue
         probes_allowed = me.startswith(("layerstream.bench.", "tests."))
         bad += [f"{me} imports {n}" for n in imports(path) if n.startswith("engine.weights.")
                 and not (n == PROBES and probes_allowed)]
     assert not bad, "use the public interface in engine/weights/__init__.py:\n" + "\n".join(bad)
+
+
+def test_nothing_outside_weights_imports_its_sub_packages():
+    """The rooms inside engine/weights (formats/, packed/, transports/, experts/) are its own business."""
+    rooms = tuple(f"engine.weights.{s}" for s in SUB_PACKAGES)
+    bad = [f"{module_name(p)} imports {n}" for p in sources(*PACKAGES, "tests")
+           if not module_name(p).startswith("engine.weights") and not _weights_unit_test(p)
+           for n in imports(p) if any(n == r or n.startswith(r + ".") for r in rooms)]
+    assert not bad, "\n".join(bad)
+
+
+def test_weights_imports_no_model_math():
+    bad = [f"{module_name(p)} imports {n}" for p in sources("engine/weights") for n in imports(p)
+           if n == "engine.model" or n.startswith("engine.model.")]
+    assert not bad, "the runner passes what the weights need from the model (the MoE router):\n" + "\n".join(bad)
+
+
+KERNEL_MODULES = ("engine.kernels", "engine.attention_backend")
+# engine modules outside engine/kernels that may import it: the dispatch, the attention kernels it calls
+# (for the AMX fact their memory bound depends on), and the engine loop (it reports and stops builds).
+REACH_KERNELS = {"engine.ops", "engine.attention_backend", "engine.engine_loop"}
+
+
+def _kernel_module(name: str) -> bool:
+    return any(name == k or name.startswith(k + ".") for k in KERNEL_MODULES)
+
+
+def test_model_imports_no_kernel_module():
+    model = ROOT / "engine" / "model.py"
+    bad = sorted(n for n in imports(model) if _kernel_module(n))
+    assert not bad, f"engine/model.py calls engine.ops, not kernels: {bad}"
+    assert "engine.ops" in imports(model)
+
+
+def test_only_ops_chooses_kernels():
+    """Inside engine, the kernel choices are read through engine.ops (engine/kernels builds and loads)."""
+    bad = [f"{module_name(p)} imports {n}" for p in sources("engine") for n in imports(p)
+           if n.startswith("engine.kernels") and not module_name(p).startswith("engine.kernels")
+           and module_name(p) not in REACH_KERNELS]
+    assert not bad, "ask engine.ops:\n" + "\n".join(bad)
 
 
 def test_engine_imports_no_server_bench_or_dispatcher():
@@ -147,7 +193,10 @@ def test_the_checker_is_not_vacuous():
     assert "engine.weights.transports.streamer" in imports(pkg / "weights" / "model_weights.py")
     assert "engine.weights.transports.disk_reader" in imports(pkg / "weights" / "model_weights.py")  # inside a method
     assert {"engine.planner", "engine.weights"} <= imports(pkg / "loader.py")
-    assert "engine.weights.transports.streamer" not in imports(pkg / "weights" / "transports" / "bandwidth.py")  # under TYPE_CHECKING
+    # a room, imported inside a function
+    assert "engine.weights.transports.cuda" in imports(ROOT / "tests" / "support" / "cuda_replay.py")
+    # under TYPE_CHECKING
+    assert "engine.weights.transports.streamer" not in imports(pkg / "weights" / "transports" / "bandwidth.py")
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -14,6 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+CUDA_TESTS = ROOT / "tests" / "weights" / "test_cuda.py"  # what the script runs, with -m cuda
 # What the device image holds is listed in the device notes; these it does not have. gguf the engine
 # imports: the script installs it from the wheel committed in .whl/ (a GPU run failed at import for want of it).
 ABSENT_ON_GPU_IMAGE = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic_core", "openai", "gguf")
@@ -64,10 +65,11 @@ def test_dry_run_without_server_packages(tmp_path):
         assert line in probe, probe
     # Every cuda test collected (none failed to import), the copy-stream ones in their own call
     # before the reference comparisons, and each skipped here for want of a GPU.
-    cuda_tests = pytest.importorskip("tests.weights.test_cuda")
-    plain = sum(1 for name in vars(cuda_tests) if name.startswith("test_")) - 3  # the three parametrised
-    n_copy = plain + len(cuda_tests.STRESS_CASES) + 2  # + the attention kernel test's two dtypes
-    n_ref = len(cuda_tests.REFERENCE_CASES)
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", str(CUDA_TESTS),
+                                "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True).stdout
+    ids = [line for line in collected.splitlines() if "::" in line]
+    n_ref = sum("test_matches_transformers_on_gpu" in i for i in ids)
+    n_copy = len(ids) - n_ref
     if not torch.cuda.is_available():
         copy_part = out[stages[1]:stages[2]]
         ref_part = out[stages[2]:stages[3]]
@@ -138,7 +140,7 @@ def test_benchmark_pinned_row_states_its_host_budget(llama_dir, monkeypatch, cap
     import engine.weights.transports.cuda as ct
     from layerstream.bench.gpu import _layerstream, device_budget, pinned_host_budget
     from engine.planner import parse_bytes
-    from tests.weights.test_overlap import RecordingRuntime
+    from tests.support.cuda_replay import RecordingRuntime
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     ns = argparse.Namespace(device="cpu", dtype="float32", prompt_tokens=8, max_tokens=4, resident_fraction=0.5,

@@ -17,8 +17,8 @@ from engine import LLM, SamplingParams
 from engine.arch import ModelConfig
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
-from tests.weights.test_overlap import budget_for
-from tests.engine.test_reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
+from tests.support.reference import budget_for
+from tests.support.reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
 
 WINDOW = 8  # sliding window of the tiny models: the prompt alone runs past it
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 128, 64, 9, 400, 77, 23]
@@ -227,7 +227,7 @@ def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
     from gguf import GGMLQuantizationType as Q
 
     from tests.support.gguf_models import hf_gguf_model, write_gguf
-    from tests.engine.test_reference import greedy_with
+    from tests.support.reference import greedy_with
 
     folder = build_random_model(tmp_path / "hf", gguf_source_config(arch), seed=7, adjust=sharpen_attention)
     path = write_gguf(folder, tmp_path / f"tiny-{arch}.gguf", Q.Q8_0)

@@ -13,7 +13,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.engine.test_batching import MAX_LEN, assert_same, drive, greedy, one_at_a_time
+from tests.support.batching import MAX_LEN, assert_same, drive, greedy, one_at_a_time
 
 PREFIX = [(i * 17 + 5) % 500 + 6 for i in range(40)]  # 2.5 blocks of 16 shared by every prompt
 

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.demo import demo_gguf_path
-from tests.engine.test_reference import prompt_logits
+from tests.support.reference import prompt_logits
 
 pytestmark = pytest.mark.slow
 

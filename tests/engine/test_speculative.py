@@ -15,7 +15,7 @@ from engine.args import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.speculative import Draft, DraftLength, ngram_draft, rejection_sample, verify_greedy
-from tests.engine.test_batching import MAX_LEN, PROMPTS, Result, drive
+from tests.support.batching import MAX_LEN, PROMPTS, Result, drive
 
 REPETITIVE = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]  # the answer is in the prompt: n-gram lookup drafts it
 
@@ -385,7 +385,7 @@ def test_server_streams_several_tokens_per_event_and_reports_acceptance(llama_di
     """`layerstream serve --speculative-method ngram`: SSE text (completions and chat) equals the
     non-streamed text and plain greedy decoding's; some events carry several tokens (and their
     logprobs); /metrics has the acceptance figures and draft vs verify time."""
-    from tests.server.test_server import _start, _stop
+    from tests.support.server import start_server, stop_server
 
     prompt = "Hello world! Hello world! Hello world! Hello"
     ref = LLM(str(llama_dir), max_model_len=256)
@@ -393,8 +393,9 @@ def test_server_streams_several_tokens_per_event_and_reports_acceptance(llama_di
         want = ref.generate([prompt], greedy(40))[0].outputs[0].text
     finally:
         ref.close()
-    server = _start(tmp_path, "spec", ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len",
-                                       "256", "--speculative-method", "ngram", "--num-speculative-tokens", "3"], {})
+    server = start_server(tmp_path, "spec", ["--model", str(llama_dir), "--served-model-name", "tiny",
+                                             "--max-model-len", "256", "--speculative-method", "ngram",
+                                             "--num-speculative-tokens", "3"], {})
     try:
         client = server.client()
         body = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0, logprobs=0,
@@ -422,7 +423,7 @@ def test_server_streams_several_tokens_per_event_and_reports_acceptance(llama_di
         assert server.metric("vllm:spec_decode_num_drafts", model_name="tiny") > 0
         assert server.metric("vllm:generation_tokens_total", model_name="tiny") == 160
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 def test_the_adaptive_k_flag_reaches_the_config():

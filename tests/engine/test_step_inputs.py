@@ -3,7 +3,6 @@ through a single host->device copy, and token ids checked on the host before any
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -16,6 +15,7 @@ from engine import ops
 from engine import model as M
 from engine.runner import TokenIdError
 from engine.scheduler import ScheduledChunk, Sequence
+from tests.support.steps import capture_runners, fields, mixed_chunks
 
 
 def reference_step_inputs(runner, chunks: list[ScheduledChunk]) -> M.StepInputs:
@@ -86,24 +86,6 @@ class CountTransfers(TorchFunctionMode):
         return out
 
 
-@contextlib.contextmanager
-def capture_runners():
-    """The ModelRunners loads build meanwhile, captured as they are made: these are unit tests of the
-    runner's step inputs, which no public interface shows (nor should)."""
-    import engine.loader as loader
-
-    made = []
-
-    class Captured(loader.ModelRunner):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loader, "ModelRunner", Captured)
-        yield made
-
-
 @pytest.fixture(scope="module")
 def loaded(llama_dir):
     """The engine, and the ModelRunner its load built."""
@@ -121,20 +103,6 @@ def llm(loaded):
 @pytest.fixture
 def runner(loaded):
     return loaded[1]
-
-
-def mixed_chunks() -> list[ScheduledChunk]:
-    """A prefill chunk, a decode and a mid-prompt chunk that does not sample, on blocks out of order
-    and tables of different lengths: padding rows, padded block tables, and an empty-free logits
-    index all occur."""
-    a, b, c = Sequence("a", [5, 6, 7, 8, 9], 4), Sequence("b", list(range(1, 9)), 4), Sequence("c", [3] * 9, 4)
-    a.block_table, b.block_table, c.block_table = [2, 7], [0, 5, 9], [3, 1, 4]  # blocks of 4 tokens
-    b.output_ids = [11]
-    return [ScheduledChunk(a, 0, 5), ScheduledChunk(b, 8, 1), ScheduledChunk(c, 3, 2)]
-
-
-def fields(step: M.StepInputs) -> dict:
-    return {k: getattr(step, k) for k in M.StepInputs.__dataclass_fields__}
 
 
 def with_dtype(runner, dtype: torch.dtype):

@@ -15,27 +15,7 @@ from engine import LLM, SamplingParams
 from engine.sampler import sample_one, make_generator
 from engine.sampling_params import InvalidParameter
 from engine.structured_output import StructuredOutput, choice, json_schema
-
-# Nested: objects, arrays, enums, required fields; strings and arrays bounded so a random model
-# (which never chooses to stop) still finishes within max_tokens.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "kind": {"enum": ["cat", "dog", "fox"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-        "owner": {
-            "type": "object",
-            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},
-                           "admin": {"type": "boolean"}},
-            "required": ["id", "admin"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "kind", "tags", "owner"],
-    "additionalProperties": False,
-}
+from tests.support.structured import SCHEMA
 
 
 @pytest.fixture(scope="module")

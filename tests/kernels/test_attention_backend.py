@@ -8,7 +8,6 @@ same sums); bf16 atol = rtol = 2e-2 (8 mantissa bits). Memory is measured with t
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -20,30 +19,7 @@ from engine.attention_backend import call_bytes, split
 from engine.ops import attend
 from engine.workspace import MIN_ATTN_CHUNK_BYTES, attention_chunk_bytes, workspace_bytes
 from engine.scheduler import ScheduledChunk, Sequence
-
-
-def reference_attention(q, k, v, mask):
-    """Plain softmax(q k^T / sqrt(d)) v in float64, K/V repeated per query head (repeat_interleave order)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (seqs, heads, query, context)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-
-
-def padded_problem(counts: list[int], starts: list[int], heads: int, kv_heads: int, head_dim: int,
-                   dtype: torch.dtype, seed: int = 0):
-    """Random q/k/v and the runner's mask for chunks of `counts` tokens starting at `starts`:
-    causal, shorter chunks padded to the longest (padding rows see key 0 only)."""
-    g = torch.Generator().manual_seed(seed)
-    seqs, mq, ctx = len(counts), max(counts), max(s + n for s, n in zip(starts, counts))
-    q = torch.randn(seqs, heads, mq, head_dim, generator=g).to(dtype)  # (seqs, heads, max_query, head_dim)
-    k = torch.randn(seqs, kv_heads, ctx, head_dim, generator=g).to(dtype)  # (seqs, kv_heads, context, head_dim)
-    v = torch.randn(seqs, kv_heads, ctx, head_dim, generator=g).to(dtype)
-    t, keys = torch.arange(mq), torch.arange(ctx)
-    q_pos = torch.tensor(starts)[:, None] + t[None, :]  # (seqs, max_query)
-    mask = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
-    mask[..., 0] |= ~(t[None, :] < torch.tensor(counts)[:, None])
-    return q, k, v, mask[:, None]
+from tests.support.attention import padded_problem, reference_attention
 
 
 MIXED = ([9, 1, 1, 4], [0, 20, 7, 3])  # a prefill chunk, two decodes, a mid-prompt chunk
@@ -119,7 +95,7 @@ def test_mixed_step_peak_within_the_planned_workspace(llama_dir, monkeypatch, ch
     if chunk_bytes is not None:
         monkeypatch.setattr(attention_backend, "CHUNK_BYTES", chunk_bytes)
     seqs, tokens, max_len = 4, 64, 128
-    from tests.engine.test_step_inputs import capture_runners
+    from tests.support.steps import capture_runners
 
     with capture_runners() as runners:
         llm = LLM(str(llama_dir), max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=tokens)
@@ -262,8 +238,8 @@ def test_bf16_matmul_path_reads_the_mask():
     mask[..., 0] = True
     with torch.inference_mode():
         ours = attention_backend._attend_bf16_matmul(
-            q.reshape(2, 2, 64, 16), k, v, mask[:, :, None].expand(2, 1, 4, 16, 58).reshape(2, 1, 64, 58), 0, None, None,
-            softmax=ops.attention_ops())
+            q.reshape(2, 2, 64, 16), k, v, mask[:, :, None].expand(2, 1, 4, 16, 58).reshape(2, 1, 64, 58), 0, None,
+            None, softmax=ops.attention_ops())
     want = reference_attention(q, k, v, mask)
     torch.testing.assert_close(ours.reshape(q.shape).double(), want, atol=2e-2, rtol=2e-2)
     assert (reference_attention(q, k, v, torch.ones_like(mask)) - want).abs().max() > 0.1

@@ -11,7 +11,7 @@ import torch
 
 from engine import ops as dispatch
 from engine.kernels.attention_ops import attention_ops
-from tests.kernels.test_attention_backend import padded_problem
+from tests.support.attention import padded_problem
 
 ops = attention_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the attention ops are not built or the CPU lacks AVX-512")

@@ -17,7 +17,7 @@ from engine.arch import ModelConfig
 from engine.kernels import bf16_rows as br
 from engine.kernels import decode_block as db
 from engine.weights import Int4Weight, Int8Weight
-from tests.weights.test_gguf import tiny_gguf
+from tests.support.gguf_models import tiny_gguf
 
 module = db.decode_block()
 needs_block = pytest.mark.skipif(module is None, reason="the C++ decode block is not available here")

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from engine import kernels
 from engine.kernels import ggml_repack as repack_module
 from layerstream.cli import main as layerstream_main
-from tests.weights.test_gguf import tiny_gguf
+from tests.support.gguf_models import tiny_gguf
 
 DATA = "blocks.bin"
 

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.test_server import Server, _start, _stop, assert_error, sse_events
+from tests.support.server import Server, start_server, stop_server, assert_error, sse_events
 
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,15 +29,15 @@ INNOCENT = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "te
 
 @pytest.fixture(scope="module")
 def guarded(llama_dir, tmp_path_factory) -> Server:
-    s = _start(tmp_path_factory.mktemp("serve-guarded"), "guarded",
-               ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "256",
-                "--max-num-seqs", "2", "--max-queue", "2", "--api-key", KEY, "--max-n", "3", "--max-prompts", "3",
-                "--max-stop", "4", "--max-stop-chars", "16", "--header-timeout", "1", "--timeout-keep-alive", "1",
-                "--max-header-bytes", "8192", "--shutdown-grace", "10"], {})
+    s = start_server(tmp_path_factory.mktemp("serve-guarded"), "guarded",
+                     ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "256",
+                      "--max-num-seqs", "2", "--max-queue", "2", "--api-key", KEY, "--max-n", "3", "--max-prompts", "3",
+                      "--max-stop", "4", "--max-stop-chars", "16", "--header-timeout", "1", "--timeout-keep-alive", "1",
+                      "--max-header-bytes", "8192", "--shutdown-grace", "10"], {})
     s.model, s.api_key = "tiny", KEY
     yield s
     if s.proc.poll() is None:
-        _stop(s)
+        stop_server(s)
 
 
 @pytest.fixture(scope="module")

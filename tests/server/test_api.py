@@ -20,8 +20,8 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from engine.demo import CHAT_TEMPLATE, build_random_model
 from server import tools as tool_calls
-from tests.server.test_server import Server, _start, _stop, assert_error
-from tests.engine.test_structured_output import SCHEMA
+from tests.support.server import Server, start_server, stop_server, assert_error
+from tests.support.structured import SCHEMA
 
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|system|>\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
@@ -59,10 +59,11 @@ def api_server(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(folder)
     tok.chat_template = TOOLS_TEMPLATE
     tok.save_pretrained(folder)
-    s = _start(root, "api", ["--model", str(folder), "--served-model-name", "agent", "--max-model-len", "2048"], {})
+    s = start_server(root, "api", ["--model", str(folder), "--served-model-name", "agent", "--max-model-len", "2048"],
+                     {})
     s.model, s.folder = "agent", folder
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def ask(n: int) -> list[dict]:
@@ -172,8 +173,8 @@ def test_tool_call_parser_flag_end_to_end(api_server, tmp_path):
     The random model is held to Mistral's call text by guided_choice (allowed beside tool_choice
     auto), and the calls come back parsed, whole and streamed, with 9-character ids that the
     next request may send back."""
-    s = _start(tmp_path, "mistral", ["--model", str(api_server.folder), "--served-model-name", "agent",
-                                     "--max-model-len", "2048", "--tool-call-parser", "mistral"], {})
+    s = start_server(tmp_path, "mistral", ["--model", str(api_server.folder), "--served-model-name", "agent",
+                                           "--max-model-len", "2048", "--tool-call-parser", "mistral"], {})
     try:
         c = s.client()
         said = 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]'
@@ -196,7 +197,7 @@ def test_tool_call_parser_flag_end_to_end(api_server, tmp_path):
         r = c.chat.completions.create(model="agent", messages=history, tools=[WEATHER, CLOCK], max_tokens=4)
         assert r.choices[0].finish_reason in ("stop", "length")
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

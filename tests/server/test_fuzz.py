@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.test_server import _start, _stop
+from tests.support.server import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def fuzz_server(llama_dir, tmp_path_factory):
     # max_model_len 64 keeps every generated request short: a schema-valid max_tokens beyond it
     # is a 400, and chat's default max_tokens fills at most 64 tokens.
-    s = _start(tmp_path_factory.mktemp("serve-fuzz"), "fuzz",
-               ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "64",
-                "--api-key", "fuzz"], {})
+    s = start_server(tmp_path_factory.mktemp("serve-fuzz"), "fuzz",
+                     ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "64",
+                      "--api-key", "fuzz"], {})
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def test_schemathesis_finds_no_5xx_and_only_openai_shaped_errors(fuzz_server):

@@ -10,86 +10,29 @@ auth and overload cases).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from layerstream.bench.common import free_port, wait_until_healthy
+from tests.support.server import Server, assert_error, sse_events, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time there was"
-
-
-@dataclass
-class Server:
-    url: str
-    model: str
-    proc: subprocess.Popen
-    log: Path
-    api_key: str = "none"
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
-
-    def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
-
-    def metric(self, name: str, **labels) -> float:
-        return _metric_value(httpx.get(self.url + "/metrics").text, name, labels)
-
-    async def metric_async(self, client: httpx.AsyncClient, name: str, **labels) -> float:
-        """The same through an async client (its base_url this server's), so that polling inside an
-        event loop does not block the requests in flight on that loop."""
-        return _metric_value((await client.get("/metrics")).text, name, labels)
-
-
-def _metric_value(text: str, name: str, labels: dict) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def _start(tmp: Path, name: str, argv: list[str], env: dict[str, str]) -> Server:
-    port = free_port()
-    log = tmp / f"{name}.log"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("LAYERSTREAM_") or k == "LAYERSTREAM_CACHE"}
-    proc = subprocess.Popen([sys.executable, "-m", "layerstream", "serve", "--port", str(port), *argv],
-                            cwd=ROOT, env={**clean, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_healthy(proc, url, log, timeout=180)
-    return Server(url, "", proc, log)
-
-
-def _stop(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
 
 
 @pytest.fixture(scope="session")
 def server(llama_dir, tmp_path_factory):
-    from tests.weights.test_overlap import budget_for
+    from tests.support.reference import budget_for
 
     # One block resident, four streamed, under the server's own limits (the planner's figures).
     budget = budget_for(llama_dir, resident=1, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512)
-    s = _start(tmp_path_factory.mktemp("serve"), "server",
-               ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "256",
-                "--max-device-memory", str(budget)], {})
+    s = start_server(tmp_path_factory.mktemp("serve"), "server",
+                     ["--model", str(llama_dir), "--served-model-name", "tiny", "--max-model-len", "256",
+                      "--max-device-memory", str(budget)], {})
     s.model = "tiny"
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="session")
@@ -97,10 +40,10 @@ def auth_server(llama_dir, tmp_path_factory):
     env = {"LAYERSTREAM_MODEL": str(llama_dir), "LAYERSTREAM_API_KEY": "sekrit",
            "LAYERSTREAM_SERVED_MODEL_NAME": "tiny-auth", "LAYERSTREAM_MAX_MODEL_LEN": "256",
            "LAYERSTREAM_MAX_NUM_SEQS": "1", "LAYERSTREAM_MAX_QUEUE": "1"}
-    s = _start(tmp_path_factory.mktemp("serve-auth"), "auth", [], env)
+    s = start_server(tmp_path_factory.mktemp("serve-auth"), "auth", [], env)
     s.model, s.api_key = "tiny-auth", "sekrit"
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="session")
@@ -113,29 +56,6 @@ def tokenizer(llama_dir):
 def greedy(**kw) -> dict:
     """Greedy sampling that never stops early, so lengths are known."""
     return {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
-
-
-def sse_events(resp: httpx.Response) -> list:
-    """Parse an SSE body strictly: every event is one `data: ...` line followed by a blank line."""
-    body = resp.text
-    assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    frames = body.split("\n\n")[:-1]
-    out = []
-    for f in frames:
-        assert f.startswith("data: ") and "\n" not in f, f
-        out.append(f[6:] if f == "data: [DONE]" else json.loads(f[6:]))
-    return out
-
-
-def assert_error(resp: httpx.Response, status: int, param: str | None = "", contains: str = "") -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
-    if param != "":
-        assert err["param"] == param, err
-    assert contains in err["message"], err
-    return err
 
 
 # -- models, health, metrics --------------------------------------------------------------------

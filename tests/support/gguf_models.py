@@ -16,7 +16,11 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, quants
 
+from engine import SamplingParams
+from engine.demo import build_random_model
 from engine.weights.formats.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+from tests.support.models import _COMMON, build, make_config
+from tests.support.reference import PROMPT
 
 QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -188,3 +192,34 @@ def reference_from_gguf_tensors(path: Path):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model
+
+
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def tiny_gguf(root, arch: str, qtype: Q):
+    """A tiny random model of `arch` as GGUF. K-quant rows are 256-weight super-blocks, so those
+    models are wider (hidden 256, MLP 512) and shallower (4 blocks); so are the Qwen3 ones, whose
+    head_dim transformers' GGUF loader does not read (it assumes Qwen3's 128)."""
+    wide = qtype in K_QUANTS or arch == "qwen3"
+    folder = root / (f"{arch}-wide" if wide else arch)
+    if not folder.exists():
+        if wide:
+            base = make_config(arch)
+            heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128) if arch == "qwen3" else {}
+            cfg = type(base)(**{**_COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                                **heads}, tie_word_embeddings=base.tie_word_embeddings,
+                             architectures=base.architectures)
+            build_random_model(folder, cfg, seed=7)
+        else:
+            build(folder, arch)
+    path = root / f"{folder.name}-{qtype.name}.gguf"
+    return path if path.exists() else write_gguf(folder, path, qtype)
+
+
+SHORT = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+
+
+def greedy_tokens(llm, n=12):
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[3:]], params)]

@@ -5,7 +5,6 @@ import shutil
 import struct
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from engine import LLM
 from engine.arch import UnsupportedModelError
 from engine.weights.formats.safetensors_index import CheckpointError, SafetensorsFile
+from tests.support.checkpoints import edited_header, read_header
 
 
 @pytest.fixture
@@ -21,22 +21,6 @@ def bad_copy(llama_dir, tmp_path):
     dst = tmp_path / "bad"
     shutil.copytree(llama_dir, dst)
     return dst
-
-
-def read_header(path):
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
-
-
-@contextmanager
-def edited_header(path):
-    """Yields the file's JSON header to change; writes it back in front of the same data."""
-    header, data = read_header(path)
-    yield header
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
 
 
 def load(folder):

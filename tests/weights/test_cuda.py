@@ -20,8 +20,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.support.models import ARCHS
-from tests.weights.test_overlap import budget_for, capture_cuda_transports
-from tests.engine.test_reference import PROMPT, prompt_logits
+from tests.support.reference import budget_for
+from tests.support.cuda_replay import capture_cuda_transports
+from tests.support.reference import PROMPT, prompt_logits
 
 pytestmark = pytest.mark.cuda
 
@@ -294,7 +295,7 @@ def test_attention_runs_the_chosen_kernel(dtype):
     per-shape graph builds decode would pay every step) and equals the reference math."""
     from layerstream.bench.gpu_probe import decode_problem, sdpa_backends_used
     from engine.ops import attend
-    from tests.kernels.test_attention_backend import padded_problem, reference_attention
+    from tests.support.attention import padded_problem, reference_attention
 
     q, k, v, m = decode_problem(1000, torch.device("cuda"), DTYPES[dtype])
     with torch.inference_mode():
@@ -309,7 +310,7 @@ def test_attention_runs_the_chosen_kernel(dtype):
 def test_step_inputs_through_one_pinned_copy_equal_the_cpu_ones(llama_dir):
     """The step's integer inputs go to the GPU in one pinned non_blocking copy; what arrives (and
     the mask and rotary tables built from it) equals the same step built on the CPU."""
-    from tests.engine.test_step_inputs import capture_runners, fields, mixed_chunks
+    from tests.support.steps import capture_runners, fields, mixed_chunks
 
     with capture_runners() as runners:
         gpu = LLM(str(llama_dir), device="cuda", max_model_len=64, max_num_seqs=4)

@@ -24,7 +24,7 @@ SMALL = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)  # a t
 def _budget(folder, resident: int = 1, depth: int = 1, dtype: str = "auto", limits: dict = SMALL) -> int:
     """A device budget that keeps `resident` blocks besides the stream buffers under `limits`, from
     the plan's own figures (hand-written byte counts broke whenever an estimate changed)."""
-    from tests.weights.test_overlap import budget_for
+    from tests.support.reference import budget_for
 
     return budget_for(folder, resident, depth, dtype, **limits)
 
@@ -277,7 +277,7 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
     blocks the host tier leaves on disk go disk -> aligned buffer -> staging -> device buffer, with
     the event protocol intact and the tokens of the resident run."""
     import engine.weights.transports.cuda as ct
-    from tests.weights.test_overlap import RecordingRuntime, capture_cuda_transports, check_protocol
+    from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     built = capture_cuda_transports(monkeypatch)

@@ -14,7 +14,7 @@ from engine.weights.packed.fuse import fuse_projections, stack_rows
 from engine.weights.packed.weights import GGUFWeight, Int4Weight, Int8Weight
 from engine.weights.packed.quantize import quantize_int4
 from tests.support.models import build
-from tests.engine.test_reference import stream_all_but_one_budget
+from tests.support.reference import stream_all_but_one_budget
 
 SHAPES = [(128, 64), (64, 64), (64, 64)]  # q, k, v rows x hidden
 

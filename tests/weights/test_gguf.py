@@ -17,10 +17,10 @@ from engine.weights import CheckpointError
 from engine.weights.packed.dequant import SUPPORTED_TYPES, dequantize
 from engine.weights.formats.gguf_file import GGUFIndex
 from engine.weights.packed.weights import int4_from_gguf
-from tests.support.gguf_models import QUANTIZABLE, hf_gguf_model, random_blocks, write_gguf
-from engine.demo import build_random_model
-from tests.support.models import _COMMON, build, make_config
-from tests.engine.test_reference import PROMPT, assert_matches_reference, greedy_with, prompt_logits
+from tests.support.gguf_models import (QUANTIZABLE, SHORT, greedy_tokens, hf_gguf_model, random_blocks, tiny_gguf,
+                                       write_gguf)
+from tests.support.models import build
+from tests.support.reference import PROMPT, assert_matches_reference, greedy_with, prompt_logits
 
 # transformers dequantizes with gguf-py (numpy) and runs its own fp32 model; we dequantize with the
 # torch port (bit-identical, tested below) and run ours: agreement to fp32 rounding, like safetensors
@@ -80,29 +80,6 @@ CASES = [("llama", Q.Q4_0), ("llama", Q.Q8_0), ("mistral", Q.Q5_1), ("qwen2", Q.
 @pytest.fixture(scope="module")
 def gguf_root(tmp_path_factory):
     return tmp_path_factory.mktemp("gguf")
-
-
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-
-
-def tiny_gguf(root, arch: str, qtype: Q):
-    """A tiny random model of `arch` as GGUF. K-quant rows are 256-weight super-blocks, so those
-    models are wider (hidden 256, MLP 512) and shallower (4 blocks); so are the Qwen3 ones, whose
-    head_dim transformers' GGUF loader does not read (it assumes Qwen3's 128)."""
-    wide = qtype in K_QUANTS or arch == "qwen3"
-    folder = root / (f"{arch}-wide" if wide else arch)
-    if not folder.exists():
-        if wide:
-            base = make_config(arch)
-            heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128) if arch == "qwen3" else {}
-            cfg = type(base)(**{**_COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-                                **heads}, tie_word_embeddings=base.tie_word_embeddings,
-                             architectures=base.architectures)
-            build_random_model(folder, cfg, seed=7)
-        else:
-            build(folder, arch)
-    path = root / f"{folder.name}-{qtype.name}.gguf"
-    return path if path.exists() else write_gguf(folder, path, qtype)
 
 
 def reference(path, prompt, n):
@@ -203,12 +180,6 @@ def test_tokenizer_and_chat_template_from_metadata(gguf_root):
 # computed exactly (fp32) and fast (bf16, int4 resident blocks): each streamed run must give the
 # all-resident run's tokens, and what each tier moved must be the file's packed bytes.
 TIER_CASES = [("llama", Q.Q4_0, "float32"), ("qwen2", Q.Q4_K, "float32"), ("llama", Q.Q4_0, "auto")]
-SHORT = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
-
-
-def _tokens(llm, n=12):
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[3:]], params)]
 
 
 def _packed_block_bytes(path, block: int) -> int:
@@ -224,7 +195,7 @@ def resident_runs(gguf_root):
     for arch, qtype, dtype in TIER_CASES:
         llm = LLM(str(tiny_gguf(gguf_root, arch, qtype)), dtype=dtype, **SHORT)
         try:
-            out[arch, qtype, dtype] = (_tokens(llm), llm.plan)
+            out[arch, qtype, dtype] = (greedy_tokens(llm), llm.plan)
         finally:
             llm.close()
     return out
@@ -243,7 +214,7 @@ def test_disk_tier_reads_packed_bytes(gguf_root, resident_runs, monkeypatch, arc
         assert llm.plan.disk_blocks == llm.plan.streamed_blocks and len(llm.plan.resident_blocks) == 1
         packed = _packed_block_bytes(path, llm.plan.streamed_blocks[0])
         assert llm.plan.disk_block_bytes == packed
-        assert _tokens(llm) == tokens
+        assert greedy_tokens(llm) == tokens
         total = llm.telemetry().total
         # One aligned read per block (a block's tensors lie together in the file): at most a page of
         # alignment on either side beyond its packed bytes.
@@ -270,7 +241,7 @@ def test_auto_tiers_a_packed_model_between_ram_and_disk(gguf_root, resident_runs
     try:
         p = llm.plan
         assert p.host_blocks and p.disk_blocks, p.describe()
-        assert _tokens(llm) == tokens
+        assert greedy_tokens(llm) == tokens
         total = llm.telemetry().total
         assert total.disk_tier_bytes and total.host_tier_bytes
     finally:
@@ -285,7 +256,7 @@ def test_cuda_transport_moves_packed_bytes_replayed_on_cpu(gguf_root, resident_r
     engine row order), copied into the device ring as bytes and computed as GGUFWeight views of it;
     the event protocol holds, the tokens are the resident run's, and every counter is packed bytes."""
     import engine.weights.transports.cuda as ct
-    from tests.weights.test_overlap import RecordingRuntime, capture_cuda_transports, check_protocol
+    from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     built = capture_cuda_transports(monkeypatch)
@@ -301,7 +272,7 @@ def test_cuda_transport_moves_packed_bytes_replayed_on_cpu(gguf_root, resident_r
         fp32 = sum(int(x.n_elements) * 4 for x in GGUFReader(path).tensors if x.name.startswith(f"blk.{block}."))
         # The device ring holds packed bytes (plus alignment): far less than the block in fp32.
         assert packed <= t.buffer_bytes < fp32 / 3
-        assert _tokens(llm) == tokens
+        assert greedy_tokens(llm) == tokens
         stats = llm.telemetry().total
         assert stats.bytes_streamed == stats.blocks_streamed * packed
         assert check_protocol(t, t.rt.log) >= stats.blocks_streamed
@@ -317,7 +288,7 @@ def test_gguf_streams_packed_on_a_gpu(gguf_root, dtype):
     path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
     ref = LLM(str(path), dtype="float32", **SHORT)
     try:
-        ref_tokens, ref_logits = _tokens(ref), prompt_logits(ref, PROMPT)
+        ref_tokens, ref_logits = greedy_tokens(ref), prompt_logits(ref, PROMPT)
     finally:
         ref.close()
     llm = LLM(str(path), dtype=dtype, device="cuda", **SHORT)
@@ -329,7 +300,7 @@ def test_gguf_streams_packed_on_a_gpu(gguf_root, dtype):
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=8e-2, rtol=5e-2)
         torch.testing.assert_close(prompt_logits(llm, PROMPT).float().cpu(), ref_logits, **tol)
         if dtype == "float32":
-            assert _tokens(llm) == ref_tokens
+            assert greedy_tokens(llm) == ref_tokens
         assert llm.telemetry().total.bytes_streamed > 0
     finally:
         llm.close()

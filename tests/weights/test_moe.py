@@ -12,8 +12,8 @@ from engine import LLM, SamplingParams
 from engine.arch import UnsupportedModelError, load_model_config
 from engine.weights import CheckpointError
 from tests.support.moe_models import MOE_ARCHS, NUM_EXPERTS, build
-from tests.weights.test_checkpoint_errors import edited_header
-from tests.engine.test_reference import ATOL, RTOL, PROMPT, greedy_with, prompt_logits
+from tests.support.checkpoints import edited_header
+from tests.support.reference import ATOL, RTOL, PROMPT, greedy_with, prompt_logits
 
 # Three prompts whose tokens the first sparse block sends to different experts (checked below).
 PROMPTS = [PROMPT, [301, 2, 77, 140, 9, 500], [64, 64, 12, 480, 33, 250, 251, 19, 3]]
@@ -223,7 +223,7 @@ def recording_cuda_experts(monkeypatch):
     slots and the block transports built meanwhile."""
     import engine.weights.experts.cuda_slots as ce
     import engine.weights.transports.cuda as ct
-    from tests.weights.test_overlap import RecordingRuntime, capture_cuda_transports
+    from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     monkeypatch.setattr(ce, "CudaRuntime", RecordingRuntime)
@@ -255,7 +255,7 @@ def test_cuda_expert_slots_replayed_on_cpu(moe_dirs, references, recording_cuda_
     step evicts. Outputs are transformers' (and the CPU expert tier's); the event protocol holds for
     every copy (compute waits for a slot's copy, no copy into a slot compute still reads), and compute
     waited for and freed every expert it used."""
-    from tests.weights.test_overlap import check_protocol
+    from tests.support.cuda_replay import check_protocol
 
     folder = moe_dirs[arch]
     made, transports = recording_cuda_experts
@@ -294,7 +294,7 @@ def test_cuda_expert_slots_replayed_on_cpu(moe_dirs, references, recording_cuda_
 def test_expert_protocol_check_catches_a_broken_protocol(moe_dirs, recording_cuda_experts, event):
     """The check is not vacuous: without the free events a slot is refilled while compute may still read
     it; without the ready events compute reads a slot whose copy it did not wait for."""
-    from tests.weights.test_overlap import check_protocol
+    from tests.support.cuda_replay import check_protocol
 
     folder = moe_dirs["mixtral"]
     made, _ = recording_cuda_experts

@@ -20,16 +20,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.weights.probes import efficiency
 from engine.weights.transports.simulated import SimulatedTransport
-from tests.engine.test_reference import PROMPT, prompt_logits, reference_greedy
-
-
-def budget_for(folder, resident: int = 0, depth: int = 1, dtype: str = "auto", **limits) -> int:
-    """A device budget with room for exactly `resident` blocks besides depth + 1 stream buffers, under
-    `limits` (EngineArgs fields; max_model_len=128, max_num_seqs=2 unless given)."""
-    limits = {"max_model_len": 128, "max_num_seqs": 2, **limits}
-    llm = LLM(str(folder), dtype=dtype, **limits)
-    llm.close()
-    return llm.plan.budget_keeping(resident, depth)
+from tests.support.reference import PROMPT, prompt_logits, reference_greedy
+from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol
+from tests.support.reference import budget_for
 
 
 def one_step(llm, tokens: int = 1) -> float:
@@ -163,138 +156,6 @@ def test_simulated_transport_rejects_bad_rates(monkeypatch):
 
 
 # -- CudaTransport's event protocol, replayed on CPU ------------------------------------------------
-
-class _Stream:
-    def __init__(self, name):
-        self.name = name
-
-
-class _Event:
-    def __init__(self):
-        self.version = 0  # how many times it was recorded
-
-
-class RecordingRuntime:
-    """Stands in for CudaRuntime on CPU: copies run at once, stream/event calls are logged in the
-    order the two threads made them, for `check_protocol` to replay."""
-
-    def __init__(self, device):
-        import threading
-
-        self.device = device
-        self.compute = _Stream("compute")
-        self.log: list[tuple] = []
-        self.skip_record = None  # set by a test to break the protocol on purpose
-        self._lock = threading.Lock()
-
-    def stream(self):
-        return _Stream("copy")
-
-    def event(self, timing=False):
-        return _Event()
-
-    def current_stream(self):
-        return self.compute
-
-    def device_bytes(self, n):
-        return torch.empty(n, dtype=torch.uint8)
-
-    def pinned_bytes(self, n):
-        return torch.empty(n, dtype=torch.uint8)
-
-    def copy(self, dst, src, stream):
-        dst.copy_(src)
-        with self._lock:
-            self.log.append(("copy", stream.name, dst.data_ptr(), src.data_ptr()))
-
-    def wait(self, stream, event):
-        with self._lock:
-            self.log.append(("wait", stream.name, event, event.version))
-
-    def record(self, event, stream):
-        if self.skip_record is not None and self.skip_record(event):
-            return
-        with self._lock:
-            event.version += 1
-            self.log.append(("record", stream.name, event, event.version))
-
-    def host_wait(self, event):
-        with self._lock:
-            self.log.append(("host_wait", "host", event, event.version))
-
-    def synchronize(self):
-        pass
-
-    def release(self):
-        pass
-
-    def copy_gbps(self, dst, src):
-        return None
-
-
-def check_protocol(t, log) -> int:
-    """Replay the log and prove, for every copy, that the device could not overwrite a buffer a
-    kernel may still read, nor read one before its copy landed. Returns the number of copies."""
-    dev = {buf.data_ptr(): i for i, buf in enumerate(t._dev)}
-    stage = {buf.data_ptr(): i for i, buf in enumerate(t._stage)}
-    freed = {id(e): i for i, e in enumerate(t._freed)}
-    ready = {id(e): i for i, e in enumerate(t._ready)}
-    staged = {id(e): i for i, e in enumerate(t._staged)}
-    n = len(t._dev)
-    copy_saw_freed = [0] * n  # version of free[b] the copy stream last waited on
-    freed_version = [0] * n
-    in_use = [False] * n  # activated and not yet retired
-    landed = [False] * n  # ready[b] recorded after the last copy into b
-    host_saw_staged = [0] * len(t._stage)
-    staged_version = [0] * len(t._stage)
-    copies = 0
-    for kind, stream, obj, arg in log:
-        if kind == "copy":
-            b = dev[obj]
-            assert stream == "copy", "host->device copies must run on the copy stream"
-            assert not in_use[b], f"copy into buffer {b} while a block in it was not retired"
-            assert copy_saw_freed[b] == freed_version[b], f"copy into buffer {b} does not wait for its last free"
-            if arg in stage:
-                s = stage[arg]
-                assert host_saw_staged[s] == staged_version[s], f"staging {s} refilled before its DMA finished"
-            landed[b] = False
-            copies += 1
-        elif kind == "wait" and stream == "copy" and id(obj) in freed:
-            copy_saw_freed[freed[id(obj)]] = arg
-        elif kind == "wait" and stream == "compute" and id(obj) in ready:
-            b = ready[id(obj)]
-            # The wait binds to ready[b]'s latest record, which `landed` says follows the last copy.
-            assert landed[b], f"compute on buffer {b} does not wait for its copy"
-            in_use[b] = True
-        elif kind == "record" and id(obj) in ready:
-            assert stream == "copy"
-            landed[ready[id(obj)]] = True
-        elif kind == "record" and id(obj) in freed:
-            b = freed[id(obj)]
-            assert stream == "compute", "free events mark the end of kernels: they belong on the compute stream"
-            freed_version[b] = arg
-            in_use[b] = False
-        elif kind == "record" and id(obj) in staged:
-            staged_version[staged[id(obj)]] = arg
-        elif kind == "host_wait" and id(obj) in staged:
-            host_saw_staged[staged[id(obj)]] = arg
-    return copies
-
-
-def capture_cuda_transports(monkeypatch) -> list:
-    """Every CudaTransport the engine builds from now on, in order: the protocol checks below read a
-    transport's own buffers and events, which no public interface shows (nor should)."""
-    import engine.weights.transports.cuda as ct
-
-    made = []
-
-    class Captured(ct.CudaTransport):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(ct, "CudaTransport", Captured)
-    return made
 
 
 @pytest.fixture

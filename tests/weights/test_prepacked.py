@@ -27,9 +27,9 @@ from engine.weights.packed.prepacked import DATA, PrepackedBlocks, prepack_layou
 from engine.weights.transports.prepacked import PrepackedTransport
 from engine.weights.formats.block_source import BlockSource
 from engine.weights.packed.stream_repack import make_repacker
-from tests.weights.test_gguf import SHORT, _tokens, tiny_gguf
-from tests.engine.test_reference import PROMPT, prompt_logits
-from tests.weights.test_stream_repack import _same, _streamed_kinds
+from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
+from tests.support.reference import PROMPT, prompt_logits
+from tests.support.packed import same_weight, streamed_kinds
 
 BF16 = PackedFormat(torch.bfloat16)
 
@@ -84,7 +84,7 @@ def test_every_tier_computes_the_repack_paths_logits(repack, gguf_root, cache, m
     monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
     llm = LLM(str(path), **SHORT)
     try:
-        ref_logits, ref_tokens, budget = prompt_logits(llm, PROMPT), _tokens(llm), llm.plan.budget_keeping(1)
+        ref_logits, ref_tokens, budget = prompt_logits(llm, PROMPT), greedy_tokens(llm), llm.plan.budget_keeping(1)
         assert llm.telemetry().transport_name == "PackedCpuTransport"
     finally:
         llm.close()
@@ -95,12 +95,12 @@ def test_every_tier_computes_the_repack_paths_logits(repack, gguf_root, cache, m
             plan, telemetry = llm.plan, llm.telemetry()
             assert telemetry.transport_name == "PrepackedTransport"
             assert torch.equal(prompt_logits(llm, PROMPT), ref_logits), transport
-            assert _tokens(llm) == ref_tokens, transport
+            assert greedy_tokens(llm) == ref_tokens, transport
             if cap is None:
                 assert not plan.streamed_blocks
                 continue
             assert len(plan.resident_blocks) == 1 and plan.streamed_blocks
-            assert _streamed_kinds(llm) <= {Int4Weight, Int8Weight}
+            assert streamed_kinds(llm) <= {Int4Weight, Int8Weight}
             total = llm.telemetry().total
             assert total.blocks_streamed > 0 and llm.telemetry().blocks_converted == 0
             assert total.bytes_streamed == total.blocks_streamed * plan.stream_block_bytes
@@ -132,7 +132,7 @@ def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
             repacked = old.prepare(block)
             assert ticket.weights.keys() == repacked.weights.keys()
             for name, w in ticket.weights.items():
-                assert _same(w, repacked.weights[name]), name
+                assert same_weight(w, repacked.weights[name]), name
                 for t in _tensors(w):
                     assert t.untyped_storage().data_ptr() == lo, name
                     assert lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi, name
@@ -140,7 +140,7 @@ def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
             old.retire(repacked)
             transport.retire(ticket)
         resident = transport.resident(0)
-        assert all(_same(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
+        assert all(same_weight(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
         assert not any(lo <= t.data_ptr() < hi for w in resident.values() for t in _tensors(w))
         ticket = transport.prepare(2)
         assert isinstance(ticket.staging, StagingBuffer) and ticket.tier == "disk"
@@ -196,7 +196,7 @@ def test_second_load_converts_nothing_and_the_model_folder_is_untouched(repack, 
         with caplog.at_level(logging.INFO, logger="layerstream"):
             llm = LLM(str(path), **SHORT)
         try:
-            tokens.append(_tokens(llm))
+            tokens.append(greedy_tokens(llm))
         finally:
             llm.close()
         entry = next(cache.glob(f"prepacked-v*/*/{DATA}"))
@@ -296,7 +296,7 @@ def test_fallbacks_keep_the_gguf_paths(gguf_root, cache, monkeypatch, caplog):
         return
     opened.close()
     ref = LLM(str(path), **SHORT)
-    tokens = _tokens(ref)
+    tokens = greedy_tokens(ref)
     ref.close()
     import engine.weights.packed.prepacked as prepacked
 
@@ -308,7 +308,7 @@ def test_fallbacks_keep_the_gguf_paths(gguf_root, cache, monkeypatch, caplog):
     try:
         assert any("cannot build the prepacked cache entry" in r.message for r in caplog.records)
         assert llm.telemetry().transport_name == "PackedCpuTransport"
-        assert _tokens(llm) == tokens
+        assert greedy_tokens(llm) == tokens
     finally:
         llm.close()
 

@@ -10,7 +10,7 @@ from engine import LLM, ops
 from engine.weights.packed.weights import Int4Weight, Int8Weight
 from engine.weights.packed.quantize import quantize_int4
 from tests.support.models import build
-from tests.engine.test_reference import PROMPT, prompt_logits
+from tests.support.reference import PROMPT, prompt_logits
 
 # Max |log-prob difference| to the bf16 model over every prompt position, top-5 tokens of bf16
 # (random tiny Llama, weights ~N(0, 0.02)). Measured ~0.01 (int8) and ~0.1 (int4); stated with margin.

@@ -28,8 +28,9 @@ from engine.weights.transports.gguf import PackedCpuTransport
 from engine.weights.formats.block_source import BlockSource
 from engine.weights.packed.stream_repack import StreamRepacker, make_repacker
 from tests.support.gguf_models import random_blocks, write_gguf
-from tests.weights.test_gguf import SHORT, _tokens, tiny_gguf
-from tests.engine.test_reference import PROMPT, prompt_logits
+from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
+from tests.support.reference import PROMPT, prompt_logits
+from tests.support.packed import same_weight, streamed_kinds
 
 REPACKED = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
 
@@ -95,14 +96,6 @@ def test_repack_rejects_bad_input(repack):
 
 # -- a streamed block is its resident twin --------------------------------------------------------
 
-def _same(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return (a.shape == b.shape and a.layout == b.layout and torch.equal(a.codes, b.codes)
-            and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8)))
-
 
 # A Q4_K_M-like mix: attention in Q4_K, v and down in Q6_K (so q/k/v stay apart), gate/up in Q4_K.
 MIX = {"attn_v.weight": Q.Q6_K, "ffn_down.weight": Q.Q6_K, "attn_output.weight": Q.Q5_K}
@@ -145,8 +138,8 @@ def test_streamed_block_equals_the_resident_block(repack, gguf_root, arch, qtype
             from_disk, slot = repacker.fill(block, plan.views(buf))
             for streamed in (ticket.weights, from_disk):
                 assert streamed.keys() == resident.keys()
-                assert all(_same(streamed[k], resident[k]) for k in resident), \
-                    [k for k in resident if not _same(streamed[k], resident[k])]
+                assert all(same_weight(streamed[k], resident[k]) for k in resident), \
+                    [k for k in resident if not same_weight(streamed[k], resident[k])]
             kinds = {type(w) for w in ticket.weights.values()}
             assert kinds <= {torch.Tensor, Int4Weight, Int8Weight} and GGUFWeight not in kinds
             transport.retire(ticket)
@@ -177,7 +170,7 @@ def test_streamed_runs_compute_the_resident_run(repack, gguf_root, monkeypatch, 
     path = tiny_gguf(gguf_root, arch, qtype)
     llm = LLM(str(path), **SHORT)
     try:
-        ref_logits, ref_tokens, budget = prompt_logits(llm, PROMPT), _tokens(llm), llm.plan.budget_keeping(1)
+        ref_logits, ref_tokens, budget = prompt_logits(llm, PROMPT), greedy_tokens(llm), llm.plan.budget_keeping(1)
         assert not llm.plan.streamed_blocks
     finally:
         llm.close()
@@ -185,9 +178,9 @@ def test_streamed_runs_compute_the_resident_run(repack, gguf_root, monkeypatch, 
         llm = LLM(str(path), transport=transport, max_device_memory=budget, **SHORT)
         try:
             assert len(llm.plan.resident_blocks) == 1 and llm.plan.streamed_blocks
-            assert _streamed_kinds(llm) <= {Int4Weight, Int8Weight}
+            assert streamed_kinds(llm) <= {Int4Weight, Int8Weight}
             assert torch.equal(prompt_logits(llm, PROMPT), ref_logits)
-            assert _tokens(llm) == ref_tokens
+            assert greedy_tokens(llm) == ref_tokens
             telemetry = llm.telemetry()
             total = telemetry.total
             # Every streamed block repacked on the host (and those prepared ahead), into depth + 1
@@ -214,18 +207,6 @@ def fresh_choice(monkeypatch):
     repack_module.ggml_repack.cache_clear()
     kernels.int4_backend.cache_clear()
     kernels.int4_backend()
-
-
-def _streamed_kinds(llm) -> set[type]:
-    """The kinds of the projection weights the first streamed block's matmuls get (acquired in order,
-    as the runner does; the engine is idle between generate() calls)."""
-    weights = llm.engine.model.weights
-    streamed = llm.plan.streamed_blocks[0]
-    for b in range(streamed + 1):
-        w = weights.acquire(b)
-        weights.release(b)
-    weights.reset()  # the next step starts the cycle at the first streamed block again
-    return {type(v) for k, v in w.items() if k.startswith("w")}
 
 
 @pytest.mark.parametrize("setup", ["off", "broken", "aten"])
@@ -256,7 +237,7 @@ def test_fallbacks_dequantize_streamed_blocks_per_use(gguf_root, fresh_choice, t
         llm = LLM(str(path), max_device_memory=budget, **SHORT)
     try:
         assert any("not repacked" in r.message for r in caplog.records)
-        assert _streamed_kinds(llm) == {GGUFWeight}
+        assert streamed_kinds(llm) == {GGUFWeight}
         torch.testing.assert_close(prompt_logits(llm, PROMPT), ref, atol=0.15, rtol=0.05)
     finally:
         llm.close()
@@ -300,7 +281,7 @@ def test_disk_tier_reads_the_next_block_while_repacking(repack, gguf_root):
                 assert ahead in transport.reads.reading
                 assert ticket.staging is None and transport.reads.held == 0
                 resident = fuse_projections(host.resident(block))
-                assert all(_same(ticket.weights[k], resident[k]) for k in resident)
+                assert all(same_weight(ticket.weights[k], resident[k]) for k in resident)
                 transport.retire(ticket)
         finally:
             transport.close()  # waits for the reads still ahead

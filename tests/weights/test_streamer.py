@@ -111,7 +111,7 @@ def test_failed_load_stops_the_prefetch_thread(llama_dir, monkeypatch):
         def __init__(self, *a, **kw):
             raise RuntimeError("no room for the KV cache")
 
-    from tests.engine.test_reference import stream_all_but_one_budget
+    from tests.support.reference import stream_all_but_one_budget
 
     probe = LLM(str(llama_dir), max_model_len=64, max_num_seqs=1)
     budget = stream_all_but_one_budget(probe)

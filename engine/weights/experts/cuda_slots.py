@@ -19,7 +19,7 @@ order on one stream, so a slot never receives two copies at once; the only host 
 thread's on staged[s], which keeps it from overwriting pinned memory a DMA is still reading.
 
 Every CUDA call goes through CudaRuntime, so tests replay this on CPU with a recording runtime
-(tests/weights/test_overlap.py RecordingRuntime, check_protocol: the same attribute names as CudaTransport's
+(tests/support/cuda_replay.py RecordingRuntime, check_protocol: the same attribute names as CudaTransport's
 ring, `_dev`, `_stage`, `_ready`, `_freed`, `_staged`, one device "buffer" per slot).
 """
 

@@ -1,6 +1,6 @@
 """The CUDA runtime calls the CUDA transport makes, in one place: streams, events, device and pinned
 host memory, copies. Tests replay the transport on CPU by substituting a runtime that records the
-order of calls instead of running them (tests/weights/test_overlap.py RecordingRuntime).
+order of calls instead of running them (tests/support/cuda_replay.py RecordingRuntime).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""The CUDA transport replayed on CPU: a runtime that records stream and event calls instead of running them,
+the check that the recorded order is race-free, and the transports a load builds, captured."""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Event:
+    def __init__(self):
+        self.version = 0  # how many times it was recorded
+
+
+class RecordingRuntime:
+    """Stands in for CudaRuntime on CPU: copies run at once, stream/event calls are logged in the
+    order the two threads made them, for `check_protocol` to replay."""
+
+    def __init__(self, device):
+        import threading
+
+        self.device = device
+        self.compute = _Stream("compute")
+        self.log: list[tuple] = []
+        self.skip_record = None  # set by a test to break the protocol on purpose
+        self._lock = threading.Lock()
+
+    def stream(self):
+        return _Stream("copy")
+
+    def event(self, timing=False):
+        return _Event()
+
+    def current_stream(self):
+        return self.compute
+
+    def device_bytes(self, n):
+        return torch.empty(n, dtype=torch.uint8)
+
+    def pinned_bytes(self, n):
+        return torch.empty(n, dtype=torch.uint8)
+
+    def copy(self, dst, src, stream):
+        dst.copy_(src)
+        with self._lock:
+            self.log.append(("copy", stream.name, dst.data_ptr(), src.data_ptr()))
+
+    def wait(self, stream, event):
+        with self._lock:
+            self.log.append(("wait", stream.name, event, event.version))
+
+    def record(self, event, stream):
+        if self.skip_record is not None and self.skip_record(event):
+            return
+        with self._lock:
+            event.version += 1
+            self.log.append(("record", stream.name, event, event.version))
+
+    def host_wait(self, event):
+        with self._lock:
+            self.log.append(("host_wait", "host", event, event.version))
+
+    def synchronize(self):
+        pass
+
+    def release(self):
+        pass
+
+    def copy_gbps(self, dst, src):
+        return None
+
+
+def check_protocol(t, log) -> int:
+    """Replay the log and prove, for every copy, that the device could not overwrite a buffer a
+    kernel may still read, nor read one before its copy landed. Returns the number of copies."""
+    dev = {buf.data_ptr(): i for i, buf in enumerate(t._dev)}
+    stage = {buf.data_ptr(): i for i, buf in enumerate(t._stage)}
+    freed = {id(e): i for i, e in enumerate(t._freed)}
+    ready = {id(e): i for i, e in enumerate(t._ready)}
+    staged = {id(e): i for i, e in enumerate(t._staged)}
+    n = len(t._dev)
+    copy_saw_freed = [0] * n  # version of free[b] the copy stream last waited on
+    freed_version = [0] * n
+    in_use = [False] * n  # activated and not yet retired
+    landed = [False] * n  # ready[b] recorded after the last copy into b
+    host_saw_staged = [0] * len(t._stage)
+    staged_version = [0] * len(t._stage)
+    copies = 0
+    for kind, stream, obj, arg in log:
+        if kind == "copy":
+            b = dev[obj]
+            assert stream == "copy", "host->device copies must run on the copy stream"
+            assert not in_use[b], f"copy into buffer {b} while a block in it was not retired"
+            assert copy_saw_freed[b] == freed_version[b], f"copy into buffer {b} does not wait for its last free"
+            if arg in stage:
+                s = stage[arg]
+                assert host_saw_staged[s] == staged_version[s], f"staging {s} refilled before its DMA finished"
+            landed[b] = False
+            copies += 1
+        elif kind == "wait" and stream == "copy" and id(obj) in freed:
+            copy_saw_freed[freed[id(obj)]] = arg
+        elif kind == "wait" and stream == "compute" and id(obj) in ready:
+            b = ready[id(obj)]
+            # The wait binds to ready[b]'s latest record, which `landed` says follows the last copy.
+            assert landed[b], f"compute on buffer {b} does not wait for its copy"
+            in_use[b] = True
+        elif kind == "record" and id(obj) in ready:
+            assert stream == "copy"
+            landed[ready[id(obj)]] = True
+        elif kind == "record" and id(obj) in freed:
+            b = freed[id(obj)]
+            assert stream == "compute", "free events mark the end of kernels: they belong on the compute stream"
+            freed_version[b] = arg
+            in_use[b] = False
+        elif kind == "record" and id(obj) in staged:
+            staged_version[staged[id(obj)]] = arg
+        elif kind == "host_wait" and id(obj) in staged:
+            host_saw_staged[staged[id(obj)]] = arg
+    return copies
+
+
+def capture_cuda_transports(monkeypatch) -> list:
+    """Every CudaTransport the engine builds from now on, in order: the protocol checks (check_protocol) read a
+    transport's own buffers and events, which no public interface shows (nor should)."""
+    import engine.weights.transports.cuda as ct
+
+    made = []
+
+    class Captured(ct.CudaTransport):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(ct, "CudaTransport", Captured)
+    return made
