@@ -156,7 +156,7 @@ def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
         base = store.raw(0).untyped_storage()
         lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
         resident = transport.resident(0)
-        assert all(_same(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
+        assert all(same_weight(resident[k], w) for k, w in fuse_projections(old.resident(0)).items())
         assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for w in resident.values() for t in _tensors(w))
     finally:
         transport.close()
@@ -175,7 +175,7 @@ def test_head_is_a_view_of_the_entry_with_the_load_time_repacks_bytes(repack, gg
         infos = opened.source.global_infos()
         name = "lm_head" if "lm_head" in infos else "embed"
         made = BF16.resident(infos[name], opened.source.global_rows(name))
-        assert type(head) is type(made) and _same(head, made)
+        assert type(head) is type(made) and same_weight(head, made)
         base = store.raw(0).untyped_storage()
         lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
         assert all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t in _tensors(head))
