@@ -21,7 +21,9 @@ from typing import Callable, Protocol
 from .args import EngineArgs
 from .kernels.build import stop_builds
 from .kernels.prepare import BuildProgress, prepare
-from .llm_engine import EngineUnhealthyError, LLMEngine, RequestOutput
+from .failures import EngineUnhealthyError
+from .llm_engine import LLMEngine
+from .request import RequestOutput
 from .sampling_params import SamplingParams
 from .telemetry import EngineTelemetry
 

@@ -9,21 +9,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .args import EngineArgs
 from .detokenizer import IncrementalDetokenizer
+from .failures import EngineUnhealthyError, raise_if_fatal
 from .loader import DraftReservation, LoadedModel, load_draft_model, load_model
 from .model_source import resolve_model
+from .request import RequestOutput, RequestState, emit
 from .runner import check_token_ids
-from .sampler import TokenLogprobs, make_generator, sample_one, score_tokens, token_logprobs
+from .sampler import make_generator, sample_one, score_tokens
 from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
-from .speculative import Draft, DraftLength, Drafter, DraftRequest, SpecCounters, build_drafter, verify
-from .structured_output import GrammarCompiler, Guide
+from .speculative import SpeculativeStep, build_drafter
+from .structured_output import GrammarCompiler
 from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
 log = logging.getLogger("layerstream")
@@ -41,29 +42,6 @@ CHEAP_MASK_GRACE = 0.05
 PROBE_TRIES = 3
 
 
-class EngineUnhealthyError(RuntimeError):
-    """The engine's state can no longer be trusted (a fatal device error such as a CUDA
-    device-side assert, or steps that fail whatever runs in them): stop serving, go not-ready."""
-
-
-def is_fatal_device_error(error: BaseException) -> bool:
-    """Whether an exception (or one it was raised from) leaves the device unusable: after a CUDA
-    device-side assert or illegal access every later CUDA call fails, so nothing can be retried.
-    An out-of-memory error is not fatal."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    seen = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if accelerator_error is not None and isinstance(e, accelerator_error):
-            return True
-        text = str(e)
-        if "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 class PromptTooLongError(ValueError):
     def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int):
         super().__init__(
@@ -72,41 +50,6 @@ class PromptTooLongError(ValueError):
             "completion). Please reduce the prompt or max_tokens."
         )
         self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: deltas, plus totals once it finishes."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # text delta
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (failed alone, see step())
-    stop_reason: str | int | None = None  # the stop string or stop_token_ids entry that ended it (vLLM's name)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    # With SamplingParams.prompt_logprobs, on a request's first output: one entry per prompt
-    # token, None for the first (nothing precedes it to score it).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # finish_reason "error" because of the request itself (its grammar over budget): the error to
-    # send the client, an InvalidParameter. None: the engine failed it (details in the log only).
-    error: InvalidParameter | None = None
-
-
-@dataclass
-class _SeqState:
-    params: SamplingParams
-    generator: object
-    detok: IncrementalDetokenizer
-    stop_ids: set[int]
-    guide: Guide | None = None  # structured output: the grammar this sequence follows
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
-    spec_k: int = 0  # speculative decoding: tokens this sequence drafts next (adaptive.DraftLength)
-    # Structured output: the logits (vocab,) of a step whose grammar mask was not ready in time;
-    # the sequence samples from them at a later step, once it is.
-    held_logits: torch.Tensor | None = None
 
 
 def load_tokenizer(path):
@@ -142,7 +85,7 @@ class LLMEngine:
             if draft_model is not None:
                 draft_model.close()
             raise
-        self.drafter: Drafter | None = None
+        self.speculative: SpeculativeStep | None = None
         try:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
             plan = self.model.plan
@@ -159,17 +102,14 @@ class LLMEngine:
             if spec is not None:
                 if draft_model is not None:
                     check_same_tokenizer(self.tokenizer, draft_model.path)
-                self.drafter, draft_model = build_drafter(spec, self.model, draft_model), None
+                self.speculative = SpeculativeStep(spec, build_drafter(spec, self.model, draft_model))
+                draft_model = None
         except BaseException:
             self.model.close()  # a tokenizer that does not load: the weights stream no more
             if draft_model is not None:
                 draft_model.close()
             raise
         self.spec = spec
-        self.spec_counters = (SpecCounters(spec.method, spec.num_speculative_tokens, spec.adaptive_k)
-                              if spec is not None else None)
-        self.draft_length = DraftLength(spec.num_speculative_tokens, spec.adaptive_k) if spec is not None else None
-        self._drafts: dict[Sequence, Draft] = {}  # this step's drafts, by sequence
         self._seqs: dict[str, Sequence] = {}
         self._held: list[Sequence] = []  # sequences whose logits wait for their grammar mask
         self._ids = itertools.count()
@@ -180,8 +120,8 @@ class LLMEngine:
                                          or args.grammar_limits().cache_bytes)
             self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids(), limits)
         except BaseException:
-            if self.drafter is not None:
-                self.drafter.close()
+            if self.speculative is not None:
+                self.speculative.close()
             self.model.close()
             raise
 
@@ -227,9 +167,9 @@ class LLMEngine:
             stop_ids |= set(self._eos_ids())
         guide = self.grammar.guide(params.structured) if params.structured is not None else None
         seq = Sequence(rid, ids, params.max_tokens, prompt_logits=params.prompt_logprobs is not None)
-        seq.state = _SeqState(params, make_generator(params.seed),
-                              IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens), stop_ids, guide,
-                              [None] * len(ids) if seq.prompt_logits else None)
+        seq.state = RequestState(params, make_generator(params.seed),
+                                 IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
+                                 stop_ids, guide, [None] * len(ids) if seq.prompt_logits else None)
         if guide is not None:
             guide.prefetch()  # the first mask is computed while the prompt is prefilled
         self.scheduler.add(seq)  # may raise QueueFullError: nothing registered yet
@@ -275,9 +215,8 @@ class LLMEngine:
             if self._held and not outputs:
                 self.grammar.wait_any([s.state.guide for s in self._held], HELD_WAIT_SECONDS)
             return outputs
-        self._drafts.clear()
-        if self.drafter is not None:
-            chunks = self._draft(chunks)
+        if self.speculative is not None:
+            chunks = self.speculative.draft(chunks, self.scheduler, self.max_model_len, self.model.cfg.vocab_size)
         try:
             logits = self._execute(chunks)
         except EngineUnhealthyError:
@@ -290,6 +229,18 @@ class LLMEngine:
             return outputs
         self._steps += 1
         return outputs + self._sample(chunks, logits)
+
+    def _alone(self, seq: Sequence, work: Callable, *args) -> tuple[object, RequestOutput | None]:
+        """(work(*args), None), or (None, the output that ends seq) when work raises: a failure that
+        belongs to one sequence (its pass retried alone, sampling, scoring, detokenizing, stop checks,
+        its grammar) finishes that sequence alone with finish_reason "error". EngineUnhealthyError is
+        the engine's, not the sequence's: it propagates."""
+        try:
+            return work(*args), None
+        except EngineUnhealthyError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this sequence fails alone
+            return None, self._fail(seq, e)
 
     def _sample_held(self) -> list[RequestOutput]:
         """Sample the held sequences whose masks are now ready (and start their next masks, which
@@ -307,65 +258,13 @@ class LLMEngine:
                 still.append(seq)
                 continue
             logits, st.held_logits = st.held_logits, None
-            try:
-                out = self._advance(seq, logits)
-            except Exception as e:  # noqa: BLE001 - this sequence fails alone
-                out = self._fail(seq, e)
-            outputs.append(out)
+            out, failed = self._alone(seq, self._advance, seq, logits)
+            outputs.append(failed or out)
             if seq.status == SeqStatus.RUNNING:
                 released.append(st.guide)
         self._held = still
         self.grammar.prefetch(released)
         return outputs
-
-    def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Speculative decoding: the decode chunks of sequences that may speculate become verify
-        chunks (their last token and k drafted ones), as far as the step's token budget allows.
-        k is the sequence's own (adaptive.DraftLength), cut so no draft runs past max_tokens or
-        the context; structured-output sequences do not speculate (their grammar would have to
-        follow every draft)."""
-        budget = self.scheduler.config.max_num_batched_tokens - sum(c.count for c in chunks)
-        requests, where = [], []
-        for i, c in enumerate(chunks):
-            seq, st = c.seq, c.seq.state
-            if c.count != 1 or not c.samples or not seq.output_ids or st.guide is not None:
-                continue
-            if not st.spec_k:
-                st.spec_k = self.draft_length.initial()
-            k = min(st.spec_k, seq.max_tokens - len(seq.output_ids) - 1,
-                    self.max_model_len - seq.num_tokens, budget)
-            if k >= 1:
-                k = self.scheduler.grow_for_lookahead(seq, k)  # KV blocks for the drafted positions
-            if k < 1:
-                continue
-            budget -= k
-            requests.append(DraftRequest(seq, k, st.params, st.generator))
-            where.append(i)
-        if not requests:
-            return chunks
-        t0 = time.perf_counter()
-        try:
-            drafts = self.drafter.propose(requests)
-        except Exception as e:  # noqa: BLE001 - a draft that fails costs speed, never a request
-            if is_fatal_device_error(e):
-                raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e
-            log.warning("drafting failed (%s: %s); this step runs without speculation", type(e).__name__, e)
-            return chunks
-        finally:
-            self.spec_counters.draft_seconds += time.perf_counter() - t0
-        chunks = list(chunks)
-        vocab = self.model.cfg.vocab_size
-        for i, d in zip(where, drafts):
-            # A draft model's embedding table may be padded past the target's vocabulary.
-            n = next((j for j, t in enumerate(d.tokens) if not 0 <= t < vocab), len(d.tokens))
-            if n < len(d.tokens):
-                d = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
-            if d.tokens:
-                c = chunks[i]
-                chunks[i] = ScheduledChunk(c.seq, c.start, 1 + len(d.tokens), ids=c.token_ids() + d.tokens,
-                                           spec_logits=1 + len(d.tokens))
-                self._drafts[c.seq] = d
-        return chunks
 
     def _execute(self, chunks: list[ScheduledChunk]):
         # Sampling runs on the CPU: each sequence's torch.Generator is a CPU generator (multinomial
@@ -373,13 +272,12 @@ class LLMEngine:
         self._copy_kv_blocks()
         try:
             logits = self.model.runner.execute(chunks).cpu()
-            if self._drafts and any(c.ids is not None for c in chunks):
-                self.spec_counters.verify_seconds += self.model.runner.last_step.seconds
-            return logits
         except Exception as e:
-            if is_fatal_device_error(e):
-                raise EngineUnhealthyError(f"fatal device error: {type(e).__name__}") from e
+            raise_if_fatal(e)
             raise
+        if self.speculative is not None and self.speculative.verifies(chunks):
+            self.speculative.counters.verify_seconds += self.model.runner.last_step.seconds
+        return logits
 
     def _copy_kv_blocks(self) -> None:
         """Run the KV block copies (host tier <-> pool) that scheduling queued, before the pass that
@@ -396,12 +294,9 @@ class LLMEngine:
     def _step_isolated(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         outputs, survived = [], 0
         for chunk in chunks:
-            try:
-                logits = self._execute([chunk])
-            except EngineUnhealthyError:
-                raise
-            except Exception as e:  # noqa: BLE001 - this sequence fails alone
-                outputs.append(self._fail(chunk.seq, e))
+            logits, failed = self._alone(chunk.seq, self._execute, [chunk])
+            if failed is not None:
+                outputs.append(failed)
                 continue
             survived += 1
             outputs += self._sample([chunk], logits)
@@ -457,40 +352,35 @@ class LLMEngine:
             positions = chunk.prompt_logit_positions
             prompt_row += len(positions)
             if positions and seq.status == SeqStatus.RUNNING:
-                st = seq.state
-                try:
-                    scored = score_tokens(logits[prompt_row - len(positions):prompt_row],
-                                          [seq.prompt_ids[p + 1] for p in positions], st.params.prompt_logprobs)
-                    st.prompt_logprobs[positions.start + 1:positions.stop + 1] = scored
-                except Exception as e:  # noqa: BLE001 - this sequence fails alone
-                    outputs.append(self._fail(seq, e))
+                _, failed = self._alone(seq, self._score_prompt, seq, positions,
+                                        logits[prompt_row - len(positions):prompt_row])
+                if failed is not None:
+                    outputs.append(failed)
             if not chunk.samples:
                 continue
             if seq.status != SeqStatus.RUNNING:
                 continue  # failed while scoring its prompt
-            try:
-                out = self._advance(seq, rows[0]) if chunk.ids is None else self._verify(chunk, rows)
-            except Exception as e:  # noqa: BLE001 - one sequence's sampling/detokenizing failed
-                out = self._fail(seq, e)
-            if out is not None:  # None: held until its grammar mask is ready
-                outputs.append(out)
+            out, failed = (self._alone(seq, self._advance, seq, rows[0]) if chunk.ids is None
+                           else self._alone(seq, self._verify, chunk, rows))
+            if failed is not None or out is not None:  # None: held until its grammar mask is ready
+                outputs.append(failed or out)
         # The next step's grammar masks, computed while its forward pass runs.
         self.grammar.prefetch([c.seq.state.guide for c in chunks if c.seq.state.guide is not None
                                and c.seq.status == SeqStatus.RUNNING and c.seq.state.held_logits is None])
         return outputs
 
+    def _score_prompt(self, seq: Sequence, positions: range, rows: torch.Tensor) -> None:
+        """Prompt logprobs of the prompt tokens after `positions`, from their logits rows (len(positions), vocab)."""
+        st = seq.state
+        scored = score_tokens(rows, [seq.prompt_ids[p + 1] for p in positions], st.params.prompt_logprobs)
+        st.prompt_logprobs[positions.start + 1:positions.stop + 1] = scored
+
     def _verify(self, chunk: ScheduledChunk, rows) -> RequestOutput:
-        """rows: (1 + k, vocab) target logits at the last token and each draft. The accepted drafts
-        and the token after them are emitted; the K/V of rejected positions stays behind
-        num_computed, where the next pass overwrites it."""
-        seq, st = chunk.seq, chunk.seq.state
-        draft = self._drafts.pop(seq)
-        accepted, token = verify(rows, draft, st.params, seq.prompt_ids, seq.output_ids, st.generator)
-        self.spec_counters.verified(len(draft.tokens), accepted)
-        st.spec_k = self.draft_length.next(st.spec_k, len(draft.tokens), accepted)
-        tokens = draft.tokens[:accepted] + [token]
+        """rows: (1 + k, vocab) target logits at the last token and each draft: the accepted drafts and
+        the token after them are emitted."""
+        tokens, infos, accepted = self.speculative.verify(chunk, rows)
         # Kept: the last token's and the accepted drafts' K/V (as far as they were emitted).
-        return self._emit(seq, tokens, [token_logprobs(rows[i], t, st.params) for i, t in enumerate(tokens)],
+        return self._emit(chunk.seq, tokens, infos,
                           commit=lambda emitted: self.scheduler.commit(chunk, 1 + min(accepted, emitted)))
 
     def telemetry(self) -> EngineTelemetry:
@@ -515,7 +405,7 @@ class LLMEngine:
             blocks_converted=weights.blocks_converted,
             structured_output=self.grammar.telemetry(),
             pinned_cache=weights.pinned_cache,
-            speculative=self.spec_counters.snapshot() if self.spec_counters is not None else None,
+            speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
         )
 
@@ -544,7 +434,7 @@ class LLMEngine:
     def _advance(self, seq: Sequence, logits) -> RequestOutput | None:
         """Sample seq's next token from logits (vocab,); None when its grammar mask is not ready:
         the logits are held and the sequence samples at a later step (_sample_held)."""
-        st: _SeqState = seq.state
+        st: RequestState = seq.state
         allowed = None
         if st.guide is not None:
             allowed = st.guide.allowed(timeout=0)  # GrammarTooCostly: this request ends, alone
@@ -569,57 +459,18 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, tokens: list[int], infos: list, commit=None,
               prompt_logprobs: list | None = None, reason: str | None = None) -> RequestOutput:
-        """Append tokens one at a time, as decoding them one per step would, up to the first that
-        finishes the sequence (the rest, speculative ones, are dropped). commit(emitted): a verify
-        pass's K/V accounting, once the tokens it publishes are in the sequence and before a
-        finished sequence gives its blocks back. reason: finish with it whatever the tokens (none,
-        when a complete grammar ends the sequence)."""
-        st: _SeqState = seq.state
-        emitted = []
-        for token in tokens:
-            seq.output_ids.append(token)
-            emitted.append(token)
-            if token in st.stop_ids:
-                reason = "stop"
-            else:
-                st.detok.add_token(token)
-                if st.guide is not None:
-                    st.guide.accept(token)
-                    if st.guide.failure is not None:
-                        raise st.guide.failure  # this request ends with it, alone (the caller's _fail)
-                if st.detok.stopped or (st.guide is not None and st.guide.finished):
-                    # A complete grammar admits only end-of-sequence: end now rather than spend a step on it.
-                    reason = "stop"
-                elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                    reason = "length"
-            if reason:
-                break
-        token = emitted[-1] if emitted else None
-        if commit is not None:
-            commit(len(emitted))
-        if reason:
-            st.detok.flush()
-        text = st.detok.take_delta(final=reason is not None)
-        if reason:
-            self.scheduler.finish(seq, reason)
+        """request.emit (tokens in, stop rules, the client's output); a sequence it finishes gives its
+        blocks back and leaves the engine."""
+        out = emit(seq, tokens, infos, self.max_model_len, commit, prompt_logprobs, reason)
+        if out.finished:
+            self.scheduler.finish(seq, out.finish_reason)
             self._seqs.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=emitted,
-            text=text,
-            logprobs=[i for i in infos[:len(emitted)] if i is not None],
-            finished=reason is not None,
-            finish_reason=reason,
-            stop_reason=st.detok.stop_string or (token if token in st.params.stop_token_ids else None),
-            num_prompt_tokens=len(seq.prompt_ids),
-            num_output_tokens=len(seq.output_ids),
-            prompt_logprobs=prompt_logprobs,
-        )
+        return out
 
     def close(self) -> None:
         """Stop streaming and release the model's threads, buffers, pinned memory and files."""
         self.grammar.close()
-        if self.drafter is not None:
-            self.drafter.close()
-            self.drafter = None
+        if self.speculative is not None:
+            self.speculative.close()
+            self.speculative = None
         self.model.close()

@@ -12,6 +12,10 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .request import RequestState  # torch: annotations only
 
 
 class SeqStatus(Enum):
@@ -37,7 +41,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of the prompt at the last admission, tokens found in the prefix cache
     num_preemptions: int = 0
     finish_reason: str | None = None
-    state: object = None  # engine-side state (sampling, detokenizer); the scheduler never reads it
+    state: RequestState | None = None  # the engine's (engine.request); the scheduler never reads it
     prompt_logits: bool = False  # the runner also returns the logits of its prompt positions (prompt logprobs)
 
     @property

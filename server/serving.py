@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from engine.engine_loop import EngineLoop, EngineRequest, RequestHandle
-from engine.llm_engine import RequestOutput
+from engine.request import RequestOutput
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import InvalidParameter, SamplingParams, normalize_prompts
 

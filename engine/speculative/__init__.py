@@ -16,6 +16,9 @@ Interface (what the engine uses; the rest is internal):
       drafter.propose([DraftRequest(seq, k, params, generator)]) -> [Draft(tokens, probs)]
   verify(rows, draft, params, prompt_ids, output_ids, generator) -> (accepted, next token)
       greedy: argmax matching; sampling: rejection sampling that preserves the target distribution.
+  SpeculativeStep(config, drafter): the engine step's speculative part
+      .draft(chunks, scheduler, max_model_len, vocab_size) before the target's pass turns decode chunks into
+      verify chunks; .verify(chunk, rows) after it -> (tokens to emit, their logprobs, drafts accepted).
   SpecCounters / SpecTelemetry
       acceptance rate, accepted tokens per verify pass, draft vs verify time.
 """
@@ -27,10 +30,11 @@ from .ngram import ngram_draft
 from .rejection import rejection_sample, verify_greedy
 from .sources import build_drafter
 from .stats import SpecCounters, SpecTelemetry
+from .step import SpeculativeStep
 from .verify import verify
 
 __all__ = [
     "CONFIG_KEYS", "METHOD_ALIASES", "METHODS", "Draft", "DraftLength", "DraftRequest", "Drafter", "ModelDrafter",
-    "NgramDrafter", "SpecCounters", "SpecTelemetry", "SpeculativeConfig", "build_drafter", "ngram_draft",
+    "NgramDrafter", "SpecCounters", "SpecTelemetry", "SpeculativeConfig", "SpeculativeStep", "build_drafter", "ngram_draft",
     "rejection_sample", "verify", "verify_greedy",
 ]

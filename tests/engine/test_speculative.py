@@ -242,7 +242,7 @@ def test_k_adapts_to_each_sequence_acceptance_and_outputs_stay_exact(model_dirs,
     arrivals = {0: [("x", PROMPTS["c"], greedy(24))]}
     want = plain(arrivals)
     llm = spec_llm(model_dirs, "ngram", speculative_adaptive_k=adaptive, max_num_batched_tokens=64)
-    oracle = llm.engine.drafter = OracleDrafter(want, right_from=8)
+    oracle = llm.engine.speculative.drafter = OracleDrafter(want, right_from=8)
     try:
         got = drive(llm.engine, arrivals)
         t = llm.telemetry().speculative

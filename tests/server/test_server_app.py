@@ -242,7 +242,7 @@ def test_a_client_that_stops_reading_is_cancelled_not_buffered(flaky_engine):
 
 
 def test_fatal_device_errors_are_told_from_others():
-    from engine.llm_engine import is_fatal_device_error
+    from engine.failures import is_fatal_device_error
 
     assert is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     try:
