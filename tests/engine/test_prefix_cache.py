@@ -149,36 +149,47 @@ def long_context_dir(tmp_path_factory):
 
 
 def test_a_budget_below_the_default_context_starts_with_the_largest_context_that_fits(long_context_dir):
+    """A budget that holds the default context's KV with none of the step's workspace left: the step
+    shrinks first (max_num_batched_tokens lowered, the context kept); one that cannot hold it even with
+    the smallest step: the largest context that fits. A context the user asked for is never lowered."""
+    from engine.arch import load_model_config
     from engine.planner import PlanError
+    from engine.workspace import MIN_ATTN_CHUNK_BYTES, workspace_bytes
 
-    full = LLM(str(long_context_dir), max_num_seqs=2)
+    full = LLM(str(long_context_dir), max_num_seqs=2, max_num_batched_tokens=32)
     p = full.plan
     assert p.max_model_len == 2048
     full.close()
-    # Room for about 1000 tokens of KV besides what streaming needs (the workspace shrinks with the
-    # context too, so the context found is at least that).
     per_token = p.kv_cache_bytes // (p.num_kv_blocks * p.kv_block_size)
-    budget = p.global_bytes + p.workspace_bytes + 2 * p.block_bytes + 1000 * per_token
+    # Room for about 1000 tokens of KV besides what streaming needs and the smallest step's workspace
+    # (32 tokens, attention calls bounded by the budget) at that context.
+    smallest = workspace_bytes(load_model_config(long_context_dir), 32, 2, 1000, torch.float32, 2,
+                               MIN_ATTN_CHUNK_BYTES)
+    budget = p.global_bytes + smallest + 2 * p.block_bytes + 1000 * per_token
     llm = LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget)
     try:
         q = llm.plan
-        assert 1000 <= q.max_model_len < 2048 and q.max_model_len % 16 == 0
+        assert 900 <= q.max_model_len < 2048 and q.max_model_len % 16 == 0
         assert q.num_kv_blocks * q.kv_block_size >= q.max_model_len and q.device_bytes <= budget
         assert any(f"max_model_len lowered from 2048 to {q.max_model_len}" in n for n in q.notes)
-        assert llm.engine.max_model_len == q.max_model_len
+        assert q.max_num_batched_tokens == 32 and llm.engine.max_model_len == q.max_model_len
         out = llm.generate([5, 6, 7], greedy(4))[0].outputs[0]
         assert len(out.token_ids) == 4
     finally:
         llm.close()
-    # The user's own --max-model-len is honoured or refused, never lowered: here honoured, with
-    # attention calls bounded by the budget (smaller temporaries) instead of the default bound.
-    asked = LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget, max_model_len=2048)
+    # The user's own --max-model-len is honoured or refused, never lowered: here refused.
+    with pytest.raises(PlanError, match="too small"):
+        LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=budget, max_model_len=2048)
+    # Room for the whole context's KV and the smallest step: the step shrinks, the context stays.
+    roomy = p.global_bytes + p.workspace_bytes + 2 * p.block_bytes + 2048 * per_token
+    llm = LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=roomy)
     try:
-        assert asked.plan.max_model_len == 2048 and asked.plan.attn_chunk_bytes is not None
-        assert asked.plan.device_bytes <= budget and q.attn_chunk_bytes is None
-        assert asked.generate([5, 6, 7], greedy(4))[0].outputs[0].token_ids == out.token_ids
+        r = llm.plan
+        assert r.max_model_len == 2048 and r.max_num_batched_tokens < 512 and r.device_bytes <= roomy
+        assert any("max_num_batched_tokens lowered" in n for n in r.notes)
+        assert llm.generate([5, 6, 7], greedy(4))[0].outputs[0].token_ids == out.token_ids
     finally:
-        asked.close()
+        llm.close()
     with pytest.raises(PlanError, match="too small"):
         LLM(str(long_context_dir), max_num_seqs=2, max_device_memory=p.global_bytes + 2 * p.block_bytes,
             max_model_len=2048)
