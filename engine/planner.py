@@ -402,40 +402,6 @@ def plan_largest_context(make_inputs, max_model_len: int, min_model_len: int, bl
     return replace(best, notes=best.notes + (
         f"max_model_len lowered from {max_model_len} to {best.max_model_len} so one sequence fits the budget "
         "(set --max-model-len to choose, or raise --max-device-memory)",))
-    fixed = p.global_bytes + p.workspace_bytes
-    layers_min = min(buffers, p.num_layers * p.block_bytes) + draft(p.num_layers)
-    # KV room comes before resident blocks: a block that does not fit can stream, a sequence whose
-    # cache does not fit cannot run at all. Shrink concurrency rather than refuse to start.
-    while seqs > 1 and fixed + kv(seqs) + layers_min > p.budget:
-        seqs -= 1
-    if seqs < p.max_num_seqs:
-        notes.append(f"max_num_seqs lowered from {p.max_num_seqs} to {seqs} so the KV cache fits the budget")
-    room = p.budget - fixed - kv(seqs)
-    if room >= p.num_layers * p.block_bytes + draft(0):
-        resident_count = p.num_layers
-        buffers = 0
-    else:
-        # Each streamed block costs its draft copy (self-draft), each resident one its weights.
-        room -= p.draft_fixed_bytes + p.num_layers * p.draft_block_bytes
-        per_block = p.block_bytes - p.draft_block_bytes
-        if room < buffers:
-            need = fixed + kv(1) + buffers + draft(p.num_layers)
-            raise PlanError(
-                f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
-                f"{format_bytes(p.global_bytes)}, KV cache {format_bytes(kv(seqs))}, workspace "
-                f"{format_bytes(p.workspace_bytes)} and {p.prefetch_depth + 1} stream buffers of "
-                f"{format_bytes(p.block_bytes)}"
-                + (f", the speculative draft {format_bytes(draft(p.num_layers))}" if p.draft_name else "")
-                + f" need at least {format_bytes(need)}; raise "
-                "--max-device-memory or lower --max-model-len / --max-num-seqs"
-            )
-        resident_count = min(p.num_layers - 1, (room - buffers) // per_block)
-    resident = _spread(int(resident_count), p.num_layers)
-    streamed = [i for i in range(p.num_layers) if i not in set(resident)]
-    return _with_host_tier(p, MemoryPlan(p.budget, p.num_layers, resident, streamed, p.block_bytes, p.global_bytes,
-                                         kv(seqs), p.workspace_bytes, buffers, p.max_model_len, seqs,
-                                         p.prefetch_depth, tuple(notes), draft_bytes=draft(len(streamed)),
-                                         **draft_kw))
 
 
 def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
