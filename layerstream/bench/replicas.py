@@ -52,7 +52,7 @@ def run(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from server.ray_options import parse_flags
+    from server.launch import parse_flags
     from server.ray_serve import APP_NAME, build_application
 
     folder = bench_model_path() if ns.model == "bench" else ns.model
