@@ -14,17 +14,16 @@
 //   the next tile's bytes are prefetched into L2 in address order, evenly over the k loop, so the
 //   memory stream runs under the arithmetic.
 //
-// Measured against the 4x4-register-tile kernel this replaced (two 16-row tiles of x against 4 weight
-// rows, horizontal sums per K block), both built here, weights read from memory, 2 threads, AMD EPYC
-// (Zen 4: VDPBF16PS at one zmm or two ymm per cycle per core): at 16 rows 2816x1024 537 -> 332 us,
-// 1024x2816 442 -> 282, 1024x1024 205 -> 129, 8192x1024 1452 -> 877; at 2-8 rows 1.0-1.45x faster.
+// It replaced a 4x4-register-tile kernel (two 16-row tiles of x against 4 weight rows, horizontal sums
+// per K block), which it beat at every shape and row count measured (`layerstream bench-bf16-rows`,
+// docs/benchmarks/bf16-rows.md).
 // The old kernel left the memory stream and the arithmetic serialised (a 2816x1024 product at 16 rows
 // took about its in-cache time plus its memory time); prefetching each row's own lines ahead instead
 // of the next tile in address order, or not prefetching, did the same in a throwaway A/B.
 //
 // Accuracy: products of bf16 values are exact in fp32; each output sums its K/2 pair products in
 // fp32, in k order, a different order than oneDNN's; the result (plus bias, in fp32) rounds once to
-// bf16 (nearest even): the same error class as F.linear (tests/test_bf16_rows.py holds both to a
+// bf16 (nearest even): the same error class as F.linear (tests/kernels/test_bf16_rows.py holds both to a
 // float64 reference). VDPBF16PS treats bf16 subnormal inputs as zero, as oneDNN's AVX512-BF16
 // kernels do.
 //

@@ -5,7 +5,7 @@
 // for the stacked weights (wqkv, w_gate_up), calling the same functions in the same order (the fused
 // CPU ops of fused_ops.cpp and the VNNI kernels of int4_vnni.cpp, both included here, or for dense
 // weights at::linear, or bf16_rows.cpp's kernel where few_rows says engine/model.py's linear uses it
-// too), so its result is bit-identical to the op-by-op path (tests/test_decode_block.py):
+// too), so its result is bit-identical to the op-by-op path (tests/kernels/test_decode_block.py):
 //
 //   hn  = rms_norm(x, attn_norm)                          (seqs, hidden)
 //   qkv = hn @ wqkv.T + bqkv                              (seqs, (heads + 2 kv_heads) * hd)

@@ -5,7 +5,7 @@
 // would round it, and the build turns off FMA contraction (-ffp-contract=off) so a*b + c rounds
 // twice as torch's separate mul and add do. What can differ: the order of the fp32 sum in RMSNorm's
 // mean and SiLU's exp (ours within 2 ulp, torch's Sleef within 1) (fp32 results within ~1e-6; a bf16 result then rounds the same
-// way or, rarely, one ulp apart). tests/test_fused_ops.py holds both sides.
+// way or, rarely, one ulp apart). tests/kernels/test_fused_ops.py holds both sides.
 //
 //   rms_norm(x, w, eps)            y = w * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)     (rows, n)
 //   add_rms_norm(x, r, w, eps)     h = x + r; y = rms_norm(h, w, eps); returns (h, y)
@@ -68,11 +68,9 @@ torch::Tensor as_rows(const torch::Tensor& x) { return row_stride(x) < 0 ? x.con
 int64_t rows_of(const torch::Tensor& x) { return x.size(-1) == 0 ? 0 : x.numel() / x.size(-1); }
 
 // f(begin, end) over rows [0, rows), split over torch's threads when the op has enough values to pay
-// for the fork: in a decode step the other thread often has to be woken first (~5-7 us). Measured in
-// the engine at 16 sequences (benchmark model, per call, throwaway): SiLU*up over 16 x 2816 values took
-// 26 us split against 33 on one thread, RMSNorm over 16 x 1024 18 against 11; at 128 rows (prefill
-// chunks) SiLU 205 against 329 and RMSNorm+residual 55 against 78. Each row is computed as on one
-// thread, so results do not depend on the split.
+// for the fork: in a decode step the other thread often has to be woken first, which costs more than a
+// small op saves (so RMSNorm at decode sizes stays on one thread, SiLU*up and prefill-sized ops split).
+// Each row is computed as on one thread, so results do not depend on the split.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_values, const F& f) {
   constexpr int64_t PARALLEL_VALUES = 16384;  // per task; below twice that the op runs here
@@ -84,11 +82,11 @@ void for_rows(int64_t rows, int64_t row_values, const F& f) {
 }
 
 // bf16 rows on AVX-512 (this file is otherwise built for plain x86-64, where the bf16 <-> fp32
-// conversions of the row loops below run one value at a time: at 16 rows RMSNorm took ~2.5 us a row).
+// conversions of the row loops below run one value at a time).
 // The same arithmetic, 16 values at a time: widening is exact, narrowing rounds to nearest even with
 // NaN kept as torch's c10::BFloat16 does, and products and sums are separate roundings as in the
 // scalar loops (no FMA), so results are bit for bit theirs (compared once against a build of the scalar
-// loops, NaN, inf and subnormals included: a throwaway script; tests/test_fused_ops.py holds the
+// loops, NaN, inf and subnormals included: a throwaway script; tests/kernels/test_fused_ops.py holds the
 // results to torch's).
 #define LAYERSTREAM_BF16_AVX512 __attribute__((target("avx512f")))
 
@@ -406,14 +404,14 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& c, const torch
 
 // Single-token attention over the paged KV cache, for decode steps (every sequence brings one query
 // token): the KV write, the gather through the block table and SDPA's dispatch cost more than the
-// arithmetic at short contexts (~2 ms of a ~9 ms SmolLM2 step). It computes what SDPA's CPU flash
+// arithmetic at short contexts (docs/benchmarks/decode-profile.md). It computes what SDPA's CPU flash
 // kernel computes for one query row whose keys all fit one of its tiles (512 keys): fp32 scores
 // q . k * scale, their max, p = exp(s - max) summed in fp32, p rounded to the tensor dtype for the
 // p . V product (accumulated in fp32), and out = that / sum rounded once to the dtype. The sums run
 // in another order than its GEMMs and exp is exp_approx (within 2 ulp of the exact value, flash's
 // own is ~1 ulp), so results agree to fp32 rounding; past 512 keys flash rescales tile by tile and
 // rounds p against a running max, so there the two agree to the dtype's rounding
-// (tests/test_fused_ops.py).
+// (tests/kernels/test_fused_ops.py).
 //
 // Per (sequence, KV head): the `group` query heads that share the KV head are done together, so
 // each cached key and value row is read once. Built for AVX-512, AVX2 and plain x86-64 like SiLU.
@@ -490,9 +488,8 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 }
 
 // f(j, row) for keys lo..lo+n-1 of one sequence's KV head in a paged cache (blocks, block_size, nkv, hd),
-// walking the block table a block at a time rather than dividing per key for its block and offset:
-// 16 sequences of 16 heads of 64 took 57 us a layer at 50 keys instead of 64, 434 at 500 instead of 508
-// (medians, the two builds alternated in one process, after the register accumulators below).
+// walking the block table a block at a time rather than dividing per key for its block and offset
+// (faster at every context measured, with the register accumulators below).
 template <typename T, typename F>
 inline void for_each_row(const T* cache, const int64_t* table, int64_t block_size, int64_t nkv, int64_t kvh,
                          int64_t hd, int64_t lo, int64_t n, const F& f) {
@@ -537,9 +534,8 @@ void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int
 // bf16 caches on AVX-512 with head_dim a multiple of 16 (up to 256): each key and value row is widened
 // to fp32 once for the whole group of query heads (the loops above widen it once per head), the dot
 // products are FMA chains over 16-lane vectors reduced once each, and p . V is an FMA per 16 values.
-// The generic loops ran at ~30 GFLOP/s on two cores here (16 sequences, 16 heads of 64, 64-2000 keys:
-// 136 us to 7.2 ms a layer); sums in another order and with fused multiply-adds, so the results agree
-// with them, and with flash, to fp32 rounding (tests/test_decode_attention.py).
+// The generic loops left most of the vector units idle; sums in another order and with fused multiply-adds, so the results agree
+// with them, and with flash, to fp32 rounding (tests/kernels/test_decode_attention.py).
 constexpr int64_t AVX512_MAX_HD = 256;
 
 bool attention_avx512(int64_t hd) { return bf16_avx512() && hd % 16 == 0 && hd <= AVX512_MAX_HD; }
@@ -577,8 +573,7 @@ LAYERSTREAM_BF16_AVX512 void accumulate_bf16_avx512(const float* p, int64_t stri
 // acc[g][0..16 C) += p[g][j] * v_j for C 16-lane columns: the heads' accumulators stay in registers over
 // all keys, HG heads at a time (HG * C <= 16), each key's row widened once per pass. The same fused
 // multiply-adds in the same order as a load-add-store per key, so the same results; kept in memory, each
-// key's update waited on the last one's store, and this loop was ~30% of a 16-sequence layer (perf):
-// 64 us a layer at 50 keys instead of 77, 508 at 500 instead of 659 (as above).
+// key's update waited on the last one's store, and this loop was a large part of a 16-sequence layer (perf).
 template <int C>
 LAYERSTREAM_BF16_AVX512 void accumulate_bf16_regs(const float* p, int64_t stride, const uint16_t* const* rows,
                                                   int64_t n, int64_t group, float* acc) {
@@ -642,8 +637,7 @@ void accumulate(const float* p, int64_t stride, const std::vector<const void*>& 
 
 // p = exp(s - max s) over one row of scores, in place, then rounded to bf16 or fp16 when asked; returns
 // the fp32 sum of the unrounded p. Separate loops and 16 partial sums, so that each vectorizes (the one
-// scalar loop of exp, sum and rounding it replaces: with the AVX-512 products above, 16 sequences at
-// 2000 keys took 4.2 ms a layer with it and 3.5 ms with this).
+// scalar loop of exp, sum and rounding it replaces was slower at long contexts).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float softmax_row(float* s, int64_t n, bool round_bf16, bool round_f16) {
   float mx = -INFINITY;

@@ -10,7 +10,7 @@
 // Bit-for-bit equality with the torch code needs its roundings: fp32 throughout, a*b + c rounded twice
 // (built with -ffp-contract=off), float -> fp16 round to nearest even (F16C, as torch's .half()), true
 // division and round half to even (torch.round). Built with the VNNI kernels' AVX-512 flags: it only
-// runs beside them. tests/test_stream_repack.py
+// runs beside them. tests/weights/test_stream_repack.py
 // compares the bytes for every type.
 //
 // Output layouts (see int4_vnni.cpp): rows in blocks of 16, the last padded with zero rows.

@@ -5,7 +5,7 @@
 // fp32:
 //   y[m, n] = sum_g  d[n,g] * dx[m,g] * sum_i q[n,32g+i] * xq[m,32g+i]   +   min[n,g] * sx[m,g]
 // with w = d * q + min (q in 0..15), xq = round(x / dx) in -127..127, dx = max|x| / 127 over the
-// group, sx = sum of x over the group. tests/test_int4_kernel.py holds the same math in torch.
+// group, sx = sum of x over the group. tests/kernels/test_int4_kernel.py holds the same math in torch.
 //
 // Weight layout (engine/weights/packed.py, Int4Weight "vnni"): rows in blocks of 16 (the 16 int32
 // lanes of a 512-bit register, so one register holds 16 rows' partial sums and no horizontal sum
