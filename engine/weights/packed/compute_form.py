@@ -27,7 +27,8 @@ from ... import ops
 from ..formats.reader import TensorInfo
 from .dequant import dequantize
 from ..formats.gguf_file import ggml_type
-from .weights import INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf, int4_nbytes, int8_nbytes
+from .weights import (INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf, int4_nbytes, int8_nbytes,
+                      vnni_parts)
 
 
 @dataclass(frozen=True)
@@ -95,17 +96,11 @@ def _repack(rows: torch.Tensor, q, shape: tuple[int, int], dtype: torch.dtype):
     out, inner = shape
     module = ops.gguf_repack() if inner % 32 == 0 else None
     if module is not None:
-        blocks = -(-out // 16)
-        rows = rows.contiguous()
-        if q in INT4_TYPES:
-            codes = torch.empty(blocks, inner // 32 * 256, dtype=torch.uint8)
-            scales = torch.empty(blocks, inner // 32, 2, 16, dtype=torch.float16)
-            module.repack_int4(rows, int(q), inner, codes, scales, None)
-            return Int4Weight(codes, scales, shape, "vnni")
-        codes = torch.empty(blocks, inner // 32 * 512, dtype=torch.uint8)
-        scales = torch.empty(blocks, 16, dtype=torch.float32)
-        module.repack_int8(rows, int(q), inner, codes, scales, None)
-        return Int8Weight(codes, scales, shape, "vnni")
+        int4 = q in INT4_TYPES
+        (code_dtype, code_shape), (scale_dtype, scale_shape) = vnni_parts("int4" if int4 else "int8", shape)
+        codes, scales = torch.empty(code_shape, dtype=code_dtype), torch.empty(scale_shape, dtype=scale_dtype)
+        (module.repack_int4 if int4 else module.repack_int8)(rows.contiguous(), int(q), inner, codes, scales, None)
+        return (Int4Weight if int4 else Int8Weight)(codes, scales, shape, "vnni")
     parts = []
     for first in range(0, out, _CHUNK_ROWS):
         part = rows[first:first + _CHUNK_ROWS]

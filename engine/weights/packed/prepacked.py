@@ -51,13 +51,13 @@ import torch
 from ...cache import build_once, cache_root
 from ...errors import CheckpointError
 from ..formats.reader import TensorInfo
-from .weights import INT4_TYPES, Int4Weight, Int8Weight
+from .weights import INT4_TYPES, Int4Weight, Int8Weight, vnni_parts
 from .compute_form import PackedFormat
 from .quant_cache import checkpoint_identity, kernel_layout
 from ..formats.block_source import BlockSource
 from ..formats.gguf_file import ggml_type
 from ..formats.safetensors_index import MADV_POPULATE_READ
-from .stream_repack import LANES, make_repacker
+from .stream_repack import make_repacker
 from ..formats.views import close_mapping, typed_view
 
 log = logging.getLogger("layerstream")
@@ -154,11 +154,7 @@ def _output_parts(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> tupl
     """(dtype, shape) of the parts StreamRepacker writes for one weight (its _write)."""
     if kind in ("dense", "bias"):
         return ((dtype, tuple(shape)),)
-    rows, inner = shape
-    blocks, groups = -(-rows // LANES), inner // 32
-    if kind == "int4":
-        return ((torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, 2, LANES)))
-    return ((torch.uint8, (blocks, groups * 512)), (torch.float32, (blocks, LANES)))
+    return vnni_parts(kind, shape)
 
 
 def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLayout | None, str | None]:
@@ -347,8 +343,9 @@ class PrepackedBlocks:
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)  # (file_bytes,)
 
     # -- the blocks ------------------------------------------------------------------------------
-    def _span(self, block: int) -> tuple[int, int]:
-        b = self.layout.blocks[block]
+    def _span(self, block: int | None) -> tuple[int, int]:
+        """[start, end) in the file of block `block`, or of the head (None)."""
+        b = self.layout.blocks[block] if block is not None else self.layout.head
         start = self.layout.data_start + b.offset
         return start, start + b.nbytes
 
@@ -369,15 +366,11 @@ class PrepackedBlocks:
     def head(self):
         """The head in its compute form as zero-copy views of the mapped entry (faulted in now), or None
         where the entry holds none."""
-        head = self.layout.head
-        if head is None:
+        if self.layout.head is None:
             return None
-        start = self.layout.data_start + head.offset
-        try:
-            self._map.madvise(MADV_POPULATE_READ, start, head.nbytes)
-        except (OSError, ValueError):
-            pass  # an older kernel: pages fault in on first use
-        return _weights(head, self._base[start:start + head.nbytes])[HEAD]
+        self.advise(None, MADV_POPULATE_READ)
+        start, end = self._span(None)
+        return _weights(self.layout.head, self._base[start:end])[HEAD]
 
     def mapped(self, block: int) -> dict[str, object]:
         """Block `block`'s weights as zero-copy views of the mapped entry."""
@@ -388,8 +381,9 @@ class PrepackedBlocks:
         start, end = self._span(block)
         return TensorInfo(f"prepacked block {block}", self.path, torch.uint8, (end - start,), start, end)
 
-    def advise(self, block: int, advice: int) -> None:
-        """madvise block `block`'s pages (MADV_POPULATE_READ ahead of use, MADV_DONTNEED after)."""
+    def advise(self, block: int | None, advice: int) -> None:
+        """madvise block `block`'s pages, or the head's (None): MADV_POPULATE_READ ahead of use,
+        MADV_DONTNEED after."""
         start, end = self._span(block)
         try:
             self._map.madvise(advice, start, end - start)

@@ -31,12 +31,11 @@ from ... import ops
 from ..formats.reader import TensorInfo
 from .fuse import FUSED, FUSED_BIAS
 from ..formats.gguf_file import ggml_type
-from .weights import INT4_TYPES, Int4Weight, Int8Weight
+from .weights import INT4_TYPES, LANES, Int4Weight, Int8Weight, vnni_parts
 from .compute_form import PackedFormat
 from ..formats.block_source import BlockSource
 
 ALIGN = 64  # every region of a slot starts on a cache line (and on its dtype's size)
-LANES = 16  # rows per block of the VNNI layouts
 
 
 @dataclass(frozen=True)
@@ -108,11 +107,8 @@ class _Layout:
         """Bytes of (codes, scales), or (values, 0)."""
         if kind in ("dense", "bias"):
             return math.prod(shape) * dtype.itemsize, 0
-        out, inner = shape
-        blocks = -(-out // LANES)
-        if kind == "int4":
-            return blocks * LANES * inner // 2, blocks * (inner // 32) * 2 * LANES * 2  # fp16 scales and mins
-        return blocks * LANES * inner, blocks * LANES * 4  # fp32 scale per row
+        codes, scales = vnni_parts(kind, shape)
+        return tuple(math.prod(part_shape) * dtype.itemsize for dtype, part_shape in (codes, scales))
 
 
 class StreamRepacker:
@@ -176,16 +172,11 @@ class StreamRepacker:
                 values[row:row + part.shape[0]].copy_(part)
                 row += part.shape[0]
             return values
-        rows, inner = out.shape
-        blocks, groups = -(-rows // LANES), inner // 32
-        if out.kind == "int4":
-            codes = self._region(slot, out.offsets[0], torch.uint8, (blocks, groups * 256))
-            scales = self._region(slot, out.offsets[1], torch.float16, (blocks, groups, 2, LANES))
-            repack = self._module.repack_int4
-        else:
-            codes = self._region(slot, out.offsets[0], torch.uint8, (blocks, groups * 512))
-            scales = self._region(slot, out.offsets[1], torch.float32, (blocks, LANES))
-            repack = self._module.repack_int8
+        inner = out.shape[1]
+        (code_dtype, code_shape), (scale_dtype, scale_shape) = vnni_parts(out.kind, out.shape)
+        codes = self._region(slot, out.offsets[0], code_dtype, code_shape)
+        scales = self._region(slot, out.offsets[1], scale_dtype, scale_shape)
+        repack = self._module.repack_int4 if out.kind == "int4" else self._module.repack_int8
         first = 0  # first row block of the part (every part but the last is whole blocks)
         for p in out.parts:
             t = infos[p]

@@ -58,6 +58,19 @@ class GGUFWeight:
         return dequantize(self.data[ids], self.qtype, (ids.shape[0], self.shape[1])).to(self.dtype)
 
 
+LANES = 16  # rows per block of the VNNI layouts
+
+
+def vnni_parts(kind: str, shape: tuple[int, int]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+    """(dtype, shape) of the codes and the scales of an (out, in) "int4" or "int8" weight in the VNNI
+    layout (Int4Weight, Int8Weight below): what the C++ repack writes and the prepacked entry stores."""
+    rows, inner = shape
+    blocks, groups = -(-rows // LANES), inner // GROUP
+    if kind == "int4":
+        return (torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, 2, LANES))
+    return (torch.uint8, (blocks, groups * 512)), (torch.float32, (blocks, LANES))
+
+
 class Int4Weight:
     """4-bit codes q (0..15) with a (scale, min) per 32 weights of a row: w = scale * q + min.
 
