@@ -17,7 +17,8 @@ tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonym
 set against the memory floor: the weight bytes a token reads divided by this machine's measured
 read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches), each file then
 runs in a memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes
-read from disk per token and % of the disk floor (bytes per token / the disk's measured GB/s).
+read from disk per token and % of the disk floor (bytes per token / the disk's measured GB/s), and
+where layerstream's decode time goes (its disk tier reading; compute waiting for blocks).
 
 Needs llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36, a few minutes
 of compiling) for the quantizer and the llama.cpp peer, and sentencepiece for its converter.
@@ -237,16 +238,20 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.add_request(ids, SamplingParams(max_tokens=ns.decode_tokens, temperature=0, ignore_eos=True), "bench")
-    tokens, first, io0 = [], None, 0
+    tokens, first, io0, stats0 = [], None, 0, None
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.new_token_ids
             if first is None:
-                first, io0 = time.perf_counter(), read_bytes()
+                first, io0, stats0 = time.perf_counter(), read_bytes(), engine.telemetry().total
     end = time.perf_counter()
+    stats = engine.telemetry().total
     plan = engine.plan
     result = dict(load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
                   decode_read_bytes=read_bytes() - io0,
+                  # where decode's time goes: compute waiting for blocks, the disk tier reading them
+                  decode_stall_s=stats.stall_seconds - stats0.stall_seconds,
+                  decode_disk_read_s=stats.disk_read_seconds - stats0.disk_read_seconds,
                   plan=f"{len(plan.resident_blocks)} / {len(plan.streamed_blocks) - len(plan.disk_blocks)} / "
                        f"{len(plan.disk_blocks)}")
     engine.close()
@@ -329,6 +334,11 @@ def _stream_files(path: Path) -> list[Path]:
 # -- the report ---------------------------------------------------------------------------------------
 def _tps(r: dict, key: str, n: int) -> float | None:
     return n / r[key] if "error" not in r and r.get(key) else None
+
+
+def _share(r: dict, key: str) -> str:
+    """A decode-phase time (layerstream's telemetry) as a share of the decode time."""
+    return f"{100 * r[key] / r['decode_s']:.0f}%" if r.get(key) is not None and r.get("decode_s") else "-"
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -434,13 +444,14 @@ def run(ns: argparse.Namespace) -> int:
                     floor = disk.gbps * 1e9 / per_tok if per_tok else None
                     rows.append([peer, path.name, f"{r['cap'] / 2**30:.2f} GiB", r.get("plan", ""), _fmt(dec, 2),
                                  _fmt(per_tok / 2**30 if per_tok else None, 2), f"{disk.gbps:.2f}",
-                                 f"{100 * dec / floor:.0f}%" if floor else "-", f"{r['peak_anon'] / 2**20:.0f} MiB",
-                                 r.get("error", "")])
+                                 f"{100 * dec / floor:.0f}%" if floor else "-", _share(r, "decode_disk_read_s"),
+                                 _share(r, "decode_stall_s"), f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
                     print(f"  capped {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s)", flush=True)
             print(f"\nunder a memory cgroup of {ns.cap_fraction:.0%} of each file, cold page cache, "
                   f"{ns.capped_decode_tokens} greedy tokens")
             print(table(["peer", "file", "cap", "blocks resident / RAM / disk", "decode tok/s", "disk GiB/token",
-                         "disk GB/s", "% of disk floor", "peak RssAnon", "error"], rows))
+                         "disk GB/s", "% of disk floor", "reading disk", "compute waiting", "peak RssAnon", "error"],
+                        rows))
     if ns.json:
         Path(ns.json).write_text(json.dumps({"machine": machine_description(), "memory_gbps": mem_gbps,
                                              "results": results}, indent=1))
