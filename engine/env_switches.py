@@ -41,7 +41,7 @@ SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("LAYERSTREAM_ATTENTION_OPS", "auto", "auto, torch", ENGINE, "engine/kernels/attention_ops.py",
               "The C++ scale + mask + softmax pass of the CPU bf16 attention path; torch uses torch's ops."),
     EnvSwitch("LAYERSTREAM_BF16_ROWS", "auto", "auto, off", ENGINE, "engine/kernels/bf16_rows.py",
-              "bf16 products of 2-16 rows by engine/kernels/bf16_rows.cpp (CPUs with AVX512-BF16 and no AMX); "
+              "bf16 products of 1-16 rows by engine/kernels/bf16_rows.cpp (CPUs with AVX512-BF16 and no AMX); "
               "off leaves them to oneDNN."),
     EnvSwitch("LAYERSTREAM_DECODE_BLOCK", "auto", "auto, off", ENGINE, "engine/kernels/decode_block.py",
               "A decode step's transformer block as one C++ call; off runs the block op by op."),

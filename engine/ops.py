@@ -8,10 +8,10 @@ dtype)` resolves every choice at load and returns them as `KernelChoices`, which
 line and the telemetry snapshot carries (EngineTelemetry.kernels). Why each threshold is where it is:
 docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
 
-  products     linear(x, w, bias): dense weights on F.linear (oneDNN / MKL), 2-16 bf16 rows on
-               bf16_rows.cpp (AVX512-BF16 without AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row on
-               torch's matrix-vector kernel with oneDNN off around the step (single_row_products:
-               without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, told apart
+  products     linear(x, w, bias): dense weights on F.linear (oneDNN / MKL), 1-16 bf16 rows on
+               bf16_rows.cpp (AVX512-BF16 without AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row where
+               that kernel is not in use on torch's matrix-vector kernel with oneDNN off around the step
+               (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, told apart
                by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
                LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
                dequantized to the compute dtype for each product.
@@ -150,7 +150,7 @@ def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
     fused = cpu and fused_ops() is not None
     products = "oneDNN/MKL (F.linear)" if cpu else "F.linear"
     if bf16_cpu and bf16_rows() is not None:
-        products += ", 2-16 rows bf16_rows"
+        products += ", 1-16 rows bf16_rows"
     if bf16_cpu and not onednn_has_amx():
         products += ", 1 row torch gemv (oneDNN off)"
     if not cpu:
@@ -184,11 +184,11 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 
 def _few_bf16_rows(x: torch.Tensor) -> bool:
-    """2-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
-    whose products kernels/bf16_rows.cpp runs faster than oneDNN on a CPU without AMX (the figures:
-    docs/benchmarks/bf16-rows.md, `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and
-    bf16_rows() is None."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
+    """1-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
+    whose products kernels/bf16_rows.cpp runs faster than oneDNN (and, at one row, than torch's own
+    matrix-vector kernel) on a CPU without AMX (the figures: docs/benchmarks/bf16-rows.md,
+    `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and bf16_rows() is None."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 1:
         return False
     kernel = bf16_rows()
     return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
@@ -358,19 +358,33 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     the CPU in a 16-bit dtype (float32, the exact mode, stays op by op), q/k/v and gate/up stacked
     (engine.weights fuses them; the streamed blocks' repack does it too), no per-head norms or clipping,
     and every matmul a dense weight of x's dtype or a VNNI-layout one."""
-    if ("wqkv" not in w or "w_gate_up" not in w or cfg.qk_norm or cfg.clip_qkv is not None
-            or decode_block() is None):
+    qkv_names = _parts(w, "wqkv", ("wq", "wk", "wv"))
+    gate_up_names = _parts(w, "w_gate_up", ("w_gate", "w_up"))
+    if qkv_names is None or gate_up_names is None or cfg.qk_norm or cfg.clip_qkv is not None or decode_block() is None:
         return None
+    bias_names = ("bqkv",) if qkv_names == ("wqkv",) else ("bq", "bk", "bv")
+    biases = [w.get(b) for b in bias_names]
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        return None  # some projections biased and others not: op by op
     tables = token_by_token(step, x, w["attn_norm"], w["mlp_norm"], step.cos, k_cache)
     if tables is None:
         return None
-    weights = [_kernel_weight(w[name], x.dtype) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-    if None in weights:
+    wqkv = [_kernel_weight(w[n], x.dtype) for n in qkv_names]
+    w_gate_up = [_kernel_weight(w[n], x.dtype) for n in gate_up_names]
+    wo, w_down = _kernel_weight(w["wo"], x.dtype), _kernel_weight(w["w_down"], x.dtype)
+    if None in (*wqkv, *w_gate_up, wo, w_down):
         return None
-    wqkv, wo, w_gate_up, w_down = weights
-    return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, w.get("bqkv"), wo, w.get("bo"), w_gate_up,
-            w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables, step.positions,
-            step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
+    return (x, w["attn_norm"], w["mlp_norm"], cfg.rms_norm_eps, wqkv, biases if biases[0] is not None else [], wo,
+            w.get("bo"), w_gate_up, w_down, step.cos, step.sin, k_cache, v_cache, step.slot_mapping, tables,
+            step.positions, step.window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, _few_bf16_rows(x))
+
+
+def _parts(w: dict, stacked: str, parts: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The names a projection's weights go by in this block: stacked at load (engine.weights.packed.fuse) or
+    apart (views of a mapped checkpoint, which stacking would copy); None when neither is there."""
+    if stacked in w:
+        return (stacked,)
+    return parts if all(p in w for p in parts) else None
 
 
 def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:

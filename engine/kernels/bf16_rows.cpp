@@ -1,4 +1,4 @@
-// bf16 products of a few rows, y = x @ w.T + bias, for decode steps of 2-16 sequences on CPUs with
+// bf16 products of a few rows, y = x @ w.T + bias, for decode steps of 1-16 sequences on CPUs with
 // AVX512-BF16. torch's choices there are poor on this kind of CPU: oneDNN spends 1.4-2.7x a one-row
 // product on 4-16 rows (layerstream/bench/bf16_rows.py, 2 threads), and torch's own matrix-vector kernel
 // (single_row_products) runs row by row. Here every weight byte is read from memory once per call,
@@ -29,7 +29,7 @@
 //
 //   linear(x, w, bias) -> (M, N) bf16   when applies(x, w), else at::linear(x, w, bias) (the caller need
 //                                        not check: engine/model.py and decode_block.cpp call this)
-//   applies(x, w)                        x (M, K) bf16 contiguous, 2 <= M <= MAX_ROWS (16); w (N, K) bf16
+//   applies(x, w)                        x (M, K) bf16 contiguous, 1 <= M <= MAX_ROWS (16); w (N, K) bf16
 //                                        contiguous; K % 32 == 0; the CPU has AVX512-BF16
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -171,9 +171,40 @@ LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, 
   }
 }
 
+// One row (a decode step of one sequence): y[n] = x . w[n], a dot product per weight row, the rows in
+// address order so that each thread reads one contiguous stream of the weight (the hardware prefetcher's
+// best case) and the broadcast-pair layout above, which would spend one VDPBF16PS per 4 bytes of weight,
+// is not needed: here each instruction takes 64 bytes of a row against 64 bytes of x (in L1 for the
+// whole product). Four accumulators per row keep four VDPBF16PS chains in flight; one horizontal sum per row.
+LAYERSTREAM_BF16_TARGET inline float dot_row(const uint16_t* x, const uint16_t* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 * SLICE <= K; k += 4 * SLICE) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + SLICE), (__m512bh)_mm512_loadu_si512(x + k + SLICE));
+    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 2 * SLICE),
+                          (__m512bh)_mm512_loadu_si512(x + k + 2 * SLICE));
+    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + k + 3 * SLICE),
+                          (__m512bh)_mm512_loadu_si512(x + k + 3 * SLICE));
+  }
+  for (; k < K; k += SLICE) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+LAYERSTREAM_BF16_TARGET void run_one(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias,
+                                     uint16_t* y) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) y[n] = with_bias(dot_row(x, w + n * K, K), bias, n);
+  });
+}
+
 LAYERSTREAM_BF16_TARGET void run(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                                  const uint16_t* bias, uint16_t* y) {
-  if (M <= 8) {
+  if (M == 1) {
+    run_one(x, K, w, N, bias, y);
+  } else if (M <= 8) {
     run_lanes<8>(x, M, K, w, N, bias, y);
   } else {
     run_lanes<16>(x, M, K, w, N, bias, y);
@@ -200,7 +231,7 @@ bool applies(const at::Tensor& x, const at::Tensor& w) {
         x.size(1) % SLICE == 0 && x.is_contiguous() && w.is_contiguous())) {
     return false;
   }
-  return x.size(0) >= 2 && x.size(0) <= MAX_ROWS;
+  return x.size(0) >= 1 && x.size(0) <= MAX_ROWS;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -222,7 +253,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 // decode_block.cpp includes this file for bf16_rows::linear and defines its own module.
 #ifndef LAYERSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &bf16_rows::linear, "x @ w.T + bias for 2-16 bf16 rows, else at::linear",
+  m.def("linear", &bf16_rows::linear, "x @ w.T + bias for 1-16 bf16 rows, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("applies", &bf16_rows::applies, "whether linear runs this kernel for (x, w)");
   m.def("cpu_supported", &bf16_rows::cpu_supported, "whether this CPU has AVX512 F/BW/DQ/VL and AVX512-BF16");

@@ -1,4 +1,4 @@
-"""bf16 products of 2-16 rows (bf16_rows.cpp) for decode steps of a few sequences, with a logged fallback.
+"""bf16 products of 1-16 rows (bf16_rows.cpp) for decode steps of a few sequences, with a logged fallback.
 
 Interface:
   bf16_rows() -> module | None   the compiled kernel, or None when engine/ops.py keeps F.linear: the
@@ -11,7 +11,7 @@ Interface:
       passes `_few_bf16_rows(x)`, what its linear decides).
   built() -> module | None   the kernel wherever it builds and runs, AMX or not: for its tests and
       layerstream/bench/bf16_rows.py, which compare it with oneDNN.
-  The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 2-16
+  The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 1-16
       contiguous rows, K a multiple of 32), at::linear otherwise; MAX_ROWS (16).
 """
 
@@ -29,7 +29,7 @@ SOURCE = Path(__file__).with_name("bf16_rows.cpp")
 NAME = "layerstream_bf16_rows"
 
 
-WHAT = "bf16 products of 2-16 rows: using F.linear, not the AVX512-BF16 kernel"
+WHAT = "bf16 products of 1-16 rows: using F.linear, not the AVX512-BF16 kernel"
 
 
 def _blocked() -> str | None:

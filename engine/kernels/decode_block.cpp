@@ -8,11 +8,12 @@
 // too), so its result is bit-identical to the op-by-op path (tests/kernels/test_decode_block.py):
 //
 //   hn  = rms_norm(x, attn_norm)                          (seqs, hidden)
-//   qkv = hn @ wqkv.T + bqkv                              (seqs, (heads + 2 kv_heads) * hd)
+//   qkv = hn @ wqkv.T + bqkv                              (seqs, (heads + 2 kv_heads) * hd), wqkv
+//                                                         stacked or as its q, k, v parts
 //   q,k = rotary(q and k heads of qkv), v = its v heads
 //   a   = decode_attention(q, k, v, caches ...) @ wo.T + bo   (the KV write included)
 //   h, hn2 = x + a, rms_norm(x + a, mlp_norm)
-//   y   = h + (silu(gate) * up) @ w_down.T,  gate | up = hn2 @ w_gate_up.T
+//   y   = h + (silu(gate) * up) @ w_down.T,  gate | up = hn2 @ w_gate_up.T (stacked or as two parts)
 //
 // A weight is (tensor, scales, out_features): scales None for a dense (out, in) tensor, float16
 // scales for Int4Weight's "vnni" layout, float32 for Int8Weight's (engine/weights/packed.py).
@@ -37,26 +38,48 @@ at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at:
   return int8_linear(x, tensor, *scales, out, bias, true);
 }
 
+// A projection given as parts whose outputs are concatenated: q/k/v (or gate/up) stacked at load, as one
+// part, or kept apart (weights that are views of a mapped checkpoint, which stacking would copy). Each
+// output element is the same dot product either way, so the results are the same bits.
+at::Tensor project_parts(const at::Tensor& x, const std::vector<Weight>& parts,
+                         const std::vector<c10::optional<at::Tensor>>& biases, bool few_rows) {
+  TORCH_CHECK(!parts.empty() && (biases.empty() || biases.size() == parts.size()),
+              "decode block: ", parts.size(), " weight parts with ", biases.size(), " biases");
+  const auto bias = [&](size_t i) { return biases.empty() ? c10::optional<at::Tensor>() : biases[i]; };
+  if (parts.size() == 1) return project(x, parts[0], bias(0), few_rows);
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < parts.size(); ++i) outs.push_back(project(x, parts[i], bias(i), few_rows));
+  return at::cat(outs, 1);
+}
+
 at::Tensor block(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
-                 const Weight& wqkv, const c10::optional<at::Tensor>& bqkv, const Weight& wo,
-                 const c10::optional<at::Tensor>& bo, const Weight& w_gate_up, const Weight& w_down,
+                 const std::vector<Weight>& wqkv, const std::vector<c10::optional<at::Tensor>>& bqkv, const Weight& wo,
+                 const c10::optional<at::Tensor>& bo, const std::vector<Weight>& w_gate_up, const Weight& w_down,
                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                  const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& positions, int64_t window,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, bool few_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode block: x must be contiguous (seqs, hidden), got ", x.sizes());
   const int64_t seqs = x.size(0), qk_heads = heads + kv_heads;
-  TORCH_CHECK(std::get<2>(wqkv) == (heads + 2 * kv_heads) * head_dim, "decode block: wqkv has ",
-              std::get<2>(wqkv), " rows, expected (", heads, " + 2 * ", kv_heads, ") * ", head_dim);
+  int64_t qkv_rows = 0;
+  for (const auto& part : wqkv) qkv_rows += std::get<2>(part);
+  TORCH_CHECK(qkv_rows == (heads + 2 * kv_heads) * head_dim, "decode block: q/k/v have ", qkv_rows,
+              " rows, expected (", heads, " + 2 * ", kv_heads, ") * ", head_dim);
   const at::Tensor hn = rms_norm(x, attn_norm, eps);
-  const at::Tensor qkv = project(hn, wqkv, bqkv, few_rows).view({seqs, qk_heads + kv_heads, head_dim});
+  const at::Tensor qkv = project_parts(hn, wqkv, bqkv, few_rows).view({seqs, qk_heads + kv_heads, head_dim});
   const at::Tensor qk = rotary(qkv.narrow(1, 0, qk_heads), cos, sin);  // (seqs, heads + kv_heads, hd)
   const at::Tensor attn = decode_attention(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads),
                                            qkv.narrow(1, qk_heads, kv_heads), k_cache, v_cache, slots, tables,
                                            positions, window);  // (seqs, heads * hd)
   const auto [h, hn2] = add_rms_norm(x, project(attn, wo, bo, few_rows), mlp_norm, eps);
-  const at::Tensor gate_up = project(hn2, w_gate_up, c10::nullopt, few_rows);  // (seqs, 2 * intermediate)
-  const int64_t inter = gate_up.size(1) / 2;
-  const at::Tensor act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
+  at::Tensor act;
+  if (w_gate_up.size() == 2) {  // gate and up apart: no concatenation needed
+    act = silu_mul(project(hn2, w_gate_up[0], c10::nullopt, few_rows), project(hn2, w_gate_up[1], c10::nullopt, few_rows));
+  } else {
+    TORCH_CHECK(w_gate_up.size() == 1, "decode block: gate/up in ", w_gate_up.size(), " parts");
+    const at::Tensor gate_up = project(hn2, w_gate_up[0], c10::nullopt, few_rows);  // (seqs, 2 * intermediate)
+    const int64_t inter = gate_up.size(1) / 2;
+    act = silu_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
+  }
   return h + project(act, w_down, c10::nullopt, few_rows);
 }
 

@@ -8,8 +8,10 @@ Interface:
       build failure likewise. The reason is logged once. Tests reset it with `decode_block.cache_clear()`.
   module.block(x, attn_norm, mlp_norm, eps, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, k_cache,
                v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim, few_rows) -> (seqs, hidden)
-      a weight being (tensor, scales or None, out_features): see decode_block.cpp; few_rows: dense bf16
-      products of 2-16 rows take bf16_rows.cpp's kernel (as engine/ops.py's linear does when it is loaded).
+      a weight being (tensor, scales or None, out_features): see decode_block.cpp; wqkv and w_gate_up are
+      lists of parts (one stacked weight, or q, k, v and gate, up apart), bqkv a list of their biases (or
+      empty); few_rows: dense bf16 products of 1-16 rows take bf16_rows.cpp's kernel (as engine/ops.py's
+      linear does when it is loaded).
 """
 
 from __future__ import annotations

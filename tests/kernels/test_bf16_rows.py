@@ -1,4 +1,4 @@
-"""The AVX512-BF16 kernel for 2-16 bf16 rows (engine/kernels/bf16_rows.cpp) against a float64 reference
+"""The AVX512-BF16 kernel for 1-16 bf16 rows (engine/kernels/bf16_rows.cpp) against a float64 reference
 and against F.linear; where it applies and where it hands over to at::linear; engine/model.py's linear
 routing decode steps of a few sequences to it. Its off switch and its fallback when it cannot be built
 are in tests/kernels/test_optional_kernels.py, with the other optional kernels'.
@@ -40,7 +40,7 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("out,inner", SHAPES)
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_is_as_accurate_as_f_linear(out, inner, rows, bias):
     """Each output within one bf16 ulp of the float64 product (the fp32 sum, then one rounding), and
@@ -69,8 +69,9 @@ def test_special_values_pass_through():
 
 
 @needs_kernel
-def test_threads_split_outputs_without_changing_a_bit():
-    x, w, b = _data(1030, 576, 14, seed=3)
+@pytest.mark.parametrize("rows", [1, 14])
+def test_threads_split_outputs_without_changing_a_bit(rows):
+    x, w, b = _data(1030, 576, rows, seed=3)
     was = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -83,14 +84,14 @@ def test_threads_split_outputs_without_changing_a_bit():
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["one row", "seventeen rows", "K not a multiple of 32",
+@pytest.mark.parametrize("case", ["no rows", "seventeen rows", "K not a multiple of 32",
                                   "float32", "strided x", "3-d x", "float32 bias"])
 def test_where_it_does_not_apply_it_is_at_linear(case):
     """Outside its cases linear() is at::linear itself: the same result bit for bit, or the same error."""
     x, w, b = _data(40, 64, 4)
     bias = None
-    if case == "one row":
-        x = x[:1]
+    if case == "no rows":
+        x = x[:0]
     elif case == "seventeen rows":
         x = torch.randn(17, 64).bfloat16()
     elif case == "K not a multiple of 32":
@@ -115,9 +116,9 @@ def test_where_it_does_not_apply_it_is_at_linear(case):
     assert torch.equal(module.linear(x, w, bias), F.linear(x, w, bias))
 
 
-def test_model_linear_routes_two_to_sixteen_bf16_rows(monkeypatch):
-    """engine/model.py's linear: the kernel for 2-16 bf16 rows on the CPU (while it is loaded), F.linear
-    for one row, seventeen, float32, and when the kernel is off."""
+def test_model_linear_routes_one_to_sixteen_bf16_rows(monkeypatch):
+    """engine/model.py's linear: the kernel for 1-16 bf16 rows on the CPU (while it is loaded), F.linear
+    for seventeen, float32, and when the kernel is off."""
     calls = []
 
     class Spy:
@@ -132,10 +133,10 @@ def test_model_linear_routes_two_to_sixteen_bf16_rows(monkeypatch):
     for rows in (1, 2, 16, 17):
         ops.linear(torch.randn(rows, 64).bfloat16(), w)
     ops.linear(torch.randn(4, 64), w.float())
-    assert calls == [2, 16]
+    assert calls == [1, 2, 16]
     monkeypatch.setattr(ops, "bf16_rows", lambda: None)
     ops.linear(torch.randn(4, 64).bfloat16(), w)
-    assert calls == [2, 16]
+    assert calls == [1, 2, 16]
 
 
 @needs_kernel

@@ -109,6 +109,39 @@ def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, wi
     assert_block_matches_op_by_op(monkeypatch, x, w, k_cache, v_cache, step, cfg)
 
 
+def _apart(w: dict) -> dict:
+    """The block's q/k/v and gate/up as separate weights (and biases), as a bf16 checkpoint's resident blocks
+    are kept: views of the mapping, which stacking would copy."""
+    q, k, v = w["wqkv"].split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM))
+    gate, up = w["w_gate_up"].chunk(2)
+    out = {**{n: t for n, t in w.items() if n not in ("wqkv", "w_gate_up", "bqkv")}, "wq": q.contiguous(),
+           "wk": k.contiguous(), "wv": v.contiguous(), "w_gate": gate.contiguous(), "w_up": up.contiguous()}
+    if "bqkv" in w:
+        out["bq"], out["bk"], out["bv"] = (b.contiguous() for b in
+                                           w["bqkv"].split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)))
+    return out
+
+
+@needs_block
+@pytest.mark.parametrize("seqs", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_projections_kept_apart_run_as_the_block_with_the_stacked_bits(monkeypatch, seqs, bias):
+    """q/k/v and gate/up kept apart (dense bf16, one sequence on the one-row kernel, three on the rows
+    kernel) run as the one C++ block call, bit-identical to op by op and to the same block stacked."""
+    monkeypatch.setattr(ops, "bf16_rows", br.built)
+    cfg = _cfg()
+    stacked = _block("dense", bias)
+    step = _step([37, 3, 20][:seqs], [[5, 2, 7], [0, 0, 0], [1, 6, 0]][:seqs], cfg)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(seqs, HIDDEN, generator=g).bfloat16()  # (seqs, hidden)
+    k_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    v_cache = torch.randn(8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+    kc, vc = k_cache.clone(), v_cache.clone()
+    whole = M.block_forward(x, stacked, kc, vc, step, cfg)
+    apart = assert_block_matches_op_by_op(monkeypatch, x, _apart(stacked), k_cache, v_cache, step, cfg)
+    assert torch.equal(apart, whole)
+
+
 @needs_block
 def test_prompt_chunks_attending_token_by_token_run_as_the_block(monkeypatch):
     """A step of prompt chunks whose attention goes token by token (StepInputs.token_tables: each token's

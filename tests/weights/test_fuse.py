@@ -112,16 +112,37 @@ def test_fuse_projections_keeps_what_cannot_be_stacked():
     assert set(both) == {"wqkv", "bqkv"} and torch.equal(both["bqkv"][128:192], torch.ones(64))
 
 
+def _mapped_from(path, t: torch.Tensor) -> bool:
+    """Whether t's bytes lie in this process's mapping of the file at `path` (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(str(path)):
+                lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+                if lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi:
+                    return True
+    return False
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_resident_blocks_are_fused_and_streamed_blocks_are_not(tmp_path, arch):
-    """Resident blocks get stacked q/k/v (with Qwen2's biases) and gate/up; a streamed block stays the
-    file's views. The math on both forms matches transformers (tests/engine/test_reference.py)."""
+def test_resident_blocks_are_fused_unless_views_and_streamed_blocks_are_not(tmp_path, arch):
+    """A resident block converted to the compute dtype (a float32 checkpoint run in bf16) gets stacked q/k/v
+    (with Qwen2's biases) and gate/up; one whose checkpoint holds the compute dtype stays the file's views,
+    apart (stacking would copy it); a streamed block stays the file's views. The math on every form matches
+    transformers (tests/engine/test_reference.py)."""
     folder = build(tmp_path / arch, arch)
-    llm = LLM(str(folder), max_model_len=64, max_num_seqs=1, dtype="float32")
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=1, dtype="bfloat16")
     try:
         w = llm.engine.model.weights.acquire(0)
         assert {"wqkv", "w_gate_up"} <= set(w) and not {"wq", "wk", "wv", "w_gate", "w_up"} & set(w)
         assert ("bqkv" in w) == (arch == "qwen2")
+    finally:
+        llm.close()
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=1, dtype="float32")
+    try:
+        w = llm.engine.model.weights.acquire(0)
+        assert {"wq", "wk", "wv", "w_gate", "w_up"} <= set(w) and not {"wqkv", "w_gate_up"} & set(w)
+        files = list(folder.glob("*.safetensors"))
+        assert all(any(_mapped_from(f, w[n]) for f in files) for n in ("wq", "w_up", "w_down"))
         budget = stream_all_but_one_budget(llm)
     finally:
         llm.close()

@@ -58,6 +58,11 @@ class Transport(ABC):
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         """Materialise a block permanently on the device (called once at load time)."""
 
+    def resident_is_view(self, block: int) -> bool:
+        """Whether resident(block) returned views of the mapped source: stacking its q/k/v or gate/up
+        (packed/fuse.py) would copy them, and the kernels take the parts as they are."""
+        return False
+
     @abstractmethod
     def prepare(self, block: int) -> Ticket: ...
 

@@ -15,7 +15,7 @@ from .buffers import BufferPool
 class CpuTransport(Transport):
     """CPU compute straight from the page cache.
 
-    When the checkpoint dtype is the compute dtype, a streamed block is the mmap view itself
+    Resident blocks are views of the mapping too (converted copies where the dtypes differ). When the checkpoint dtype is the compute dtype, a streamed block is the mmap view itself
     (zero copy); prepare() only faults its pages in ahead of use. Otherwise prepare() converts into
     a buffer set from a BufferPool that retire() hands back for the next block (see buffers.py).
     With release_pages, retire() also drops the block's pages from this process (MADV_DONTNEED)
@@ -36,7 +36,16 @@ class CpuTransport(Transport):
         self._views: dict[int, dict[str, torch.Tensor]] = {}
 
     def resident(self, block: int) -> dict[str, torch.Tensor]:
+        # Views of the mapping where the checkpoint holds the compute dtype, as llama.cpp computes from its
+        # mapping: a copy would cost the load its time and the process its anonymous memory, and would be
+        # read no faster. Faulted in now, so the first step does not. Other dtypes are converted (copies).
+        if self.resident_is_view(block):
+            self.source.advise(block, MADV_POPULATE_READ)
+            return self.source.views(block)
         return to_compute(self.source.views(block), self.dtype, self.device, copy=True)
+
+    def resident_is_view(self, block: int) -> bool:
+        return all(v.dtype == self.dtype for v in self.source.views(block).values())
 
     def prepare(self, block: int) -> Ticket:
         views = self._views.get(block)

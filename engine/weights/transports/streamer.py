@@ -95,10 +95,13 @@ class BlockStreamer:
         self._resident: dict[int, dict[str, torch.Tensor]] = {}
         for i in resident:
             w = transport.resident(i)
-            # Stacked q/k/v and gate/up (packed/fuse.py): fewer, larger matmuls per step. Resident blocks only:
-            # a streamed block is a view of its source, and stacking it would copy it every step.
+            # Stacked q/k/v and gate/up (packed/fuse.py): fewer, larger matmuls per step. Resident blocks only,
+            # and not where they are views of the mapping (stacking would copy them; the kernels take the
+            # parts as they are): a streamed block is a view of its source, and stacking would copy it every step.
             # Q4_0's implied mins dropped (drop_symmetric_mins): 10% fewer bytes per decode step.
-            self._resident[i] = drop_symmetric_mins(fuse_projections(w)) if fuse else w
+            if fuse and not transport.resident_is_view(i):
+                w = fuse_projections(w)
+            self._resident[i] = drop_symmetric_mins(w) if fuse else w
             if on_progress:
                 on_progress(i)
         self._in_use: dict[int, Ticket] = {}
