@@ -282,11 +282,16 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         named = " or ".join(archs) if archs else f"(model_type {raw.get('model_type')!r})"
         raise UnsupportedModelError(f"{cfg_path}: architecture {named} is not supported; "
                                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    from transformers import AutoConfig
+    def make() -> ModelConfig:
+        from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(folder)
-    ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or getattr(hf, "dtype", None)
-    return config_from_hf(hf, arch, _torch_dtype(ckpt_dtype))
+        hf = AutoConfig.from_pretrained(folder)
+        ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or getattr(hf, "dtype", None)
+        return config_from_hf(hf, arch, _torch_dtype(ckpt_dtype))
+
+    from .config_cache import cached_model_config
+
+    return cached_model_config(b"config.json\0" + cfg_path.read_bytes(), make, ModelConfig)
 
 
 def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:

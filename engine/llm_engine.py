@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -53,13 +55,28 @@ class PromptTooLongError(ValueError):
 
 
 def load_tokenizer(path):
+    """The model's tokenizer: its folder's (a GGUF file's comes from its metadata: engine.weights.config_folder).
 
-    from transformers import AutoTokenizer
+    Where tokenizer_config.json names its class, that class loads it directly: AutoTokenizer would load
+    the model's transformers config first, whose import costs a fresh process more than mapping the
+    weights. It is the class AutoTokenizer picks from that name (its fast variant where one exists)."""
+    import transformers
 
     from .weights import config_folder
 
-    # A GGUF file's vocabulary, merges, special tokens and chat template come from its metadata.
-    return AutoTokenizer.from_pretrained(config_folder(path))
+    folder = Path(config_folder(path))
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if isinstance(name, str):
+        for candidate in ((name,) if name.endswith("Fast") else (name + "Fast", name)):
+            try:
+                cls = getattr(transformers, candidate)
+            except (AttributeError, ImportError):
+                continue
+            return cls.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
 
 
 def check_same_tokenizer(target_tokenizer, draft_path) -> None:

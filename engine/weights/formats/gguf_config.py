@@ -11,6 +11,7 @@ import torch
 
 from ...arch import FAMILIES, ModelConfig, UnsupportedModelError, config_from_hf
 from ...cache import build_once, cache_root
+from ...config_cache import cached_model_config
 
 log = logging.getLogger("layerstream")
 
@@ -74,13 +75,17 @@ def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata
     if architecture not in MODEL_TYPES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
                                     f"{', '.join(sorted(MODEL_TYPES))}")
-    from transformers import AutoConfig
+    def make() -> ModelConfig:
+        from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture))
-    hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
-    # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
-    cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
-    return dataclasses.replace(cfg, **_llama_cpp_conventions(cfg, architecture, metadata or {}))
+        hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture))
+        hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
+        # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
+        cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
+        return dataclasses.replace(cfg, **_llama_cpp_conventions(cfg, architecture, metadata or {}))
+
+    # The header digest covers the metadata the conventions read.
+    return cached_model_config(f"gguf\0{header_digest}\0{architecture}".encode(), make, ModelConfig)
 
 
 _GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures
