@@ -333,6 +333,26 @@ def test_truncated_file(gguf_root, tmp_path):
         LLM(str(cut))
 
 
+def test_a_header_cut_anywhere_or_a_bad_string_is_a_clear_error(gguf_root, tmp_path):
+    """Cut at any point of the header (inside the vocabulary's strings too), or with a string of the vocabulary
+    not UTF-8: a CheckpointError naming the file, never another exception or a half-read header."""
+    good = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    end = _header_end(good)
+    for at in range(24, end, max(1, end // 97)):
+        cut.write_bytes(data[:at])
+        with pytest.raises(CheckpointError, match=r"cut\.gguf: file ends inside the header"):
+            GGUFIndex(cut)
+    token = data.index(b"tokenizer.ggml.tokens")
+    first = data.index(b"\x00", token + 40)  # inside the array: a string's bytes follow its length
+    bad = bytearray(data)
+    bad[first - 1:first + 1] = b"\xff\xfe"  # the last byte of a length or the first of a string
+    cut.write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: "):
+        GGUFIndex(cut)
+
+
 def test_corrupt_headers(gguf_root, tmp_path):
     data = bytearray(tiny_gguf(gguf_root, "llama", Q.Q4_0).read_bytes())
     bad = tmp_path / "bad.gguf"

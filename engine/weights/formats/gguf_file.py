@@ -74,6 +74,9 @@ def unpermute_rows(heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Bounds-checked little-endian reads over the mapped header."""
 
@@ -104,6 +107,28 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise CheckpointError(f"{self.path}: {what} is not UTF-8 ({e}); corrupt file") from e
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """n strings in a row: string() unrolled, since a tokenizer's vocabulary and merges are hundreds
+        of thousands of them, read at every load."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        length = _U64.unpack_from
+        try:
+            for _ in range(n):
+                end = pos + 8 + length(buf, pos)[0]
+                if end > size:
+                    break
+                out.append(buf[pos + 8:end].decode("utf-8"))
+                pos = end
+        except struct.error:
+            pass  # the length itself runs past the end: reported below
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: {what} holds a string that is not UTF-8 ({e}); corrupt file") from e
+        self.pos = pos
+        if len(out) < n:
+            raise CheckpointError(f"{self.path}: file ends inside the header while reading {what} "
+                                  f"(at byte {pos}, {size} bytes in the file); truncated or corrupt")
+        return out
+
     def value(self, vtype: int, what: str):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype], what)
@@ -116,6 +141,8 @@ class _Cursor:
                 fmt = _SCALARS[item_type]
                 raw = self.take(n * struct.calcsize(fmt), what)
                 return list(struct.unpack(f"<{n}{fmt[1]}", raw))
+            if item_type == _STRING:
+                return self.strings(n, what)
             return [self.value(item_type, what) for _ in range(n)]
         raise CheckpointError(f"{self.path}: {what} has unknown value type {vtype}; corrupt file")
 
