@@ -90,6 +90,9 @@ def check_same_tokenizer(target_tokenizer, draft_path) -> None:
 class LLMEngine:
     def __init__(self, args: EngineArgs, tokenizer=None):
         path = resolve_model(args.model)
+        # Before the weights: the plan measures the runtime outside its budget (interpreter, torch, kernels,
+        # tokenizer) as the anonymous memory held when it is made.
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         spec = args.speculative_config
         draft_model = reservation = None
         if spec is not None and spec.method == "draft":
@@ -104,7 +107,6 @@ class LLMEngine:
             raise
         self.speculative: SpeculativeStep | None = None
         try:
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
             plan = self.model.plan
             self.scheduler = Scheduler(SchedulerConfig(
                 max_num_seqs=plan.max_num_seqs,  # args.max_num_seqs <= max_num_batched_tokens
@@ -122,7 +124,7 @@ class LLMEngine:
                 self.speculative = SpeculativeStep(spec, build_drafter(spec, self.model, draft_model))
                 draft_model = None
         except BaseException:
-            self.model.close()  # a tokenizer that does not load: the weights stream no more
+            self.model.close()  # a draft that does not fit: the weights stream no more
             if draft_model is not None:
                 draft_model.close()
             raise

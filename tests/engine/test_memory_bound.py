@@ -135,11 +135,11 @@ def test_under_a_memory_cgroup_smaller_than_the_model_the_plan_fits_it(models, c
     size = (sum(p.stat().st_size for p in folder.glob("*.safetensors")) if kind == "bf16" else gguf.stat().st_size)
     free, _ = run(model, None, cache)
     assert "returncode" not in free, free
-    cg = cgroups(free["runtime"] + 192 * MiB + int(0.6 * size))
+    cg = cgroups(free["runtime"] + 128 * MiB + int(0.6 * size))  # host_budget's margin: 128 MiB + 5%
     capped, _ = run(model, None, cache, cgroup=cg)
     assert "returncode" not in capped, capped
     assert cg.stat()["oom_kills"] == 0
-    assert capped["disk"] and capped["tokens"] == free["tokens"], capped
+    assert capped["disk"] and capped["tokens"] == free["tokens"], json.dumps(capped)
     tiny = cgroups(free["runtime"] + 96 * MiB)
     refused, _ = run(model, None, cache, cgroup=tiny)
     assert refused.get("returncode") == 1 and tiny.stat()["oom_kills"] == 0, refused
