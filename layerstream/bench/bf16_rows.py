@@ -1,6 +1,7 @@
 """bf16 products of a few rows on the CPU: oneDNN's kernel (torch's default) against torch's own, which
-engine.ops.single_row_products chooses for a step of one row, and against engine/kernels/bf16_rows.cpp,
-which engine.ops.linear chooses for 2-16 rows ("-" where it does not apply). Each shape is cycled
+engine.ops.single_row_products chooses for a step of one row where bf16_rows.cpp is not in use, and against
+engine/kernels/bf16_rows.cpp, which engine.ops.linear chooses for 1-16 rows on AVX512-BF16 CPUs without AMX
+("-" where it does not apply). Each shape is cycled
 through enough distinct weights that every call reads its weight from memory, as a decode step does;
 best of --rounds rounds, microseconds per product, 1 and 2 threads.
 """
@@ -12,8 +13,10 @@ import os
 import sys
 import time
 
-# SmolLM2-135M's (q/k/v/o, gate and up, down, head) and the benchmark model's (stacked qkv, stacked gate_up, down)
-SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (1536, 1024), (5632, 1024), (1024, 2816))
+# SmolLM2-135M's (q/k/v/o, gate and up, down, head), the benchmark model's (stacked qkv, stacked gate_up, down)
+# and bench-scale's 3B model's (q/o, gate/up, down)
+SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576), (1536, 1024), (5632, 1024), (1024, 2816),
+          (3072, 3072), (8192, 3072), (3072, 8192))
 CYCLE_BYTES = 200 << 20  # well past the last-level cache
 
 
