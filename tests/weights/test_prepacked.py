@@ -163,10 +163,34 @@ def test_streamed_block_is_a_view_of_the_mapping(repack, gguf_root, cache):
         opened.close()
 
 
+def test_q4_0_is_stored_without_its_implied_mins(repack, gguf_root, cache):
+    """Q4_0's int4 weights (blocks and head) are stored as scales only, their mins being -8 * their scales:
+    every mapped one is in the symmetric form, and a block is 10% smaller than with the mins; a Q4_K
+    file's weights keep their mins (every tier's logits against the repack path: the test above)."""
+    opened = Opened(tiny_gguf(gguf_root, "llama", Q.Q4_0))
+    store = PrepackedBlocks(opened.source, opened.layout)
+    try:
+        kinds = {w.kind for b in opened.layout.blocks for w in b.weights}
+        assert "int4s" in kinds and "int4" not in kinds
+        weights = [w for w in store.mapped(0).values() if isinstance(w, Int4Weight)] + [store.head()]
+        assert weights and all(w.scales.dim() == 3 for w in weights)
+        full = sum(w.codes.nbytes + 2 * w.scales.nbytes for w in weights)
+        assert sum(w.nbytes for w in weights) < 0.92 * full
+    finally:
+        store.close()
+        opened.close()
+    q4k = Opened(tiny_gguf(gguf_root, "qwen2", Q.Q4_K))
+    try:
+        assert "int4s" not in {w.kind for b in q4k.layout.blocks for w in b.weights}
+    finally:
+        q4k.close()
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4-head", "int8-head"])
 def test_head_is_a_view_of_the_entry_with_the_load_time_repacks_bytes(repack, gguf_root, cache, qtype):
     """The head (the tied token table here) is stored in the entry after the blocks, in the form the
-    load made of it before (PackedFormat.resident), and handed out as views of the mapping."""
+    load made of it before (PackedFormat.resident; Q4_0's without its implied mins), and handed out as
+    views of the mapping."""
     opened = Opened(tiny_gguf(gguf_root, "llama", qtype))
     store = PrepackedBlocks(opened.source, opened.layout)
     try:
@@ -175,6 +199,9 @@ def test_head_is_a_view_of_the_entry_with_the_load_time_repacks_bytes(repack, gg
         infos = opened.source.global_infos()
         name = "lm_head" if "lm_head" in infos else "embed"
         made = BF16.resident(infos[name], opened.source.global_rows(name))
+        if qtype == Q.Q4_0:  # stored in the symmetric form: its mins are -8 * its scales
+            made = made.without_min()
+            assert made.scales.dim() == 3
         assert type(head) is type(made) and same_weight(head, made)
         base = store.raw(0).untyped_storage()
         lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()

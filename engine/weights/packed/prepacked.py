@@ -16,7 +16,9 @@ bytes; each weight's kind, logical shape and parts, a part being an offset in it
 and a shape), padded to a page; then the blocks in order, each starting on a page and padded to
 one, so the disk tier reads a block with one aligned O_DIRECT request. A block holds exactly what
 StreamRepacker.fill makes of it; the head, laid out as a block of one weight ("head"), what
-PackedFormat.resident makes of it.
+PackedFormat.resident makes of it. An int4 weight made of Q4_0 rows only (kind "int4s") is stored in the
+symmetric form (its mins are -8 * its scales: Int4Weight.without_min), the scales alone: the same
+products from 10% fewer bytes, for resident and streamed blocks alike.
 
 The key hashes the GGUF's identity (quant_cache.checkpoint_identity: names, sizes, modification
 times, sampled bytes), the compute dtype, torch's version, the kernel layout and VERSION (bump it
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from gguf import GGMLQuantizationType
 
 from ...cache import build_once, cache_root
 from ...errors import CheckpointError
@@ -62,7 +65,7 @@ from ..formats.views import close_mapping, typed_view
 
 log = logging.getLogger("layerstream")
 
-VERSION = 2  # bump when what an entry holds changes (the repack's bytes, the file's layout)
+VERSION = 3  # bump when what an entry holds changes (the repack's bytes, the file's layout)
 MARKER = "layerstream-prepacked.json"
 DATA, DIGEST = "blocks.bin", "digest.json"
 PAGE = 4096  # blocks start on a page: O_DIRECT reads and madvise ranges need it
@@ -173,8 +176,12 @@ def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLay
     for b in range(source.num_blocks):
         outputs, kept = repacker.compute_form(b)
         infos = source.tensors(b)
-        specs = [(o.name, "dense" if o.kind == "bias" else o.kind, o.shape, _output_parts(o.kind, o.shape, fmt.dtype))
-                 for o in outputs]
+        specs = []
+        for o in outputs:
+            kind = "dense" if o.kind == "bias" else o.kind
+            if kind == "int4" and all(ggml_type(infos[p]) == GGMLQuantizationType.Q4_0 for p in o.parts):
+                kind = "int4s"  # Q4_0's mins are -8 * its scales: stored without them, 10% fewer bytes to read
+            specs.append((o.name, kind, o.shape, _output_parts(kind, o.shape, fmt.dtype)))
         for short in kept:
             t = infos[short]
             if t.quant is not None and len(t.shape) != 1:
@@ -216,6 +223,8 @@ def _head_spec(source: BlockSource, fmt: PackedFormat):
     if len(t.shape) != 2 or t.shape[1] % 32:
         return None
     kind = "int4" if ggml_type(t) in INT4_TYPES else "int8"
+    if ggml_type(t) == GGMLQuantizationType.Q4_0:
+        kind = "int4s"
     return HEAD, kind, tuple(t.shape), _output_parts(kind, t.shape, fmt.dtype)
 
 
@@ -223,7 +232,7 @@ def _weights(block: BlockLayout, raw: torch.Tensor) -> dict[str, object]:
     out: dict[str, object] = {}
     for w in block.weights:
         parts = [typed_view(raw[p.offset:p.offset + p.nbytes], p.offset, p.dtype, p.shape) for p in w.parts]
-        if w.kind == "int4":
+        if w.kind in ("int4", "int4s"):  # int4s: scales only (the symmetric form)
             out[w.name] = Int4Weight(parts[0], parts[1], w.shape, "vnni")
         elif w.kind == "int8":
             out[w.name] = Int8Weight(parts[0], parts[1], w.shape, "vnni")
@@ -319,7 +328,11 @@ class PrepackedBlocks:
     def _write(self, f, block: BlockLayout, weights: dict[str, object]) -> None:
         assert weights.keys() == {w.name for w in block.weights}, sorted(weights)
         for w in block.weights:
-            for part, t in zip(w.parts, _parts_of(weights[w.name]), strict=True):
+            weight = weights[w.name]
+            if w.kind == "int4s":
+                weight = weight.without_min()
+                assert weight.scales.dim() == 3, f"{w.name}: Q4_0 repacked with mins other than -8 * scale"
+            for part, t in zip(w.parts, _parts_of(weight), strict=True):
                 assert t.dtype == part.dtype and tuple(t.shape) == part.shape, (w.name, t.shape, part)
                 f.seek(self.layout.data_start + block.offset + part.offset)
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())

@@ -62,12 +62,15 @@ LANES = 16  # rows per block of the VNNI layouts
 
 
 def vnni_parts(kind: str, shape: tuple[int, int]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
-    """(dtype, shape) of the codes and the scales of an (out, in) "int4" or "int8" weight in the VNNI
-    layout (Int4Weight, Int8Weight below): what the C++ repack writes and the prepacked entry stores."""
+    """(dtype, shape) of the codes and the scales of an (out, in) "int4", "int4s" (int4 in the symmetric
+    form: scales only, Int4Weight.without_min) or "int8" weight in the VNNI layout (Int4Weight, Int8Weight
+    below): what the C++ repack writes and the prepacked entry stores."""
     rows, inner = shape
     blocks, groups = -(-rows // LANES), inner // GROUP
     if kind == "int4":
         return (torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, 2, LANES))
+    if kind == "int4s":
+        return (torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, LANES))
     return (torch.uint8, (blocks, groups * 512)), (torch.float32, (blocks, LANES))
 
 
