@@ -334,7 +334,10 @@ def _stream_files(path: Path) -> list[Path]:
 
     checkpoint = ModelCheckpoint(path)
     try:
-        return checkpoint.stream_files(resolve_dtype("auto", checkpoint.cfg.checkpoint_dtype), torch.device("cpu"))
+        dtype = resolve_dtype("auto", checkpoint.cfg.checkpoint_dtype)
+        if checkpoint.packed:
+            checkpoint.convert(dtype)  # its prepacked entry (made now if no run has made it yet): what is read
+        return checkpoint.stream_files(dtype, torch.device("cpu"))
     finally:
         checkpoint.close()
 
