@@ -1,12 +1,14 @@
 """ops.single_row_products: a step of one bf16 row takes torch's own matrix-vector kernel instead of
 oneDNN's (faster for a single row on a CPU without AMX; with AMX oneDNN is the faster and is kept), with the
-process-wide oneDNN switch always put back."""
+process-wide oneDNN switch always put back; where bf16_rows.cpp is in use (AVX512-BF16 without AMX) its
+one-row kernel takes the row instead."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import ops
+from engine.kernels import bf16_rows as br
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +25,8 @@ def _weights(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.T
 
 
 @pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (96, 160)])
-def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
+def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape, monkeypatch):
+    monkeypatch.setattr(ops, "bf16_rows", lambda: None)  # a CPU without AVX512-BF16
     w, b = _weights(*shape)
     x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
     torch._C._set_mkldnn_enabled(False)
@@ -39,9 +42,21 @@ def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape):
     assert torch._C._get_mkldnn_enabled()
 
 
+@pytest.mark.skipif(br.built() is None, reason="the AVX512-BF16 rows kernel is not available here")
+def test_one_row_takes_the_rows_kernel_where_it_is_in_use(monkeypatch):
+    monkeypatch.setattr(ops, "bf16_rows", br.built)
+    w, b = _weights(576, 576)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with ops.single_row_products(x):
+        got = ops.linear(x, w, b)
+    assert torch.equal(got, br.built().linear(x, w, b))
+    reference = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), reference, atol=0.05 * reference.abs().max().item(), rtol=1e-2)
+
+
 def test_only_single_bf16_rows_on_the_cpu_take_it():
     assert ops._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.bfloat16))
-    # 2-16 rows: bf16_rows.cpp (linear); more: oneDNN
+    # 2-16 rows: bf16_rows.cpp (linear), which takes one row too where it is in use; more: oneDNN
     assert not ops._one_bf16_row_on_cpu(torch.zeros(2, 8, dtype=torch.bfloat16))
     assert not ops._one_bf16_row_on_cpu(torch.zeros(1, 8))  # fp32: the exact mode keeps its path
     assert not ops._one_bf16_row_on_cpu(torch.zeros(1, 8, dtype=torch.float16))  # not measured
