@@ -79,6 +79,19 @@ def load_tokenizer(path):
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
+def _tokenizer_of_a_runnable_model(path):
+    """load_tokenizer(path); where that fails, the checkpoint's own error first when it has one: a model
+    the engine cannot run (an unsupported architecture, a corrupt file) fails its tokenizer too, in
+    transformers' words, and the loader's message says what is wrong and what is supported."""
+    try:
+        return load_tokenizer(path)
+    except Exception:
+        from .weights import ModelCheckpoint
+
+        ModelCheckpoint(path).close()  # raises the checkpoint's error, if it has one
+        raise
+
+
 def check_same_tokenizer(target_tokenizer, draft_path) -> None:
     """A speculative draft model must tokenize as the target does: its token ids are verified as the target's."""
     draft_tokenizer = load_tokenizer(draft_path)
@@ -92,7 +105,7 @@ class LLMEngine:
         path = resolve_model(args.model)
         # Before the weights: the plan measures the runtime outside its budget (interpreter, torch, kernels,
         # tokenizer) as the anonymous memory held when it is made.
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        self.tokenizer = tokenizer if tokenizer is not None else _tokenizer_of_a_runnable_model(path)
         spec = args.speculative_config
         draft_model = reservation = None
         if spec is not None and spec.method == "draft":
