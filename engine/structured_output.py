@@ -26,9 +26,13 @@ compile or mask can do before the budget is even checked, since neither can be i
 
 Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
 on the engine thread), except those of sequences whose last mask was expensive: each of those is a
-task of its own, so its cost delays only itself. llguidance's parse of a sampled token holds the
-GIL (its mask computation does not): while it runs every thread waits, wherever it runs, so it has
-a tighter CPU limit of its own (`GrammarLimits.max_parse_seconds`).
+task of its own, so its cost delays only itself. llguidance's `LLMatcher.consume_token` (the parse
+of a sampled token) holds the GIL: while it runs every thread of the server waits. So only a parse
+that was cheap last time runs that way, on the engine thread (in `accept`, which lets a complete
+grammar end its sequence in the same step); every other parse runs on the mask pool through
+llguidance's `LLExecutor`, which parses with the GIL released on a worker thread of its own (one
+per pool thread), and costs its request's budget like a mask. A parse that held the GIL and turned
+out expensive ends its request (`GrammarLimits.max_parse_seconds`): that stall happens once.
 
 Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
 entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
@@ -79,8 +83,9 @@ class GrammarTooCostly(InvalidParameter):
 class GrammarLimits:
     """What one request's grammar may cost. max_cpu_seconds: CPU time to compile (first mask
     included) and to follow each later token (its parse and its mask); max_parse_seconds: CPU time
-    of one token's parse, which holds the GIL (llguidance's consume_token does not release it, as
-    its mask computation does), so every thread of the server waits while it runs; cache_bytes:
+    of one token's parse on the engine thread, which holds the GIL (llguidance's consume_token does
+    not release it), so every thread of the server waits while it runs: past it the request ends
+    (parses on the pool release the GIL and only count against max_cpu_seconds); cache_bytes:
     the compiled-grammar cache's size; threads: each pool's threads (0: sized to the cores)."""
 
     max_cpu_seconds: float = 0.5
@@ -193,13 +198,18 @@ def _regex_escape(text: str) -> str:
 @dataclass
 class MaskStats:
     """Totals over the engine's life: masks computed, seconds computing them (pool threads), seconds
-    the engine thread waited for one (only when nothing else could run), sequences that skipped a
+    the engine thread waited for one (only when nothing else could run), CPU seconds of the token
+    parses that held the GIL (on the engine thread: every thread waited meanwhile) and the longest
+    of them, CPU seconds of the parses that released it (on the pool), sequences that skipped a
     step because their mask was late, requests refused or ended for their grammar's cost, and the
     compiled-grammar cache (bytes as estimated, entries)."""
 
     masks: int = 0
     compute_seconds: float = 0.0
     wait_seconds: float = 0.0
+    gil_parse_seconds: float = 0.0
+    gil_parse_longest: float = 0.0
+    pool_parse_seconds: float = 0.0
     skips: int = 0
     over_budget: int = 0
     cache_bytes: int = 0
@@ -240,9 +250,14 @@ class GrammarCompiler:
         n = limits.pool_threads
         self._compile_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-compile",
                                                 initializer=_lower_priority)
+        self._local = threading.local()  # a mask pool thread's _OffGilParser
         self._mask_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-mask",
-                                             initializer=_lower_priority)
+                                             initializer=self._init_mask_thread)
         self.stats = MaskStats()
+
+    def _init_mask_thread(self) -> None:
+        _lower_priority()  # before the executor's worker is made: it inherits this thread's priority
+        self._local.parser = _OffGilParser()
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -404,7 +419,7 @@ class GrammarCompiler:
                     continue
             heap0 = _heap_bytes() if measure else 0
             if g._tokens:
-                g._parse()
+                g._parse(self._local.parser)
             cpu0 = time.thread_time()
             if g._failure is None and not g._matcher.is_stopped():
                 was_error = g._matcher.is_error()
@@ -446,13 +461,19 @@ class GrammarCompiler:
 
 # The pools' threads run at a lower priority (Linux nice, per thread) so that grammar work takes
 # the cores the forward pass leaves idle: an OpenMP region waits for its slowest thread, and a
-# grammar thread holding one of its cores stretches the whole step.
-POOL_NICE = 10
+# grammar thread holding one of its cores stretches the whole step. Relative to the thread that
+# starts them (the engine's): an absolute nice would *raise* the pools above an engine started
+# at a lower priority (as root may), and the grammar work would then take the forward pass's cores.
+POOL_NICE_ABOVE_ENGINE = 10
+_NICEST = 19
 
 
 def _lower_priority() -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POOL_NICE)
+        tid = threading.get_native_id()
+        # A new thread starts at its creator's nice; getpriority reads this thread's own.
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(_NICEST, now + POOL_NICE_ABOVE_ENGINE))
     except (AttributeError, OSError):  # not Linux, or not permitted: same priority as the engine
         pass
 
@@ -510,12 +531,75 @@ def _heap_bytes() -> int:
         return 0
 
 
+_EXECUTOR_MADE = threading.Lock()  # one executor made at a time, so its worker can be told apart
+
+
+class _OffGilParser:
+    """A mask pool thread's way to parse sampled tokens without holding the GIL. llguidance's
+    LLExecutor.consume_token_par parses a batch with the GIL released, on its own rayon pool (here
+    one worker thread, made by and so as low in priority as this pool thread), but parses a batch
+    of one holding the GIL: each call pairs the token with a no-op, a matcher that is already
+    stopped being offered end-of-sequence. The parse's CPU time is read from the worker's own
+    clock (Linux: a thread's CPU clock id from its tid); where the worker cannot be told apart,
+    wall time stands in (an upper bound: a busy machine then ends an expensive request sooner)."""
+
+    def __init__(self):
+        from llguidance import LLExecutor
+
+        with _EXECUTOR_MADE:
+            before = _task_ids()
+            self._executor = LLExecutor(num_threads=1)
+            made = _task_ids() - before
+        # Another thread of the process started meanwhile: the worker is one of them, unknown.
+        self._clock = _thread_cpu_clock(made.pop()) if len(made) == 1 else None
+        self._noop = None  # (a stopped matcher, its tokenizer's end-of-sequence id), made on first use
+
+    def consume(self, matcher, token: int, compiler: "GrammarCompiler") -> float:
+        """matcher.consume_token(token) with the GIL released; the worker's CPU seconds."""
+        if self._noop is None:
+            from llguidance import LLMatcher
+
+            tok = compiler._ll_tokenizer()
+            noop = LLMatcher(tok, LLMatcher.grammar_from_regex(""), log_level=0)
+            noop.consume_token(tok.eos_token)
+            assert noop.is_stopped(), "the no-op matcher must be stopped (it then accepts EOS for free)"
+            self._noop = (noop, tok.eos_token)
+        t0 = self._now()
+        self._executor.consume_token_par([(matcher, token), self._noop])
+        return self._now() - t0
+
+    def _now(self) -> float:
+        if self._clock is not None:
+            try:
+                return time.clock_gettime(self._clock)
+            except OSError:  # the worker is gone (never, while the executor lives)
+                self._clock = None
+        return time.perf_counter()
+
+
+def _task_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
+
+
+def _thread_cpu_clock(tid: int) -> int | None:
+    # Linux's clock id for a thread's CPU time (MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)), which
+    # clock_gettime reads for any thread of this process.
+    clock = ((~tid) << 3) | 6
+    try:
+        time.clock_gettime(clock)
+    except OSError:
+        return None
+    return clock
+
+
 class Guide:
     """One sequence's grammar state and its next-token mask. Masks run on the pool only; a sampled
-    token is parsed by `accept` while its grammar's parses are cheap, else by the pool with the
-    next mask (llguidance holds the GIL while it parses, so where it runs changes little for the
-    others; it is bounded by GrammarLimits.max_parse_seconds). `stopped` and `error` are read once
-    `allowed` returned."""
+    token is parsed by `accept` while its grammar's parses are cheap (holding the GIL, bounded by
+    GrammarLimits.max_parse_seconds), else by the pool with the next mask, the GIL released.
+    `stopped` and `error` are read once `allowed` returned."""
 
     def __init__(self, matcher, so: StructuredOutput, compiler: GrammarCompiler):
         self._matcher = matcher  # None until the pool has compiled `so` (GrammarCompiler.guide)
@@ -553,10 +637,11 @@ class Guide:
         return self._allowed
 
     def accept(self, token: int) -> None:
-        """Advance past a sampled token. Parsed now if the last parse was cheap (a parse holds the
-        GIL wherever it runs, and parsing here lets `finished` end the sequence at once), else by
-        the pool with the next mask. The mask only admits valid tokens, so a refusal is a bug (or
-        a stop token the grammar does not know), reported by `error`."""
+        """Advance past a sampled token. Parsed now if the last parse was cheap (here it holds the
+        GIL, which a cheap parse costs less than a hand-off, and lets `finished` end the sequence
+        at once), else by the pool with the next mask, the GIL released. The mask only admits valid
+        tokens, so a refusal is a bug (or a stop token the grammar does not know), reported by
+        `error`."""
         if self._pending is not None:
             self._pending.result()  # the matcher is the pool's until its mask is done
         self._pending = None
@@ -575,29 +660,46 @@ class Guide:
         """Why this sequence must end with an error (known so far, without waiting), or None."""
         return self._failure
 
-    def _parse(self) -> None:
-        # The sampled tokens, parsed on this thread, timed against GrammarLimits.max_parse_seconds.
+    def _parse(self, parser: "_OffGilParser | None" = None) -> None:
+        # The sampled tokens: through the pool thread's parser (the GIL released, CPU time counted
+        # with the token's mask against max_cpu_seconds), or on this thread holding the GIL, timed
+        # against GrammarLimits.max_parse_seconds.
+        if parser is not None:
+            self._last_parse = parse = self._consume(parser)
+            with self._compiler._lock:
+                self._compiler.stats.pool_parse_seconds += parse
+            return
         cpu0 = time.thread_time()
         self._consume()
         self._last_parse = parse = time.thread_time() - cpu0
+        with self._compiler._lock:
+            stats = self._compiler.stats
+            stats.gil_parse_seconds += parse
+            stats.gil_parse_longest = max(stats.gil_parse_longest, parse)
         limit = self._compiler.limits.max_parse_seconds
         if self._failure is None and parse > limit:
             param = self._so.param
             self._costly(GrammarTooCostly(
-                param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time, "
-                       f"over this server's limit of {limit * 1000:.0f} ms (a parse holds up every request "
-                       "while it runs); the request was ended. Make the grammar unambiguous"))
+                param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time "
+                       f"while holding up every request, over this server's limit of {limit * 1000:.0f} ms; "
+                       "the request was ended. Make the grammar unambiguous"))
 
-    def _consume(self) -> None:
+    def _consume(self, parser: "_OffGilParser | None" = None) -> float:
+        """Parse the sampled tokens; the CPU seconds the parser's worker spent (0 without one)."""
         tokens, self._tokens = self._tokens, []
+        cpu = 0.0
         for token in tokens:
             was_error = self._matcher.is_error()
-            self._matcher.consume_token(token)
+            if parser is None:
+                self._matcher.consume_token(token)
+            else:
+                cpu += parser.consume(self._matcher, token, self._compiler)
             if not was_error and self._matcher.is_error() and self._allowed is not None \
                     and bool((self._allowed == token).any()):
                 # A token its own mask admitted, refused: the lexer went past one of llguidance's
                 # limits on the way.
                 self._limit_hit()
+        return cpu
 
     def _limit_hit(self) -> None:
         # The mask only admits valid tokens, so an error while following one is one of llguidance's
