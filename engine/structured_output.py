@@ -37,8 +37,9 @@ out expensive ends its request (`GrammarLimits.max_parse_seconds`): that stall h
 Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
 entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
 mask (glibc's mallinfo2; the RSS growth elsewhere), plus large growth seen during the later masks
-of its expensive sequences (its lexer builds states lazily; cheap masks build few). A sequence's
-matcher copy is freed with the sequence.
+of its expensive sequences (its lexer builds states lazily; cheap masks build few). The cache keeps
+room for one more compile as large as its largest entry, so the cap bounds the process's growth
+with a compile in flight. A sequence's matcher copy is freed with the sequence.
 """
 
 from __future__ import annotations
@@ -337,10 +338,15 @@ class GrammarCompiler:
         return entry
 
     def _evict(self) -> int:
-        """Under self._lock. Least recently used first; a sequence following an evicted grammar keeps
-        its matcher copy (and the lexer it shares) until it finishes. The bytes evicted."""
+        """Under self._lock. Least recently used first, until the entries and room for one more as
+        large as the largest of them fit the cap: the next compile's memory (its entry, and what it
+        allocates and frees on the way, which malloc keeps for reuse) is inside the cap too, so the
+        cap bounds what the grammars make the process hold, not only what the cache holds. A
+        sequence following an evicted grammar keeps its matcher copy (and the lexer it shares) until
+        it finishes. The bytes evicted."""
         freed = 0
-        while self.stats.cache_bytes > self.limits.cache_bytes and self._cache:
+        room = max((e.nbytes for e in self._cache.values()), default=0)
+        while self.stats.cache_bytes + room > self.limits.cache_bytes and self._cache:
             _, old = self._cache.popitem(last=False)
             self.stats.cache_bytes -= old.nbytes
             freed += old.nbytes
