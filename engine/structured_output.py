@@ -44,6 +44,7 @@ with a compile in flight. A sequence's matcher copy is freed with the sequence.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import json
@@ -58,6 +59,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .grammar_probe import GrammarProbe
 from .sampling_params import InvalidParameter
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -113,36 +115,40 @@ class GrammarLimits:
         return self.threads or max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
+# llguidance's limits, each set explicitly (its defaults unless said otherwise). The speeds quoted
+# are llguidance's documentation's. They bound a single compile or mask, which cannot be
+# interrupted in this process; GrammarLimits then decides what a request may spend.
+PARSER_LIMITS = dict(
+    # Fuel for building the lexer's regex expressions (~50k per ms; default 1M). With the
+    # default, counted repetitions such as (q{20000}){20000} built hundreds of MB over a second
+    # on their first mask; with this they run out a few tokens in (their request ends with an
+    # error) after tens of MB.
+    initial_lexer_fuel=200_000,
+    # Lexer fuel of one mask (~14k per ms): bounds a mask's lexer work.
+    step_lexer_fuel=200_000,
+    # Earley items one mask may create (~20k per ms): bounds a mask's parser work. (The parse of
+    # a sampled token is not bounded by it, but by max_items_in_row and the request's budget.)
+    step_max_items=50_000,
+    # Earley items in one row: beyond it the parse fails (too ambiguous, or right-recursive).
+    max_items_in_row=2_000,
+    # Lexer states, built lazily as masks walk the vocabulary, 1-2 kB each: bounds one grammar's
+    # memory to about 100 MB (default 250k, about 0.5 GB).
+    max_lexer_states=50_000,
+    # Symbols in the grammar's productions: bounds a schema's size.
+    max_grammar_size=500_000,
+    # Large lexemes are run over the whole token trie at lexer build: a dearer compile (which
+    # the budget bounds) for cheaper masks.
+    precompute_large_lexemes=True,
+    # Errors reach clients: no parser state dump (default True).
+    verbose_errors=False,
+)
+
+
 def parser_limits():
-    """llguidance's limits, each set explicitly (its defaults unless said otherwise). The speeds
-    quoted are llguidance's documentation's. They bound a single compile or mask, which cannot be
-    interrupted; GrammarLimits then decides what a request may spend."""
+    """PARSER_LIMITS as llguidance's LLParserLimits."""
     from llguidance import LLParserLimits
 
-    return LLParserLimits(
-        # Fuel for building the lexer's regex expressions (~50k per ms; default 1M). With the
-        # default, counted repetitions such as (q{20000}){20000} built hundreds of MB over a second
-        # on their first mask; with this they run out a few tokens in (their request ends with an
-        # error) after tens of MB.
-        initial_lexer_fuel=200_000,
-        # Lexer fuel of one mask (~14k per ms): bounds a mask's lexer work.
-        step_lexer_fuel=200_000,
-        # Earley items one mask may create (~20k per ms): bounds a mask's parser work. (The parse of
-        # a sampled token is not bounded by it: GrammarLimits.max_parse_seconds is.)
-        step_max_items=50_000,
-        # Earley items in one row: beyond it the parse fails (too ambiguous, or right-recursive).
-        max_items_in_row=2_000,
-        # Lexer states, built lazily as masks walk the vocabulary, 1-2 kB each: bounds one grammar's
-        # memory to about 100 MB (default 250k, about 0.5 GB).
-        max_lexer_states=50_000,
-        # Symbols in the grammar's productions: bounds a schema's size.
-        max_grammar_size=500_000,
-        # Large lexemes are run over the whole token trie at lexer build: a dearer compile (which
-        # the budget bounds) for cheaper masks.
-        precompute_large_lexemes=True,
-        # Errors reach clients: no parser state dump (default True).
-        verbose_errors=False,
-    )
+    return LLParserLimits(**PARSER_LIMITS)
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer = None
         self._parser_limits = None
+        self._probe: GrammarProbe | None = None
         self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
         self._refused: OrderedDict[StructuredOutput, InvalidParameter] = OrderedDict()
         self._compiling: dict[StructuredOutput, Future] = {}  # one compile however many requests send it
@@ -268,7 +275,20 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                                eos_token=self.eos_token_ids or None)
                 self._parser_limits = parser_limits()
+                self._probe = self._make_probe()
             return self._tokenizer
+
+    def _make_probe(self) -> "GrammarProbe | None":
+        # The probe's child builds its own llguidance tokenizer from the same serialized fast
+        # tokenizer that llguidance.hf.from_tokenizer reads (a slow tokenizer has none: no probe).
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return GrammarProbe(backend.to_str(), self.vocab_size, self.eos_token_ids, PARSER_LIMITS,
+                            self.limits.max_cpu_seconds, self.limits.cache_bytes)
 
     # -- compiling --------------------------------------------------------------------------------
     def check(self, so: StructuredOutput):
@@ -296,6 +316,7 @@ class GrammarCompiler:
         cpu0, heap0 = time.thread_time(), _heap_bytes()
         try:
             grammar = so.grammar()
+            self._probed(so, grammar)
             matcher = LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
             if not matcher.is_error():
                 # The first mask: where llguidance's lazy lexer shows what the grammar costs.
@@ -336,6 +357,26 @@ class GrammarCompiler:
             freed = self._evict()
         _give_back(freed)  # outside the lock: the engine thread takes it for every guide
         return entry
+
+    def _probed(self, so: StructuredOutput, grammar: str) -> None:
+        """Compile `grammar` in the probe's process first, where its CPU time and memory are bounded
+        as it runs (killed at the budget); raise what the server's compile would, without paying
+        for it here. No probe (not Linux, or no process could start): the compile here is checked
+        after the fact."""
+        verdict = self._probe.probe(grammar) if self._probe is not None else None
+        if verdict is None:
+            return
+        budget = self.limits.max_cpu_seconds
+        if verdict.stopped == "memory":
+            raise GrammarTooCostly(so.param, f"{so.param}: compiling this constraint needed more than "
+                                             f"{self.limits.cache_bytes >> 20} MiB, more than this server's "
+                                             "grammar cache holds (--grammar-cache-memory); simplify it")
+        if verdict.stopped == "cpu" or verdict.cpu_seconds > budget:
+            raise GrammarTooCostly(so.param, f"{so.param}: compiling this constraint took more than "
+                                             f"{budget * 1000:.0f} ms of CPU time, this server's budget "
+                                             "(--max-grammar-ms); it was stopped there. Simplify it")
+        if verdict.error is not None:
+            raise InvalidParameter(so.param, f"{so.param} is not a valid constraint: {verdict.error}")
 
     def _evict(self) -> int:
         """Under self._lock. Least recently used first, until the entries and room for one more as
@@ -463,6 +504,8 @@ class GrammarCompiler:
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+        if self._probe is not None:
+            self._probe.close()
 
 
 # The pools' threads run at a lower priority (Linux nice, per thread) so that grammar work takes

@@ -356,3 +356,57 @@ def test_grammar_pools_never_outrank_the_engine():
         t.start()
         t.join()
     assert seen == {start: min(19, start + 10) for start in seen}, seen
+
+
+def _wide_schema(n: int) -> StructuredOutput:
+    # n optional properties: llguidance's compile grows with the square of n (the issue's 5000
+    # took seconds), inside one call that cannot be interrupted.
+    return json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+
+
+def test_a_compile_over_budget_is_stopped_in_the_probe_not_paid_by_the_server(llm):
+    """The issue's 5000-property schema: the probe compiles it first in a process of its own, which
+    is killed at the budget. A 400 naming the field, while this process spends a small fraction of
+    the budget on it (compiled here, it would cost several budgets before the check); the next
+    constraint gets a fresh probe."""
+    import resource
+
+    budget = 0.2
+    g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(max_cpu_seconds=budget))
+    try:
+        g.check(StructuredOutput("regex", "(ab)+"))  # the tokenizer and the probe, before measuring
+        assert g._probe is not None and g._probe.started == 1
+
+        def cpu() -> float:
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
+
+        cpu0 = cpu()
+        with pytest.raises(GrammarTooCostly) as e:
+            g.check(_wide_schema(5000))
+        used = cpu() - cpu0
+        assert e.value.param == "response_format" and "--max-grammar-ms" in str(e.value)
+        assert "stopped" in str(e.value)
+        assert used < budget / 2, f"this process spent {used:.2f} s of CPU on a refused compile"
+        g.check(StructuredOutput("regex", "(cd)+"))
+        assert g._probe.started == 2  # the killed probe was replaced
+        assert g.telemetry().over_budget == 1
+    finally:
+        g.close()
+
+
+def test_a_compile_over_the_memory_cap_is_stopped_in_the_probe(llm):
+    """(q{20000}){20000} builds ~20 MB of lexer state on its first mask. With a 4 MiB cache, the
+    probe's address-space limit stops it in the probe's process: a 400 naming the field and the
+    cap, and nothing compiled here."""
+    g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=4 << 20))
+    try:
+        with pytest.raises(GrammarTooCostly) as e:
+            g.check(StructuredOutput("regex", "(q{20000}){20000}", "guided_regex"))
+        assert e.value.param == "guided_regex" and "4 MiB" in str(e.value)
+        assert "--grammar-cache-memory" in str(e.value)
+        assert g.telemetry().cache_entries == 0
+        g.check(StructuredOutput("regex", "(ab)+"))  # a fresh probe for the next one
+        assert g._probe.started == 2 and g.telemetry().cache_entries == 1
+    finally:
+        g.close()
