@@ -52,6 +52,7 @@ class ProbeVerdict:
 class GrammarProbe:
     def __init__(self, tokenizer_json: str, n_vocab: int, eos_token_ids: list[int], parser_limits: dict,
                  cpu_seconds: float, max_bytes: int):
+        # json.dumps writes ASCII only (non-ASCII characters escaped): the pipes' encoding never matters.
         self._config = json.dumps({"tokenizer": tokenizer_json, "n_vocab": n_vocab, "eos": eos_token_ids,
                                    "limits": parser_limits, "max_bytes": max_bytes})
         self.cpu_seconds = cpu_seconds
@@ -102,7 +103,7 @@ class GrammarProbe:
             ready, _, _ = select.select([child.stdout], [], [], _START_SECONDS)
             if not ready or child.stdout.readline().strip() != "ready":
                 raise OSError("the grammar probe did not start")
-        except OSError:
+        except (OSError, ValueError):
             # No probe (cannot start a process here): compiles go on unprobed, as before it.
             self._broken = True
             if "child" in locals():

@@ -21,8 +21,11 @@ was cheap last time is waited for, up to a small fraction of the step: it is lat
 machine is busy, and the wait saves that sequence a step.) Each request may spend
 `GrammarLimits.max_cpu_seconds` of CPU time compiling (its first mask included: that is where
 llguidance's lazy lexer does most of its work) and as much on each later token (its parse and its
-mask); over it, a 400 before any token, or an error finish for that request alone. llguidance's own limits bound what a single
-compile or mask can do before the budget is even checked, since neither can be interrupted.
+mask); over it, a 400 before any token, or an error finish for that request alone. Neither a
+compile nor a mask can be interrupted inside llguidance, so a new constraint is compiled first by
+the grammar probe (grammar_probe: a process of its own, killed at the budget or at the cache's
+memory cap), and only then here; llguidance's own limits bound what a single mask can do before
+its budget is checked.
 
 Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
 on the engine thread), except those of sequences whose last mask was expensive: each of those is a
