@@ -14,7 +14,7 @@ What callers use:
   time; GrammarTooCostly if it cost more than the budget), `accept(token)` advances past a sampled
   token, `finished` / `stopped` say the grammar is complete and admits nothing but end-of-sequence.
 
-Cost, and who pays it: grammar work runs on two small pools sized to the cores (compiles, masks),
+Cost, and who pays it: grammar work runs on small pools sized to the cores (compiles, masks),
 never on the engine thread, and the engine does not wait for a mask that is not ready: that sequence
 keeps its logits and samples at a later step (llm_engine), the others go on. (Only a mask that
 was cheap last time is waited for, up to a small fraction of the step: it is late because the
@@ -29,7 +29,7 @@ its budget is checked.
 
 Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
 on the engine thread), except those of sequences whose last mask was expensive: each of those is a
-task of its own, so its cost delays only itself. llguidance's `LLMatcher.consume_token` (the parse
+task of its own on a second pool, so its cost delays only itself and others as expensive. llguidance's `LLMatcher.consume_token` (the parse
 of a sampled token) holds the GIL: while it runs every thread of the server waits. So only a parse
 that was cheap last time runs that way, on the engine thread (in `accept`, which lets a complete
 grammar end its sequence in the same step); every other parse runs on the mask pool through
@@ -112,9 +112,9 @@ class GrammarLimits:
     @property
     def pool_threads(self) -> int:
         # A quarter of the cores, at most 8: on a CPU server the cores belong to the forward pass.
-        # On a small machine that is one thread, and an expensive mask then delays the other
-        # grammar sequences (never the free ones) by at most the budget; a second thread there
-        # costs the forward pass more than it saves them (each hands the GIL back and forth).
+        # On a small machine that is one thread per pool; a second one there costs the forward
+        # pass more than it saves (each hands the GIL back and forth). The masks of expensive
+        # sequences have a pool of their own, so they never delay the cheap ones.
         return self.threads or max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
@@ -263,6 +263,11 @@ class GrammarCompiler:
                                                 initializer=_lower_priority)
         self._local = threading.local()  # a mask pool thread's _OffGilParser
         self._mask_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-mask",
+                                             initializer=self._init_mask_thread)
+        # The masks of sequences whose last mask was expensive: queued behind each other, never
+        # ahead of a cheap one (a hostile grammar delays only grammars as costly as itself). Its
+        # threads start only when such a sequence exists.
+        self._slow_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-slow",
                                              initializer=self._init_mask_thread)
         self.stats = MaskStats()
 
@@ -421,14 +426,15 @@ class GrammarCompiler:
 
     def prefetch(self, guides: list["Guide"]) -> None:
         """Start computing the next token mask of every guide that has none pending: the cheap ones
-        in one task per pool thread, each expensive one in a task of its own."""
+        in one task per pool thread, each expensive one in a task of its own on the slow pool."""
         todo = [g for g in guides if g._pending is None]
         batch = [g for g in todo if g._last_cpu <= _ALONE_SECONDS]
         # The cheap ones spread over the pool's threads (one task on a small machine).
         n = min(len(batch), self.limits.pool_threads)
-        tasks = [batch[i::n] for i in range(n)] + [[g] for g in todo if g._last_cpu > _ALONE_SECONDS]
-        for task in tasks:
-            pending = self._mask_pool.submit(self._compute, task)
+        tasks = [(self._mask_pool, batch[i::n]) for i in range(n)]
+        tasks += [(self._slow_pool, [g]) for g in todo if g._last_cpu > _ALONE_SECONDS]
+        for pool, task in tasks:
+            pending = pool.submit(self._compute, task)
             for g in task:
                 g._pending = pending
 
@@ -450,9 +456,9 @@ class GrammarCompiler:
             self.stats.wait_seconds += time.perf_counter() - t0
 
     def _compute(self, guides: list["Guide"]) -> None:
-        # On a mask pool thread: each guide parses the tokens its sequence sampled since its last
-        # mask, if accept() left them (an expensive parse), then llguidance fills its row with the
-        # GIL released; numpy turns the rows into each sequence's admitted token ids (torch's
+        # On a mask (or slow) pool thread: each guide parses the tokens its sequence sampled since
+        # its last mask, if accept() left them (an expensive parse), then llguidance fills its row
+        # with the GIL released; numpy turns the rows into each sequence's admitted token ids (torch's
         # shift-and-mask took 5x longer), which the sampler gathers.
         t0 = time.perf_counter()
         words = self._words
@@ -507,6 +513,7 @@ class GrammarCompiler:
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+        self._slow_pool.shutdown(wait=False, cancel_futures=True)
         if self._probe is not None:
             self._probe.close()
 

@@ -410,3 +410,45 @@ def test_a_compile_over_the_memory_cap_is_stopped_in_the_probe(llm):
         assert g._probe.started == 2 and g.telemetry().cache_entries == 1
     finally:
         g.close()
+
+
+def test_an_expensive_mask_does_not_delay_a_cheap_grammar(llm):
+    """A grammar whose masks are expensive (the counted regex) is held back further by the test
+    once its masks are known to be expensive: a cheap grammar request beside it still runs to its
+    end meanwhile, since expensive masks have a pool of their own and cheap ones never queue behind
+    them (one thread each on a small machine)."""
+    eng = llm.engine
+    hostile_so = counted(7)
+    release, holding, late = threading.Event(), threading.Event(), []
+    compute = eng.grammar._compute
+
+    def held_back(guides):
+        if any(g._so == hostile_so and g._last_cpu > 0.001 for g in guides):
+            holding.set()
+            late.append(not release.wait(60))  # True: the cheap request did not finish in a minute
+        compute(guides)
+
+    eng.grammar._compute = held_back
+    try:
+        hostile = eng.add_request("x", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True,
+                                                      structured=hostile_so))
+        for _ in range(1000):  # until its mask is known to be expensive and is held back
+            if holding.is_set():
+                break
+            eng.step()
+        assert holding.is_set()
+        cheap = StructuredOutput("regex", "(ab|cd){4}", "guided_regex")
+        rid, text = eng.add_request("y", SamplingParams(max_tokens=20, structured=cheap)), ""
+        for _ in range(1000):
+            if rid not in eng._seqs:
+                break
+            for o in eng.step():
+                text += o.text if o.request_id == rid else ""
+        assert not release.is_set() and hostile in eng._seqs  # still held back
+        assert re.fullmatch("(ab|cd){4}", text), text
+        release.set()
+        eng.abort(hostile)
+        assert not any(late)
+    finally:
+        release.set()
+        del eng.grammar._compute
