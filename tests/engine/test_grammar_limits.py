@@ -7,7 +7,7 @@ that compile in a millisecond and then build hundreds of MB on their first mask.
 from __future__ import annotations
 
 import re
-import statistics
+import threading
 import time
 
 import pytest
@@ -16,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
 from engine.demo import build_random_model
+from engine.llm_engine import CHEAP_MASK_GRACE
 from engine.structured_output import GrammarCompiler, GrammarLimits, GrammarTooCostly, StructuredOutput, json_schema
 from engine.sampling_params import InvalidParameter
 
@@ -32,17 +33,6 @@ def ambiguous(i: int) -> StructuredOutput:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
-
-
-@pytest.fixture
-def one_torch_thread():
-    """One intra-op thread for timing on a shared machine: an OpenMP region waits for its slowest
-    thread, so with every core's thread in it any other process (or the pool's grammar threads)
-    that takes a core for a slice stretches the whole step, grammar or no grammar."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +92,16 @@ def counted(i: int) -> StructuredOutput:
     return StructuredOutput("regex", f"(q{{{300 + i}}}){{300}}", "guided_regex")
 
 
-def test_hostile_grammars_do_not_stall_an_unrelated_stream(wider_llm, one_torch_thread):
-    """Requests whose every mask costs several steps of a free stream run while a greedy free
-    stream decodes beside them. It gets a token at every step (the grammar sequences sit steps out
-    instead), and its worst gap stays under 2x its step time alone (the median gap), measured in
-    the same run. A loaded machine stretches single steps whatever runs beside them: the bound is
-    scaled by how much the worst gap exceeds the median when the stream runs alone (about 1 on an
-    idle machine), and the best of five windows counts. A stream that waited for the masks would
-    fail by far more: each mask costs more steps than the scaled bound."""
+def test_hostile_grammars_do_not_stall_an_unrelated_stream(wider_llm):
+    """Requests whose every mask costs several milliseconds of CPU run while a greedy free stream
+    decodes beside them. The stream gets a token at every step, though at some of those steps a
+    grammar mask was not ready (those sequences sat the step out: an engine that waited for the
+    masks would have waited there), and the engine thread's waits for masks while it runs stay
+    within the short grace given to masks that were cheap (none of these). Asserted from the
+    engine's telemetry, not from the gaps between tokens, which a loaded machine stretches whatever
+    runs beside the stream: `layerstream bench-structured` reports the worst step beside a hostile
+    neighbour against the median alone, on an idle machine."""
     eng = wider_llm.engine
-    windows = [_free_stream_gaps(eng, 20)[0] for _ in range(3)]
-    normal = statistics.median(g for w in windows for g in w)
-    noise = max(1.0, statistics.median(max(w) for w in windows) / normal)
     hostile = [eng.add_request("x", SamplingParams(max_tokens=400, temperature=1.0, seed=i, ignore_eos=True,
                                                    structured=counted(i)))
                for i in range(4)]
@@ -123,30 +111,115 @@ def test_hostile_grammars_do_not_stall_an_unrelated_stream(wider_llm, one_torch_
         if now.masks - start.masks >= 8:
             break
         eng.step()
-    mask_seconds = (now.compute_seconds - start.compute_seconds) / max(1, now.masks - start.masks)
-    assert mask_seconds >= 3 * noise * normal, (mask_seconds, normal, noise)
-    ratios = []
-    for attempt in range(5):
-        during, steps = _free_stream_gaps(eng, 20)
-        assert steps == 20, "the free stream skipped a step"
-        ratios.append(max(during) / normal / noise)
-        if ratios[-1] < 2:
-            break
-    assert eng.grammar.telemetry().skips > start.skips  # the grammar sequences sat steps out instead
-    for rid in hostile:
-        eng.abort(rid)
-    assert min(ratios) < 2, (ratios, normal, noise, mask_seconds)
+    try:
+        t0 = time.perf_counter()
+        _, steps = _free_stream_gaps(eng, 20)
+        window = time.perf_counter() - t0
+        after = eng.grammar.telemetry()
+    finally:
+        for rid in hostile:
+            eng.abort(rid)
+    assert steps == 20, "the free stream skipped a step"
+    assert after.skips > now.skips  # masks were late at some of its steps: the grammar sequences sat them out
+    waited = after.wait_seconds - now.wait_seconds
+    assert waited <= CHEAP_MASK_GRACE * window, (waited, window)
 
 
-def test_ambiguous_grammar_is_ended_before_its_parse_holds_up_the_server(llm):
-    """The issue's Lark grammar: each token's parse grows with the output, and llguidance holds the
-    GIL while it parses (every thread waits). Its request is ended once one parse passes the limit;
-    a free request beside it runs to its length."""
-    hostile, free = _beside_a_free_request(llm.engine, SamplingParams(
-        max_tokens=250, temperature=1.0, seed=0, ignore_eos=True, structured=ambiguous(0)), 30)
-    assert hostile.finish_reason == "error" and hostile.num_output_tokens < 250
-    assert isinstance(hostile.error, GrammarTooCostly) and "parsing one token" in str(hostile.error)
+def test_a_mask_that_never_comes_holds_back_only_its_own_sequence(llm):
+    """A fake slow grammar: the masks of one request's constraint are held back until the test
+    releases them. A free stream beside it runs to its length, a token at every step, while that
+    request keeps its logits; released, it finishes as its grammar says. An engine that waited
+    for the mask would not get the stream's second token before the release."""
+    eng = llm.engine
+    slow = StructuredOutput("regex", "(ab|cd){4}", "guided_regex")
+    release, late = threading.Event(), []
+    compute = eng.grammar._compute
+
+    def held_back(guides):
+        if any(g._so == slow for g in guides):
+            late.append(not release.wait(60))  # True: the stream did not finish in a minute
+        compute(guides)
+
+    eng.grammar._compute = held_back
+    try:
+        slow_id = eng.add_request("x", SamplingParams(max_tokens=20, structured=slow))
+        before = eng.grammar.telemetry()
+        _, steps = _free_stream_gaps(eng, 20)
+        assert not release.is_set() and slow_id in eng._seqs  # the mask is still held back
+        assert steps == 20 and eng.grammar.telemetry().skips > before.skips
+        release.set()
+        text = ""
+        while slow_id in eng._seqs:
+            for o in eng.step():
+                text += o.text
+                if o.finished:
+                    assert o.finish_reason == "stop", o
+        assert re.fullmatch("(ab|cd){4}", text), text
+        assert late and not any(late)
+    finally:
+        release.set()
+        del eng.grammar._compute
+
+
+def test_ambiguous_grammar_parses_without_holding_up_the_server(llm):
+    """The issue's Lark grammar: each token's parse grows with the output. llguidance's plain parse
+    holds the GIL (every thread of the server waits while it runs); once this grammar's parses are
+    no longer cheap they run on the pool with the GIL released, so the parses that held it stay
+    under the limit while those on the pool grow past it. A free request beside it runs to its
+    length, and the hostile one runs too, or ends alone for its budget or llguidance's limits."""
+    eng = llm.engine
+    limit = eng.grammar.limits.max_parse_seconds
+    before = eng.grammar.telemetry()
+    no_end = {llm.tokenizer.eos_token_id: -100.0}  # the grammar may end anywhere: keep it going
+    hostile, free = _beside_a_free_request(eng, SamplingParams(
+        max_tokens=120, temperature=1.0, seed=0, ignore_eos=True, logit_bias=no_end, structured=ambiguous(0)), 30)
+    after = eng.grammar.telemetry()
     assert free.finish_reason == "length" and free.num_output_tokens == 30
+    assert hostile.finish_reason == "length" or isinstance(hostile.error, GrammarTooCostly), hostile
+    assert after.pool_parse_seconds - before.pool_parse_seconds > 5 * limit  # its dear parses, off the GIL
+    assert after.gil_parse_longest <= limit, after
+    assert after.gil_parse_seconds - before.gil_parse_seconds < after.pool_parse_seconds - before.pool_parse_seconds
+
+
+def test_a_pool_parse_releases_the_gil(llm):
+    """The parse of a sampled token through a pool thread's parser runs on llguidance's worker with
+    the GIL released: this thread samples the worker's CPU clock while the parses run, and reads it
+    strictly inside one (a parse that held the GIL would leave no such reading: nothing else could
+    run until it returned)."""
+    from llguidance import LLMatcher
+
+    from engine.structured_output import _OffGilParser
+
+    g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id])
+    try:
+        tok = g._ll_tokenizer()
+        parser = _OffGilParser()
+        assert parser._clock is not None  # the worker told apart (Linux)
+        matcher = LLMatcher(tok, ambiguous(0).grammar(), log_level=0, limits=g._parser_limits)
+        ids = llm.tokenizer.encode("ab" * 110, add_special_tokens=False)
+        for t in ids[:-20]:  # a long ambiguous prefix: each later token's parse costs milliseconds
+            matcher.consume_token(t)
+        spans, done = [], threading.Event()
+
+        def parse_the_rest():
+            for t in ids[-20:]:
+                start = time.clock_gettime(parser._clock)
+                cpu = parser.consume(matcher, t, g)
+                spans.append((start, start + cpu))
+            done.set()
+
+        worker = threading.Thread(target=parse_the_rest)
+        readings = []
+        worker.start()
+        while not done.is_set():
+            readings.append(time.clock_gettime(parser._clock))
+        worker.join()
+        assert not matcher.is_error(), matcher.get_error()
+        assert sum(b - a for a, b in spans) > 0.02, spans  # the parses cost the worker, not this process's threads
+        inside = [v for v in readings if any(a < v < b for a, b in spans)]
+        assert inside, (len(readings), spans)
+    finally:
+        g.close()
 
 
 def test_mask_over_budget_ends_that_request_alone(llama_dir):
@@ -206,10 +279,11 @@ def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
 
 def test_grammar_cache_is_capped_in_bytes(llm):
     """50 distinct hostile grammars, (q{20000+i}){20000}, each of which builds ~20 MB of lexer state
-    on its first mask: the cache's estimate never passes its cap, and the process grows by the cap
-    and a margin (a compile in flight, the pools' malloc arenas): evictions hand what they free back
-    to the system. Without that trim it grew by about twice the cap; the old cache kept 64 entries
-    whatever their size, and these 50 held about 1 GB."""
+    on its first mask: the cache's estimate never passes its cap, and the process grows by less
+    than the cap: the cache keeps room for a compile in flight (what it allocates and frees, which
+    malloc keeps for the next one), and evictions hand what they free back to the system. Without
+    the trim it grew by about twice the cap, without the room by more than the cap; the old cache
+    kept 64 entries whatever their size, and these 50 held about 1 GB."""
     cap = 48 * 2**20
     g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=cap))
     try:
@@ -225,7 +299,7 @@ def test_grammar_cache_is_capped_in_bytes(llm):
         assert 10 * 2**20 < peak <= cap and stats.cache_bytes <= cap
         assert 1 <= stats.cache_entries < 5
         grown = _rss() - rss0
-        assert grown < cap + 40 * 2**20, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
+        assert grown < cap, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
     finally:
         g.close()
 
@@ -258,3 +332,123 @@ def test_grammar_cache_cap_defaults_to_a_share_of_host_memory():
     assert grammar_cache_bytes(EngineArgs(model="x"), 64 << 30) == 256 << 20  # the default cap
     assert grammar_cache_bytes(EngineArgs(model="x"), 1 << 30) == (1 << 30) // 20  # a small host
     assert grammar_cache_bytes(EngineArgs(model="x", grammar_cache_memory="1GiB"), 1 << 30) == 1 << 30  # as asked
+
+
+def test_grammar_pools_never_outrank_the_engine():
+    """The pools' threads run ten nice levels below the thread that starts them, never above it: an
+    engine started at nice 15 (say, under `nice`) keeps its grammar work at 19, not at 10, where it
+    would take the forward pass's cores."""
+    import os
+
+    from engine.structured_output import _lower_priority
+
+    seen = {}
+
+    def probe(start: int) -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, start)  # lowering one's own priority needs no privilege
+        _lower_priority()
+        seen[start] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for start in sorted({max(base, 5), max(base, 15), 19}):
+        t = threading.Thread(target=probe, args=(start,))
+        t.start()
+        t.join()
+    assert seen == {start: min(19, start + 10) for start in seen}, seen
+
+
+def _wide_schema(n: int) -> StructuredOutput:
+    # n optional properties: llguidance's compile grows with the square of n (the issue's 5000
+    # took seconds), inside one call that cannot be interrupted.
+    return json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+
+
+def test_a_compile_over_budget_is_stopped_in_the_probe_not_paid_by_the_server(llm):
+    """The issue's 5000-property schema: the probe compiles it first in a process of its own, which
+    is killed at the budget. A 400 naming the field, while this process spends a small fraction of
+    the budget on it (compiled here, it would cost several budgets before the check); the next
+    constraint gets a fresh probe."""
+    import resource
+
+    budget = 0.2
+    g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(max_cpu_seconds=budget))
+    try:
+        g.check(StructuredOutput("regex", "(ab)+"))  # the tokenizer and the probe, before measuring
+        assert g._probe is not None and g._probe.started == 1
+
+        def cpu() -> float:
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
+
+        cpu0 = cpu()
+        with pytest.raises(GrammarTooCostly) as e:
+            g.check(_wide_schema(5000))
+        used = cpu() - cpu0
+        assert e.value.param == "response_format" and "--max-grammar-ms" in str(e.value)
+        assert "stopped" in str(e.value)
+        assert used < budget / 2, f"this process spent {used:.2f} s of CPU on a refused compile"
+        g.check(StructuredOutput("regex", "(cd)+"))
+        assert g._probe.started == 2  # the killed probe was replaced
+        assert g.telemetry().over_budget == 1
+    finally:
+        g.close()
+
+
+def test_a_compile_over_the_memory_cap_is_stopped_in_the_probe(llm):
+    """(q{20000}){20000} builds ~20 MB of lexer state on its first mask. With a 4 MiB cache, the
+    probe's address-space limit stops it in the probe's process: a 400 naming the field and the
+    cap, and nothing compiled here."""
+    g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=4 << 20))
+    try:
+        with pytest.raises(GrammarTooCostly) as e:
+            g.check(StructuredOutput("regex", "(q{20000}){20000}", "guided_regex"))
+        assert e.value.param == "guided_regex" and "4 MiB" in str(e.value)
+        assert "--grammar-cache-memory" in str(e.value)
+        assert g.telemetry().cache_entries == 0
+        g.check(StructuredOutput("regex", "(ab)+"))  # a fresh probe for the next one
+        assert g._probe.started == 2 and g.telemetry().cache_entries == 1
+    finally:
+        g.close()
+
+
+def test_an_expensive_mask_does_not_delay_a_cheap_grammar(llm):
+    """A grammar whose masks are expensive (the counted regex) is held back further by the test
+    once its masks are known to be expensive: a cheap grammar request beside it still runs to its
+    end meanwhile, since expensive masks have a pool of their own and cheap ones never queue behind
+    them (one thread each on a small machine)."""
+    eng = llm.engine
+    hostile_so = counted(7)
+    release, holding, late = threading.Event(), threading.Event(), []
+    compute = eng.grammar._compute
+
+    def held_back(guides):
+        if any(g._so == hostile_so and g._last_cpu > 0.001 for g in guides):
+            holding.set()
+            late.append(not release.wait(60))  # True: the cheap request did not finish in a minute
+        compute(guides)
+
+    eng.grammar._compute = held_back
+    try:
+        hostile = eng.add_request("x", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True,
+                                                      structured=hostile_so))
+        for _ in range(1000):  # until its mask is known to be expensive and is held back
+            if holding.is_set():
+                break
+            eng.step()
+        assert holding.is_set()
+        cheap = StructuredOutput("regex", "(ab|cd){4}", "guided_regex")
+        rid, text = eng.add_request("y", SamplingParams(max_tokens=20, structured=cheap)), ""
+        for _ in range(1000):
+            if rid not in eng._seqs:
+                break
+            for o in eng.step():
+                text += o.text if o.request_id == rid else ""
+        assert not release.is_set() and hostile in eng._seqs  # still held back
+        assert re.fullmatch("(ab|cd){4}", text), text
+        release.set()
+        eng.abort(hostile)
+        assert not any(late)
+    finally:
+        release.set()
+        del eng.grammar._compute

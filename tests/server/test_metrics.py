@@ -29,7 +29,8 @@ def snapshot(link_gbps, bytes_streamed=400_000_000, seconds=0.5, kv: KVTelemetry
                            dtype="float32", steps=1, last_step=StepTelemetry.of(seconds, stream, links), total=stream,
                            kv=kv or kv_snapshot(), pinned_host_bytes=0, buffer_sets=0, blocks_converted=0,
                            structured_output=MaskStats(masks=3, compute_seconds=0.25, wait_seconds=0.5, skips=7,
-                                                       over_budget=2, cache_bytes=5 << 20, cache_entries=4))
+                                                       over_budget=2, cache_bytes=5 << 20, cache_entries=4,
+                                                       gil_parse_seconds=0.125, pool_parse_seconds=2.5))
 
 
 def samples(m: ServerMetrics) -> dict[str, float]:
@@ -63,6 +64,8 @@ def test_structured_output_mask_seconds():
     text = m.render().decode()
     assert 'layerstream_structured_output_mask_seconds{kind="compute",model_name="x"} 0.25' in text
     assert 'layerstream_structured_output_mask_seconds{kind="wait",model_name="x"} 0.5' in text
+    assert 'layerstream_structured_output_parse_seconds{gil="held",model_name="x"} 0.125' in text
+    assert 'layerstream_structured_output_parse_seconds{gil="released",model_name="x"} 2.5' in text
     got = samples(m)
     assert got["layerstream_structured_output_skipped_steps"] == 7
     assert got["layerstream_structured_output_too_costly"] == 2
