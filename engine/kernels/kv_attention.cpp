@@ -1,0 +1,216 @@
+// Attention over a quantized paged KV cache (engine/kv_quant.py's format), one query token per row, reading
+// the int8/int4 codes where they lie: no dequantized copy of the cache, not even of one sequence.
+//
+//   attention(q, k_codes, k_scales, v_codes, v_scales, tables, positions, window, bits, scale)
+//     q          (rows, heads, hd) fp32, contiguous: each row one token, already rotated as K was
+//     *_codes    (blocks, block_size, kv_heads, hd) int8 (bits 8) or (.., hd / 2) uint8 (bits 4, two codes a
+//                byte, the even dimension in the low nibble, stored + 8)
+//     *_scales   (blocks, block_size, kv_heads, groups) float16: one per hd values (int8) or per 32 (int4)
+//     tables     (rows, max_blocks) int64: the block table of each row's sequence
+//     positions  (rows,) int64: each row attends keys [max(0, pos - window + 1), pos]
+//   -> (rows, heads, hd) fp32: softmax(scale * q k^T) v, in the rotated space of V.
+//
+// K/V must already hold every row's own key (engine/model.py writes them first, quantized), so a chunk of
+// prompt tokens is as many causal one-token attentions, as in fused_ops.cpp's decode_attention.
+// A code's contribution is factored: q . (s * c) = s * (q . c) per scale group, and p * (s * c) adds
+// (p * s) * c, so each key costs one multiply by its scale per group, not one per value.
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t INT4_GROUP = 32;
+
+struct Args {
+  const float* q;
+  const void* kc;
+  const c10::Half* ks;
+  const void* vc;
+  const c10::Half* vs;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* positions;
+  int64_t block_size, nkv, group, hd, window, code_width, groups;
+  float scale;
+  float* out;
+};
+
+// Sum over d of q[d] * c[d] for one group of n int8 codes.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float dot_i8(const float* q, const int8_t* c, int64_t n) {
+  constexpr int L = 16;
+  float acc[L] = {0};
+  int64_t d = 0;
+  for (; d + L <= n; d += L)
+    for (int l = 0; l < L; ++l) acc[l] += q[d + l] * static_cast<float>(c[d + l]);
+  float sum = 0;
+  for (int l = 0; l < L; ++l) sum += acc[l];
+  for (; d < n; ++d) sum += q[d] * static_cast<float>(c[d]);
+  return sum;
+}
+
+// The same for n int4 codes packed two a byte (n / 2 bytes), stored + 8.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float dot_i4(const float* q, const uint8_t* c, int64_t n) {
+  constexpr int L = 16;
+  float acc[L] = {0};
+  for (int64_t b = 0; b < n / 2; b += L / 2)
+    for (int l = 0; l < L / 2; ++l) {
+      const uint8_t v = c[b + l];
+      acc[2 * l] += q[2 * (b + l)] * static_cast<float>(static_cast<int>(v & 0xF) - 8);
+      acc[2 * l + 1] += q[2 * (b + l) + 1] * static_cast<float>(static_cast<int>(v >> 4) - 8);
+    }
+  float sum = 0;
+  for (int l = 0; l < L; ++l) sum += acc[l];
+  return sum;
+}
+
+// a[d] += w * c[d] over n int8 codes.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void axpy_i8(float* a, float w, const int8_t* c, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) a[d] += w * static_cast<float>(c[d]);
+}
+
+// a[d] += w * code[d] over n int4 codes (n / 2 bytes).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void axpy_i4(float* a, float w, const uint8_t* c, int64_t n) {
+  for (int64_t b = 0; b < n / 2; ++b) {
+    const uint8_t v = c[b];
+    a[2 * b] += w * static_cast<float>(static_cast<int>(v & 0xF) - 8);
+    a[2 * b + 1] += w * static_cast<float>(static_cast<int>(v >> 4) - 8);
+  }
+}
+
+template <int BITS>
+void attend_one(const Args& A, int64_t row, int64_t kvh) {
+  const int64_t pos = A.positions[row], hd = A.hd, G = A.group;
+  const int64_t lo = A.window > 0 ? std::max<int64_t>(0, pos - A.window + 1) : 0, ctx = pos + 1 - lo;
+  const int64_t gsize = hd / A.groups;  // values per scale
+  thread_local std::vector<float> s, acc;
+  s.resize(G * ctx);
+  acc.assign(G * hd, 0.0f);
+  const int64_t* table = A.tables + row * A.table_stride;
+  const float* q = A.q + (row * A.nkv * G + kvh * G) * hd;  // (G, hd): the query heads of this KV head
+  // Pointers to key j's codes and scales for this KV head.
+  auto locate = [&](int64_t key, const void* codes, const c10::Half* scales, const void** c, const c10::Half** sc) {
+    const int64_t b = key / A.block_size, off = key - b * A.block_size;
+    const int64_t slot = (table[b] * A.block_size + off) * A.nkv + kvh;
+    *c = static_cast<const uint8_t*>(codes) + slot * A.code_width;
+    *sc = scales + slot * A.groups;
+  };
+  for (int64_t j = 0; j < ctx; ++j) {
+    const void* c;
+    const c10::Half* sc;
+    locate(lo + j, A.kc, A.ks, &c, &sc);
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0;
+      for (int64_t k = 0; k < A.groups; ++k) {
+        const float* qg = q + g * hd + k * gsize;
+        const float part = BITS == 8 ? dot_i8(qg, static_cast<const int8_t*>(c) + k * gsize, gsize)
+                                     : dot_i4(qg, static_cast<const uint8_t*>(c) + k * gsize / 2, gsize);
+        dot += static_cast<float>(sc[k]) * part;
+      }
+      s[g * ctx + j] = dot * A.scale;
+    }
+  }
+  std::vector<float> sums(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.data() + g * ctx;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, sg[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < ctx; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      sum += sg[j];
+    }
+    sums[g] = sum;
+  }
+  for (int64_t j = 0; j < ctx; ++j) {
+    const void* c;
+    const c10::Half* sc;
+    locate(lo + j, A.vc, A.vs, &c, &sc);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = s[g * ctx + j];
+      for (int64_t k = 0; k < A.groups; ++k) {
+        float* a = acc.data() + g * hd + k * gsize;
+        const float w = p * static_cast<float>(sc[k]);
+        if (BITS == 8) axpy_i8(a, w, static_cast<const int8_t*>(c) + k * gsize, gsize);
+        else axpy_i4(a, w, static_cast<const uint8_t*>(c) + k * gsize / 2, gsize);
+      }
+    }
+  }
+  float* out = A.out + (row * A.nkv * G + kvh * G) * hd;
+  for (int64_t g = 0; g < G; ++g) {
+    const float r = 1.0f / sums[g];
+    for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = acc[g * hd + d] * r;
+  }
+}
+
+torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
+                        const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& tables_in,
+                        const torch::Tensor& positions_in, int64_t window, int64_t bits, double scale) {
+  TORCH_CHECK(bits == 8 || bits == 4, "kv_attention: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(q_in.device().is_cpu() && q_in.scalar_type() == at::kFloat && q_in.dim() == 3,
+              "kv_attention: q must be a (rows, heads, hd) float32 CPU tensor, got ", q_in.sizes());
+  const torch::Tensor q = q_in.contiguous();
+  const int64_t rows = q.size(0), nh = q.size(1), hd = q.size(2);
+  const auto code_type = bits == 8 ? at::kChar : at::kByte;
+  for (const torch::Tensor* t : {&k_codes, &v_codes})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4 && t->scalar_type() == code_type &&
+                t->sizes() == k_codes.sizes() && t->size(3) == hd * bits / 8,
+                "kv_attention: codes must be contiguous (blocks, block_size, kv_heads, ", hd * bits / 8, ") ",
+                bits == 8 ? "int8" : "uint8", ", got ", t->sizes(), " ", t->scalar_type());
+  const int64_t nkv = k_codes.size(2), groups = bits == 8 ? 1 : hd / INT4_GROUP;
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "kv_attention: ", nh, " query heads do not group over ", nkv, " KV heads");
+  TORCH_CHECK(bits == 8 || hd % INT4_GROUP == 0, "kv_attention: int4 needs hd a multiple of 32, got ", hd);
+  for (const torch::Tensor* t : {&k_scales, &v_scales})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kHalf && t->dim() == 4 &&
+                t->size(0) == k_codes.size(0) && t->size(1) == k_codes.size(1) && t->size(2) == nkv &&
+                t->size(3) == groups,
+                "kv_attention: scales must be contiguous float16 (blocks, block_size, kv_heads, ", groups, "), got ",
+                t->sizes());
+  for (const torch::Tensor* t : {&tables_in, &positions_in})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong, "kv_attention: tables and positions must be "
+                "int64 CPU tensors");
+  const torch::Tensor tables = tables_in.contiguous(), positions = positions_in.contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && positions.numel() == rows,
+              "kv_attention: one block-table row and position per query row (", rows, "), got ", tables.sizes(),
+              " and ", positions.numel());
+  const int64_t bs = k_codes.size(1), blocks = k_codes.size(0);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    // Checked here, not trusted: a bad index would read outside the pool.
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < tables.size(1) * bs, "kv_attention: position ", pp[i], " beyond the block table");
+    for (int64_t b = 0; b <= pp[i] / bs; ++b)
+      TORCH_CHECK(tp[i * tables.size(1) + b] >= 0 && tp[i * tables.size(1) + b] < blocks,
+                  "kv_attention: block ", tp[i * tables.size(1) + b], " outside the cache");
+  }
+  auto out = torch::empty({rows, nh, hd}, q.options());
+  const Args A{q.data_ptr<float>(), k_codes.data_ptr(), k_scales.data_ptr<c10::Half>(), v_codes.data_ptr(),
+               v_scales.data_ptr<c10::Half>(), tp, tables.size(1), pp, bs, nkv, nh / nkv, hd, window,
+               k_codes.size(3), groups, static_cast<float>(scale), out.data_ptr<float>()};
+  // One task per (row, KV head); a decode of a few short sequences stays on this thread.
+  at::parallel_for(0, rows * nkv, 4, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      if (bits == 8) attend_one<8>(A, i / nkv, i % nkv);
+      else attend_one<4>(A, i / nkv, i % nkv);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention, "one-token attention over a quantized paged KV cache (int8 / int4 codes)",
+        py::arg("q"), py::arg("k_codes"), py::arg("k_scales"), py::arg("v_codes"), py::arg("v_scales"),
+        py::arg("block_tables"), py::arg("positions"), py::arg("window"), py::arg("bits"), py::arg("scale"));
+}
