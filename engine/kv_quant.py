@@ -5,7 +5,7 @@ these codes directly is engine/kernels/kv_attention.cpp (chosen by engine.ops).
 - int8: one scale per (token, KV head): absmax / 127, codes in [-127, 127] (llama.cpp's q8_0 rounding,
   over the whole head instead of 32 values: the rotation spreads a head's outliers over all of it, and
   2 scale bytes per head keep the cache at 1.94x fewer bytes than bf16 for head_dim 64).
-- int4: one scale per 32 values (llama.cpp's q4_0): d = m / -8 where m is the group's value of largest
+- int4: one scale per 32 values (16 for a head_dim that 32 does not divide; llama.cpp's q4_0): d = m / -8 where m is the group's value of largest
   magnitude, codes round(x / d) clamped to [-8, 7] and stored + 8, two to a byte (even dimension in the
   low nibble). Four bits leave too few levels for one scale over a whole head.
 - The scale is rounded to float16 before the codes are computed from it, so a code times its stored
@@ -41,8 +41,8 @@ class KVQuant:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"KV quantization bits must be 8 or 4, got {self.bits}")
-        if self.bits == 4 and self.head_dim % INT4_GROUP:
-            raise ValueError(f"an int4 KV cache needs head_dim a multiple of {INT4_GROUP}, got {self.head_dim}")
+        if self.bits == 4 and self.head_dim % 16:
+            raise ValueError(f"an int4 KV cache needs head_dim a multiple of 16, got {self.head_dim}")
         if self.head_dim % 2:
             raise ValueError(f"a quantized KV cache needs an even head_dim, got {self.head_dim}")
 
@@ -60,7 +60,9 @@ class KVQuant:
     @property
     def group(self) -> int:
         """Values per scale."""
-        return self.head_dim if self.bits == 8 else INT4_GROUP
+        if self.bits == 8:
+            return self.head_dim
+        return INT4_GROUP if self.head_dim % INT4_GROUP == 0 else 16
 
     @property
     def code_width(self) -> int:

@@ -5,7 +5,8 @@
 //     q          (rows, heads, hd) fp32, contiguous: each row one token, already rotated as K was
 //     *_codes    (blocks, block_size, kv_heads, hd) int8 (bits 8) or (.., hd / 2) uint8 (bits 4, two codes a
 //                byte, the even dimension in the low nibble, stored + 8)
-//     *_scales   (blocks, block_size, kv_heads, groups) float16: one per hd values (int8) or per 32 (int4)
+//     *_scales   (blocks, block_size, kv_heads, groups) float16: one per hd / groups values (int8: one group;
+//                int4: groups of 32, or 16 for small heads)
 //     tables     (rows, max_blocks) int64: the block table of each row's sequence
 //     positions  (rows,) int64: each row attends keys [max(0, pos - window + 1), pos]
 //   -> (rows, heads, hd) fp32: softmax(scale * q k^T) v, in the rotated space of V.
@@ -25,8 +26,6 @@
 #include <vector>
 
 namespace {
-
-constexpr int64_t INT4_GROUP = 32;
 
 struct Args {
   const float* q;
@@ -167,9 +166,11 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_codes,
                 t->sizes() == k_codes.sizes() && t->size(3) == hd * bits / 8,
                 "kv_attention: codes must be contiguous (blocks, block_size, kv_heads, ", hd * bits / 8, ") ",
                 bits == 8 ? "int8" : "uint8", ", got ", t->sizes(), " ", t->scalar_type());
-  const int64_t nkv = k_codes.size(2), groups = bits == 8 ? 1 : hd / INT4_GROUP;
+  const int64_t nkv = k_codes.size(2), groups = k_scales.dim() == 4 ? k_scales.size(3) : 0;
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "kv_attention: ", nh, " query heads do not group over ", nkv, " KV heads");
-  TORCH_CHECK(bits == 8 || hd % INT4_GROUP == 0, "kv_attention: int4 needs hd a multiple of 32, got ", hd);
+  // The int4 loops take 16 values (8 bytes) a pass.
+  TORCH_CHECK(groups > 0 && hd % groups == 0 && (bits == 8 || (hd / groups) % 16 == 0),
+              "kv_attention: ", groups, " scale groups do not split head_dim ", hd, " for int", bits);
   for (const torch::Tensor* t : {&k_scales, &v_scales})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kHalf && t->dim() == 4 &&
                 t->size(0) == k_codes.size(0) && t->size(1) == k_codes.size(1) && t->size(2) == nkv &&

@@ -85,8 +85,9 @@ def test_bytes_per_token_give_the_capacity_the_issue_asks():
 def test_bad_formats_are_clear_errors():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, int4, got 'fp8'"):
         KVQuant.of("fp8", 64)
-    with pytest.raises(ValueError, match="multiple of 32, got 48"):
-        KVQuant(4, 48)
+    with pytest.raises(ValueError, match="multiple of 16, got 40"):
+        KVQuant(4, 40)
+    assert KVQuant(4, 48).group == 16 and KVQuant(4, 96).group == 32 and KVQuant(8, 48).group == 48
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineArgs(model="demo", kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="kv_disk_bytes must be >= 0"):
