@@ -148,6 +148,8 @@ class KVDiskTier:
 
     def _read_async(self, key: bytes) -> Future:
         with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)  # used: evicted last
             future = self._reads.get(key)
             if future is not None:
                 self._reads.move_to_end(key)
