@@ -102,10 +102,14 @@ def hadamard(n: int) -> torch.Tensor:
     return torch.block_diag(*[h] * (n // size)).float()
 
 
+@functools.cache
+def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
+    return hadamard(n).to(device)  # once per device: not a host-to-device copy per layer and step
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x (..., head_dim) times the Hadamard matrix, in fp32: (..., head_dim) fp32."""
-    h = hadamard(x.shape[-1]).to(x.device)
-    return torch.matmul(x.float(), h)
+    return torch.matmul(x.float(), _hadamard_on(x.shape[-1], x.device))
 
 
 def quantize(x: torch.Tensor, quant: KVQuant) -> tuple[torch.Tensor, torch.Tensor]:
