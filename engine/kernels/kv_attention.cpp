@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -87,8 +88,129 @@ void axpy_i4(float* a, float w, const uint8_t* c, int64_t n) {
   }
 }
 
+// Pointers to key `key`'s codes and scales for KV head kvh, through the row's block table.
+inline void locate(const Args& A, const int64_t* table, int64_t key, int64_t kvh, const void* codes,
+                   const c10::Half* scales, const uint8_t** c, const c10::Half** sc) {
+  const int64_t b = key / A.block_size, off = key - b * A.block_size;
+  const int64_t slot = (table[b] * A.block_size + off) * A.nkv + kvh;
+  *c = static_cast<const uint8_t*>(codes) + slot * A.code_width;
+  *sc = scales + slot * A.groups;
+}
+
+// The AVX-512 path (head_dim = 16 C, C <= 16): each key's and value's codes are widened to fp32 once, times
+// their scales, for the whole group of query heads (the generic loops below widen them once per head), the
+// scores are FMA chains reduced once, and p . V accumulates in registers, HG heads at a time over all keys
+// (as fused_ops.cpp's bf16 path does: in memory, each key's update waits on the last one's store).
+#define LAYERSTREAM_AVX512 __attribute__((target("avx512f,avx512bw")))
+
+bool cpu_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return yes;
+}
+
+// 16 codes from p (int8: 16 bytes; int4: 8 bytes, the even value in the low nibble) as fp32.
+template <int BITS>
+LAYERSTREAM_AVX512 inline __m512 widen16(const uint8_t* p) {
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // 8 x u16
+    const __m128i lo = _mm_and_si128(x, _mm_set1_epi16(0xF)), hi = _mm_srli_epi16(x, 4);
+    const __m128i bytes = _mm_or_si128(lo, _mm_slli_epi16(hi, 8));  // 16 bytes: value 0, 1, 2, ... in order
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(8)));
+  }
+}
+
+// Row `c` (C chunks of 16) widened and times its group scales: z[0..C).
+template <int BITS, int C>
+LAYERSTREAM_AVX512 inline void widen_row(const uint8_t* c, const c10::Half* sc, int64_t chunks_per_group, __m512* z) {
+  for (int i = 0; i < C; ++i)
+    z[i] = _mm512_mul_ps(widen16<BITS>(c + i * 16 * BITS / 8), _mm512_set1_ps(static_cast<float>(sc[i / chunks_per_group])));
+}
+
+template <int BITS, int C>
+LAYERSTREAM_AVX512 void attend_one_avx512(const Args& A, int64_t row, int64_t kvh) {
+  constexpr int HG = C >= 16 ? 1 : 16 / C;
+  const int64_t pos = A.positions[row], hd = A.hd, G = A.group;
+  const int64_t lo = A.window > 0 ? std::max<int64_t>(0, pos - A.window + 1) : 0, ctx = pos + 1 - lo;
+  const int64_t chunks_per_group = hd / A.groups / 16;
+  thread_local std::vector<float> s;
+  s.resize(G * ctx);
+  const int64_t* table = A.tables + row * A.table_stride;
+  const float* q = A.q + (row * A.nkv * G + kvh * G) * hd;
+  const uint8_t* c;
+  const c10::Half* sc;
+  __m512 z[C];
+  for (int64_t j = 0; j < ctx; ++j) {
+    locate(A, table, lo + j, kvh, A.kc, A.ks, &c, &sc);
+    widen_row<BITS, C>(c, sc, chunks_per_group, z);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * hd;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), z[0]);
+      for (int i = 1; i < C; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), z[i], acc);
+      s[g * ctx + j] = _mm512_reduce_add_ps(acc) * A.scale;
+    }
+  }
+  float sums[64];
+  std::vector<float> big_sums;
+  float* sum = sums;
+  if (G > 64) {
+    big_sums.resize(G);
+    sum = big_sums.data();
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.data() + g * ctx;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, sg[j]);
+    float total = 0;
+    for (int64_t j = 0; j < ctx; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      total += sg[j];
+    }
+    sum[g] = total;
+  }
+  float* out = A.out + (row * A.nkv * G + kvh * G) * hd;
+  for (int64_t g0 = 0; g0 < G; g0 += HG) {
+    const int64_t hg = std::min<int64_t>(HG, G - g0);
+    __m512 a[HG][C];
+    for (int h = 0; h < HG; ++h)
+      for (int i = 0; i < C; ++i) a[h][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < ctx; ++j) {
+      locate(A, table, lo + j, kvh, A.vc, A.vs, &c, &sc);
+      widen_row<BITS, C>(c, sc, chunks_per_group, z);
+      for (int h = 0; h < HG; ++h) {
+        if (h < hg) {
+          const __m512 p = _mm512_set1_ps(s[(g0 + h) * ctx + j]);
+          for (int i = 0; i < C; ++i) a[h][i] = _mm512_fmadd_ps(p, z[i], a[h][i]);
+        }
+      }
+    }
+    for (int h = 0; h < hg; ++h) {
+      const __m512 r = _mm512_set1_ps(1.0f / sum[g0 + h]);
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(out + (g0 + h) * hd + 16 * i, _mm512_mul_ps(a[h][i], r));
+    }
+  }
+}
+
+template <int BITS>
+bool attend_avx512(const Args& A, int64_t row, int64_t kvh) {
+  if (!cpu_avx512() || A.hd % 16 != 0 || (A.hd / A.groups) % 16 != 0) return false;
+  switch (A.hd / 16) {
+    case 2: attend_one_avx512<BITS, 2>(A, row, kvh); return true;
+    case 4: attend_one_avx512<BITS, 4>(A, row, kvh); return true;
+    case 6: attend_one_avx512<BITS, 6>(A, row, kvh); return true;
+    case 8: attend_one_avx512<BITS, 8>(A, row, kvh); return true;
+    case 16: attend_one_avx512<BITS, 16>(A, row, kvh); return true;
+    default: return false;
+  }
+}
+
 template <int BITS>
 void attend_one(const Args& A, int64_t row, int64_t kvh) {
+  if (attend_avx512<BITS>(A, row, kvh)) return;
   const int64_t pos = A.positions[row], hd = A.hd, G = A.group;
   const int64_t lo = A.window > 0 ? std::max<int64_t>(0, pos - A.window + 1) : 0, ctx = pos + 1 - lo;
   const int64_t gsize = hd / A.groups;  // values per scale

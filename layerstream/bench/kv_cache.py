@@ -128,14 +128,20 @@ def _capacity(ns: argparse.Namespace, path: str) -> None:
             # Sequences of 256 + 16 tokens, as many as this pool holds: all must run at once.
             per_seq = 256 + 16
             n = min(64, pool // per_seq)
-            prompts = [[(i * 31 + j * 7) % 1000 + 10 for j in range(256)] for i in range(n)]
-            llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+            params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+            for i in range(n):
+                llm.engine.add_request([(i * 31 + j * 7) % 1000 + 10 for j in range(256)], params)
+            peak = 0
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+                peak = max(peak, len(llm.engine.scheduler.running))
             t = llm.telemetry()
-            rows.append([dtype, str(pool), f"{pool / pools['auto']:.2f}x", str(n), str(t.kv.preemptions)])
+            rows.append([dtype, str(pool), f"{pool / pools['auto']:.2f}x", str(n), str(peak), str(t.kv.preemptions)])
         finally:
             llm.close()
     print(f"\n### Capacity at --kv-cache-memory {ns.kv_cache_memory}\n")
-    print(table(["KV cache", "pool tokens (plan)", "vs bf16", "272-token sequences run together", "preemptions"],
+    print(table(["KV cache", "pool tokens (plan)", "vs bf16", "272-token sequences sent", "running at once (peak)",
+                 "preemptions"],
                 rows))
 
 
@@ -164,13 +170,14 @@ def _run_child(args: dict) -> dict:
             for p in prompts:
                 engine.add_request(p, params)
             generated, decode_s = 0, 0.0
-            while engine.has_unfinished_requests():
+            while engine.has_unfinished():
                 t0 = time.perf_counter()
                 outs = engine.step()
                 dt = time.perf_counter() - t0
-                step_tokens = sum(1 for o in outs if o.outputs and o.outputs[0].token_ids)
+                step_tokens = sum(len(o.new_token_ids) for o in outs)
                 # Steps after every prompt is in: all their tokens are decodes.
-                if all(s.num_computed >= len(s.prompt_ids) for s in engine.scheduler.running):
+                if not engine.scheduler.waiting and all(s.num_computed >= len(s.prompt_ids)
+                                                        for s in engine.scheduler.running):
                     decode_s += dt
                     generated += step_tokens
             return {"tok_s": generated / decode_s if decode_s else 0.0}

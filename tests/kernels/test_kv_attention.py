@@ -49,9 +49,11 @@ def _reference(q, k, v, tables, positions, window, scale):
 @needs_kernel
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("window", [0, 20])
-def test_kernel_reads_the_codes_as_the_dequantized_reference_does(bits, window):
-    q, k, v, tables, positions = _case(bits)
-    scale = 64 ** -0.5
+@pytest.mark.parametrize("hd", [64, 128, 48], ids=["avx512-64", "avx512-128", "generic-48"])
+def test_kernel_reads_the_codes_as_the_dequantized_reference_does(bits, window, hd):
+    """head_dim 64 and 128 take the AVX-512 loops where the CPU has them; 48 the generic ones everywhere."""
+    q, k, v, tables, positions = _case(bits, hd=hd)
+    scale = hd ** -0.5
     out = kernel.attention(q, k.codes, k.scales, v.codes, v.scales, tables, positions, window, bits, scale)
     assert out.shape == q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), _reference(q, k, v, tables, positions, window, scale), atol=2e-5, rtol=1e-4)
