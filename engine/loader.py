@@ -296,6 +296,11 @@ class LoadedModel:
     kernels: KernelChoices  # what this model's operations run on (engine.ops)
 
     @property
+    def kv_cache(self) -> KVCache:
+        """The paged KV cache's tensors (the runner's)."""
+        return self.runner.kv
+
+    @property
     def kv_disk(self) -> KVDiskTier | None:
         return self.runner.kv.disk
 

@@ -38,10 +38,10 @@ def reference(llama_dir, kv):
 def test_the_cache_holds_codes_and_scales(llama_dir, kv):
     llm = LLM(str(llama_dir), kv_cache_dtype=kv, max_model_len=MAX_LEN, max_num_seqs=2)
     try:
-        k, v = llm.engine.model.runner.kv.layer(0)
+        k, v = llm.engine.model.kv_cache.layer(0)
         assert isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV)
         assert k.codes.dtype == (torch.int8 if kv == "int8" else torch.uint8) and k.scales.dtype == torch.float16
-        assert llm.plan.kv_cache_bytes == llm.plan.num_kv_blocks * llm.engine.model.runner.kv.bytes_per_block
+        assert llm.plan.kv_cache_bytes == llm.plan.num_kv_blocks * llm.engine.model.kv_cache.bytes_per_block
     finally:
         llm.close()
 
