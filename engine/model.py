@@ -207,8 +207,8 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     quant, dtype = k_cache.quant, q.dtype
     if quant.rotate:
         q, k, v = kv_quant.rotate(q), kv_quant.rotate(k), kv_quant.rotate(v)  # fp32
-    k_cache.write(step.slot_mapping, k)
-    v_cache.write(step.slot_mapping, v)
+    ops.write_quantized(k_cache, step.slot_mapping, k)
+    ops.write_quantized(v_cache, step.slot_mapping, v)
     scale = hd ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
     tables = ops.quantized_kv_tables(step, q) if cfg.attn_softcap is None else None
     if tables is not None:

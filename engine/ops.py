@@ -363,6 +363,15 @@ def quantized_kv_tables(step: StepInputs, q: torch.Tensor) -> torch.Tensor | Non
     return step.token_tables
 
 
+def write_quantized(cache: QuantizedKV, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """x (tokens, kv_heads, head_dim) quantized into the cache's slots: one C++ call on the CPU where the kernel
+    built (the same codes and scales as kv_quant.quantize), else torch's ops."""
+    if x.is_cpu and kv_attention() is not None:
+        kv_attention().write(x.float(), cache.codes, cache.scales, slot_mapping, cache.quant.bits)
+    else:
+        cache.write(slot_mapping, x)
+
+
 def quantized_decode_attention(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV, step: StepInputs,
                                tables: torch.Tensor, scale: float) -> torch.Tensor:
     """q (tokens, heads, head_dim) attending each token's own sequence up to its position over the

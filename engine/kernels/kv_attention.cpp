@@ -11,6 +11,8 @@
 //     positions  (rows,) int64: each row attends keys [max(0, pos - window + 1), pos]
 //   -> (rows, heads, hd) fp32: softmax(scale * q k^T) v, in the rotated space of V.
 //
+//   write(x, codes, scales, slots, bits): x (rows, kv_heads, hd) fp32 quantized into the cache at slots.
+//
 // K/V must already hold every row's own key (engine/model.py writes them first, quantized), so a chunk of
 // prompt tokens is as many causal one-token attentions, as in fused_ops.cpp's decode_attention.
 // A code's contribution is factored: q . (s * c) = s * (q . c) per scale group, and p * (s * c) adds
@@ -330,10 +332,76 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_codes,
   return out;
 }
 
+// x (rows, kv_heads, hd) fp32 quantized into the cache at slots (rows of (blocks * block_size, kv_heads, ...)),
+// exactly as engine/kv_quant.py's quantize does it (the same fp32 operations, float16 scale first, rounding
+// half to even): one call instead of a dozen small torch ops per K and V per layer and step.
+void write_codes(const torch::Tensor& x_in, torch::Tensor codes, torch::Tensor scales, const torch::Tensor& slots_in,
+           int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "kv_attention.write: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3,
+              "kv_attention.write: x must be a (rows, kv_heads, hd) float32 CPU tensor, got ", x_in.sizes());
+  const torch::Tensor x = x_in.contiguous(), slots = slots_in.contiguous();
+  const int64_t rows = x.size(0), nkv = x.size(1), hd = x.size(2);
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 4 && codes.size(2) == nkv && codes.size(3) == hd * bits / 8 &&
+              codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "kv_attention.write: codes must be contiguous (blocks, block_size, ", nkv, ", ", hd * bits / 8, "), got ",
+              codes.sizes(), " ", codes.scalar_type());
+  const int64_t groups = scales.dim() == 4 ? scales.size(3) : 0;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && groups > 0 && hd % groups == 0 &&
+              scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == nkv &&
+              (hd / groups) % 2 == 0,
+              "kv_attention.write: scales must be contiguous float16 (blocks, block_size, ", nkv, ", groups), got ",
+              scales.sizes());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "kv_attention.write: one int64 slot per row");
+  const int64_t cache_rows = codes.size(0) * codes.size(1), gsize = hd / groups, width = codes.size(3);
+  const float* xp = x.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
+  c10::Half* scp = scales.data_ptr<c10::Half>();
+  for (int64_t i = 0; i < rows; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < cache_rows, "kv_attention.write: slot ", sp[i], " outside the cache");
+  constexpr float FP16_MAX = 65504.0f;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t h = 0; h < nkv; ++h) {
+      const float* v = xp + (i * nkv + h) * hd;
+      uint8_t* c = cp + (sp[i] * nkv + h) * width;
+      c10::Half* sc = scp + (sp[i] * nkv + h) * groups;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* vg = v + g * gsize;
+        if (bits == 8) {
+          float amax = 0;
+          for (int64_t d = 0; d < gsize; ++d) amax = std::max(amax, std::fabs(vg[d]));
+          const c10::Half scale(std::min(amax / 127.0f, FP16_MAX));
+          sc[g] = scale;
+          const float s = static_cast<float>(scale), inv = s > 0 ? 1.0f / s : 0.0f;
+          int8_t* cg = reinterpret_cast<int8_t*>(c) + g * gsize;
+          for (int64_t d = 0; d < gsize; ++d)
+            cg[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(vg[d] * inv))));
+        } else {
+          float m = 0, am = -1;
+          for (int64_t d = 0; d < gsize; ++d)
+            if (std::fabs(vg[d]) > am) { am = std::fabs(vg[d]); m = vg[d]; }  // the first of equal magnitudes
+          const c10::Half scale(std::min(FP16_MAX, std::max(-FP16_MAX, m / -8.0f)));
+          sc[g] = scale;
+          const float s = static_cast<float>(scale), inv = s != 0 ? 1.0f / s : 0.0f;
+          uint8_t* cg = c + g * gsize / 2;
+          for (int64_t d = 0; d < gsize; d += 2) {
+            const int q0 = static_cast<int>(std::min(7.0f, std::max(-8.0f, std::nearbyint(vg[d] * inv)))) + 8;
+            const int q1 = static_cast<int>(std::min(7.0f, std::max(-8.0f, std::nearbyint(vg[d + 1] * inv)))) + 8;
+            cg[d / 2] = static_cast<uint8_t>(q0 | (q1 << 4));
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "one-token attention over a quantized paged KV cache (int8 / int4 codes)",
         py::arg("q"), py::arg("k_codes"), py::arg("k_scales"), py::arg("v_codes"), py::arg("v_scales"),
         py::arg("block_tables"), py::arg("positions"), py::arg("window"), py::arg("bits"), py::arg("scale"));
+  m.def("write", &write_codes, "x quantized into the cache's codes and scales at slots, as engine/kv_quant.py does",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("slots"), py::arg("bits"));
 }

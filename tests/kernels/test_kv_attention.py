@@ -70,3 +70,19 @@ def test_kernel_checks_its_indices():
         kernel.attention(q, k.codes, k.scales, v.codes, v.scales, tables, positions, 0, 2, 0.125)
     with pytest.raises(RuntimeError, match="codes must be contiguous"):
         kernel.attention(q, k.codes, k.scales, v.codes, v.scales, tables, positions, 0, 4, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,hd", [(8, 64), (4, 64), (4, 48), (8, 48)])
+def test_the_kernels_write_stores_the_codes_and_scales_torch_stores(bits, hd):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 3, hd, generator=g) * torch.rand(37, 3, 1, generator=g) * 10
+    x[0, 0] = 0  # a zero head: scale 0, codes 0
+    x[1, 1, 7] = 1e6  # a scale float16 cannot hold: clamped
+    ours, ref = QuantizedKV(KVQuant(bits, hd), 5, 16, 3), QuantizedKV(KVQuant(bits, hd), 5, 16, 3)
+    slots = torch.randperm(80, generator=g)[:37]
+    kernel.write(x, ours.codes, ours.scales, slots, bits)
+    ref.write(slots, x)
+    assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scales, ref.scales)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.write(x[:1], ours.codes, ours.scales, torch.tensor([80]), bits)
