@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .kv_quant import KV_CACHE_DTYPES
 from .planner import parse_bytes
 from .weights import check_transport
 
@@ -51,6 +52,15 @@ class EngineArgs:
     # Host tier for KV blocks evicted from the pool; None = 4 GiB or a tenth of host memory on CUDA,
     # none on the CPU (there the pool already is host memory: give it more --kv-cache-memory instead).
     kv_host_memory: int | str | None = None
+    # The KV cache's storage (engine.kv_quant): auto (the compute dtype), int8 or int4 codes with float16
+    # scales, each head rotated by a Hadamard matrix first unless kv_cache_rotation is False.
+    kv_cache_dtype: str = "auto"
+    kv_cache_rotation: bool = True
+    # The KV disk tier (engine.kv_disk): full prefix-cache blocks written under kv_disk_dir (None: the
+    # layerstream cache's kv/ folder), at most kv_disk_bytes in all (None or 0: off), found again by their
+    # hashes after a restart.
+    kv_disk_bytes: int | str | None = None
+    kv_disk_dir: str | None = None
     # Mixtures of experts that do not fit: stream each chosen expert by itself through a device expert
     # cache (engine.weights.experts.tier); False streams MoE blocks whole, experts inside (the baseline).
     expert_streaming: bool = True
@@ -77,6 +87,13 @@ class EngineArgs:
         self.max_host_memory = parse_bytes(self.max_host_memory)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.kv_host_memory = parse_bytes(self.kv_host_memory)
+        self.kv_disk_bytes = parse_bytes(self.kv_disk_bytes)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 0:
+            raise ValueError(f"kv_disk_bytes must be >= 0, got {self.kv_disk_bytes}")
+        if self.kv_disk_bytes and not self.enable_prefix_caching:
+            raise ValueError("kv_disk_bytes needs prefix caching: the disk tier holds prefix-cache blocks")
         self.grammar_cache_memory = parse_bytes(self.grammar_cache_memory)
         self.grammar_limits()  # raises ValueError on a bad value, before anything loads
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

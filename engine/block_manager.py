@@ -12,7 +12,12 @@ blocks first and then evicts cached ones least-recently-used first.
 
 Host tier: with `num_host_blocks` > 0, a cached block evicted from the device pool is copied to a
 bounded host pool (also LRU) instead of being dropped, and a later prefix hit on it copies it back
-instead of recomputing it. The manager only decides; it queues the copies (`take_copies`) for the
+instead of recomputing it.
+
+Disk tier (engine.kv_disk): with a `disk` given, every block is written through to disk when first
+published ("spill"), and a prefix that misses the device pool and the host tier is looked up there by
+its hashes; blocks found (read and verified before they count) are copied into fresh device blocks
+("fetch"). The manager only decides; it queues the copies (`take_copies`) for the
 KV cache to perform before the next forward pass, in order, which is what makes them safe: nothing
 writes a device block except the forward pass, so a queued copy always reads what the bookkeeping
 says is there.
@@ -50,11 +55,26 @@ def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """One queued copy between the pools: "out" device block -> host block, "in" host -> device."""
+    """One queued copy between the pools: "out" device block -> host block, "in" host -> device; with the
+    disk tier, "spill" device block -> disk and "fetch" disk -> device block, both by content address `key`."""
 
-    direction: str  # "out" | "in"
+    direction: str  # "out" | "in" | "spill" | "fetch"
     device_block: int
-    host_block: int
+    host_block: int = -1
+    key: bytes | None = None
+    data: bytes | None = field(default=None, repr=False)  # "fetch": the block's verified bytes, read from disk
+
+
+class DiskIndex(Protocol):
+    """What the block manager asks of the disk tier (engine.kv_disk.KVDiskTier)."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def prefetch(self, keys: list[bytes]) -> None: ...
+
+    def load(self, keys: list[bytes]) -> int: ...
+
+    def take(self, key: bytes) -> bytes | None: ...
 
 
 @dataclass(frozen=True)
@@ -64,10 +84,11 @@ class PrefixMatch:
 
     blocks: tuple[tuple[bool, int], ...]
     block_size: int
+    disk_keys: tuple[bytes, ...] = ()  # then these blocks, read from the disk tier into fresh device blocks
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
+        return (len(self.blocks) + len(self.disk_keys)) * self.block_size
 
     @property
     def num_host_blocks(self) -> int:
@@ -84,6 +105,8 @@ class BlockStats:
     blocks_swapped_out: int = 0  # device -> host copies
     blocks_swapped_in: int = 0  # host -> device copies
     evictions: int = 0  # cached device blocks reused for other content
+    disk_hit_tokens: int = 0  # of the hits, tokens read from the disk tier
+    blocks_spilled: int = 0  # blocks written through to the disk tier
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,8 @@ class KVTelemetry:
     bytes_swapped_out: int
     bytes_swapped_in: int
     preemptions: int
+    disk_hit_tokens: int = 0
+    blocks_spilled: int = 0
 
     @property
     def usage(self) -> float:
@@ -153,7 +178,7 @@ class _HostTier:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, disk: DiskIndex | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -174,6 +199,7 @@ class BlockManager:
         self.host = _HostTier(num_host_blocks) if enable_prefix_caching and num_host_blocks > 0 else None
         self._copies: list[BlockCopy] = []
         self.stats = BlockStats()
+        self.disk = disk if enable_prefix_caching else None
 
     # -- what is free ---------------------------------------------------------------------------
     @property
@@ -207,8 +233,10 @@ class BlockManager:
         left to compute: its logits give the next token."""
         assert not seq.block_table, "match() is for a sequence without blocks"
         found: list[tuple[bool, int]] = []
+        on_disk: tuple[bytes, ...] = ()
         if self.enable_prefix_caching:
-            for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+            for h in hashes:
                 # The chained address says the whole prefix matches, wherever the parent lives.
                 if h in self._by_hash:
                     found.append((False, self._by_hash[h]))
@@ -216,7 +244,20 @@ class BlockManager:
                     found.append((True, self.host.by_hash[h]))
                 else:
                     break
-        return PrefixMatch(tuple(found), self.block_size)
+            if self.disk is not None and len(found) < len(hashes):
+                rest = hashes[len(found):]
+                on_disk = tuple(rest[:self.disk.load(rest)])  # read and verified: a hit that cannot turn out wrong
+        return PrefixMatch(tuple(found), self.block_size, on_disk)
+
+    def prefetch(self, seq: PagedSequence) -> None:
+        """A sequence was queued: start reading the blocks of its prefix the disk tier holds (and the
+        device pool and host tier do not), so that its admission finds them read."""
+        if self.disk is None or seq.block_table:
+            return
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        first = next((i for i, h in enumerate(hashes) if h not in self._by_hash
+                      and not (self.host is not None and h in self.host.by_hash)), len(hashes))
+        self.disk.prefetch(hashes[first:])
 
     def can_allocate(self, match: PrefixMatch, num_tokens: int, reserve: int = 0) -> bool:
         """Whether a sequence with this match can get blocks covering num_tokens positions and
@@ -247,9 +288,22 @@ class BlockManager:
             seq.block_table.append(b)
         if self.host is not None:
             self.host.pinned.clear()
-        seq.num_computed = match.num_tokens
+        fetched = 0
+        for h in match.disk_keys:
+            # The bytes are taken now, with the blocks: a read staged at match() but dropped since (the
+            # stage is bounded) only shortens the hit, and those tokens are computed instead.
+            data = self.disk.take(h)
+            if data is None:
+                break
+            b = self._take()
+            self._copies.append(BlockCopy("fetch", b, key=h, data=data))
+            self._register(b, h)
+            seq.block_table.append(b)
+            fetched += 1
+        self.stats.disk_hit_tokens += fetched * self.block_size
+        seq.num_computed = (len(match.blocks) + fetched) * self.block_size
         self.stats.queried_tokens += seq.num_tokens
-        self.stats.hit_tokens += match.num_tokens
+        self.stats.hit_tokens += seq.num_computed
         self.stats.host_hit_tokens += match.num_host_blocks * self.block_size
         self.grow(seq, num_tokens)
 
@@ -277,6 +331,11 @@ class BlockManager:
                 # A block computed twice (two sequences admitted together) keeps the first copy's
                 # address; the second stays private and is freed without cached content.
                 self._register(b, hashes[i])
+                if self.disk is not None and not self.disk.contains(hashes[i]):
+                    # Written through: the copy runs before the next pass, which is the first that could
+                    # overwrite the block (it is ours until then).
+                    self._copies.append(BlockCopy("spill", b, key=hashes[i]))
+                    self.stats.blocks_spilled += 1
 
     def free(self, seq: PagedSequence) -> None:
         """Release every block of a sequence. Blocks are released tail first, so among equally old
@@ -305,7 +364,8 @@ class BlockManager:
             host_blocks_used=len(host.by_hash) if host else 0, prefix_caching=self.enable_prefix_caching,
             queried_tokens=s.queried_tokens, hit_tokens=s.hit_tokens, host_hit_tokens=s.host_hit_tokens,
             blocks_swapped_out=s.blocks_swapped_out, blocks_swapped_in=s.blocks_swapped_in,
-            bytes_swapped_out=bytes_swapped_out, bytes_swapped_in=bytes_swapped_in, preemptions=preemptions)
+            bytes_swapped_out=bytes_swapped_out, bytes_swapped_in=bytes_swapped_in, preemptions=preemptions,
+            disk_hit_tokens=s.disk_hit_tokens, blocks_spilled=s.blocks_spilled)
 
     def check(self) -> None:
         """Internal consistency (tests call it after every step): every block is exactly one of

@@ -68,6 +68,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host-memory", default=d("kv_host_memory"),
                    help="host tier for KV blocks evicted from the pool, e.g. 2GiB (default: min(4GiB, 10%% of host "
                         "memory) on cuda, none on cpu where the pool already is host memory)")
+    p.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=["auto", "int8", "int4"],
+                   help="KV cache storage: auto (the compute dtype), int8 or int4 (codes with float16 scales: about "
+                        "1.9x / 3.5x the tokens in the same memory)")
+    p.add_argument("--kv-cache-rotation", action=argparse.BooleanOptionalAction, default=d("kv_cache_rotation"),
+                   help="with --kv-cache-dtype int8|int4, rotate each head by a Hadamard matrix before quantizing "
+                        "(on by default: much closer to bf16 for int4)")
+    p.add_argument("--kv-disk-bytes", default=d("kv_disk_bytes"),
+                   help="KV disk tier: keep full prefix-cache blocks on disk, at most this much, e.g. 20GiB, and find "
+                        "them again after a restart (default: off)")
+    p.add_argument("--kv-disk-dir", default=d("kv_disk_dir"),
+                   help="the KV disk tier's folder (default: kv/ in the layerstream cache)")
     p.add_argument("--no-expert-streaming", dest="expert_streaming", action="store_false",
                    help="mixtures of experts: stream blocks whole, experts inside, instead of each chosen expert")
     so = p.add_argument_group("structured output (docs/usage/structured-output.md)")
@@ -114,6 +125,9 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
+    for name in ("kv_cache_dtype", "kv_cache_rotation", "kv_disk_bytes", "kv_disk_dir"):
+        if hasattr(ns, name):
+            fields[name] = getattr(ns, name)
     for name in ("speculative_config", "speculative_method", "num_speculative_tokens", "speculative_model",
                  "prompt_lookup_min", "prompt_lookup_max", "speculative_adaptive_k", "max_grammar_ms",
                  "grammar_cache_memory"):

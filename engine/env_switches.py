@@ -40,6 +40,9 @@ SWITCHES: tuple[EnvSwitch, ...] = (
               "torch runs torch's ops instead, and turns the decode block off too."),
     EnvSwitch("LAYERSTREAM_ATTENTION_OPS", "auto", "auto, torch", ENGINE, "engine/kernels/attention_ops.py",
               "The C++ scale + mask + softmax pass of the CPU bf16 attention path; torch uses torch's ops."),
+    EnvSwitch("LAYERSTREAM_KV_ATTENTION", "auto", "auto, torch", ENGINE, "engine/kernels/kv_attention.py",
+              "Attention over a quantized KV cache (--kv-cache-dtype int8|int4) token by token in C++, reading the "
+              "codes in place; torch gathers and dequantizes a bounded group of sequences at a time instead."),
     EnvSwitch("LAYERSTREAM_BF16_ROWS", "auto", "auto, off", ENGINE, "engine/kernels/bf16_rows.py",
               "bf16 products of 1-16 rows by engine/kernels/bf16_rows.cpp (CPUs with AVX512-BF16 and no AMX); "
               "off leaves them to oneDNN."),

@@ -130,7 +130,7 @@ class LLMEngine:
                 num_kv_blocks=plan.num_kv_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 num_host_kv_blocks=plan.num_host_kv_blocks,
-            ))
+            ), disk=self.model.kv_disk)
             if spec is not None:
                 if draft_model is not None:
                     check_same_tokenizer(self.tokenizer, draft_model.path)
@@ -502,6 +502,14 @@ class LLMEngine:
     def close(self) -> None:
         """Stop streaming and release the model's threads, buffers, pinned memory and files."""
         self.grammar.close()
+        if self.model.kv_disk is not None:
+            # Blocks published by the last step are written through before the next pass copies them; there
+            # is none: write them now, so a restart finds them.
+            spills = [c for c in self.scheduler.blocks.take_copies() if c.direction == "spill"]
+            try:
+                self.model.runner.copy_kv_blocks(spills)
+            except Exception as e:  # noqa: BLE001 - closing goes on; those blocks are only not kept
+                log.warning("KV disk tier: the last blocks were not written (%s: %s)", type(e).__name__, e)
         if self.speculative is not None:
             self.speculative.close()
             self.speculative = None

@@ -21,7 +21,10 @@ from .args import EngineArgs, resolve_dtype
 from .arch import ModelConfig
 from .errors import UnsupportedModelError, out_of_memory_error
 from .host_memory import anonymous_bytes, host_budget
+from .cache import cache_root
 from .kv_cache import KVCache
+from .kv_disk import KVDiskTier
+from .kv_quant import KV_CACHE_DTYPES, KVQuant
 from .ops import KernelChoices
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
@@ -68,6 +71,51 @@ def kv_host_bytes(args: EngineArgs, device: torch.device, host_room: int) -> int
     if args.kv_host_memory is not None:
         return args.kv_host_memory
     return min(4 << 30, host_room // 10) if device.type == "cuda" else 0
+
+
+def kv_quant_for(args: EngineArgs, cfg: ModelConfig) -> KVQuant | None:
+    """The KV cache's quantized format (--kv-cache-dtype, --kv-cache-rotation), None for auto; a model whose
+    heads the format cannot split is a clear error before anything loads."""
+    try:
+        return KVQuant.of(args.kv_cache_dtype, cfg.head_dim, args.kv_cache_rotation)
+    except ValueError as e:
+        raise UnsupportedModelError(f"--kv-cache-dtype {args.kv_cache_dtype}: {e}") from None
+
+
+def kv_dtype_options(cfg: ModelConfig, dtype: torch.dtype, rotate: bool) -> tuple[tuple[str, int], ...]:
+    """(name, KV bytes per token) of every --kv-cache-dtype this model can use, for the plan's fits table."""
+    options = []
+    for name in KV_CACHE_DTYPES:
+        try:
+            quant = KVQuant.of(name, cfg.head_dim, rotate)
+        except ValueError:
+            continue
+        label = str(dtype).replace("torch.", "") if quant is None else name
+        options.append((label, KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, quant)))
+    return tuple(options)
+
+
+def model_identity(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: KVQuant | None, block_size: int) -> dict:
+    """What KV on disk must have been computed with to be reused: the checkpoint's files (names, sizes,
+    modification times: a changed file is another model), the config, the compute dtype, the KV format and
+    the block size."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return {"files": stats, "config": repr(cfg), "dtype": str(dtype), "block_size": block_size,
+            "kv": None if quant is None else [quant.bits, quant.head_dim, quant.rotate]}
+
+
+def open_kv_disk(args: EngineArgs, path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: KVQuant | None,
+                 block_nbytes: int) -> KVDiskTier | None:
+    """The KV disk tier of --kv-disk-bytes under --kv-disk-dir (default: the cache's kv/), or None."""
+    if not args.kv_disk_bytes or not args.enable_prefix_caching:
+        return None
+    folder = Path(args.kv_disk_dir) if args.kv_disk_dir else cache_root() / "kv"
+    disk = KVDiskTier(folder, args.kv_disk_bytes, model_identity(path, cfg, dtype, quant, args.block_size),
+                      block_nbytes)
+    log.info("KV disk tier: %s, up to %s (%d blocks of %s)", disk.folder, format_bytes(args.kv_disk_bytes),
+             disk.capacity_blocks, format_bytes(disk.file_bytes))
+    return disk
 
 
 def grammar_cache_bytes(args: EngineArgs, host_room: int) -> int:
@@ -192,7 +240,9 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         num_layers=cfg.num_layers,
         block_bytes=sizes.block_bytes,
         global_bytes=sizes.global_bytes,
-        kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype),
+        kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                                   kv_quant_for(args, cfg)),
+        kv_dtype_options=kv_dtype_options(cfg, dtype, args.kv_cache_rotation),
         workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args), chunk),
         max_num_batched_tokens=tokens,
         runtime_bytes=runtime,
@@ -245,10 +295,22 @@ class LoadedModel:
     weights: ModelWeights
     kernels: KernelChoices  # what this model's operations run on (engine.ops)
 
+    @property
+    def kv_cache(self) -> KVCache:
+        """The paged KV cache's tensors (the runner's)."""
+        return self.runner.kv
+
+    @property
+    def kv_disk(self) -> KVDiskTier | None:
+        return self.runner.kv.disk
+
     def close(self) -> None:
-        """Stop streaming and give back threads, buffers, pinned memory, file descriptors, mappings."""
+        """Stop streaming and give back threads, buffers, pinned memory, file descriptors, mappings; finish
+        the KV disk tier's writes."""
         self.weights.close()
         self.checkpoint.close()
+        if self.runner.kv.disk is not None:
+            self.runner.kv.disk.close()
 
 
 def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservation | None = None) -> LoadedModel:
@@ -260,9 +322,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         checkpoint.close()
         raise UnsupportedModelError(f"{path}: quantization ({args.quantization}) is not supported for "
                                     f"mixture-of-experts models ({cfg.architecture}) yet")
-    plan = weights = None
+    plan = weights = disk = None
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
+        quant = kv_quant_for(args, cfg)
         host_room = host_budget(args.max_host_memory)
         device = torch.device(args.device)
         # Every kernel choice now, before the plan sizes packed weights for one and before any
@@ -298,12 +361,15 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         finally:
             bar.close()
         kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
-                     dtype, device, num_host_blocks=plan.num_host_kv_blocks)
+                     dtype, device, num_host_blocks=plan.num_host_kv_blocks, quant=quant)
+        kv.disk = disk = open_kv_disk(args, path, cfg, dtype, quant, kv.bytes_per_block)
         runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes)
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
         if weights is not None:
             weights.close()
+        if disk is not None:
+            disk.close()
         checkpoint.close()
         if isinstance(e, torch.OutOfMemoryError):
             raise out_of_memory_error(plan, torch.device(args.device), e) from e

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import kv_quant, ops
 from .arch import Family, ModelConfig
+from .kv_quant import QuantizedKV
 
 if TYPE_CHECKING:
     from .attention_backend import AttentionScratch
@@ -160,6 +161,9 @@ def attention(
             q = rotate(q, step.cos, step.sin, cfg)
             k = rotate(k, step.cos, step.sin, cfg)
 
+    if isinstance(k_cache, QuantizedKV):
+        out = quantized_attention(q, k, v, k_cache, v_cache, step, cfg)  # (tokens, heads*head_dim)
+        return ops.linear(out, w["wo"], w.get("bo"))
     tables = ops.token_by_token(step, q, k, v, k_cache) if cfg.attn_softcap is None else None
     if tables is not None:
         factor = 1.0 if cfg.attn_scale is None else cfg.attn_scale * hd ** 0.5
@@ -190,6 +194,41 @@ def attention(
     if step.pad_rows is not None:
         out = out[step.pad_rows]  # (tokens, heads*head_dim)
     return ops.linear(out, w["wo"], w.get("bo"))
+
+
+def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedKV,
+                        v_cache: QuantizedKV, step: StepInputs, cfg: ModelConfig) -> torch.Tensor:
+    """Attention over a quantized KV cache (engine.kv_quant). q (tokens, heads, head_dim), k, v (tokens,
+    kv_heads, head_dim) after RoPE -> (tokens, heads*head_dim) in q's dtype. With the format's rotation, Q,
+    K and V are rotated by the same orthonormal H: scores need no inverse, and the output, a mix of
+    rotated V rows, is rotated back once per query. The step's own K/V are written quantized first, so
+    a token attends to its own key as later tokens will see it."""
+    tokens, nh, hd = q.shape
+    quant, dtype = k_cache.quant, q.dtype
+    if quant.rotate:
+        q, k, v = kv_quant.rotate(q), kv_quant.rotate(k), kv_quant.rotate(v)  # fp32
+    ops.write_quantized(k_cache, step.slot_mapping, k)
+    ops.write_quantized(v_cache, step.slot_mapping, v)
+    scale = hd ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
+    tables = ops.quantized_kv_tables(step, q) if cfg.attn_softcap is None else None
+    if tables is not None:
+        out = ops.quantized_decode_attention(q, k_cache, v_cache, step, tables, scale)  # (tokens, heads, hd) fp32
+    else:
+        seqs, mq = step.block_tables.shape[0], step.max_query
+        q = q.to(dtype)
+        if step.pad_rows is not None:
+            qp = q.new_zeros(seqs * mq, nh, hd)
+            qp[step.pad_rows] = q
+        else:
+            qp = q
+        qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
+        out = ops.attend_quantized(qp, k_cache, v_cache, step, scale, cfg.attn_softcap)  # (seqs, heads, mq, hd)
+        out = out.transpose(1, 2).reshape(seqs * mq, nh, hd)
+        if step.pad_rows is not None:
+            out = out[step.pad_rows]  # (tokens, heads, head_dim)
+    if quant.rotate:
+        out = kv_quant.rotate(out)  # H is symmetric and orthonormal: its own inverse
+    return out.to(dtype).reshape(tokens, nh * hd)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, context_len: int) -> torch.Tensor:

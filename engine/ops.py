@@ -22,6 +22,10 @@ docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
                CPU in bf16 two fp32 oneDNN matmuls around attention_ops.cpp's softmax where the CPU has
                AVX512-BF16 and no AMX (bf16_matmul_attention: LAYERSTREAM_CPU_ATTENTION,
                LAYERSTREAM_ATTENTION_OPS), else SDPA; attention_backend.py holds both and bounds their memory.
+  quantized KV a cache of int8/int4 codes (engine.kv_quant, --kv-cache-dtype): token by token on
+               kv_attention.cpp, reading the codes in place, on the CPU (LAYERSTREAM_KV_ATTENTION), where
+               token_by_token would run; else gathered and dequantized a bounded group of sequences at a time
+               into `attend` (attend_quantized; the CUDA path). The fused decode block is not used with it.
   block        a whole Llama block of such a step as one C++ call (fused_block: decode_block.cpp,
                LAYERSTREAM_DECODE_BLOCK), else op by op.
   GGUF repack  GGUF blocks put in the VNNI kernels' layout by ggml_repack.cpp (gguf_repack(), which the
@@ -49,6 +53,8 @@ from .kernels.bf16_rows import bf16_rows
 from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 from .kernels.ggml_repack import ggml_repack
+from .kernels.kv_attention import kv_attention
+from .kv_quant import QuantizedKV, dequantize
 
 if TYPE_CHECKING:
     from .arch import ModelConfig
@@ -161,6 +167,8 @@ def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
         padded = "SDPA"
     attention = (f"token by token fused_ops (decode, prompts <= {TOKENWISE_MAX_KEYS} keys), else {padded}"
                  if fused and half else padded)
+    if cpu and kv_attention() is not None:
+        attention += "; a quantized KV cache: kv_attention token by token, else dequantized per group into that"
     block = "decode_block" if fused and half and decode_block() is not None else "op by op"
     repack = "ggml_repack" if cpu and gguf_repack() is not None else "torch at load, dequantized per product streamed"
     choices = KernelChoices(device.type, str(dtype).replace("torch.", ""), products,
@@ -341,6 +349,60 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                     matmul=uses_bf16_matmul(q), softmax=attention_ops())
 
 
+# -- attention over a quantized KV cache ---------------------------------------------------------------
+
+def quantized_kv_tables(step: StepInputs, q: torch.Tensor) -> torch.Tensor | None:
+    """The block table of each token's sequence when attention over a quantized cache runs token by token
+    on kv_attention.cpp (reading the codes where they lie), else None (attend_quantized): a CPU step with
+    the kernel built, one token per sequence (decode) or the prompt chunks the runner chose token by token
+    for (tokenwise_attention_pays)."""
+    if not q.is_cpu or kv_attention() is None:
+        return None
+    if step.max_query == 1 and step.pad_rows is None:
+        return step.block_tables
+    return step.token_tables
+
+
+def write_quantized(cache: QuantizedKV, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """x (tokens, kv_heads, head_dim) quantized into the cache's slots: one C++ call on the CPU where the kernel
+    built (the same codes and scales as kv_quant.quantize), else torch's ops."""
+    if x.is_cpu and kv_attention() is not None:
+        kv_attention().write(x.float(), cache.codes, cache.scales, slot_mapping, cache.quant.bits)
+    else:
+        cache.write(slot_mapping, x)
+
+
+def quantized_decode_attention(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV, step: StepInputs,
+                               tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (tokens, heads, head_dim) attending each token's own sequence up to its position over the
+    quantized cache (already holding the step's K/V) -> (tokens, heads, head_dim) fp32. One C++ call."""
+    return kv_attention().attention(q.float().contiguous(), k_cache.codes, k_cache.scales, v_cache.codes,
+                                    v_cache.scales, tables, step.positions, step.window or 0, k_cache.quant.bits,
+                                    scale)
+
+
+def attend_quantized(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV, step: StepInputs, scale: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Attention over a padded batch (as attend) whose K/V are in a quantized cache: q (seqs, heads,
+    max_query, head_dim) -> the same shape. The sequences' codes are gathered (still quantized) and
+    dequantized to q's dtype a group of sequences at a time, the group's K and V bounded by the step's
+    attention bound (step.attn_chunk_bytes, which the plan's workspace counts): never a dequantized copy
+    of the whole batch's context."""
+    seqs = q.shape[0]
+    nkv, hd, ctx = k_cache.codes.shape[2], q.shape[-1], step.context_len
+    per_seq = 2 * nkv * ctx * hd * q.element_size()
+    bound = attention_backend.CHUNK_BYTES if step.attn_chunk_bytes is None else step.attn_chunk_bytes
+    group = max(1, bound // max(1, per_seq))
+    outs = []
+    for a in range(0, seqs, group):
+        tables = step.block_tables[a:a + group]
+        keys = dequantize(*k_cache.gather(tables, ctx), k_cache.quant, q.dtype)  # (n, kv_heads, context, head_dim)
+        values = dequantize(*v_cache.gather(tables, ctx), v_cache.quant, q.dtype)
+        outs.append(attend(q[a:a + group], keys, values, step.attn_mask[a:a + group], step.attn_chunk_bytes,
+                           step.open_keys, step.attn_scratch, scale=scale, softcap=softcap))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 # -- a whole block ------------------------------------------------------------------------------------
 
 def fused_block(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -356,11 +418,13 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     """decode_block().block's arguments when this block can run as one C++ call, else None: a step whose
     attention runs token by token (decode steps, and the short prefill chunks the runner chose it for) on
     the CPU in a 16-bit dtype (float32, the exact mode, stays op by op), q/k/v and gate/up stacked
-    (engine.weights fuses them; the streamed blocks' repack does it too), no per-head norms or clipping,
-    and every matmul a dense weight of x's dtype or a VNNI-layout one."""
+    (engine.weights fuses copies; the streamed blocks' repack does it too) or apart (views of the mapping),
+    no per-head norms or clipping, a KV cache in the compute dtype, and every matmul a dense weight of x's
+    dtype or a VNNI-layout one."""
     qkv_names = _parts(w, "wqkv", ("wq", "wk", "wv"))
     gate_up_names = _parts(w, "w_gate_up", ("w_gate", "w_up"))
-    if qkv_names is None or gate_up_names is None or cfg.qk_norm or cfg.clip_qkv is not None or decode_block() is None:
+    if (qkv_names is None or gate_up_names is None or cfg.qk_norm or cfg.clip_qkv is not None
+            or not isinstance(k_cache, torch.Tensor) or decode_block() is None):  # a quantized cache: op by op
         return None
     bias_names = ("bqkv",) if qkv_names == ("wqkv",) else ("bq", "bk", "bv")
     biases = [w.get(b) for b in bias_names]

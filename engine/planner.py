@@ -74,6 +74,9 @@ class PlanInputs:
     kv_block_size: int = 16  # token positions per paged KV block
     kv_cache_bytes: int | None = None  # the KV pool the user asked for (--kv-cache-memory); None = planned
     kv_host_bytes: int = 0  # host tier for KV blocks evicted from the pool (the loader's choice)
+    # (name, KV bytes per token) of each KV cache dtype the model could use (--kv-cache-dtype): the plan
+    # reports what each would hold under the same budget (MemoryPlan.kv_fits); () = not reported.
+    kv_dtype_options: tuple[tuple[str, int], ...] = ()
     # Compiled structured-output grammars (--grammar-cache-memory): host memory whatever computes.
     grammar_cache_bytes: int = 0
     # Expert-granular streaming (mixtures of experts; 0 = off): when the model does not fit, blocks
@@ -132,6 +135,17 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
+class KVFit:
+    """What the KV pool holds under a plan's budget with one KV cache dtype."""
+
+    dtype: str
+    bytes_per_token: int
+    pool_tokens: int  # the pool the plan makes with this dtype (its target: max_num_seqs x max_model_len or --kv-cache-memory)
+    # The longest one sequence can be: every block streamed, all the room the budget leaves for KV (None: no budget).
+    max_context: int | None
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     budget: int | None
     num_layers: int
@@ -185,6 +199,7 @@ class MemoryPlan:
     attn_chunk_bytes: int | None = None  # see PlanInputs: the runner's attention calls keep to it
     max_num_batched_tokens: int = 0  # see PlanInputs: the scheduler forms no larger step
     runtime_bytes: int = 0  # see PlanInputs: outside the budget, printed beside it
+    kv_fits: tuple[KVFit, ...] = ()  # see PlanInputs.kv_dtype_options
 
     @property
     def stream_block_bytes(self) -> int:
@@ -236,6 +251,12 @@ class MemoryPlan:
             f"tokens ({self.num_kv_blocks * self.kv_block_size} tokens shared by up to {self.max_num_seqs} seqs; "
             f"max_model_len {self.max_model_len} per request)",
         ]
+        if self.kv_fits:
+            lines.append("  KV fits by --kv-cache-dtype (pool tokens; the longest sequence this budget holds, "
+                         "every block streamed): " + "; ".join(
+                             f"{f.dtype} {f.pool_tokens} tokens, "
+                             + ("no budget to bound a sequence" if f.max_context is None else f"{f.max_context} per sequence")
+                             for f in self.kv_fits))
         if self.num_host_kv_blocks:
             lines.append(f"  KV host tier: {format_bytes(self.kv_host_bytes)} = {self.num_host_kv_blocks} blocks "
                          "(evicted prefix-cache blocks, copied back on a hit)")
@@ -429,6 +450,27 @@ def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
         notes.append(f"checkpoint ({format_bytes(p.checkpoint_bytes)}) exceeds host memory "
                      f"({format_bytes(p.host_budget)}): streamed pages are released after use")
     return replace(plan, notes=tuple(notes), host_budget=p.host_budget if tier is not None else None,
-                   grammar_cache_bytes=p.grammar_cache_bytes,
+                   grammar_cache_bytes=p.grammar_cache_bytes, kv_fits=_kv_fits(p, plan),
                    host_blocks=host_blocks if tier is not None else [], disk_blocks=disk_blocks,
                    disk_block_bytes=disk_block_bytes, release_pages=release)
+
+
+def _kv_fits(p: PlanInputs, plan: MemoryPlan) -> tuple[KVFit, ...]:
+    """For each of p.kv_dtype_options: the pool tokens of the same plan made with that dtype's bytes per
+    token, and the longest sequence the budget holds for it (globals, workspace, the smallest streaming and
+    the draft set aside, everything else KV)."""
+    fits = []
+    for name, per_token in p.kv_dtype_options:
+        if per_token == p.kv_bytes_per_token:
+            pool = plan.num_kv_blocks
+        else:
+            try:
+                pool = plan_memory(replace(p, kv_bytes_per_token=per_token, kv_dtype_options=())).num_kv_blocks
+            except PlanError:
+                pool = 0
+        longest = None
+        if p.budget is not None:
+            room = p.budget - p.global_bytes - p.workspace_bytes - p.min_streaming_bytes() - p.draft_bytes(0)
+            longest = max(0, room) // (per_token * p.kv_block_size) * p.kv_block_size
+        fits.append(KVFit(name, per_token, pool * p.kv_block_size, longest))
+    return tuple(fits)

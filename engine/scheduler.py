@@ -15,6 +15,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .block_manager import DiskIndex
     from .request import RequestState  # torch: annotations only
 
 
@@ -131,14 +132,15 @@ class Scheduler:
     tier, if there is one), so readmission finds them and recomputes only what was lost.
     """
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, disk: DiskIndex | None = None):
+        """disk: the KV disk tier the block manager writes through and looks prefixes up in (None: none)."""
         from .block_manager import BlockManager
 
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.blocks = BlockManager(config.kv_blocks, config.block_size, config.enable_prefix_caching,
-                                   config.num_host_kv_blocks)
+                                   config.num_host_kv_blocks, disk)
         self.num_preemptions = 0
 
     @property
@@ -154,6 +156,7 @@ class Scheduler:
                                  f"{len(self.waiting)} requests are already waiting (--max-queue "
                                  f"{self.config.max_queue})")
         self.waiting.append(seq)
+        self.blocks.prefetch(seq)  # the disk tier's reads of its prefix start now, beside the running steps
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -197,14 +200,14 @@ class Scheduler:
             match = self.blocks.match(seq)
             if seq.prompt_logits and not seq.output_ids:
                 # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
-                match = dataclasses.replace(match, blocks=())
+                match = dataclasses.replace(match, blocks=(), disk_keys=())
             n = min(seq.num_tokens - match.num_tokens, budget())
             if not self.blocks.can_allocate(match, match.num_tokens + n, reserve=reserve):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq, match, match.num_tokens + n)
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = match.num_tokens
+                seq.num_cached_tokens = seq.num_computed  # the match, less any disk read lost since
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks[seq] = ScheduledChunk(seq, seq.num_computed, n)

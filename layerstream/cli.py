@@ -36,6 +36,8 @@ SUBCOMMANDS = {
                    "streamed, from disk, repetitive"),
     "bench-scale": ("layerstream.bench.scale", "a Llama-3.2-3B-shaped model (or 8B): layerstream vs llama.cpp on the "
                     "same files, load, prefill, decode, peak memory, and under a memory cgroup"),
+    "bench-kv": ("layerstream.bench.kv_cache", "the quantized KV cache and the KV disk tier on real SmolLM2: accuracy "
+                 "against bf16 KV, capacity, decode tok/s at 16 long sequences, TTFT after a restart"),
     "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
 

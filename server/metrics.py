@@ -102,6 +102,11 @@ class ServerMetrics:
         self.kv_swapped_blocks = Counter("layerstream_kv_swapped_blocks", "KV blocks copied between the device "
                                          "pool and the host tier (direction out = to host, in = to device)",
                                          labels + ["direction"], registry=r)
+        self.kv_disk_hits = Counter("layerstream_kv_disk_hit_tokens", "prompt tokens whose KV was read from the KV "
+                                    "disk tier (--kv-disk-bytes; also counted in layerstream_prefix_cache_hits)",
+                                    labels, registry=r)
+        self.kv_disk_written = Counter("layerstream_kv_disk_blocks_written", "KV blocks written through to the KV "
+                                       "disk tier", labels, registry=r)
         self.kv_swapped_bytes = Counter("layerstream_kv_swapped_bytes", "bytes copied between the device "
                                         "pool and the host tier", labels + ["direction"], registry=r)
         self.preemptions = Counter("layerstream_num_preemptions", "running requests preempted because the KV "
@@ -185,6 +190,8 @@ class ServerMetrics:
         self.kv_swapped_blocks.labels(m, "in").inc(delta("blocks_swapped_in"))
         self.kv_swapped_bytes.labels(m, "out").inc(delta("bytes_swapped_out"))
         self.kv_swapped_bytes.labels(m, "in").inc(delta("bytes_swapped_in"))
+        self.kv_disk_hits.labels(m).inc(delta("disk_hit_tokens"))
+        self.kv_disk_written.labels(m).inc(delta("blocks_spilled"))
         self.preemptions.labels(m).inc(delta("preemptions"))
         self.vllm.prefix_queries.labels(m).inc(delta("queried_tokens"))
         self.vllm.prefix_hits.labels(m).inc(delta("hit_tokens"))

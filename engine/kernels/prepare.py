@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import NAME as INT4_NAME
 from . import SOURCE as INT4_SOURCE
-from . import attention_ops, bf16_rows, build, decode_block, fused_ops, ggml_repack, int4_backend
+from . import attention_ops, bf16_rows, build, decode_block, fused_ops, ggml_repack, int4_backend, kv_attention
 
 log = logging.getLogger("layerstream")
 
@@ -71,7 +71,9 @@ KERNELS: tuple[tuple[KernelSpec, ...], ...] = (
      KernelSpec("fused_ops", fused_ops.NAME, fused_ops.SOURCE, fused_ops.CFLAGS, (), fused_ops.fused_ops),
      KernelSpec("attention_ops", attention_ops.NAME, attention_ops.SOURCE, attention_ops.BUILD_FLAGS, (),
                 attention_ops.attention_ops),
-     KernelSpec("bf16_rows", bf16_rows.NAME, bf16_rows.SOURCE, build.CFLAGS, (), bf16_rows.bf16_rows)),
+     KernelSpec("bf16_rows", bf16_rows.NAME, bf16_rows.SOURCE, build.CFLAGS, (), bf16_rows.bf16_rows),
+     KernelSpec("kv_attention", kv_attention.NAME, kv_attention.SOURCE, kv_attention.CFLAGS, (),
+                kv_attention.kv_attention)),
     (KernelSpec("decode_block", decode_block.NAME, decode_block.SOURCE, decode_block.CFLAGS, decode_block.INCLUDES,
                 decode_block.decode_block),
      KernelSpec("ggml_repack", ggml_repack.NAME, ggml_repack.SOURCE, ggml_repack.CFLAGS, (), ggml_repack.ggml_repack)),

@@ -89,7 +89,7 @@ def test_kv_pool_prefix_hits_host_tier_and_preemptions():
     m.on_step(snapshot(link_gbps=None))
     m.on_step(snapshot(link_gbps=None, kv=kv_snapshot(blocks_used=50, queried_tokens=1500, hit_tokens=800,
                                                           blocks_swapped_in=5, bytes_swapped_in=5 * 4096,
-                                                          preemptions=4)))
+                                                          preemptions=4, disk_hit_tokens=320, blocks_spilled=7)))
     got = {}
     for fam in text_string_to_metric_families(m.render().decode()):
         for smp in fam.samples:
@@ -104,6 +104,8 @@ def test_kv_pool_prefix_hits_host_tier_and_preemptions():
     assert got[("layerstream_kv_swapped_bytes_total", (("direction", "out"),))] == 12 * 4096
     assert got[("layerstream_kv_host_blocks", (("state", "used"),))] == 10
     assert got[("layerstream_num_preemptions_total", ())] == 4
+    assert got[("layerstream_kv_disk_hit_tokens_total", ())] == 320
+    assert got[("layerstream_kv_disk_blocks_written_total", ())] == 7
     # and under vLLM's names
     assert got[("vllm:prefix_cache_queries_total", ())] == 1500 and got[("vllm:prefix_cache_hits_total", ())] == 800
     assert got[("vllm:num_preemptions_total", ())] == 4
