@@ -15,20 +15,29 @@ from .block_manager import BlockCopy
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)  # (blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks = num_blocks
+    """num_blocks: one pool size for every layer, or one per KV group (engine.kv_groups) with
+    layer_groups saying each layer's group; num_host_blocks likewise."""
+
+    def __init__(self, num_layers: int, num_blocks: int | tuple[int, ...], block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int | tuple[int, ...] = 0,
+                 layer_groups: tuple[int, ...] | None = None):
+        self.layer_groups = layer_groups or (0,) * num_layers
+        group_blocks = (num_blocks,) if isinstance(num_blocks, int) else tuple(num_blocks)
+        group_host = (num_host_blocks,) * len(group_blocks) if isinstance(num_host_blocks, int) else num_host_blocks
+        assert len(self.layer_groups) == num_layers and max(self.layer_groups) < len(group_blocks)
+        # (blocks, block_size, kv_heads, head_dim) per layer, blocks of its group's pool
+        shapes = [(group_blocks[g], block_size, num_kv_heads, head_dim) for g in self.layer_groups]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.num_blocks = group_blocks[0]
         self.block_size = block_size
         self.device = torch.device(device)
-        host_shape = (num_host_blocks, *shape[1:])
         # Pinned on CUDA so a copy in either direction is a real asynchronous DMA.
-        pin = self.device.type == "cuda" and num_host_blocks > 0
-        self.host_k = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.host_v = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.num_host_blocks = num_host_blocks
+        pin = self.device.type == "cuda" and sum(group_host) > 0
+        host_shapes = [(group_host[g], *shape[1:]) for g, shape in zip(self.layer_groups, shapes)]
+        self.host_k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape in host_shapes]
+        self.host_v = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape in host_shapes]
+        self.num_host_blocks = group_host[0]
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
 
@@ -36,9 +45,14 @@ class KVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
+    def group_block_bytes(self, group: int) -> int:
+        """Bytes of one block of a group's pool, K and V over the group's layers."""
+        return sum(2 * self.k[i][0].numel() * self.k[i].element_size()
+                   for i, g in enumerate(self.layer_groups) if g == group)
+
     @property
     def bytes_per_block(self) -> int:
-        return 2 * len(self.k) * self.k[0][0].numel() * self.k[0].element_size()
+        return self.group_block_bytes(0)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
@@ -49,13 +63,15 @@ class KVCache:
         so the stream orders them against it and against each other; the host never reads the
         host tier itself, so no copy needs waiting for."""
         for c in copies:
-            for layer in range(len(self.k)):
+            for layer, g in enumerate(self.layer_groups):
+                if g != c.group:
+                    continue
                 for dev, host in ((self.k[layer], self.host_k[layer]), (self.v[layer], self.host_v[layer])):
                     if c.direction == "out":
                         host[c.host_block].copy_(dev[c.device_block], non_blocking=True)
                     else:
                         dev[c.device_block].copy_(host[c.host_block], non_blocking=True)
             if c.direction == "out":
-                self.bytes_swapped_out += self.bytes_per_block
+                self.bytes_swapped_out += self.group_block_bytes(c.group)
             else:
-                self.bytes_swapped_in += self.bytes_per_block
+                self.bytes_swapped_in += self.group_block_bytes(c.group)

@@ -16,7 +16,7 @@ import torch
 from .args import EngineArgs
 from .detokenizer import IncrementalDetokenizer
 from .failures import EngineUnhealthyError, raise_if_fatal
-from .loader import DraftReservation, LoadedModel, load_draft_model, load_model
+from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
 from .model_source import resolve_model
 from .request import RequestOutput, RequestState, emit
 from .runner import check_token_ids
@@ -98,6 +98,9 @@ class LLMEngine:
                 num_kv_blocks=plan.num_kv_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 num_host_kv_blocks=plan.num_host_kv_blocks,
+                kv_layout=kv_layout(args, self.model.cfg),
+                kv_group_blocks=plan.kv_group_blocks,
+                kv_group_host_blocks=plan.kv_group_host_blocks,
             ))
             if spec is not None:
                 if draft_model is not None:

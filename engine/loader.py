@@ -22,6 +22,7 @@ from .arch import ModelConfig
 from .errors import UnsupportedModelError, out_of_memory_error
 from .host_memory import anonymous_bytes, host_budget
 from .kv_cache import KVCache
+from .kv_groups import KVLayout
 from .ops import KernelChoices
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
@@ -163,6 +164,16 @@ def _draft_inputs(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoin
     return {}
 
 
+def kv_layout(args: EngineArgs, cfg: ModelConfig) -> KVLayout:
+    """The model's layers grouped by sliding window (engine.kv_groups). A separate draft model's pool
+    mirrors group 0's table, which must then cover every position: a model without a full-attention
+    layer keeps all its positions in one group when it has such a draft."""
+    windows = [cfg.layer_attention(i).window for i in range(cfg.num_layers)]
+    if args.speculative_method == "draft" and None not in windows:
+        return KVLayout.single(cfg.num_layers)
+    return KVLayout.of(windows)
+
+
 def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
              host_room: int, draft: DraftReservation | None = None) -> MemoryPlan:
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
@@ -188,6 +199,8 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         budget = host_room - staging
     kv_host = kv_host_bytes(args, device, host_room)
     runtime = anonymous_bytes() if device.type == "cpu" else 0
+    layer_bytes = KVCache.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype)  # one layer's K and V
+    kv_groups = tuple((len(g.layers) * layer_bytes, g.window) for g in kv_layout(args, cfg).groups)
     plan = _plan_context(args, cfg, host_room if host_sized else None, budget, lambda max_len, chunk, tokens: PlanInputs(
         num_layers=cfg.num_layers,
         block_bytes=sizes.block_bytes,
@@ -205,6 +218,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         checkpoint_bytes=sizes.checkpoint_bytes,
         streamed_block_bytes=sizes.streamed_block_bytes,
         kv_block_size=args.block_size,
+        kv_groups=kv_groups,
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
         grammar_cache_bytes=grammar_cache_bytes(args, host_room),
@@ -297,8 +311,9 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
                                    quantization=args.quantization)
         finally:
             bar.close()
-        kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
-                     dtype, device, num_host_blocks=plan.num_host_kv_blocks)
+        kv = KVCache(cfg.num_layers, plan.kv_group_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype, device, num_host_blocks=plan.kv_group_host_blocks,
+                     layer_groups=kv_layout(args, cfg).layer_groups())
         runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes)
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.

@@ -67,6 +67,11 @@ def _prefill_keys(starts: list[int], counts: list[int], window: int | None) -> i
     return total
 
 
+def _table(seq, group: int) -> list[int]:
+    """A sequence's block table of a KV group (engine.kv_groups): group 0's is Sequence.block_table."""
+    return seq.block_table if group == 0 else seq.kv_tables[group - 1]
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: KVCache, device: torch.device,
                  dtype: torch.dtype, attn_chunk_bytes: int | None = None):
@@ -81,10 +86,12 @@ class ModelRunner:
         self.inv_freq = self.inv_freq.to(device)
         # What each block's attention is (window, RoPE table), and the distinct kinds in block order: a
         # step's mask and rotary tables are built once per kind, not per block.
-        self.layer_kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
+        # Each block's KV group (engine.kv_groups: whose block tables it reads) goes with its kind.
+        self.layer_kinds = [(cfg.layer_attention(i), kv.layer_groups[i]) for i in range(cfg.num_layers)]
         self.kinds = list(dict.fromkeys(self.layer_kinds))
+        self.groups = sorted(set(kv.layer_groups))
         self.local_inv_freq = None
-        if any(k.rope == "local" for k in self.kinds):
+        if any(k.rope == "local" for k, _ in self.kinds):
             local, self.local_rope_scaling = M.rotary_inv_freq(cfg, "local")
             self.local_inv_freq = local.to(device)
         self.last_step: StepTiming | None = None
@@ -97,15 +104,17 @@ class ModelRunner:
     def _layer_step_inputs(self, chunks: list[ScheduledChunk]) -> list[M.StepInputs]:
         """The step's inputs of every block: one StepInputs per layer kind (window, RoPE table), shared by
         the blocks of that kind."""
-        ids, positions, slot_mapping, logits_index, prompt_rows = [], [], [], [], []
+        ids, positions, logits_index, prompt_rows = [], [], [], []
+        slot_mapping = {g: [] for g in self.groups}
         starts, counts = [], []
         bs = self.kv.block_size
         for c in chunks:
             first = len(ids)
-            table = c.seq.block_table
             ids += c.token_ids()
             positions += range(c.start, c.start + c.count)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
+            for g in self.groups:
+                table = _table(c.seq, g)
+                slot_mapping[g] += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
             logits_index += range(len(ids) - c.num_logits, len(ids))
             prompt_rows += (first + p - c.start for p in c.prompt_logit_positions)
             starts.append(c.start)
@@ -118,12 +127,16 @@ class ModelRunner:
         if len(chunks) * mq != len(ids):
             pad_rows = [i * mq + j for i, n in enumerate(counts) for j in range(n)]  # (tokens,)
         max_blocks = -(-ctx // bs)
-        # (seqs, max_blocks), flattened for the upload; padding blocks are never attended (keys past
-        # a sequence's end are masked), so block 0 will do.
-        tables = [b for c in chunks for b in c.seq.block_table[:max_blocks]
-                  + [0] * (max_blocks - len(c.seq.block_table[:max_blocks]))]
-        ids_t, pos, slot_mapping_t, tables_t, logits_t, starts_t, counts_t, pad_t = upload(
-            [ids, positions, slot_mapping, tables, logits_index, starts, counts, pad_rows or []], self.device)
+        # (seqs, max_blocks) per group, flattened for the upload; padding blocks are never attended (keys
+        # past a sequence's end are masked), so block 0 will do; so will it for a block a sliding window
+        # released (NULL_BLOCK): its keys are masked too.
+        tables = {g: [max(b, 0) for c in chunks for b in _table(c.seq, g)[:max_blocks]
+                      + [0] * (max_blocks - len(_table(c.seq, g)[:max_blocks]))] for g in self.groups}
+        ids_t, pos, logits_t, starts_t, counts_t, pad_t, *per_group = upload(
+            [ids, positions, logits_index, starts, counts, pad_rows or []]
+            + [slot_mapping[g] for g in self.groups] + [tables[g] for g in self.groups], self.device)
+        slots_t = dict(zip(self.groups, per_group[:len(self.groups)]))
+        block_tables = {g: t.view(len(chunks), max_blocks) for g, t in zip(self.groups, per_group[len(self.groups):])}
         dev = self.device
         rotary = {"global": M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype), None: (None, None)}
         if self.local_inv_freq is not None:
@@ -134,7 +147,7 @@ class ModelRunner:
         keys = torch.arange(ctx, device=dev)
         causal = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
         masks = {}  # window -> (mask (seqs, 1, max_query, context), open keys)
-        windows = list(dict.fromkeys(k.window for k in self.kinds))
+        windows = list(dict.fromkeys(k.window for k, _ in self.kinds))
         for window in windows:
             mask = causal.clone() if len(windows) > 1 else causal
             open_keys = min(starts)  # every row's causal mask admits the keys before the earliest chunk
@@ -144,20 +157,19 @@ class ModelRunner:
             # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
             mask[..., 0] |= ~valid
             masks[window] = mask[:, None], open_keys
-        block_tables = tables_t.view(len(chunks), max_blocks)
         token_tables = None
         # One choice for every block: by the keys of the widest kind (a full-attention block reads them all).
-        widest = None if any(k.window is None for k in self.kinds) else max(k.window for k in self.kinds)
+        widest = None if any(k.window is None for k, _ in self.kinds) else max(k.window for k, _ in self.kinds)
         if mq > 1 and ops.tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, widest)):
-            token_tables = block_tables.repeat_interleave(counts_t, dim=0)  # (tokens, max_blocks)
-        first = self.kinds[0]
+            token_tables = {g: t.repeat_interleave(counts_t, dim=0) for g, t in block_tables.items()}  # (tokens, max_blocks)
+        first, group = self.kinds[0]
         step = M.StepInputs(
             input_ids=ids_t,
             positions=pos,
             cos=rotary[first.rope][0],
             sin=rotary[first.rope][1],
-            slot_mapping=slot_mapping_t,
-            block_tables=block_tables,
+            slot_mapping=slots_t[group],
+            block_tables=block_tables[group],
             pad_rows=pad_t if pad_rows is not None else None,
             max_query=mq,
             context_len=ctx,
@@ -166,14 +178,16 @@ class ModelRunner:
             attn_chunk_bytes=self.attn_chunk_bytes,
             open_keys=masks[first.window][1],
             attn_scratch=self.attn_scratch,
-            token_tables=token_tables,
+            token_tables=token_tables[group] if token_tables is not None else None,
             window=first.window,
         )
-        by_kind: dict[LayerAttention, M.StepInputs] = {first: step}
-        for kind in self.kinds[1:]:
+        by_kind: dict[tuple[LayerAttention, int], M.StepInputs] = {(first, group): step}
+        for kind, g in self.kinds[1:]:
             (cos, sin), (mask, open_keys) = rotary[kind.rope], masks[kind.window]
-            by_kind[kind] = dataclasses.replace(step, cos=cos, sin=sin, attn_mask=mask, open_keys=open_keys,
-                                                window=kind.window)
+            by_kind[kind, g] = dataclasses.replace(
+                step, cos=cos, sin=sin, attn_mask=mask, open_keys=open_keys, window=kind.window,
+                slot_mapping=slots_t[g], block_tables=block_tables[g],
+                token_tables=token_tables[g] if token_tables is not None else None)
         return [by_kind[k] for k in self.layer_kinds]
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
