@@ -3,11 +3,10 @@ transformers' own config classes (norms and biases perturbed): prompt logits, gr
 the chosen tokens' logprobs within 1e-3, with every block resident, with most blocks streamed, and with
 the streamed blocks read from disk each step. Prompts run past every sliding window.
 
-A family joins by a row in FAMILY_CONFIGS (docs/usage/adding-a-family.md)."""
+A family joins by a row in tests/support/families.py (docs/usage/adding-a-family.md)."""
 
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
@@ -17,62 +16,13 @@ from engine import LLM, SamplingParams
 from engine.arch import ModelConfig
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
+from tests.support.families import COMMON, FAMILY_ARCHS, WINDOW, build, sharpen_attention
 from tests.support.reference import budget_for
 from tests.support.reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
 
-WINDOW = 8  # sliding window of the tiny models: the prompt alone runs past it
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 128, 64, 9, 400, 77, 23]
 NEW_TOKENS = 24
 LOGPROB_TOL = 1e-3
-_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
-
-
-def make_config(arch: str):
-    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
-                              SmolLM3Config)
-
-    if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
-        return Gemma3TextConfig(
-            **_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
-            architectures=["Gemma3ForCausalLM"])
-    if arch == "gemma2":  # alternating layers, soft-caps small enough to bend these weights' scores and logits
-        return Gemma2Config(**_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16, attention_bias=True,
-                            attn_logit_softcapping=0.5, final_logit_softcapping=2.0, tie_word_embeddings=False,
-                            architectures=["Gemma2ForCausalLM"])
-    if arch == "olmo2":  # norms after attention and the MLP only; q/k norms over the whole projections
-        return Olmo2Config(**_COMMON, attention_bias=True, architectures=["Olmo2ForCausalLM"])
-    if arch == "granite":  # every Granite multiplier away from 1
-        return GraniteConfig(**_COMMON, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
-                             logits_scaling=4.0, architectures=["GraniteForCausalLM"])
-    if arch == "smollm3":  # NoPE every third layer (1 = RoPE), and a sliding window on the NoPE ones
-        return SmolLM3Config(**_COMMON, no_rope_layers=[1, 1, 0, 1, 1, 0], use_sliding_window=True,
-                             sliding_window=WINDOW, architectures=["SmolLM3ForCausalLM"])
-    if arch == "glm4":  # four norms, q/k/v biases (no o bias), RoPE on half of each head in pairs, gate_up stored
-        return Glm4Config(**_COMMON, attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4ForCausalLM"])
-    if arch == "phi3":  # qkv and gate_up stored stacked, RoPE on 3/4 of each head, a sliding window on every layer
-        return Phi3Config(**_COMMON, partial_rotary_factor=0.75, sliding_window=WINDOW, pad_token_id=0,
-                          architectures=["Phi3ForCausalLM"])
-    raise ValueError(arch)
-
-
-FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3"]
-
-
-def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
-    """Scale q and k up so that attention is far from uniform: a window or a scale applied wrongly then
-    moves the logits well past the tolerance."""
-    for name, p in model.named_parameters():
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            p.mul_(scale)
-
-
-def build(folder, arch: str):
-    return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000,
-                              adjust=sharpen_attention)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +162,7 @@ def gguf_source_config(arch: str):
     tables llama.cpp assumes (Gemma 3: 5 local : 1 global, local base 10k), Gemma 2's usual soft-caps."""
     from transformers import Gemma2Config, Gemma3TextConfig
 
-    common = {**_COMMON, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW}
+    common = {**COMMON, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW}
     if arch == "gemma3":
         return Gemma3TextConfig(**common, architectures=["Gemma3ForCausalLM"])
     return Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
