@@ -75,10 +75,13 @@ def norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotary_inv_freq(cfg: ModelConfig, table: str = "global") -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling of RoPE table "global" or "local"
-    (the sliding-window layers' own, where the model has one), as computed at load (arch)."""
+    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling of RoPE table "global", "local" (the
+    sliding-window layers' own, where the model has one) or "long" (LongRoPE's, for sequences longer than
+    cfg.rope_long_after), as computed at load (arch)."""
     if table == "local" and cfg.local_rope_inv_freq:
         return torch.tensor(cfg.local_rope_inv_freq, dtype=torch.float32), cfg.local_rope_attention_scaling
+    if table == "long":
+        return torch.tensor(cfg.rope_long_inv_freq, dtype=torch.float32), cfg.rope_attention_scaling
     return torch.tensor(cfg.rope_inv_freq, dtype=torch.float32), cfg.rope_attention_scaling
 
 

@@ -94,6 +94,7 @@ class ModelRunner:
         if any(k.rope == "local" for k, _ in self.kinds):
             local, self.local_rope_scaling = M.rotary_inv_freq(cfg, "local")
             self.local_inv_freq = local.to(device)
+        self.long_inv_freq = M.rotary_inv_freq(cfg, "long")[0].to(device) if cfg.rope_long_inv_freq else None
         self.last_step: StepTiming | None = None
         self.attn_scratch = AttentionScratch()
 
@@ -138,7 +139,7 @@ class ModelRunner:
         slots_t = dict(zip(self.groups, per_group[:len(self.groups)]))
         block_tables = {g: t.view(len(chunks), max_blocks) for g, t in zip(self.groups, per_group[len(self.groups):])}
         dev = self.device
-        rotary = {"global": M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype), None: (None, None)}
+        rotary = {"global": self._global_rotary(chunks, pos), None: (None, None)}
         if self.local_inv_freq is not None:
             rotary["local"] = M.rotary_cos_sin(pos, self.local_inv_freq, self.local_rope_scaling, self.dtype)
         t = torch.arange(mq, device=dev)
@@ -189,6 +190,23 @@ class ModelRunner:
                 slot_mapping=slots_t[g], block_tables=block_tables[g],
                 token_tables=token_tables[g] if token_tables is not None else None)
         return [by_kind[k] for k in self.layer_kinds]
+
+    def _global_rotary(self, chunks: list[ScheduledChunk], pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (tokens, 1, rotary_dim) of the global table. LongRoPE: each sequence's tokens by the long
+        table once the sequence is longer than rope_long_after (its known tokens, or the positions this step
+        feeds, drafts included), as transformers chooses for a forward pass over it."""
+        short = None
+        if self.long_inv_freq is not None:
+            long = [max(c.seq.num_tokens, c.start + c.count) > self.cfg.rope_long_after for c in chunks]
+            if all(long):
+                return M.rotary_cos_sin(pos, self.long_inv_freq, self.rope_scaling, self.dtype)
+            if any(long):
+                rows = torch.tensor([x for c, x in zip(chunks, long) for _ in range(c.count)], device=pos.device)
+                short = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
+                lng = M.rotary_cos_sin(pos, self.long_inv_freq, self.rope_scaling, self.dtype)
+                pick = rows[:, None, None]  # (tokens, 1, 1)
+                return torch.where(pick, lng[0], short[0]), torch.where(pick, lng[1], short[1])
+        return M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: M.StepInputs) -> torch.Tensor:

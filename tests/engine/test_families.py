@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from engine.arch import ModelConfig
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
-from tests.support.families import COMMON, FAMILY_ARCHS, WINDOW, build, sharpen_attention
+from tests.support.families import COMMON, FAMILY_ARCHS, LONGROPE_AFTER, WINDOW, build, sharpen_attention
 from tests.support.reference import budget_for
 from tests.support.reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
 
@@ -78,7 +78,10 @@ def test_family_matches_transformers(family_dirs, references, arch, mode):
             assert len(plan.streamed_blocks) >= llm.engine.model.cfg.num_layers - 1, plan.describe()
         if mode == "disk":
             assert plan.disk_blocks == plan.streamed_blocks
-        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_prompt_logits, atol=ATOL, rtol=RTOL)
+        # The engine scores each prefix by itself: LongRoPE rotates one no longer than its original context
+        # by the short table, where the reference's one pass over the whole prompt took the long one.
+        first = LONGROPE_AFTER if llm.engine.model.cfg.rope_long_inv_freq else 0
+        torch.testing.assert_close(prompt_logits(llm, PROMPT)[first:], ref_prompt_logits[first:], atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
         out = llm.generate([PROMPT], params)[0].outputs[0]
         assert out.token_ids == ref_tokens
@@ -99,6 +102,40 @@ def test_family_batched_with_a_shorter_prompt(family_dirs, references, arch):
         alone = llm.generate([short], params)[0].outputs[0].token_ids
         both = [r.outputs[0].token_ids for r in llm.generate([PROMPT, short], params)]
         assert both == [references[arch][0], alone]
+    finally:
+        llm.close()
+
+
+def test_longrope_switches_tables_as_a_sequence_grows_past_the_original_context(family_dirs):
+    """A prompt shorter than the original context whose generation runs past it: transformers with its KV cache
+    rotates each forward pass by the table its length picks (the cached keys keep theirs); so does the engine,
+    batched beside a prompt already past it, tokens identical and logprobs within 1e-3."""
+    folder = family_dirs["phi4mini"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    short = PROMPT[:5]
+    assert len(short) < LONGROPE_AFTER < len(PROMPT)
+    want = {}
+    for prompt in (short, PROMPT):
+        ids, lps, past = list(prompt), [], None
+        with torch.no_grad():
+            feed = torch.tensor([prompt])
+            for _ in range(NEW_TOKENS):
+                out = model(feed, past_key_values=past, use_cache=True)
+                past, logp = out.past_key_values, torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                ids.append(int(logp.argmax()))
+                lps.append(float(logp[ids[-1]]))
+                feed = torch.tensor([[ids[-1]]])
+        want[tuple(prompt)] = ids[len(prompt):], lps
+    llm = LLM(str(folder), **LIMITS)
+    try:
+        cfg = llm.engine.model.cfg
+        assert cfg.rope_long_after == LONGROPE_AFTER and cfg.rope_long_inv_freq != cfg.rope_inv_freq
+        assert not llm.engine.scheduler.blocks.enable_prefix_caching  # cached K of one table must not serve the other
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        for prompt, out in zip((short, PROMPT), llm.generate([short, PROMPT], params)):
+            tokens, lps = want[tuple(prompt)]
+            assert out.outputs[0].token_ids == tokens
+            assert max(abs(a.logprob - b) for a, b in zip(out.outputs[0].logprobs, lps)) < LOGPROB_TOL
     finally:
         llm.close()
 
@@ -127,7 +164,7 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
     assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "su"}])
 def test_unimplemented_rope_type_is_a_clear_error(rope):
     from transformers import LlamaConfig
 

@@ -11,6 +11,7 @@ import torch
 from engine.demo import build_random_model
 
 WINDOW = 8  # sliding window of the tiny models: the prompt alone runs past it
+LONGROPE_AFTER = 8  # the LongRoPE model's original context: the prompt alone runs past it
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
 
@@ -43,10 +44,16 @@ def make_config(arch: str):
     if arch == "phi3":  # qkv and gate_up stored stacked, RoPE on 3/4 of each head, a sliding window on every layer
         return Phi3Config(**COMMON, partial_rotary_factor=0.75, sliding_window=WINDOW, pad_token_id=0,
                           architectures=["Phi3ForCausalLM"])
+    if arch == "phi4mini":  # Phi-4-mini's shape: LongRoPE past a short original context, tied embeddings
+        return Phi3Config(**COMMON, partial_rotary_factor=0.75, tie_word_embeddings=True, pad_token_id=0,
+                          original_max_position_embeddings=LONGROPE_AFTER,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0, 2.5, 3.0],
+                                        "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 14.0]},
+                          architectures=["Phi3ForCausalLM"])
     raise ValueError(arch)
 
 
-FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3"]
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3", "phi4mini"]
 
 
 def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
