@@ -87,7 +87,7 @@ FAMILIES: dict[str, Family] = {
     "SmolLM3ForCausalLM": Family(),  # Llama's block; every few layers without RoPE (no_rope_layers)
     # GLM-4: a norm before and after attention and the MLP, RoPE on half of each head in interleaved pairs.
     "Glm4ForCausalLM": Family(norms=_SANDWICH, attention_bias_o=False, fused_gate_up=True, rope_interleaved=True),
-    "Phi3ForCausalLM": Family(fused_qkv=True, fused_gate_up=True),
+    "Phi3ForCausalLM": Family(gguf="phi3", fused_qkv=True, fused_gate_up=True),
     # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
     "MixtralForCausalLM": Family(moe=True),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),

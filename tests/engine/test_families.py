@@ -234,3 +234,36 @@ def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:
         llm.close()
+
+
+# -- GGUF from llama.cpp's own converter ------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini"])
+def test_phi3_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
+    """llama.cpp's convert_hf_to_gguf.py of the tiny Phi-3 / Phi-4-mini (F32: the same weights): stacked qkv and
+    gate/up under its names, the rotary dims, the window and LongRoPE's factor tensors from the file, held to
+    transformers on the original checkpoint (its GGUF reader knows none of the RoPE settings)."""
+    from engine.arch import load_model_config
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = build(tmp_path / "hf", arch)
+    path = convert(folder, tmp_path / f"tiny-{arch}.gguf", "f32")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
+    llm = LLM(str(path), dtype="float32", **LIMITS)
+    try:
+        cfg, want = llm.engine.model.cfg, load_model_config(folder)
+        assert (cfg.architecture, cfg.sliding_window, cfg.rope_long_after) == (want.architecture, want.sliding_window,
+                                                                               want.rope_long_after)
+        for field in ("rope_inv_freq", "rope_long_inv_freq"):
+            torch.testing.assert_close(torch.tensor(getattr(cfg, field)), torch.tensor(getattr(want, field)))
+        assert cfg.rope_attention_scaling == pytest.approx(want.rope_attention_scaling, rel=1e-6)
+        first = LONGROPE_AFTER if cfg.rope_long_inv_freq else 0  # as in test_family_matches_transformers
+        torch.testing.assert_close(prompt_logits(llm, PROMPT)[first:], ref_logits[first:], atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -70,7 +71,9 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
                       build)
 
 
-def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None) -> ModelConfig:
+def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None,
+                     rope_factors: dict[str, list[float]] | None = None) -> ModelConfig:
+    """rope_factors: the file's LongRoPE factor tensors by name (rope_factors_short/long.weight), if any."""
     if architecture not in MODEL_TYPES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
                                     f"{', '.join(sorted(MODEL_TYPES))}")
@@ -80,7 +83,35 @@ def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata
     hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
     # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
     cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
-    return dataclasses.replace(cfg, **_llama_cpp_conventions(cfg, architecture, metadata or {}))
+    conventions = _llama_cpp_conventions(cfg, architecture, metadata or {})
+    if architecture == "phi3":
+        conventions.update(_phi3_rope(cfg, metadata or {}, rope_factors or {}))
+    return dataclasses.replace(cfg, **conventions)
+
+
+def _phi3_rope(cfg: ModelConfig, metadata: dict, factors: dict[str, list[float]]) -> dict:
+    """Phi-3's RoPE and window from the metadata, which transformers' reader leaves at its defaults: the rotary
+    dims (Phi-4-mini rotates 3/4 of each head), LongRoPE's factor tensors, original context and attention
+    factor (transformers' formulas: inv_freq = 1 / (factor * base^(2i / dims))), and the sliding window."""
+    dims = int(metadata.get("phi3.rope.dimension_count") or cfg.head_dim)
+    base = float(metadata.get("phi3.rope.freq_base") or 10000.0)
+    powers = base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims)  # (dims / 2,)
+
+    def table(name: str) -> tuple[float, ...]:
+        scale = torch.tensor(factors[name], dtype=torch.float32) if name in factors else torch.ones_like(powers)
+        if scale.shape != powers.shape:
+            raise UnsupportedModelError(f"{name} holds {scale.numel()} factors for {dims} rotary dims")
+        return tuple((1.0 / (scale * powers)).tolist())
+
+    window = metadata.get("phi3.attention.sliding_window")
+    out = dict(rope_inv_freq=table("rope_factors_short.weight"), sliding_window=int(window) if window else None)
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in factors and original:
+        factor = cfg.max_position_embeddings / original
+        default = (1 + math.log(factor) / math.log(original)) ** 0.5 if factor > 1 else 1.0
+        out.update(rope_long_inv_freq=table("rope_factors_long.weight"), rope_long_after=int(original),
+                   rope_attention_scaling=float(metadata.get("phi3.rope.scaling.attn_factor") or default))
+    return out
 
 
 _GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures

@@ -57,7 +57,11 @@ BLOCK_NAMES = {
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "mlp_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
+    # stacked q/k/v and gate/up (Phi-3): llama.cpp keeps them stacked, gate/up under ffn_up
+    "wqkv": "attn_qkv.weight", "bqkv": "attn_qkv.bias", "w_gate_up": "ffn_up.weight",
 }
+# LongRoPE's per-frequency factors, which llama.cpp's converter stores as tensors (Phi-3)
+ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 GLOBAL_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 
 
@@ -338,4 +342,5 @@ class GGUFIndex(CheckpointReader):
     def model_config(self) -> ModelConfig:
         from .gguf_config import load_gguf_config
 
-        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata)
+        factors = {n: self.view(n).float().tolist() for n in ROPE_FACTOR_TENSORS if n in self.entries}
+        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata, factors)
