@@ -81,12 +81,13 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(gguf="gemma3", qk_norm="head", **_GEMMA),
     # OLMo 2: no norm before attention or the MLP, one after each (before the residual add); q/k norms
     # over the whole projections.
-    "Olmo2ForCausalLM": Family(qk_norm="whole", norms=("post_attn_norm", "post_mlp_norm")),
-    "GraniteForCausalLM": Family(scalars=("attention_multiplier", "embedding_multiplier", "residual_multiplier",
-                                          "logits_scaling")),
-    "SmolLM3ForCausalLM": Family(),  # Llama's block; every few layers without RoPE (no_rope_layers)
+    "Olmo2ForCausalLM": Family(gguf="olmo2", qk_norm="whole", norms=("post_attn_norm", "post_mlp_norm")),
+    "GraniteForCausalLM": Family(gguf="granite", scalars=("attention_multiplier", "embedding_multiplier",
+                                                          "residual_multiplier", "logits_scaling")),
+    "SmolLM3ForCausalLM": Family(gguf="smollm3"),  # Llama's block; every few layers without RoPE (no_rope_layers)
     # GLM-4: a norm before and after attention and the MLP, RoPE on half of each head in interleaved pairs.
-    "Glm4ForCausalLM": Family(norms=_SANDWICH, attention_bias_o=False, fused_gate_up=True, rope_interleaved=True),
+    "Glm4ForCausalLM": Family(gguf="glm4", norms=_SANDWICH, attention_bias_o=False, fused_gate_up=True,
+                              rope_interleaved=True),
     "Phi3ForCausalLM": Family(gguf="phi3", fused_qkv=True, fused_gate_up=True),
     # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
     "MixtralForCausalLM": Family(moe=True),

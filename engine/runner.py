@@ -162,7 +162,8 @@ class ModelRunner:
         # One choice for every block: by the keys of the widest kind (a full-attention block reads them all).
         widest = None if any(k.window is None for k, _ in self.kinds) else max(k.window for k, _ in self.kinds)
         if mq > 1 and ops.tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, widest)):
-            token_tables = {g: t.repeat_interleave(counts_t, dim=0) for g, t in block_tables.items()}  # (tokens, max_blocks)
+            # (tokens, max_blocks) per group
+            token_tables = {g: t.repeat_interleave(counts_t, dim=0) for g, t in block_tables.items()}
         first, group = self.kinds[0]
         step = M.StepInputs(
             input_ids=ids_t,

@@ -238,26 +238,42 @@ def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
 
 # -- GGUF from llama.cpp's own converter ------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["phi3", "phi4mini"])
-def test_phi3_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
-    """llama.cpp's convert_hf_to_gguf.py of the tiny Phi-3 / Phi-4-mini (F32: the same weights): stacked qkv and
-    gate/up under its names, the rotary dims, the window and LongRoPE's factor tensors from the file, held to
-    transformers on the original checkpoint (its GGUF reader knows none of the RoPE settings)."""
+def converter_source(folder, arch: str):
+    """The tiny checkpoint of `arch` as llama.cpp can represent it: SmolLM3 with llama.cpp's fixed NoPE layers
+    (every 4th) and no window; every other family as its test row."""
+    if arch != "smollm3":
+        return build(folder, arch)
+    from transformers import SmolLM3Config
+
+    cfg = SmolLM3Config(**COMMON, no_rope_layer_interval=4, architectures=["SmolLM3ForCausalLM"])
+    return build_random_model(folder, cfg, seed=11, adjust=sharpen_attention)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4"])
+def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
+    """llama.cpp's convert_hf_to_gguf.py of each tiny family (F32: the same weights), served from the file: its
+    tensor names (Phi-3's stacked qkv and gate/up), Q/K rows it permutes (Granite, SmolLM3), the config from its
+    metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's window and LongRoPE factor tensors, which
+    transformers' GGUF reader does not read or does not know), held to transformers on the original checkpoint."""
     from engine.arch import load_model_config
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
     from tests.support.reference import greedy_with
 
     if llama_cpp_root() is None:
         pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
-    folder = build(tmp_path / "hf", arch)
+    folder = converter_source(tmp_path / "hf", arch)
     path = convert(folder, tmp_path / f"tiny-{arch}.gguf", "f32")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
     llm = LLM(str(path), dtype="float32", **LIMITS)
     try:
         cfg, want = llm.engine.model.cfg, load_model_config(folder)
-        assert (cfg.architecture, cfg.sliding_window, cfg.rope_long_after) == (want.architecture, want.sliding_window,
-                                                                               want.rope_long_after)
+        for field in ("architecture", "sliding_window", "rope_long_after", "nope_layers", "head_dim", "o_bias",
+                      "qkv_bias", "tie_word_embeddings"):
+            assert getattr(cfg, field) == getattr(want, field), field
+        for field in ("attn_scale", "embed_scale", "residual_scale", "logits_divisor"):
+            got, wanted = getattr(cfg, field), getattr(want, field)
+            assert got == (None if wanted is None else pytest.approx(wanted, rel=1e-6)), field
         for field in ("rope_inv_freq", "rope_long_inv_freq"):
             torch.testing.assert_close(torch.tensor(getattr(cfg, field)), torch.tensor(getattr(want, field)))
         assert cfg.rope_attention_scaling == pytest.approx(want.rope_attention_scaling, rel=1e-6)

@@ -34,6 +34,10 @@ GEMMA_CHAT_TEMPLATE = (
 # GGUF architecture -> (chat template, the token that ends a turn) for files that carry no template
 DEFAULT_CHAT = {"gemma2": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>"), "gemma3": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>")}
 
+# llama.cpp architectures whose config transformers' GGUF reader does not know: read here (_config_from_metadata),
+# the tokenizer still through transformers (its GGUF tokenizer reader takes any architecture).
+OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm4": "glm4"}  # -> model_type
+
 METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
 
 
@@ -53,8 +57,14 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
         from transformers import AutoConfig, AutoTokenizer
 
         log.info("%s: reading config and tokenizer from the GGUF metadata (once; cached in %s)", path, folder)
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if architecture in OWN_READER:
+            from transformers import PreTrainedTokenizerFast
+
+            config = _config_from_metadata(path, architecture)
+            tok = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+        else:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         default = DEFAULT_CHAT.get(architecture or "")
         if default is not None and not getattr(tok, "chat_template", None):
             template, turn_end = default
@@ -69,6 +79,51 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
 
     return build_once(folder, "layerstream-gguf-metadata.json", {"file": str(path), "header_sha256": header_digest},
                       build)
+
+
+def _config_from_metadata(path: Path, architecture: str):
+    """The transformers config of a file whose architecture transformers' GGUF reader does not know, from the
+    keys llama.cpp's converter writes (and what llama.cpp assumes beside them: SmolLM3 leaves RoPE out of
+    every 4th layer). Tied embeddings: the file has no output.weight."""
+    from transformers import AutoConfig
+
+    from .gguf_file import GGUFIndex
+
+    index = GGUFIndex(path)
+    try:
+        meta, tied = index.metadata, "output.weight" not in index.entries
+        biased = "blk.0.attn_q.bias" in index.entries
+    finally:
+        index.close()
+
+    def get(key: str, default=None):
+        return meta.get(f"{architecture}.{key}", default)
+
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    rotary = get("rope.dimension_count")
+    if rotary and int(rotary) != head_dim:
+        rope["partial_rotary_factor"] = int(rotary) / head_dim
+    kw = dict(vocab_size=int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
+              intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
+              num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv") or heads),
+              rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+              max_position_embeddings=int(get("context_length")), tie_word_embeddings=tied, attention_bias=biased,
+              rope_parameters=rope, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+              eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+              pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+              architectures=[MODEL_TYPES[architecture]])
+    if architecture == "granite":
+        kw.update(attention_multiplier=get("attention.scale"), embedding_multiplier=get("embedding_scale"),
+                  residual_multiplier=get("residual_scale"), logits_scaling=get("logit_scale"))
+    if architecture == "smollm3":
+        kw.update(no_rope_layer_interval=4, use_sliding_window=False)  # llama.cpp's n_no_rope_layer_step
+    if "partial_rotary_factor" in rope:
+        kw["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    config = AutoConfig.for_model(OWN_READER[architecture], **{k: v for k, v in kw.items() if v is not None})
+    config.head_dim = head_dim
+    return config
 
 
 def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None,
