@@ -147,17 +147,21 @@ class ModelRunner:
         valid = t[None, :] < counts_t[:, None]  # (seqs, max_query)
         keys = torch.arange(ctx, device=dev)
         causal = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
-        masks = {}  # window -> (mask (seqs, 1, max_query, context), open keys)
+        # window -> (mask (seqs, 1, max_query, keys from first_block * bs), open keys, first_block)
+        masks = {}
         windows = list(dict.fromkeys(k.window for k, _ in self.kinds))
         for window in windows:
-            mask = causal.clone() if len(windows) > 1 else causal
-            open_keys = min(starts)  # every row's causal mask admits the keys before the earliest chunk
+            first_block, open_keys = 0, min(starts)  # every row's causal mask admits the keys before the earliest chunk
             if window is not None and window < ctx:
-                mask &= keys[None, None, :] > q_pos[:, :, None] - window
-                open_keys = 0
-            # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
+                # A windowed block gathers from the first block its earliest query reads, not from position 0.
+                first_block, open_keys = max(0, min(starts) - window + 1) // bs, 0
+                k = keys[first_block * bs:]
+                mask = (k[None, None, :] <= q_pos[:, :, None]) & (k[None, None, :] > q_pos[:, :, None] - window)
+            else:
+                mask = causal.clone() if len(windows) > 1 else causal
+            # Padding rows attend to the first key only, so softmax never sees an all-masked row (NaN).
             mask[..., 0] |= ~valid
-            masks[window] = mask[:, None], open_keys
+            masks[window] = mask[:, None], open_keys, first_block
         token_tables = None
         # One choice for every block: by the keys of the widest kind (a full-attention block reads them all).
         widest = None if any(k.window is None for k, _ in self.kinds) else max(k.window for k, _ in self.kinds)
@@ -182,12 +186,14 @@ class ModelRunner:
             attn_scratch=self.attn_scratch,
             token_tables=token_tables[group] if token_tables is not None else None,
             window=first.window,
+            first_block=masks[first.window][2],
         )
         by_kind: dict[tuple[LayerAttention, int], M.StepInputs] = {(first, group): step}
         for kind, g in self.kinds[1:]:
-            (cos, sin), (mask, open_keys) = rotary[kind.rope], masks[kind.window]
+            (cos, sin), (mask, open_keys, first_block) = rotary[kind.rope], masks[kind.window]
             by_kind[kind, g] = dataclasses.replace(
                 step, cos=cos, sin=sin, attn_mask=mask, open_keys=open_keys, window=kind.window,
+                first_block=first_block,
                 slot_mapping=slots_t[g], block_tables=block_tables[g],
                 token_tables=token_tables[g] if token_tables is not None else None)
         return [by_kind[k] for k in self.layer_kinds]

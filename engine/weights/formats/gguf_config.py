@@ -41,7 +41,8 @@ OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm
 METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
 
 
-def metadata_folder(path: Path, header_digest: str, architecture: str | None = None) -> Path:
+def metadata_folder(path: Path, header_digest: str, architecture: str | None = None, metadata: dict | None = None,
+                    tensor_names: set[str] | frozenset[str] = frozenset()) -> Path:
     """A folder with the transformers config and tokenizer that the GGUF metadata describes.
 
     transformers reads them with gguf-py's GGUFReader, which takes seconds for a real vocabulary
@@ -49,7 +50,8 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
     saves them under the layerstream cache, keyed by a hash of the file's header (metadata and
     tensor table: the same file anywhere hits the same entry), and later loads read that folder.
     Nothing is written beside the model file. A file of a family in DEFAULT_CHAT without a chat
-    template gets that family's, and its turn-end token as a stop token.
+    template gets that family's, and its turn-end token as a stop token. metadata and tensor_names (the
+    file's): what an architecture in OWN_READER reads its config from.
     """
     folder = cache_root() / f"gguf-metadata-v{METADATA_VERSION}" / f"{path.stem}-{header_digest[:20]}"
 
@@ -60,7 +62,7 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
         if architecture in OWN_READER:
             from transformers import PreTrainedTokenizerFast
 
-            config = _config_from_metadata(path, architecture)
+            config = _config_from_metadata(architecture, metadata or {}, tensor_names)
             tok = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
         else:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -81,20 +83,15 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
                       build)
 
 
-def _config_from_metadata(path: Path, architecture: str):
+def _config_from_metadata(architecture: str, meta: dict, tensor_names: set[str] | frozenset[str]):
     """The transformers config of a file whose architecture transformers' GGUF reader does not know, from the
     keys llama.cpp's converter writes (and what llama.cpp assumes beside them: SmolLM3 leaves RoPE out of
     every 4th layer). Tied embeddings: the file has no output.weight."""
     from transformers import AutoConfig
 
-    from .gguf_file import GGUFIndex
-
-    index = GGUFIndex(path)
-    try:
-        meta, tied = index.metadata, "output.weight" not in index.entries
-        biased = "blk.0.attn_q.bias" in index.entries
-    finally:
-        index.close()
+    if "general.architecture" not in meta:
+        raise UnsupportedModelError(f"GGUF architecture {architecture!r}: its config needs the file's metadata")
+    tied, biased = "output.weight" not in tensor_names, "blk.0.attn_q.bias" in tensor_names
 
     def get(key: str, default=None):
         return meta.get(f"{architecture}.{key}", default)
@@ -127,14 +124,16 @@ def _config_from_metadata(path: Path, architecture: str):
 
 
 def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None,
-                     rope_factors: dict[str, list[float]] | None = None) -> ModelConfig:
-    """rope_factors: the file's LongRoPE factor tensors by name (rope_factors_short/long.weight), if any."""
+                     rope_factors: dict[str, list[float]] | None = None,
+                     tensor_names: set[str] | frozenset[str] = frozenset()) -> ModelConfig:
+    """rope_factors: the file's LongRoPE factor tensors by name (rope_factors_short/long.weight), if any;
+    tensor_names: every tensor the file (all its splits) holds."""
     if architecture not in MODEL_TYPES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
                                     f"{', '.join(sorted(MODEL_TYPES))}")
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture))
+    hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture, metadata, tensor_names))
     hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
     # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
     cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)

@@ -343,4 +343,5 @@ class GGUFIndex(CheckpointReader):
         from .gguf_config import load_gguf_config
 
         factors = {n: self.view(n).float().tolist() for n in ROPE_FACTOR_TENSORS if n in self.entries}
-        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata, factors)
+        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata, factors,
+                                frozenset(self.entries))
