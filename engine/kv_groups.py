@@ -179,8 +179,17 @@ class GroupedBlockManager:
         tables = self._tables(seq)
         most = (seq.num_tokens - 1) // self.block_size
         places = [m.lookup(t, most) for m, t in zip(self.managers, tables)]
+        # runs[g][i]: how many blocks up to and including i group g holds without a gap, so each candidate
+        # length is checked in O(1) per group: blocks [first, n) are all held when runs[g][n - 1] >= n - first.
+        runs = []
+        for p in places:
+            run, count = [], 0
+            for place in p:
+                count = count + 1 if place is not None else 0
+                run.append(count)
+            runs.append(run)
         n = most
-        while n > 0 and not all(None not in p[self._first_needed(g, n):n] for g, p in enumerate(places)):
+        while n > 0 and not all(r[n - 1] >= n - self._first_needed(g, n) for g, r in enumerate(runs)):
             n -= 1
         return GroupedMatch(tuple(
             PrefixMatch(tuple(p[self._first_needed(g, n):n]), self.block_size, self._first_needed(g, n))

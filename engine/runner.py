@@ -17,7 +17,7 @@ from . import model as M
 from . import ops
 from .arch import LayerAttention, ModelConfig
 from .attention_backend import AttentionScratch
-from .block_manager import BlockCopy
+from .block_manager import NULL_BLOCK, BlockCopy
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
 from .weights import ModelWeights, StreamStats
@@ -65,6 +65,19 @@ def _prefill_keys(starts: list[int], counts: list[int], window: int | None) -> i
         else:
             total += sum(min(p + 1, window) for p in range(start, start + count))
     return total
+
+
+def _padded_tables(chunks: list[ScheduledChunk], group: int, max_blocks: int) -> list[int]:
+    """The chunks' block tables of a KV group, each cut or padded to max_blocks with block 0, flattened.
+    Padding blocks are never attended (keys past a sequence's end are masked), so block 0 will do; so
+    will it for a block a sliding window released (NULL_BLOCK): its keys are masked too."""
+    out: list[int] = []
+    for c in chunks:
+        table = _table(c.seq, group)[:max_blocks]
+        out += table + [0] * (max_blocks - len(table))
+    if NULL_BLOCK in out:  # only a windowed group's tables hold released entries
+        out = [max(b, 0) for b in out]
+    return out
 
 
 def _table(seq, group: int) -> list[int]:
@@ -128,11 +141,8 @@ class ModelRunner:
         if len(chunks) * mq != len(ids):
             pad_rows = [i * mq + j for i, n in enumerate(counts) for j in range(n)]  # (tokens,)
         max_blocks = -(-ctx // bs)
-        # (seqs, max_blocks) per group, flattened for the upload; padding blocks are never attended (keys
-        # past a sequence's end are masked), so block 0 will do; so will it for a block a sliding window
-        # released (NULL_BLOCK): its keys are masked too.
-        tables = {g: [max(b, 0) for c in chunks for b in _table(c.seq, g)[:max_blocks]
-                      + [0] * (max_blocks - len(_table(c.seq, g)[:max_blocks]))] for g in self.groups}
+        # (seqs, max_blocks) per group, flattened for the upload
+        tables = {g: _padded_tables(chunks, g, max_blocks) for g in self.groups}
         ids_t, pos, logits_t, starts_t, counts_t, pad_t, *per_group = upload(
             [ids, positions, logits_index, starts, counts, pad_rows or []]
             + [slot_mapping[g] for g in self.groups] + [tables[g] for g in self.groups], self.device)
