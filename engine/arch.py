@@ -81,13 +81,14 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(gguf="gemma3", qk_norm="head", **_GEMMA),
     # OLMo 2: no norm before attention or the MLP, one after each (before the residual add); q/k norms
     # over the whole projections.
-    "Olmo2ForCausalLM": Family(qk_norm="whole", norms=("post_attn_norm", "post_mlp_norm")),
-    "GraniteForCausalLM": Family(scalars=("attention_multiplier", "embedding_multiplier", "residual_multiplier",
-                                          "logits_scaling")),
-    "SmolLM3ForCausalLM": Family(),  # Llama's block; every few layers without RoPE (no_rope_layers)
+    "Olmo2ForCausalLM": Family(gguf="olmo2", qk_norm="whole", norms=("post_attn_norm", "post_mlp_norm")),
+    "GraniteForCausalLM": Family(gguf="granite", scalars=("attention_multiplier", "embedding_multiplier",
+                                                          "residual_multiplier", "logits_scaling")),
+    "SmolLM3ForCausalLM": Family(gguf="smollm3"),  # Llama's block; every few layers without RoPE (no_rope_layers)
     # GLM-4: a norm before and after attention and the MLP, RoPE on half of each head in interleaved pairs.
-    "Glm4ForCausalLM": Family(norms=_SANDWICH, attention_bias_o=False, fused_gate_up=True, rope_interleaved=True),
-    "Phi3ForCausalLM": Family(fused_qkv=True, fused_gate_up=True),
+    "Glm4ForCausalLM": Family(gguf="glm4", norms=_SANDWICH, attention_bias_o=False, fused_gate_up=True,
+                              rope_interleaved=True),
+    "Phi3ForCausalLM": Family(gguf="phi3", fused_qkv=True, fused_gate_up=True),
     # Mixtures of experts (MoEConfig below): the same attention, an MLP that is a routed set of experts.
     "MixtralForCausalLM": Family(moe=True),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),
@@ -98,9 +99,10 @@ FAMILIES: dict[str, Family] = {
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # one routed expert: a SwiGLU MLP of its own
-# RoPE types whose frequencies are fixed at load (what the math implements); "dynamic" and "longrope"
-# change with the sequence length and are refused rather than run wrong.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE types the math implements: their frequencies are fixed at load, or (LongRoPE: Phi-3, Phi-4-mini) one of
+# two tables chosen by the sequence's length. "dynamic" rescales with every length and is refused rather than
+# run wrong.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def family(architecture: str) -> Family:
@@ -183,6 +185,10 @@ class ModelConfig:
     # RoPE of the sliding-window layers where it differs from the global one (Gemma 3: base 10k vs 1M).
     local_rope_inv_freq: tuple[float, ...] = field(default=(), repr=False)
     local_rope_attention_scaling: float = 1.0
+    # LongRoPE: a sequence longer than rope_long_after tokens (original_max_position_embeddings) rotates by
+    # these frequencies (its long_factor) instead of rope_inv_freq (its short_factor); the scaling is shared.
+    rope_long_inv_freq: tuple[float, ...] = field(default=(), repr=False)
+    rope_long_after: int = 0
     nope_layers: tuple[int, ...] = ()  # blocks without rotary embedding (SmolLM3)
     attn_scale: float | None = None  # multiplies q . k; None: 1 / sqrt(head_dim)
     attn_softcap: float | None = None
@@ -201,6 +207,11 @@ class ModelConfig:
             object.__setattr__(self, "norm_offset", self.family.norm_offset)
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.layer_windows)} layer types for {self.num_layers} layers")
+
+    def rope_switches_within(self, max_len: int) -> bool:
+        """Whether a sequence of up to max_len tokens may switch RoPE tables as it grows (LongRoPE): K cached
+        under one table is then not what the other would compute."""
+        return bool(self.rope_long_inv_freq) and max_len > self.rope_long_after
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -392,7 +403,10 @@ def _ropes(hf, head_dim: int) -> dict:
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     if "full_attention" not in params:
         inv_freq, scaling = _rope(hf, head_dim, params)
-        return dict(rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
+        out = dict(rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
+        if params.get("rope_type", params.get("type")) == "longrope":
+            out.update(_long_rope(hf, params))
+        return out
     inv_freq, scaling = _rope(hf, head_dim, params["full_attention"], "full_attention")
     out = dict(rope_inv_freq=inv_freq, rope_attention_scaling=scaling)
     local = params.get("sliding_attention")
@@ -401,6 +415,18 @@ def _ropes(hf, head_dim: int) -> dict:
         if (local_freq, local_scaling) != (inv_freq, scaling):
             out.update(local_rope_inv_freq=local_freq, local_rope_attention_scaling=local_scaling)
     return out
+
+
+def _long_rope(hf, params: dict) -> dict:
+    """LongRoPE's long table (long_factor), used past original_max_position_embeddings, as transformers
+    computes it for a sequence one token longer than that."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    original = params.get("original_max_position_embeddings") or getattr(hf, "original_max_position_embeddings", None)
+    if not original:
+        raise UnsupportedModelError("rope type 'longrope' without original_max_position_embeddings is not supported")
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, torch.device("cpu"), seq_len=int(original) + 1)
+    return dict(rope_long_inv_freq=tuple(inv_freq.float().tolist()), rope_long_after=int(original))
 
 
 def _rope(hf, head_dim: int, params: dict, layer_type: str | None = None) -> tuple[tuple[float, ...], float]:

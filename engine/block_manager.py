@@ -21,6 +21,10 @@ its hashes; blocks found (read and verified before they count) are copied into f
 KV cache to perform before the next forward pass, in order, which is what makes them safe: nothing
 writes a device block except the forward pass, so a queued copy always reads what the bookkeeping
 says is there.
+
+Sliding-window layers (engine.kv_groups) keep a block table of their own: a block wholly before the
+window of every query to come is released (release_before) and its entry becomes NULL_BLOCK, and a
+prefix match needs only the blocks within the window before the matched point (PrefixMatch.skipped).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
+
+NULL_BLOCK = -1  # a table entry whose block went back to the pool: before a sliding window, never read again
 
 
 class PagedSequence(Protocol):
@@ -61,6 +67,7 @@ class BlockCopy:
     direction: str  # "out" | "in" | "spill" | "fetch"
     device_block: int
     host_block: int = -1
+    group: int = 0  # the KV group (engine.kv_groups) whose pools these blocks are in
     key: bytes | None = None
     data: bytes | None = field(default=None, repr=False)  # "fetch": the block's verified bytes, read from disk
 
@@ -84,11 +91,16 @@ class PrefixMatch:
 
     blocks: tuple[tuple[bool, int], ...]
     block_size: int
+    skipped: int = 0  # leading blocks not held at all: before a sliding window, their K/V never read again
     disk_keys: tuple[bytes, ...] = ()  # then these blocks, read from the disk tier into fresh device blocks
 
     @property
     def num_tokens(self) -> int:
-        return (len(self.blocks) + len(self.disk_keys)) * self.block_size
+        return (self.skipped + len(self.blocks) + len(self.disk_keys)) * self.block_size
+
+    def empty(self) -> PrefixMatch:
+        """No cached block: everything computed afresh (prompt logprobs need every position's logits)."""
+        return PrefixMatch((), self.block_size)
 
     @property
     def num_host_blocks(self) -> int:
@@ -231,23 +243,17 @@ class BlockManager:
     def match(self, seq: PagedSequence) -> PrefixMatch:
         """The cached leading blocks of a sequence that holds no blocks. At least its last token is
         left to compute: its logits give the next token."""
-        assert not seq.block_table, "match() is for a sequence without blocks"
         found: list[tuple[bool, int]] = []
+        places = self.lookup(seq, (seq.num_tokens - 1) // self.block_size)
+        for place in places:
+            if place is None:
+                break
+            found.append(place)
         on_disk: tuple[bytes, ...] = ()
-        if self.enable_prefix_caching:
-            hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
-            for h in hashes:
-                # The chained address says the whole prefix matches, wherever the parent lives.
-                if h in self._by_hash:
-                    found.append((False, self._by_hash[h]))
-                elif self.host is not None and h in self.host.by_hash:
-                    found.append((True, self.host.by_hash[h]))
-                else:
-                    break
-            if self.disk is not None and len(found) < len(hashes):
-                rest = hashes[len(found):]
-                on_disk = tuple(rest[:self.disk.load(rest)])  # read and verified: a hit that cannot turn out wrong
-        return PrefixMatch(tuple(found), self.block_size, on_disk)
+        if self.disk is not None and self.enable_prefix_caching and len(found) < len(places):
+            rest = self._hashes(seq, len(places))[len(found):]
+            on_disk = tuple(rest[:self.disk.load(rest)])  # read and verified: a hit that cannot turn out wrong
+        return PrefixMatch(tuple(found), self.block_size, disk_keys=on_disk)
 
     def prefetch(self, seq: PagedSequence) -> None:
         """A sequence was queued: start reading the blocks of its prefix the disk tier holds (and the
@@ -259,13 +265,29 @@ class BlockManager:
                       and not (self.host is not None and h in self.host.by_hash)), len(hashes))
         self.disk.prefetch(hashes[first:])
 
+    def lookup(self, seq: PagedSequence, num_blocks: int) -> list[tuple[bool, int] | None]:
+        """Where each of the sequence's first num_blocks full blocks is cached: (on_host, block id), or
+        None. The chained address says the whole prefix matches, wherever the parent lives."""
+        assert not seq.block_table, "lookup() is for a sequence without blocks"
+        if not self.enable_prefix_caching:
+            return [None] * num_blocks
+        out: list[tuple[bool, int] | None] = []
+        for h in self._hashes(seq, num_blocks):
+            if h in self._by_hash:
+                out.append((False, self._by_hash[h]))
+            elif self.host is not None and h in self.host.by_hash:
+                out.append((True, self.host.by_hash[h]))
+            else:
+                out.append(None)
+        return out
+
     def can_allocate(self, match: PrefixMatch, num_tokens: int, reserve: int = 0) -> bool:
         """Whether a sequence with this match can get blocks covering num_tokens positions and
         leave `reserve` blocks free."""
         shared = [b for on_host, b in match.blocks if not on_host]
         # Sharing a free cached block takes it out of the free pool too.
         shared_free = sum(1 for b in shared if self.ref_count[b] == 0)
-        need = self.blocks_for(num_tokens) - len(shared)
+        need = self.blocks_for(num_tokens) - match.skipped - len(shared)
         return need + shared_free + reserve <= self.num_free_blocks
 
     def allocate(self, seq: PagedSequence, match: PrefixMatch, num_tokens: int) -> None:
@@ -278,6 +300,7 @@ class BlockManager:
                 self._share(b)
             else:
                 self.host.pinned.add(b)
+        seq.block_table.extend([NULL_BLOCK] * match.skipped)
         for on_host, b in match.blocks:
             if on_host:
                 hb, b = b, self._take()
@@ -301,7 +324,7 @@ class BlockManager:
             seq.block_table.append(b)
             fetched += 1
         self.stats.disk_hit_tokens += fetched * self.block_size
-        seq.num_computed = (len(match.blocks) + fetched) * self.block_size
+        seq.num_computed = (match.skipped + len(match.blocks) + fetched) * self.block_size
         self.stats.queried_tokens += seq.num_tokens
         self.stats.hit_tokens += seq.num_computed
         self.stats.host_hit_tokens += match.num_host_blocks * self.block_size
@@ -327,7 +350,7 @@ class BlockManager:
         hashes = self._hashes(seq, full)
         for i in range(since // self.block_size, full):
             b = seq.block_table[i]
-            if self.hash_of[b] is None and hashes[i] not in self._by_hash:
+            if b != NULL_BLOCK and self.hash_of[b] is None and hashes[i] not in self._by_hash:
                 # A block computed twice (two sequences admitted together) keeps the first copy's
                 # address; the second stays private and is freed without cached content.
                 self._register(b, hashes[i])
@@ -341,14 +364,29 @@ class BlockManager:
         """Release every block of a sequence. Blocks are released tail first, so among equally old
         cached blocks the tail of a sequence is evicted before the prefix other requests share."""
         for b in reversed(seq.block_table):
-            self.ref_count[b] -= 1
-            assert self.ref_count[b] >= 0
-            if self.ref_count[b] == 0:
-                if self.hash_of[b] is None:
-                    self._free.append(b)
-                else:
-                    self._evictable[b] = None
+            if b != NULL_BLOCK:
+                self._release(b)
         seq.block_table.clear()
+
+    def release_before(self, seq: PagedSequence, position: int) -> None:
+        """A sliding-window layer's blocks wholly before `position` (the first key any later query of
+        the sequence can see) go back to the pool, cached content and all; their entries become
+        NULL_BLOCK. Released blocks are always a leading run, so the walk stops at the first null."""
+        table = seq.block_table
+        for i in range(min(position // self.block_size, len(table)) - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+
+    def _release(self, b: int) -> None:
+        self.ref_count[b] -= 1
+        assert self.ref_count[b] >= 0
+        if self.ref_count[b] == 0:
+            if self.hash_of[b] is None:
+                self._free.append(b)
+            else:
+                self._evictable[b] = None
 
     def take_copies(self) -> list[BlockCopy]:
         """The queued pool-to-pool copies, in the order they must run (before the next forward)."""

@@ -21,23 +21,33 @@ from .kv_quant import KVQuant, QuantizedKV, kv_bytes_per_token
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0, quant: KVQuant | None = None,
-                 disk=None):
-        """quant: the quantized format (None: the compute dtype); disk: an engine.kv_disk.KVDiskTier the
-        block manager's "spill"/"fetch" copies go through (None: no disk tier)."""
+    """num_blocks: one pool size for every layer, or one per KV group (engine.kv_groups) with
+    layer_groups saying each layer's group; num_host_blocks likewise. quant: the quantized format (None: the
+    compute dtype); disk: an engine.kv_disk.KVDiskTier the block manager's "spill"/"fetch" copies go through
+    (None: no disk tier; a model with one KV group only)."""
+
+    def __init__(self, num_layers: int, num_blocks: int | tuple[int, ...], block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int | tuple[int, ...] = 0,
+                 layer_groups: tuple[int, ...] | None = None, quant: KVQuant | None = None, disk=None):
         self.quant = quant
         self.dtype = dtype
-        self.k = [self._pool(num_blocks, block_size, num_kv_heads, head_dim, device) for _ in range(num_layers)]
-        self.v = [self._pool(num_blocks, block_size, num_kv_heads, head_dim, device) for _ in range(num_layers)]
-        self.num_blocks = num_blocks
+        self.layer_groups = layer_groups or (0,) * num_layers
+        group_blocks = (num_blocks,) if isinstance(num_blocks, int) else tuple(num_blocks)
+        group_host = (num_host_blocks,) * len(group_blocks) if isinstance(num_host_blocks, int) else num_host_blocks
+        assert len(self.layer_groups) == num_layers and max(self.layer_groups) < len(group_blocks)
+        assert disk is None or len(group_blocks) == 1, "the KV disk tier is for models with one KV group"
+        self.k = [self._pool(group_blocks[g], block_size, num_kv_heads, head_dim, device) for g in self.layer_groups]
+        self.v = [self._pool(group_blocks[g], block_size, num_kv_heads, head_dim, device) for g in self.layer_groups]
+        self.num_blocks = group_blocks[0]
         self.block_size = block_size
         self.device = torch.device(device)
         # Pinned on CUDA so a copy in either direction is a real asynchronous DMA.
-        pin = self.device.type == "cuda" and num_host_blocks > 0
-        self.host_k = [self._pool(num_host_blocks, block_size, num_kv_heads, head_dim, "cpu", pin) for _ in range(num_layers)]
-        self.host_v = [self._pool(num_host_blocks, block_size, num_kv_heads, head_dim, "cpu", pin) for _ in range(num_layers)]
-        self.num_host_blocks = num_host_blocks
+        pin = self.device.type == "cuda" and sum(group_host) > 0
+        self.host_k = [self._pool(group_host[g], block_size, num_kv_heads, head_dim, "cpu", pin)
+                       for g in self.layer_groups]
+        self.host_v = [self._pool(group_host[g], block_size, num_kv_heads, head_dim, "cpu", pin)
+                       for g in self.layer_groups]
+        self.num_host_blocks = group_host[0]
         self.disk = disk
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
@@ -62,9 +72,14 @@ class KVCache:
         k, v = (self.host_k, self.host_v) if host else (self.k, self.v)
         return [*self._parts(k[layer]), *self._parts(v[layer])]
 
+    def group_block_bytes(self, group: int) -> int:
+        """Bytes of one block of a group's pool, K and V (codes and scales where quantized) over the group's layers."""
+        return sum(t[0].numel() * t.element_size()
+                   for i, g in enumerate(self.layer_groups) if g == group for t in self._layer_parts(i))
+
     @property
     def bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for layer in range(len(self.k)) for t in self._layer_parts(layer))
+        return self.group_block_bytes(0)
 
     def layer(self, i: int):
         """Layer i's (K, V) pools: tensors (blocks, block_size, kv_heads, head_dim) in the compute dtype, or
@@ -104,13 +119,15 @@ class KVCache:
                 self.load_block(c.device_block, c.data)
                 self.bytes_swapped_in += self.bytes_per_block
                 continue
-            for layer in range(len(self.k)):
+            for layer, g in enumerate(self.layer_groups):
+                if g != c.group:
+                    continue
                 for dev, host in zip(self._layer_parts(layer), self._layer_parts(layer, host=True)):
                     if c.direction == "out":
                         host[c.host_block].copy_(dev[c.device_block], non_blocking=True)
                     else:
                         dev[c.device_block].copy_(host[c.host_block], non_blocking=True)
             if c.direction == "out":
-                self.bytes_swapped_out += self.bytes_per_block
+                self.bytes_swapped_out += self.group_block_bytes(c.group)
             else:
-                self.bytes_swapped_in += self.bytes_per_block
+                self.bytes_swapped_in += self.group_block_bytes(c.group)

@@ -16,9 +16,10 @@ from typing import Callable
 import torch
 
 from .args import EngineArgs
+from .arch import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .failures import EngineUnhealthyError, raise_if_fatal
-from .loader import DraftReservation, LoadedModel, load_draft_model, load_model
+from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
 from .model_source import resolve_model
 from .request import RequestOutput, RequestState, emit
 from .runner import check_token_ids
@@ -30,6 +31,16 @@ from .structured_output import GrammarCompiler
 from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
 log = logging.getLogger("layerstream")
+
+
+def prefix_caching(args: EngineArgs, cfg: ModelConfig, max_model_len: int) -> bool:
+    """Whether the prefix cache is on: as asked, unless LongRoPE switches RoPE tables within max_model_len
+    (K cached under the short table must not serve a sequence rotated by the long one, or the reverse)."""
+    if not args.enable_prefix_caching or not cfg.rope_switches_within(max_model_len):
+        return args.enable_prefix_caching
+    log.warning("prefix caching is off: LongRoPE switches RoPE tables past %d tokens (max_model_len %d), and K "
+                "cached under one table would not match the other", cfg.rope_long_after, max_model_len)
+    return False
 
 
 # When every sequence left is waiting for its grammar mask, the engine thread waits for one this
@@ -128,8 +139,11 @@ class LLMEngine:
                 max_model_len=plan.max_model_len,
                 block_size=plan.kv_block_size,
                 num_kv_blocks=plan.num_kv_blocks,
-                enable_prefix_caching=args.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching(args, self.model.cfg, plan.max_model_len),
                 num_host_kv_blocks=plan.num_host_kv_blocks,
+                kv_layout=kv_layout(args, self.model.cfg),
+                kv_group_blocks=plan.kv_group_blocks,
+                kv_group_host_blocks=plan.kv_group_host_blocks,
             ), disk=self.model.kv_disk)
             if spec is not None:
                 if draft_model is not None:

@@ -24,6 +24,7 @@ from .host_memory import anonymous_bytes, host_budget
 from .cache import cache_root
 from .kv_cache import KVCache
 from .kv_disk import KVDiskTier
+from .kv_groups import KVLayout
 from .kv_quant import KV_CACHE_DTYPES, KVQuant
 from .ops import KernelChoices
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
@@ -211,6 +212,16 @@ def _draft_inputs(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoin
     return {}
 
 
+def kv_layout(args: EngineArgs, cfg: ModelConfig) -> KVLayout:
+    """The model's layers grouped by sliding window (engine.kv_groups). A separate draft model's pool
+    mirrors group 0's table, which must then cover every position: a model without a full-attention
+    layer keeps all its positions in one group when it has such a draft."""
+    windows = [cfg.layer_attention(i).window for i in range(cfg.num_layers)]
+    if args.speculative_method == "draft" and None not in windows:
+        return KVLayout.single(cfg.num_layers)
+    return KVLayout.of(windows)
+
+
 def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
              host_room: int, draft: DraftReservation | None = None) -> MemoryPlan:
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
@@ -236,6 +247,9 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         budget = host_room - staging
     kv_host = kv_host_bytes(args, device, host_room)
     runtime = anonymous_bytes() if device.type == "cpu" else 0
+    # one layer's K and V (codes and scales with a quantized cache)
+    layer_bytes = KVCache.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype, kv_quant_for(args, cfg))
+    kv_groups = tuple((len(g.layers) * layer_bytes, g.window) for g in kv_layout(args, cfg).groups)
     plan = _plan_context(args, cfg, host_room if host_sized else None, budget, lambda max_len, chunk, tokens: PlanInputs(
         num_layers=cfg.num_layers,
         block_bytes=sizes.block_bytes,
@@ -255,6 +269,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         checkpoint_bytes=sizes.checkpoint_bytes,
         streamed_block_bytes=sizes.streamed_block_bytes,
         kv_block_size=args.block_size,
+        kv_groups=kv_groups,
         kv_cache_bytes=args.kv_cache_memory,
         kv_host_bytes=kv_host,
         grammar_cache_bytes=grammar_cache_bytes(args, host_room),
@@ -360,9 +375,15 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
                                    quantization=args.quantization)
         finally:
             bar.close()
-        kv = KVCache(cfg.num_layers, plan.num_kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
-                     dtype, device, num_host_blocks=plan.num_host_kv_blocks, quant=quant)
-        kv.disk = disk = open_kv_disk(args, path, cfg, dtype, quant, kv.bytes_per_block)
+        layout = kv_layout(args, cfg)
+        kv = KVCache(cfg.num_layers, plan.kv_group_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
+                     dtype, device, num_host_blocks=plan.kv_group_host_blocks, layer_groups=layout.layer_groups(),
+                     quant=quant)
+        disk = None
+        if len(layout.groups) == 1 and layout.groups[0].window is None:
+            kv.disk = disk = open_kv_disk(args, path, cfg, dtype, quant, kv.bytes_per_block)
+        elif args.kv_disk_bytes:
+            log.info("KV disk tier: not used for a model with sliding-window layers (--kv-disk-bytes ignored)")
         runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes)
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.

@@ -61,6 +61,9 @@ class StepInputs:
     token_tables: torch.Tensor | None = None
     # The block's sliding window (attn_mask already applies it; the token-by-token kernel takes it as a number).
     window: int | None = None
+    # The gather reads each table from this block on (the first a sliding window needs this step); attn_mask
+    # covers keys from first_block * block_size to context_len. block_tables and token_tables stay whole.
+    first_block: int = 0
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -76,10 +79,13 @@ def norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotary_inv_freq(cfg: ModelConfig, table: str = "global") -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling of RoPE table "global" or "local"
-    (the sliding-window layers' own, where the model has one), as computed at load (arch)."""
+    """Inverse frequencies (head_dim / 2,) fp32 and attention scaling of RoPE table "global", "local" (the
+    sliding-window layers' own, where the model has one) or "long" (LongRoPE's, for sequences longer than
+    cfg.rope_long_after), as computed at load (arch)."""
     if table == "local" and cfg.local_rope_inv_freq:
         return torch.tensor(cfg.local_rope_inv_freq, dtype=torch.float32), cfg.local_rope_attention_scaling
+    if table == "long":
+        return torch.tensor(cfg.rope_long_inv_freq, dtype=torch.float32), cfg.rope_attention_scaling
     return torch.tensor(cfg.rope_inv_freq, dtype=torch.float32), cfg.rope_attention_scaling
 
 
@@ -185,8 +191,10 @@ def attention(
     else:
         qp = q
     qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
-    keys = gather_blocks(k_cache, step.block_tables, step.context_len)  # (seqs, kv_heads, context, head_dim)
-    values = gather_blocks(v_cache, step.block_tables, step.context_len)
+    first = step.first_block
+    tables, ctx = step.block_tables[:, first:], step.context_len - first * k_cache.shape[1]
+    keys = gather_blocks(k_cache, tables, ctx)  # (seqs, kv_heads, context from the first block, head_dim)
+    values = gather_blocks(v_cache, tables, ctx)
     # (seqs, heads, max_query, head_dim)
     out = ops.attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch,
                      scale=cfg.attn_scale, softcap=cfg.attn_softcap)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from .kv_groups import blocks_per_seq
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -72,6 +74,10 @@ class PlanInputs:
     # a GGUF block streams its packed GGML bytes and is unpacked by the compute that uses it.
     streamed_block_bytes: int | None = None
     kv_block_size: int = 16  # token positions per paged KV block
+    # Layers grouped by sliding window (engine.kv_groups): (K and V bytes per token of the group's layers,
+    # window or None) each, the full-attention group first; () = one full-attention group. A windowed
+    # group's pool holds each sequence's window and step only (KVLayout.blocks_per_seq).
+    kv_groups: tuple[tuple[int, int | None], ...] = ()
     kv_cache_bytes: int | None = None  # the KV pool the user asked for (--kv-cache-memory); None = planned
     kv_host_bytes: int = 0  # host tier for KV blocks evicted from the pool (the loader's choice)
     # (name, KV bytes per token) of each KV cache dtype the model could use (--kv-cache-dtype): the plan
@@ -123,9 +129,34 @@ class PlanInputs:
         """Blocks one sequence of max_model_len tokens needs: the smallest pool that can serve."""
         return -(-self.max_model_len // self.kv_block_size)
 
+    # The KV pool is counted in units of full-attention blocks: `units` of them hold units / kv_blocks_per_seq
+    # sequences of max_model_len, and each group's pool holds as many sequences (kv_group_blocks).
+    def _kv_groups(self) -> tuple[tuple[int, int | None], ...]:
+        return self.kv_groups or ((self.kv_bytes_per_token, None),)
+
+    def kv_group_blocks(self, units: int) -> tuple[int, ...]:
+        """Each group's pool in blocks, for a pool of `units`."""
+        one, step = self.kv_blocks_per_seq, self.max_num_batched_tokens or self.max_model_len
+        return tuple(-(-units * blocks_per_seq(w, self.max_model_len, self.kv_block_size, step) // one)
+                     for _, w in self._kv_groups())
+
+    def kv_pool_bytes(self, units: int) -> int:
+        return sum(n * self.kv_block_size * bpt for n, (bpt, _) in zip(self.kv_group_blocks(units), self._kv_groups()))
+
+    def kv_units_within(self, nbytes: int) -> int:
+        """The largest pool (in units) whose bytes are at most nbytes."""
+        if nbytes <= 0:
+            return 0
+        one = self.kv_blocks_per_seq
+        per_seq = self.kv_pool_bytes(one)  # bytes of one max_model_len sequence over every group
+        units = nbytes * one // per_seq
+        while units > 0 and self.kv_pool_bytes(units) > nbytes:
+            units -= 1
+        return units
+
     def min_budget(self) -> int:
         """The smallest device budget that serves one max_model_len sequence, all blocks streamed."""
-        return (self.global_bytes + self.workspace_bytes + self.kv_blocks_per_seq * self.kv_block_bytes
+        return (self.global_bytes + self.workspace_bytes + self.kv_pool_bytes(self.kv_blocks_per_seq)
                 + self.min_streaming_bytes() + self.draft_bytes(0))
 
     def draft_bytes(self, streamed: int) -> int:
@@ -173,6 +204,11 @@ class MemoryPlan:
     # Host tier of the KV cache (prefix-cache blocks evicted from the pool).
     num_host_kv_blocks: int = 0
     kv_host_bytes: int = 0
+    # KV groups (PlanInputs.kv_groups; () = one full-attention group) and each one's pool and host tier in
+    # blocks; num_kv_blocks and num_host_kv_blocks are group 0's.
+    kv_groups: tuple[tuple[int, int | None], ...] = ()
+    kv_group_blocks: tuple[int, ...] = ()
+    kv_group_host_blocks: tuple[int, ...] = ()
     grammar_cache_bytes: int = 0  # see PlanInputs
     # Expert-granular streaming (see PlanInputs); expert_slots == 0: off, experts travel inside their blocks.
     expert_slots: int = 0
@@ -217,6 +253,29 @@ class MemoryPlan:
             + self.draft_bytes
         )
 
+    def _describe_kv_pool(self) -> str:
+        if len(self.kv_groups) <= 1 and not any(w for _, w in self.kv_groups):
+            return (f"  KV pool: {format_bytes(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x "
+                    f"{self.kv_block_size} tokens ({self.num_kv_blocks * self.kv_block_size} tokens shared by up to "
+                    f"{self.max_num_seqs} seqs; max_model_len {self.max_model_len} per request)")
+        pools = ", ".join(f"{n} blocks for the {'full-attention' if w is None else f'window-{w}'} layers"
+                          for n, (_, w) in zip(self.kv_group_blocks, self.kv_groups))
+        return (f"  KV pool: {format_bytes(self.kv_cache_bytes)} = {pools} (blocks of {self.kv_block_size} tokens, "
+                f"shared by up to {self.max_num_seqs} seqs; max_model_len {self.max_model_len} per request)")
+
+    def _describe_kv_per_token(self) -> str:
+        """K and V bytes per token: over every layer, and what sliding-window layers stop adding."""
+        groups = self.kv_groups
+        total = sum(b for b, _ in groups)
+        if not groups:
+            return ""
+        if not any(w for _, w in groups):
+            return f"  KV per token: {format_bytes(total)} (K and V over every layer)"
+        windows = ", ".join(f"window {w}: {format_bytes(b)}" for b, w in groups if w is not None)
+        full = sum(b for b, w in groups if w is None)
+        return (f"  KV per token: {format_bytes(total)} up to the sliding windows, {format_bytes(full)} beyond them "
+                f"(full-attention layers; the sliding-window layers keep only their window: {windows})")
+
     def budget_keeping(self, resident: int, depth: int | None = None) -> int:
         """A device budget under which this plan's model keeps exactly `resident` blocks besides
         depth + 1 stream buffers (half a block of slack, less than another block needs)."""
@@ -247,10 +306,10 @@ class MemoryPlan:
             f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
             f"  workspace: {format_bytes(self.workspace_bytes)}"
             + (f" (steps of up to {self.max_num_batched_tokens} tokens)" if self.max_num_batched_tokens else ""),
-            f"  KV pool: {format_bytes(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks x {self.kv_block_size} "
-            f"tokens ({self.num_kv_blocks * self.kv_block_size} tokens shared by up to {self.max_num_seqs} seqs; "
-            f"max_model_len {self.max_model_len} per request)",
+            self._describe_kv_pool(),
         ]
+        if self.kv_groups:
+            lines.append(self._describe_kv_per_token())
         if self.kv_fits:
             lines.append("  KV fits by --kv-cache-dtype (pool tokens; the longest sequence this budget holds, "
                          "every block streamed): " + "; ".join(
@@ -309,26 +368,29 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     """
     if p.num_layers < 1:
         raise PlanError("model has no layers")
-    per_block, one_seq = p.kv_block_bytes, p.kv_blocks_per_seq
+    one_seq = p.kv_blocks_per_seq
     target = p.max_num_seqs * one_seq
     notes: list[str] = []
     if p.kv_cache_bytes is not None:
-        target = p.kv_cache_bytes // per_block
+        target = p.kv_units_within(p.kv_cache_bytes)
         if target < one_seq:
             raise PlanError(f"--kv-cache-memory {format_bytes(p.kv_cache_bytes)} holds {target} KV blocks; one "
                             f"sequence of max_model_len {p.max_model_len} needs {one_seq} "
-                            f"({format_bytes(one_seq * per_block)})")
+                            f"({format_bytes(p.kv_pool_bytes(one_seq))})")
 
-    host_kv_blocks = p.kv_host_bytes // per_block
+    host_units = p.kv_units_within(p.kv_host_bytes)
+    host_group_blocks = p.kv_group_blocks(host_units)
 
     def plan(resident: list[int], buffers: int, blocks: int, block_bytes: int = p.block_bytes,
              **experts) -> MemoryPlan:
         streamed = [i for i in range(p.num_layers) if i not in set(resident)]
+        group_blocks = p.kv_group_blocks(blocks)
         return _with_host_tier(p, MemoryPlan(
-            p.budget, p.num_layers, resident, streamed, block_bytes, p.global_bytes, blocks * per_block,
+            p.budget, p.num_layers, resident, streamed, block_bytes, p.global_bytes, p.kv_pool_bytes(blocks),
             p.workspace_bytes, buffers, p.max_model_len, p.max_num_seqs, p.prefetch_depth, tuple(notes),
-            streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=blocks,
-            num_host_kv_blocks=host_kv_blocks, kv_host_bytes=host_kv_blocks * per_block,
+            streamed_block_bytes=p.streamed_block_bytes, kv_block_size=p.kv_block_size, num_kv_blocks=group_blocks[0],
+            num_host_kv_blocks=host_group_blocks[0], kv_host_bytes=p.kv_pool_bytes(host_units),
+            kv_groups=p._kv_groups(), kv_group_blocks=group_blocks, kv_group_host_blocks=host_group_blocks,
             draft_bytes=p.draft_bytes(len(streamed)), draft_name=p.draft_name,
             attn_chunk_bytes=p.attn_chunk_bytes, max_num_batched_tokens=p.max_num_batched_tokens,
             runtime_bytes=p.runtime_bytes, **experts))
@@ -340,12 +402,12 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     # The draft's largest size is set aside first; each block then kept resident gives back its
     # self-draft copy (draft_block_bytes), so it costs block_bytes - draft_block_bytes.
     room = p.budget - p.global_bytes - p.workspace_bytes - p.draft_bytes(0)
-    blocks = min(target, max(0, room - p.min_streaming_bytes()) // per_block)
+    blocks = min(target, p.kv_units_within(room - p.min_streaming_bytes()))
     if blocks < one_seq:
         raise PlanError(
             f"device budget {format_bytes(p.budget)} is too small: embeddings/head "
             f"{format_bytes(p.global_bytes)}, KV cache for one sequence of {p.max_model_len} tokens "
-            f"{format_bytes(one_seq * per_block)}, workspace {format_bytes(p.workspace_bytes)} and "
+            f"{format_bytes(p.kv_pool_bytes(one_seq))}, workspace {format_bytes(p.workspace_bytes)} and "
             f"{p.streaming_needs()}"
             + (f", the speculative draft {format_bytes(p.draft_bytes(0))}," if p.draft_name else "")
             + " need at least "
@@ -356,7 +418,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
         wanted = "--kv-cache-memory" if p.kv_cache_bytes else f"{p.max_num_seqs} x max_model_len"
         notes.append(f"KV pool of {blocks} blocks ({blocks * p.kv_block_size} tokens) is less than the {target} "
                      f"blocks of {wanted}: long sequences run fewer at a time")
-    room -= blocks * per_block
+    room -= p.kv_pool_bytes(blocks)
     if room >= all_blocks:
         return plan(list(range(p.num_layers)), 0, blocks)
     if p.expert_bytes:
@@ -417,7 +479,7 @@ def plan_largest_context(make_inputs, max_model_len: int, min_model_len: int, bl
             f"device budget {format_bytes(full.budget)} is too small even for a context of {min_model_len} "
             f"tokens: that needs at least {format_bytes(small.min_budget())} (embeddings/head "
             f"{format_bytes(small.global_bytes)}, workspace {format_bytes(small.workspace_bytes)}, KV "
-            f"{format_bytes(small.kv_blocks_per_seq * small.kv_block_bytes)}, stream buffers); the full "
+            f"{format_bytes(small.kv_pool_bytes(small.kv_blocks_per_seq))}, stream buffers); the full "
             f"context of {max_model_len} needs {format_bytes(full.min_budget())}; raise --max-device-memory"
         )
     return replace(best, notes=best.notes + (
@@ -465,7 +527,10 @@ def _kv_fits(p: PlanInputs, plan: MemoryPlan) -> tuple[KVFit, ...]:
             pool = plan.num_kv_blocks
         else:
             try:
-                pool = plan_memory(replace(p, kv_bytes_per_token=per_token, kv_dtype_options=())).num_kv_blocks
+                # Every KV group's bytes scale with the dtype alike (each layer's K and V, codes and scales).
+                groups = tuple((bpt * per_token // p.kv_bytes_per_token, w) for bpt, w in p.kv_groups)
+                pool = plan_memory(replace(p, kv_bytes_per_token=per_token, kv_groups=groups,
+                                           kv_dtype_options=())).num_kv_blocks
             except PlanError:
                 pool = 0
         longest = None

@@ -17,7 +17,7 @@ from . import model as M
 from . import ops
 from .arch import LayerAttention, ModelConfig
 from .attention_backend import AttentionScratch
-from .block_manager import BlockCopy
+from .block_manager import NULL_BLOCK, BlockCopy
 from .kv_cache import KVCache
 from .scheduler import ScheduledChunk
 from .weights import ModelWeights, StreamStats
@@ -67,6 +67,24 @@ def _prefill_keys(starts: list[int], counts: list[int], window: int | None) -> i
     return total
 
 
+def _padded_tables(chunks: list[ScheduledChunk], group: int, max_blocks: int) -> list[int]:
+    """The chunks' block tables of a KV group, each cut or padded to max_blocks with block 0, flattened.
+    Padding blocks are never attended (keys past a sequence's end are masked), so block 0 will do; so
+    will it for a block a sliding window released (NULL_BLOCK): its keys are masked too."""
+    out: list[int] = []
+    for c in chunks:
+        table = _table(c.seq, group)[:max_blocks]
+        out += table + [0] * (max_blocks - len(table))
+    if NULL_BLOCK in out:  # only a windowed group's tables hold released entries
+        out = [max(b, 0) for b in out]
+    return out
+
+
+def _table(seq, group: int) -> list[int]:
+    """A sequence's block table of a KV group (engine.kv_groups): group 0's is Sequence.block_table."""
+    return seq.block_table if group == 0 else seq.kv_tables[group - 1]
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: KVCache, device: torch.device,
                  dtype: torch.dtype, attn_chunk_bytes: int | None = None):
@@ -81,12 +99,15 @@ class ModelRunner:
         self.inv_freq = self.inv_freq.to(device)
         # What each block's attention is (window, RoPE table), and the distinct kinds in block order: a
         # step's mask and rotary tables are built once per kind, not per block.
-        self.layer_kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
+        # Each block's KV group (engine.kv_groups: whose block tables it reads) goes with its kind.
+        self.layer_kinds = [(cfg.layer_attention(i), kv.layer_groups[i]) for i in range(cfg.num_layers)]
         self.kinds = list(dict.fromkeys(self.layer_kinds))
+        self.groups = sorted(set(kv.layer_groups))
         self.local_inv_freq = None
-        if any(k.rope == "local" for k in self.kinds):
+        if any(k.rope == "local" for k, _ in self.kinds):
             local, self.local_rope_scaling = M.rotary_inv_freq(cfg, "local")
             self.local_inv_freq = local.to(device)
+        self.long_inv_freq = M.rotary_inv_freq(cfg, "long")[0].to(device) if cfg.rope_long_inv_freq else None
         self.last_step: StepTiming | None = None
         self.attn_scratch = AttentionScratch()
 
@@ -97,15 +118,17 @@ class ModelRunner:
     def _layer_step_inputs(self, chunks: list[ScheduledChunk]) -> list[M.StepInputs]:
         """The step's inputs of every block: one StepInputs per layer kind (window, RoPE table), shared by
         the blocks of that kind."""
-        ids, positions, slot_mapping, logits_index, prompt_rows = [], [], [], [], []
+        ids, positions, logits_index, prompt_rows = [], [], [], []
+        slot_mapping = {g: [] for g in self.groups}
         starts, counts = [], []
         bs = self.kv.block_size
         for c in chunks:
             first = len(ids)
-            table = c.seq.block_table
             ids += c.token_ids()
             positions += range(c.start, c.start + c.count)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
+            for g in self.groups:
+                table = _table(c.seq, g)
+                slot_mapping[g] += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
             logits_index += range(len(ids) - c.num_logits, len(ids))
             prompt_rows += (first + p - c.start for p in c.prompt_logit_positions)
             starts.append(c.start)
@@ -118,14 +141,15 @@ class ModelRunner:
         if len(chunks) * mq != len(ids):
             pad_rows = [i * mq + j for i, n in enumerate(counts) for j in range(n)]  # (tokens,)
         max_blocks = -(-ctx // bs)
-        # (seqs, max_blocks), flattened for the upload; padding blocks are never attended (keys past
-        # a sequence's end are masked), so block 0 will do.
-        tables = [b for c in chunks for b in c.seq.block_table[:max_blocks]
-                  + [0] * (max_blocks - len(c.seq.block_table[:max_blocks]))]
-        ids_t, pos, slot_mapping_t, tables_t, logits_t, starts_t, counts_t, pad_t = upload(
-            [ids, positions, slot_mapping, tables, logits_index, starts, counts, pad_rows or []], self.device)
+        # (seqs, max_blocks) per group, flattened for the upload
+        tables = {g: _padded_tables(chunks, g, max_blocks) for g in self.groups}
+        ids_t, pos, logits_t, starts_t, counts_t, pad_t, *per_group = upload(
+            [ids, positions, logits_index, starts, counts, pad_rows or []]
+            + [slot_mapping[g] for g in self.groups] + [tables[g] for g in self.groups], self.device)
+        slots_t = dict(zip(self.groups, per_group[:len(self.groups)]))
+        block_tables = {g: t.view(len(chunks), max_blocks) for g, t in zip(self.groups, per_group[len(self.groups):])}
         dev = self.device
-        rotary = {"global": M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype), None: (None, None)}
+        rotary = {"global": self._global_rotary(chunks, pos), None: (None, None)}
         if self.local_inv_freq is not None:
             rotary["local"] = M.rotary_cos_sin(pos, self.local_inv_freq, self.local_rope_scaling, self.dtype)
         t = torch.arange(mq, device=dev)
@@ -133,31 +157,35 @@ class ModelRunner:
         valid = t[None, :] < counts_t[:, None]  # (seqs, max_query)
         keys = torch.arange(ctx, device=dev)
         causal = keys[None, None, :] <= q_pos[:, :, None]  # (seqs, max_query, context)
-        masks = {}  # window -> (mask (seqs, 1, max_query, context), open keys)
-        windows = list(dict.fromkeys(k.window for k in self.kinds))
+        # window -> (mask (seqs, 1, max_query, keys from first_block * bs), open keys, first_block)
+        masks = {}
+        windows = list(dict.fromkeys(k.window for k, _ in self.kinds))
         for window in windows:
-            mask = causal.clone() if len(windows) > 1 else causal
-            open_keys = min(starts)  # every row's causal mask admits the keys before the earliest chunk
+            first_block, open_keys = 0, min(starts)  # every row's causal mask admits the keys before the earliest chunk
             if window is not None and window < ctx:
-                mask &= keys[None, None, :] > q_pos[:, :, None] - window
-                open_keys = 0
-            # Padding rows attend to key 0 only, so softmax never sees an all-masked row (NaN).
+                # A windowed block gathers from the first block its earliest query reads, not from position 0.
+                first_block, open_keys = max(0, min(starts) - window + 1) // bs, 0
+                k = keys[first_block * bs:]
+                mask = (k[None, None, :] <= q_pos[:, :, None]) & (k[None, None, :] > q_pos[:, :, None] - window)
+            else:
+                mask = causal.clone() if len(windows) > 1 else causal
+            # Padding rows attend to the first key only, so softmax never sees an all-masked row (NaN).
             mask[..., 0] |= ~valid
-            masks[window] = mask[:, None], open_keys
-        block_tables = tables_t.view(len(chunks), max_blocks)
+            masks[window] = mask[:, None], open_keys, first_block
         token_tables = None
         # One choice for every block: by the keys of the widest kind (a full-attention block reads them all).
-        widest = None if any(k.window is None for k in self.kinds) else max(k.window for k in self.kinds)
+        widest = None if any(k.window is None for k, _ in self.kinds) else max(k.window for k, _ in self.kinds)
         if mq > 1 and ops.tokenwise_attention_pays(self.device, self.dtype, _prefill_keys(starts, counts, widest)):
-            token_tables = block_tables.repeat_interleave(counts_t, dim=0)  # (tokens, max_blocks)
-        first = self.kinds[0]
+            # (tokens, max_blocks) per group
+            token_tables = {g: t.repeat_interleave(counts_t, dim=0) for g, t in block_tables.items()}
+        first, group = self.kinds[0]
         step = M.StepInputs(
             input_ids=ids_t,
             positions=pos,
             cos=rotary[first.rope][0],
             sin=rotary[first.rope][1],
-            slot_mapping=slot_mapping_t,
-            block_tables=block_tables,
+            slot_mapping=slots_t[group],
+            block_tables=block_tables[group],
             pad_rows=pad_t if pad_rows is not None else None,
             max_query=mq,
             context_len=ctx,
@@ -166,15 +194,36 @@ class ModelRunner:
             attn_chunk_bytes=self.attn_chunk_bytes,
             open_keys=masks[first.window][1],
             attn_scratch=self.attn_scratch,
-            token_tables=token_tables,
+            token_tables=token_tables[group] if token_tables is not None else None,
             window=first.window,
+            first_block=masks[first.window][2],
         )
-        by_kind: dict[LayerAttention, M.StepInputs] = {first: step}
-        for kind in self.kinds[1:]:
-            (cos, sin), (mask, open_keys) = rotary[kind.rope], masks[kind.window]
-            by_kind[kind] = dataclasses.replace(step, cos=cos, sin=sin, attn_mask=mask, open_keys=open_keys,
-                                                window=kind.window)
+        by_kind: dict[tuple[LayerAttention, int], M.StepInputs] = {(first, group): step}
+        for kind, g in self.kinds[1:]:
+            (cos, sin), (mask, open_keys, first_block) = rotary[kind.rope], masks[kind.window]
+            by_kind[kind, g] = dataclasses.replace(
+                step, cos=cos, sin=sin, attn_mask=mask, open_keys=open_keys, window=kind.window,
+                first_block=first_block,
+                slot_mapping=slots_t[g], block_tables=block_tables[g],
+                token_tables=token_tables[g] if token_tables is not None else None)
         return [by_kind[k] for k in self.layer_kinds]
+
+    def _global_rotary(self, chunks: list[ScheduledChunk], pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (tokens, 1, rotary_dim) of the global table. LongRoPE: each sequence's tokens by the long
+        table once the sequence is longer than rope_long_after (its known tokens, or the positions this step
+        feeds, drafts included), as transformers chooses for a forward pass over it."""
+        short = None
+        if self.long_inv_freq is not None:
+            long = [max(c.seq.num_tokens, c.start + c.count) > self.cfg.rope_long_after for c in chunks]
+            if all(long):
+                return M.rotary_cos_sin(pos, self.long_inv_freq, self.rope_scaling, self.dtype)
+            if any(long):
+                rows = torch.tensor([x for c, x in zip(chunks, long) for _ in range(c.count)], device=pos.device)
+                short = M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
+                lng = M.rotary_cos_sin(pos, self.long_inv_freq, self.rope_scaling, self.dtype)
+                pick = rows[:, None, None]  # (tokens, 1, 1)
+                return torch.where(pick, lng[0], short[0]), torch.where(pick, lng[1], short[1])
+        return M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
                    v_cache: torch.Tensor, step: M.StepInputs) -> torch.Tensor:

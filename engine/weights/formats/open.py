@@ -29,11 +29,11 @@ def config_folder(path: str | Path) -> Path:
     if not is_gguf(path):
         return path
     from .gguf_config import metadata_folder
-    from .gguf_file import GGUFFile
+    from .gguf_file import GGUFIndex
 
-    first = GGUFFile(path)
+    index = GGUFIndex(path)  # every split: an architecture read by layerstream needs all tensor names
     try:
-        digest, architecture = first.header_sha256(), first.metadata.get("general.architecture")
+        digest, metadata, names = index.header_digest, index.metadata, frozenset(index.entries)
     finally:
-        first.close()
-    return metadata_folder(path, digest, architecture)
+        index.close()
+    return metadata_folder(path, digest, metadata.get("general.architecture"), metadata, names)

@@ -1,0 +1,69 @@
+"""Tiny random checkpoints of the families beyond Llama's block, built with transformers' own config
+classes (attention sharpened so that a window or a scale applied wrongly shows): shared by the family
+tests and the KV-group tests."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from engine.demo import build_random_model
+
+WINDOW = 8  # sliding window of the tiny models: the prompt alone runs past it
+LONGROPE_AFTER = 8  # the LongRoPE model's original context: the prompt alone runs past it
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def make_config(arch: str):
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
+                              SmolLM3Config)
+
+    if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
+        return Gemma3TextConfig(
+            **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            architectures=["Gemma3ForCausalLM"])
+    if arch == "gemma2":  # alternating layers, soft-caps small enough to bend these weights' scores and logits
+        return Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16, attention_bias=True,
+                            attn_logit_softcapping=0.5, final_logit_softcapping=2.0, tie_word_embeddings=False,
+                            architectures=["Gemma2ForCausalLM"])
+    if arch == "olmo2":  # norms after attention and the MLP only; q/k norms over the whole projections
+        return Olmo2Config(**COMMON, attention_bias=True, architectures=["Olmo2ForCausalLM"])
+    if arch == "granite":  # every Granite multiplier away from 1
+        return GraniteConfig(**COMMON, embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                             logits_scaling=4.0, architectures=["GraniteForCausalLM"])
+    if arch == "smollm3":  # NoPE every third layer (1 = RoPE), and a sliding window on the NoPE ones
+        return SmolLM3Config(**COMMON, no_rope_layers=[1, 1, 0, 1, 1, 0], use_sliding_window=True,
+                             sliding_window=WINDOW, architectures=["SmolLM3ForCausalLM"])
+    if arch == "glm4":  # four norms, q/k/v biases (no o bias), RoPE on half of each head in pairs, gate_up stored
+        return Glm4Config(**COMMON, attention_bias=True, partial_rotary_factor=0.5, architectures=["Glm4ForCausalLM"])
+    if arch == "phi3":  # qkv and gate_up stored stacked, RoPE on 3/4 of each head, a sliding window on every layer
+        return Phi3Config(**COMMON, partial_rotary_factor=0.75, sliding_window=WINDOW, pad_token_id=0,
+                          architectures=["Phi3ForCausalLM"])
+    if arch == "phi4mini":  # Phi-4-mini's shape: LongRoPE past a short original context, tied embeddings
+        return Phi3Config(**COMMON, partial_rotary_factor=0.75, tie_word_embeddings=True, pad_token_id=0,
+                          original_max_position_embeddings=LONGROPE_AFTER,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0, 2.5, 3.0],
+                                        "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 14.0]},
+                          architectures=["Phi3ForCausalLM"])
+    raise ValueError(arch)
+
+
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3", "phi4mini"]
+
+
+def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
+    """Scale q and k up so that attention is far from uniform: a window or a scale applied wrongly then
+    moves the logits well past the tolerance."""
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.mul_(scale)
+
+
+def build(folder, arch: str):
+    return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000,
+                              adjust=sharpen_attention)
