@@ -76,11 +76,16 @@ def kv_host_bytes(args: EngineArgs, device: torch.device, host_room: int) -> int
 
 def kv_quant_for(args: EngineArgs, cfg: ModelConfig) -> KVQuant | None:
     """The KV cache's quantized format (--kv-cache-dtype, --kv-cache-rotation), None for auto; a model whose
-    heads the format cannot split is a clear error before anything loads."""
+    heads the format cannot split, or with sliding-window layers (whose pools the quantized attention path does
+    not read yet), is a clear error before anything loads."""
     try:
-        return KVQuant.of(args.kv_cache_dtype, cfg.head_dim, args.kv_cache_rotation)
+        quant = KVQuant.of(args.kv_cache_dtype, cfg.head_dim, args.kv_cache_rotation)
     except ValueError as e:
         raise UnsupportedModelError(f"--kv-cache-dtype {args.kv_cache_dtype}: {e}") from None
+    if quant is not None and len(kv_layout(args, cfg).groups) > 1:
+        raise UnsupportedModelError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported yet for a model with "
+                                    f"sliding-window layers ({cfg.architecture}); use --kv-cache-dtype auto")
+    return quant
 
 
 def kv_dtype_options(cfg: ModelConfig, dtype: torch.dtype, rotate: bool) -> tuple[tuple[str, int], ...]:
