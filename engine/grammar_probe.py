@@ -36,6 +36,9 @@ _POLL_SECONDS = 0.01
 # The child's start (reading the tokenizer, building llguidance's trie): generous, a busy machine
 # must not disable the probe. Not a request's cost.
 _START_SECONDS = 120.0
+# The child runs this file with neither the working directory nor this file's folder on its path:
+# a module there named like one of the standard library's would be imported in its place.
+_CHILD = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,9 @@ class GrammarProbe:
         if self._broken:
             return None
         try:
-            child = subprocess.Popen([sys.executable, "-s", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1 << 16)
+            child = subprocess.Popen([sys.executable, "-s", "-c", _CHILD, os.path.abspath(__file__)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, bufsize=1 << 16)
             child.stdin.write(self._config + "\n")
             child.stdin.flush()
             ready, _, _ = select.select([child.stdout], [], [], _START_SECONDS)
