@@ -14,7 +14,9 @@ docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
                without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, told apart
                by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
                LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
-               dequantized to the compute dtype for each product.
+               dequantized to the compute dtype for each product; a LoRA-adapted weight (kind "lora",
+               engine.finetune) as its base's product plus the adapters' low-rank products in torch.
+               A tensor autograd follows (fine-tuning's recomputed blocks) never reaches a C++ kernel.
   small ops    rms_norm, add_rms_norm, apply_rotary, silu_mul: fused_ops.cpp on the CPU
                (LAYERSTREAM_FUSED_OPS), else torch.
   attention    token by token (token_by_token, decode_attention: fused_ops.cpp) for 16-bit CPU decode steps
@@ -188,7 +190,7 @@ def _few_bf16_rows(x: torch.Tensor) -> bool:
     whose products kernels/bf16_rows.cpp runs faster than oneDNN on a CPU without AMX (the figures:
     docs/benchmarks/bf16-rows.md, `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and
     bf16_rows() is None."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 2 or x.requires_grad:
         return False
     kernel = bf16_rows()
     return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
@@ -245,7 +247,18 @@ def _int8_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear}
+def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """A frozen base product plus low-rank adapters (engine.finetune's LoRAWeight): y = x W^T + b, and each
+    output segment s of y (q, k, v of a stacked wqkv; the whole of y otherwise) adds
+    scale * (x A_s^T) B_s^T, in the adapter's dtype, rounded to y's dtype after the sum as PEFT does."""
+    y = linear(x, w.base, bias)  # (..., out)
+    xa = x.to(w.dtype)
+    deltas = [F.linear(F.linear(xa, a), b) * w.scale if a is not None  # (..., segment) adapter dtype
+              else xa.new_zeros(*y.shape[:-1], n) for a, b, n in zip(w.a, w.b, w.sizes)]
+    return (y + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))).to(y.dtype)
+
+
+_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear}
 
 
 # -- small ops ----------------------------------------------------------------------------------------
@@ -256,6 +269,9 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the fused CPU ops take these tensors: on the CPU, one floating dtype, last dimension
     contiguous (the ops check the rest and raise)."""
+    # The C++ ops have no backward: a tensor autograd follows (fine-tuning) takes torch's ops.
+    if x.requires_grad or any(t.requires_grad for t in others):
+        return False
     return (x.is_cpu and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
             and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in others) and fused_ops() is not None)
 
@@ -329,7 +345,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 def uses_bf16_matmul(q: torch.Tensor) -> bool:
     """Whether attend runs these queries through the bf16 matmul path rather than SDPA."""
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and bf16_matmul_attention()
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and not q.requires_grad and bf16_matmul_attention()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, chunk_bytes: int | None = None,
