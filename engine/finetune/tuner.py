@@ -1,0 +1,76 @@
+"""A LoRA adapter trained over a frozen base: the base opened once, the adapter, its host optimizer, and
+one optimizer step over micro-batches (gradient accumulation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..loader import LoadedModel
+from .base import open_base, projection_shapes
+from .batch import Example, build_micro_batch
+from .config import TrainConfig
+from .lora import LoRAAdapter
+from .optimizer import HostAdamW
+from .step import forward_backward, visit_order
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean cross-entropy over the step's targets
+    targets: int  # tokens the loss predicted
+    tokens: int  # tokens the model ran over (forward)
+
+
+class LoRATuner:
+    def __init__(self, model: str, config: TrainConfig, **engine_args):
+        """engine_args: EngineArgs fields for the base (device, dtype, max_device_memory, transport, ...)."""
+        self.config = config
+        self.base: LoadedModel = open_base(model, config.max_length, config.batch_tokens, **engine_args)
+        try:
+            cfg = self.base.cfg
+            self.device, self.dtype = torch.device(self.base.runner.device), self.base.dtype
+            self.base.weights.set_visit_order(visit_order(cfg.num_layers))
+            self.adapter = LoRAAdapter(config.lora, projection_shapes(cfg), cfg.num_layers, self.device, config.seed)
+            self.optimizer = HostAdamW(self.adapter, config.lr, config.betas, config.eps, config.weight_decay)
+        except BaseException:
+            self.base.close()
+            raise
+
+    @property
+    def cfg(self):
+        return self.base.cfg
+
+    @property
+    def plan(self):
+        return self.base.plan
+
+    def accumulate(self, micro_batches: list[list[Example]]) -> StepResult:
+        """The step's gradients in the adapter's .grad (the mean loss over every target of every
+        micro-batch), without stepping the optimizer."""
+        targets = sum(e.targets for mb in micro_batches for e in mb)
+        if targets == 0:
+            raise ValueError("a training step without any target token (every token masked out)")
+        total, tokens = 0.0, 0
+        for mb in micro_batches:
+            batch = build_micro_batch(mb, self.cfg, self.dtype, self.device)
+            total += forward_backward(self.base.weights, self.adapter, batch, self.cfg, self.dtype, self.device,
+                                      1.0 / targets)
+            tokens += batch.tokens
+        return StepResult(total / targets, targets, tokens)
+
+    def step(self, micro_batches: list[list[Example]], lr: float | None = None) -> StepResult:
+        """One optimizer step: accumulate over the micro-batches, then AdamW on the host."""
+        result = self.accumulate(micro_batches)
+        self.optimizer.step(lr)
+        return result
+
+    def close(self) -> None:
+        self.base.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
