@@ -6,12 +6,21 @@ Public interface (callers import only this module):
       The base opened for training (engine_args: EngineArgs fields: device, dtype, max_device_memory, ...),
       the adapter on the device, AdamW's moments on the host. .step(micro_batches) -> StepResult;
       .accumulate(micro_batches) (gradients only); .adapter; .plan; .close().
-  Example                       one tokenized example (ids, which tokens are trained)
+  finetune(model, data, output, config, eval_data=, resume=, progress=, **engine_args) -> FineTuneResult
+      A whole run: JSONL data (data.py: chat or text; DataError names a bad line before the model loads),
+      checkpoints every config.save_every steps (atomic; the newest resumes), the PEFT-format adapter in
+      `output` when training finished, loss.csv (and loss.png with matplotlib).
+  save_adapter(folder, adapter, base_model), load_adapter_weights(folder, adapter)
+  DataError, Example            a bad training line; one tokenized example (ids, which tokens are trained)
 """
 
 from .batch import Example
 from .config import LoRAConfig, TrainConfig
+from .data import DataError
 from .lora import LoRAAdapter, LoRAWeight
+from .output import load_adapter_weights, save_adapter
+from .trainer import FineTuneResult, finetune
 from .tuner import LoRATuner, StepResult
 
-__all__ = ["Example", "LoRAAdapter", "LoRAConfig", "LoRATuner", "LoRAWeight", "StepResult", "TrainConfig"]
+__all__ = ["DataError", "Example", "FineTuneResult", "LoRAAdapter", "LoRAConfig", "LoRATuner", "LoRAWeight",
+           "StepResult", "TrainConfig", "finetune", "load_adapter_weights", "save_adapter"]

@@ -87,3 +87,25 @@ class _Rows:
 
     def __init__(self, rows: torch.Tensor):
         self.logits_index = rows
+
+
+def forward_loss(weights: ModelWeights, adapter: LoRAAdapter, batch: MicroBatch, cfg: ModelConfig,
+                 dtype: torch.dtype, device: torch.device) -> float:
+    """The summed cross-entropy over the batch's targets, forward only (evaluation); the caller has set
+    the weights' visit order to the forward pass alone."""
+    try:
+        with torch.no_grad():
+            x = M.scale_embeddings(weights.globals.embed(batch.steps[0].input_ids), cfg)  # (tokens, hidden)
+            for i in range(cfg.num_layers):
+                w = adapter.adapt(i, weights.acquire(i))
+                x = M.block_forward(x, w, *scratch_kv(batch, cfg, dtype, device), batch.steps[i], cfg)
+                weights.release(i)
+            total = 0.0
+            g = weights.globals
+            for start in range(0, batch.loss_rows.numel(), LOSS_ROWS):
+                logits = M.final_logits(x, g.norm, g.head, _Rows(batch.loss_rows[start:start + LOSS_ROWS]), cfg)
+                total += float(F.cross_entropy(logits, batch.labels[start:start + LOSS_ROWS], reduction="sum"))
+    except BaseException:
+        weights.reset()
+        raise
+    return total

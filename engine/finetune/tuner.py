@@ -13,7 +13,7 @@ from .batch import Example, build_micro_batch
 from .config import TrainConfig
 from .lora import LoRAAdapter
 from .optimizer import HostAdamW
-from .step import forward_backward, visit_order
+from .step import forward_backward, forward_loss, visit_order
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,18 @@ class LoRATuner:
         result = self.accumulate(micro_batches)
         self.optimizer.step(lr)
         return result
+
+    def evaluate(self, micro_batches: list[list[Example]]) -> float:
+        """The mean loss over every target of the micro-batches, forward only."""
+        cfg, weights = self.cfg, self.base.weights
+        targets = sum(e.targets for mb in micro_batches for e in mb)
+        weights.set_visit_order(list(range(cfg.num_layers)))
+        try:
+            total = sum(forward_loss(weights, self.adapter, build_micro_batch(mb, cfg, self.dtype, self.device),
+                                     cfg, self.dtype, self.device) for mb in micro_batches)
+        finally:
+            weights.set_visit_order(visit_order(cfg.num_layers))
+        return total / max(targets, 1)
 
     def close(self) -> None:
         self.base.close()
