@@ -120,11 +120,11 @@ def _train(tuner: LoRATuner, model: str, dataset: Dataset, evalset: Dataset | No
                 f.flush()
                 bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{res.tokens / seconds:.0f}", epoch=epoch)
                 bar.update(1)
-                if on_step:
-                    on_step(step, res)
                 if config.save_every and step % config.save_every == 0 and step < total:
                     save_checkpoint(output, TrainerState(step, epoch, epoch_step, _data_id(dataset.path), record),
                                     tuner.adapter, tuner.optimizer.state_dict(), model)
+                if on_step:
+                    on_step(step, res)
     finally:
         bar.close()
     save_adapter(output, tuner.adapter, model)
