@@ -18,6 +18,8 @@ SUBCOMMANDS = {
     "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
     "convert": ("layerstream.convert", "build a model's cache entry ahead of time: a GGUF file prepacked for the CPU "
                 "kernels, or --quantization int4|int8 of a safetensors checkpoint"),
+    "finetune": ("layerstream.finetune", "train a LoRA adapter on a JSONL file over a frozen base that streams (larger "
+                 "than memory); PEFT's adapter format"),
     "build-kernels": ("engine.kernels.cli", "build the C++ CPU kernels now (setup and image builds run it), so no "
                       "start-up or request waits on a compiler"),
     "bench": ("layerstream.bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
