@@ -67,7 +67,7 @@ def finetune(model: str, data: str | Path, output: str | Path, config: TrainConf
     try:
         log.info("fine-tuning %s: %d examples, %d trained tokens, %d steps (%d an epoch), LoRA r=%d on %s\n%s",
                  model, len(dataset.examples), dataset.targets, total, per_epoch, config.lora.r,
-                 ", ".join(config.lora.target_modules), tuner.plan.describe())
+                 ", ".join(config.lora.target_modules), tuner.memory.describe())
         return _train(tuner, model, dataset, evalset, output, config, total, per_epoch, resume, progress, on_step)
     finally:
         tuner.close()

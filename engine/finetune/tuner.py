@@ -12,6 +12,7 @@ from .base import open_base, projection_shapes
 from .batch import Example, build_micro_batch
 from .config import TrainConfig
 from .lora import LoRAAdapter
+from .memory import training_memory
 from .optimizer import HostAdamW
 from .step import forward_backward, forward_loss, visit_order
 
@@ -33,6 +34,7 @@ class LoRATuner:
             self.device, self.dtype = torch.device(self.base.runner.device), self.base.dtype
             self.base.weights.set_visit_order(visit_order(cfg.num_layers))
             self.adapter = LoRAAdapter(config.lora, projection_shapes(cfg), cfg.num_layers, self.device, config.seed)
+            self.memory = training_memory(cfg, config, self.dtype, self.device)
             self.optimizer = HostAdamW(self.adapter, config.lr, config.betas, config.eps, config.weight_decay)
         except BaseException:
             self.base.close()

@@ -22,6 +22,8 @@ def test_one_step_gradients_match_peft(model_dirs, arch, streamed):
     folder = model_dirs[arch]
     with _tuner(folder, streamed) as tuner:
         assert bool(tuner.plan.streamed_blocks) == streamed
+        assert tuner.memory.adapter_bytes == sum(4 * t.numel() for t in tuner.adapter.tensors())
+        assert tuner.memory.optimizer_bytes == 2 * tuner.memory.adapter_bytes  # CPU: the adapter is the master
         random_adapter(tuner)
         batches = [random_examples(3, tuner.cfg.vocab_size, seed=2), random_examples(2, tuner.cfg.vocab_size, seed=3)]
         result = tuner.accumulate(batches)
@@ -64,3 +66,27 @@ def test_ten_adamw_steps_match_peft(model_dirs):
     assert moved > 1e-3  # the adapter did train
     for k in mine:
         torch.testing.assert_close(mine[k], theirs[k], atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.cuda
+def test_streamed_gradients_on_cuda_match_peft(model_dirs):
+    """The CUDA transport's streamed blocks, the adapter on the GPU, AdamW's masters on the host."""
+    folder = model_dirs["llama"]
+    config = TrainConfig(max_length=32, batch_tokens=64, lora=LORA)
+    budget = budget_for(folder, resident=1, device="cuda", max_model_len=32, max_num_seqs=1,
+                        max_num_batched_tokens=64)
+    with LoRATuner(str(folder), config, dtype="float32", device="cuda", max_device_memory=budget) as tuner:
+        assert tuner.plan.streamed_blocks
+        random_adapter(tuner)
+        batches = [random_examples(3, tuner.cfg.vocab_size, seed=2)]
+        tuner.accumulate(batches)
+        state = tuner.adapter.state_dict()
+        ref = peft_model(folder, LORA, state)
+        peft_loss(ref, batches).backward()
+    theirs = peft_grads(ref)
+    mine = {}
+    for (layer, module), (a, b) in tuner.adapter.params.items():
+        key = next(k for k in state if f"layers.{layer}." in k and f".{module}." in k).rsplit(".lora_", 1)[0]
+        mine[key + ".lora_A.weight"], mine[key + ".lora_B.weight"] = a.grad.cpu(), b.grad.cpu()
+    for k, g in theirs.items():
+        torch.testing.assert_close(mine[k], g, atol=1e-5, rtol=1e-5, msg=k)
