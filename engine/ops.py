@@ -179,6 +179,8 @@ def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ w.T + bias -> (..., out), where w is a dense (out, in) tensor or a packed weight."""
     if not isinstance(w, torch.Tensor):
+        if x.requires_grad and w.kind in ("int4", "int8"):
+            return _FrozenPackedLinear.apply(x, w, bias)  # the kernels have no backward
         return _PACKED[w.kind](x, w, bias)
     if _few_bf16_rows(x):
         return bf16_rows().linear(x, w, bias)  # its kernel where it applies, else F.linear's (bf16_rows.cpp)
@@ -224,6 +226,25 @@ def single_row_products(x: torch.Tensor):
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # (tokens, in)
+
+
+class _FrozenPackedLinear(torch.autograd.Function):
+    """A frozen int4/int8 weight's product with a backward for x (fine-tuning over a quantized base, QLoRA's
+    way): the forward is the kernel's; the backward multiplies by the dequantized weight, which is the
+    kernel's own product of the identity (its int8 quantization of a one-hot row is exact), so the weight's
+    packed layout needs no dequantizer of its own. Formed per call: (out, in) in x's dtype, then freed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.w, ctx.dtype = w, x.dtype
+        return _PACKED[w.kind](x.detach(), w, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.w
+        eye = torch.eye(w.shape[1], dtype=ctx.dtype, device=grad.device)  # (in, in)
+        w_t = _PACKED[w.kind](eye, w, None)  # (in, out) = W^T
+        return grad.to(ctx.dtype) @ w_t.T, None, None  # (..., in)
 
 
 def _gguf_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:

@@ -13,13 +13,12 @@ from ..model_source import resolve_model
 def open_base(model: str, max_length: int, batch_tokens: int, **engine_args) -> LoadedModel:
     """The base for training: planned like a prefill of batch_tokens tokens in sequences of at most
     max_length (engine_args: any EngineArgs field: device, dtype, max_device_memory, transport, ...).
-    Models whose blocks the adapter cannot target yet are refused before anything is read."""
+    A packed base (GGUF, int4/int8) stays packed: its products run on its kernels forward and on its
+    dequantized weight backward (engine.ops), QLoRA's way. Models whose blocks the adapter cannot target
+    yet are refused once their config is read."""
     engine_args.setdefault("show_progress", False)
     args = EngineArgs(model=model, max_model_len=max_length, max_num_batched_tokens=batch_tokens,
                       max_num_seqs=1, enable_prefix_caching=False, **engine_args)
-    if args.quantization:
-        raise ValueError("fine-tuning takes the base's own weights: --quantization is not supported "
-                         "(a GGUF base trains through its dequantized products)")
     loaded = load_model(args, resolve_model(model))
     try:
         check_trainable(loaded.cfg)
