@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.finetune import LoRAConfig, LoRATuner, TrainConfig
-from tests.support.finetune import peft_grads, peft_loss, peft_model, random_adapter, random_examples
+from tests.support.finetune import build_gemma2, peft_grads, peft_loss, peft_model, random_adapter, random_examples
 from tests.support.reference import budget_for
 
 LORA = LoRAConfig(r=4, alpha=8.0)
@@ -17,9 +17,10 @@ def _tuner(folder, streamed: bool, **kw) -> LoRATuner:
     return LoRATuner(str(folder), config, dtype="float32", max_device_memory=budget)
 
 
-@pytest.mark.parametrize("arch,streamed", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False)])
-def test_one_step_gradients_match_peft(model_dirs, arch, streamed):
-    folder = model_dirs[arch]
+@pytest.mark.parametrize("arch,streamed", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
+                                           ("mistral", True), ("gemma2", True)])
+def test_one_step_gradients_match_peft(model_dirs, tmp_path, arch, streamed):
+    folder = build_gemma2(tmp_path / arch) if arch == "gemma2" else model_dirs[arch]
     with _tuner(folder, streamed) as tuner:
         assert bool(tuner.plan.streamed_blocks) == streamed
         assert tuner.memory.adapter_bytes == sum(4 * t.numel() for t in tuner.adapter.tensors())

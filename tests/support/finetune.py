@@ -61,3 +61,16 @@ def random_examples(n: int, vocab: int, seed: int, lo: int = 5, hi: int = 24) ->
         prompt = int(torch.randint(1, length - 2, (1,), generator=gen))
         out.append(Example(tuple(ids), tuple([False] * prompt + [True] * (length - prompt))))
     return out
+
+
+def build_gemma2(folder):
+    """A tiny Gemma 2 (sandwich norms, 1 + w norms, embedding scale, attention and final soft-caps, sliding
+    windows on alternate layers): the block math furthest from Llama's."""
+    from transformers import Gemma2Config
+
+    from engine.demo import build_random_model
+
+    cfg = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                       sliding_window=8, query_pre_attn_scalar=24, architectures=["Gemma2ForCausalLM"])
+    return build_random_model(folder, cfg, dtype=torch.float32, seed=11)
