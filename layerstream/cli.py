@@ -38,6 +38,8 @@ SUBCOMMANDS = {
                    "streamed, from disk, repetitive"),
     "bench-scale": ("layerstream.bench.scale", "a Llama-3.2-3B-shaped model (or 8B): layerstream vs llama.cpp on the "
                     "same files, load, prefill, decode, peak memory, and under a memory cgroup"),
+    "bench-finetune": ("layerstream.bench.finetune", "LoRA training tok/s and peak memory: layerstream streaming vs PEFT "
+                       "+ accelerate offload under the same budget"),
     "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
 
