@@ -6,17 +6,17 @@ import torch
 
 from engine import ops
 from engine.finetune import LoRAConfig, LoRATuner, TrainConfig
-from engine.weights.packed.quantize import quantize_weight
+from gguf import GGMLQuantizationType as Q
+
+from engine.weights import Int8Weight
 from tests.support.finetune import random_examples
 from tests.support.gguf_models import tiny_gguf
-from engine.weights.packed.dequant import Q
 
 
-@pytest.mark.parametrize("mode,tol", [("int8", 0.02), ("int4", 0.2)])
-def test_packed_product_backward_is_the_dequantized_weights(mode, tol):
+def test_packed_product_backward_is_the_dequantized_weights():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=gen)
-    packed = quantize_weight(w, mode, torch.float32)
+    packed, tol = Int8Weight.quantize(w, torch.float32), 0.02
     x = torch.randn(5, 128, generator=gen, requires_grad=True)
     g = torch.randn(5, 96, generator=gen)
     y = ops.linear(x, packed)
@@ -29,13 +29,14 @@ def test_packed_product_backward_is_the_dequantized_weights(mode, tol):
         torch.testing.assert_close(y.detach(), ops.linear(x.detach(), packed))
 
 
-def test_lora_trains_over_a_gguf_base(tmp_path):
-    path = tiny_gguf(tmp_path, "llama", Q.Q8_0)
+@pytest.mark.parametrize("qtype,kind", [(Q.Q8_0, "int8"), (Q.Q4_0, "int4")])
+def test_lora_trains_over_a_gguf_base(tmp_path, qtype, kind):
+    path = tiny_gguf(tmp_path, "llama", qtype)
     config = TrainConfig(max_length=32, batch_tokens=64, lr=1e-2, lora=LoRAConfig(r=4, alpha=8.0))
     batch = [random_examples(3, 512, seed=4)]
     with LoRATuner(str(path), config, dtype="bfloat16") as tuner:
         w = tuner.base.weights.acquire(0)
-        assert {getattr(v, "kind", None) for v in w.values()} >= {"int8"}  # the products are the packed kernels'
+        assert kind in {getattr(v, "kind", None) for v in w.values()}  # the products are the packed kernels'
         tuner.base.weights.reset()
         losses = [tuner.step(batch).loss for _ in range(8)]
         grads_live = all(t.grad is None for t in tuner.adapter.tensors())  # zeroed after each step
