@@ -92,3 +92,24 @@ def test_packing_shuffling_and_accumulation(tmp_path, tok):
     assert steps != epoch_steps(examples, config, epoch=1)  # a new order each epoch
     unpacked = epoch_steps(examples, TrainConfig(max_length=64, batch_tokens=64, packing=False), 0)
     assert all(len(mb) == 1 for step in unpacked for mb in step)
+
+
+class _RewritingTemplate:
+    """A tokenizer whose template renders earlier turns differently once later ones follow (as some
+    'thinking' templates drop earlier reasoning)."""
+
+    chat_template = "x"
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        last = len(messages) - 1
+        body = "".join(f"<{m['role']}>{m['content'] if i == last else m['content'][:1]}" for i, m in enumerate(messages))
+        return body + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    with pytest.raises(DataError, match=r"train.jsonl:1: the chat template does not render"):
+        load_jsonl(_write(tmp_path, [CHAT]), _RewritingTemplate(), 512)
