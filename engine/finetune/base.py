@@ -3,11 +3,25 @@ frozen memory plan -> streamed weights), and the adapter's shapes for it."""
 
 from __future__ import annotations
 
-from ..args import EngineArgs
+import torch
+
+from ..args import EngineArgs, resolve_dtype
 from ..arch import ModelConfig
 from ..errors import UnsupportedModelError
 from ..loader import LoadedModel, load_model
 from ..model_source import resolve_model
+from ..weights import ModelCheckpoint
+
+
+def base_config(model: str, dtype: str = "auto") -> tuple[ModelConfig, torch.dtype]:
+    """The base's config and compute dtype, read from its checkpoint's headers (nothing loaded)."""
+    checkpoint = ModelCheckpoint(resolve_model(model))
+    try:
+        cfg = checkpoint.cfg
+    finally:
+        checkpoint.close()
+    check_trainable(cfg)
+    return cfg, resolve_dtype(dtype, cfg.checkpoint_dtype)
 
 
 def open_base(model: str, max_length: int, batch_tokens: int, **engine_args) -> LoadedModel:

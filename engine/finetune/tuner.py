@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from ..loader import LoadedModel
-from .base import open_base, projection_shapes
+from ..planner import PlanError, format_bytes, parse_bytes
+from .base import base_config, open_base, projection_shapes
 from .batch import Example, build_micro_batch
 from .config import TrainConfig
 from .lora import LoRAAdapter
-from .memory import training_memory
+from .memory import TrainingMemory, training_memory
 from .optimizer import HostAdamW
 from .step import forward_backward, forward_loss, visit_order
 
@@ -24,17 +25,32 @@ class StepResult:
     tokens: int  # tokens the model ran over (forward)
 
 
+def training_footprint(model: str, config: TrainConfig, **engine_args) -> TrainingMemory:
+    """What training `model` with `config` adds to the base's memory, and where (from the checkpoint's
+    headers; nothing is loaded). Its device_bytes come out of max_device_memory before the base is planned."""
+    cfg, dtype = base_config(model, engine_args.get("dtype", "auto"))
+    return training_memory(cfg, config, dtype, torch.device(engine_args.get("device", "cpu")))
+
+
 class LoRATuner:
     def __init__(self, model: str, config: TrainConfig, **engine_args):
         """engine_args: EngineArgs fields for the base (device, dtype, max_device_memory, transport, ...)."""
         self.config = config
+        cfg = base_config(model)[0]
+        self.memory = training_footprint(model, config, **engine_args)
+        budget = parse_bytes(engine_args.get("max_device_memory"))
+        if budget is not None:
+            # Training's own device memory first; the base's plan gets the rest.
+            if budget <= self.memory.device_bytes:
+                raise PlanError(f"device budget {format_bytes(budget)} cannot hold training's working set "
+                                f"({self.memory.describe()}); raise --max-device-memory or lower "
+                                "--batch-tokens / --lora-r")
+            engine_args["max_device_memory"] = budget - self.memory.device_bytes
         self.base: LoadedModel = open_base(model, config.max_length, config.batch_tokens, **engine_args)
         try:
-            cfg = self.base.cfg
             self.device, self.dtype = torch.device(self.base.runner.device), self.base.dtype
             self.base.weights.set_visit_order(visit_order(cfg.num_layers))
             self.adapter = LoRAAdapter(config.lora, projection_shapes(cfg), cfg.num_layers, self.device, config.seed)
-            self.memory = training_memory(cfg, config, self.dtype, self.device)
             self.optimizer = HostAdamW(self.adapter, config.lr, config.betas, config.eps, config.weight_decay)
         except BaseException:
             self.base.close()

@@ -4,16 +4,14 @@ import pytest
 import torch
 
 from engine.finetune import LoRAConfig, LoRATuner, TrainConfig
-from tests.support.finetune import build_gemma2, peft_grads, peft_loss, peft_model, random_adapter, random_examples
-from tests.support.reference import budget_for
+from tests.support.finetune import training_budget, build_gemma2, peft_grads, peft_loss, peft_model, random_adapter, random_examples
 
 LORA = LoRAConfig(r=4, alpha=8.0)
 
 
 def _tuner(folder, streamed: bool, **kw) -> LoRATuner:
     config = TrainConfig(max_length=32, batch_tokens=64, lora=kw.pop("lora", LORA), **kw)
-    budget = budget_for(folder, resident=1, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=64) \
-        if streamed else None
+    budget = training_budget(folder, config) if streamed else None
     return LoRATuner(str(folder), config, dtype="float32", max_device_memory=budget)
 
 
@@ -74,8 +72,7 @@ def test_streamed_gradients_on_cuda_match_peft(model_dirs):
     """The CUDA transport's streamed blocks, the adapter on the GPU, AdamW's masters on the host."""
     folder = model_dirs["llama"]
     config = TrainConfig(max_length=32, batch_tokens=64, lora=LORA)
-    budget = budget_for(folder, resident=1, device="cuda", max_model_len=32, max_num_seqs=1,
-                        max_num_batched_tokens=64)
+    budget = training_budget(folder, config, device="cuda")
     with LoRATuner(str(folder), config, dtype="float32", device="cuda", max_device_memory=budget) as tuner:
         assert tuner.plan.streamed_blocks
         random_adapter(tuner)

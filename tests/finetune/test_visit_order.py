@@ -5,12 +5,13 @@ import pytest
 
 from engine.finetune import LoRATuner, TrainConfig
 from tests.support.finetune import random_examples
-from tests.support.reference import budget_for
+from tests.support.finetune import training_budget
 
 
 def test_blocks_stream_forward_then_in_reverse(llama_dir):
-    budget = budget_for(llama_dir, resident=1, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=64)
-    with LoRATuner(str(llama_dir), TrainConfig(max_length=32, batch_tokens=64), dtype="float32",
+    config = TrainConfig(max_length=32, batch_tokens=64)
+    budget = training_budget(llama_dir, config)
+    with LoRATuner(str(llama_dir), config, dtype="float32",
                    max_device_memory=budget) as tuner:
         weights, streamed = tuner.base.weights, tuner.plan.streamed_blocks
         assert len(streamed) == tuner.cfg.num_layers - 1
@@ -29,8 +30,22 @@ def test_blocks_stream_forward_then_in_reverse(llama_dir):
 
 
 def test_an_order_missing_a_streamed_block_is_refused(llama_dir):
-    budget = budget_for(llama_dir, resident=1, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=64)
-    with LoRATuner(str(llama_dir), TrainConfig(max_length=32, batch_tokens=64), dtype="float32",
+    config = TrainConfig(max_length=32, batch_tokens=64)
+    budget = training_budget(llama_dir, config)
+    with LoRATuner(str(llama_dir), config, dtype="float32",
                    max_device_memory=budget) as tuner:
         with pytest.raises(ValueError, match="must visit every streamed block"):
             tuner.base.weights.set_visit_order([0, 1])
+
+
+def test_training_takes_its_share_of_the_budget_first(llama_dir):
+    from engine.finetune import training_footprint
+
+    config = TrainConfig(max_length=32, batch_tokens=64)
+    need = training_footprint(str(llama_dir), config, dtype="float32")
+    assert need.backward_bytes > 0 and need.device_bytes == 2 * need.adapter_bytes + need.backward_bytes
+    budget = training_budget(llama_dir, config)
+    with LoRATuner(str(llama_dir), config, dtype="float32", max_device_memory=budget) as tuner:
+        assert tuner.plan.budget == budget - need.device_bytes  # the base was planned in what is left
+    with pytest.raises(ValueError, match="cannot hold training's working set"):
+        LoRATuner(str(llama_dir), config, dtype="float32", max_device_memory=need.device_bytes - 1)

@@ -74,3 +74,15 @@ def build_gemma2(folder):
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                        sliding_window=8, query_pre_attn_scalar=24, architectures=["Gemma2ForCausalLM"])
     return build_random_model(folder, cfg, dtype=torch.float32, seed=11)
+
+
+def training_budget(folder, config, resident: int = 1, **engine_args) -> int:
+    """A device budget under which training keeps exactly `resident` blocks of the base resident: the
+    inference plan's budget for that (limits of one sequence of max_length, steps of batch_tokens) plus
+    what training takes out of it first."""
+    from engine.finetune import training_footprint
+    from tests.support.reference import budget_for
+
+    base = budget_for(folder, resident=resident, max_model_len=config.max_length, max_num_seqs=1,
+                      max_num_batched_tokens=config.batch_tokens, enable_prefix_caching=False, **engine_args)
+    return base + training_footprint(str(folder), config, dtype="float32", **engine_args).device_bytes
