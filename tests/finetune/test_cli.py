@@ -40,7 +40,7 @@ def test_python_api_beside_llm(tmp_path, llama_dir):
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(3)))
-    config = engine.TrainConfig(max_length=32, batch_tokens=32, max_steps=2, lora=engine.LoRAConfig(r=2, alpha=4))
+    config = engine.TrainConfig(max_length=32, batch_tokens=32, epochs=3, max_steps=2, lora=engine.LoRAConfig(r=2, alpha=4))
     result = engine.train_lora(str(llama_dir), data, tmp_path / "out", config, dtype="float32")
     assert result.steps == 2 and len(result.losses) == 2
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
