@@ -14,7 +14,9 @@ docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
                (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, told apart
                by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
                LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
-               dequantized to the compute dtype for each product.
+               dequantized to the compute dtype for each product; a LoRA-adapted weight (kind "lora",
+               engine.finetune) as its base's product plus the adapters' low-rank products in torch.
+               A tensor autograd follows (fine-tuning's recomputed blocks) never reaches a C++ kernel.
   small ops    rms_norm, add_rms_norm, apply_rotary, silu_mul: fused_ops.cpp on the CPU
                (LAYERSTREAM_FUSED_OPS), else torch.
   attention    token by token (token_by_token, decode_attention: fused_ops.cpp) for 16-bit CPU decode steps
@@ -185,6 +187,8 @@ def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ w.T + bias -> (..., out), where w is a dense (out, in) tensor or a packed weight."""
     if not isinstance(w, torch.Tensor):
+        if x.requires_grad and w.kind in ("int4", "int8"):
+            return _FrozenPackedLinear.apply(x, w, bias)  # the kernels have no backward
         return _PACKED[w.kind](x, w, bias)
     if _few_bf16_rows(x):
         return bf16_rows().linear(x, w, bias)  # its kernel where it applies, else F.linear's (bf16_rows.cpp)
@@ -195,8 +199,9 @@ def _few_bf16_rows(x: torch.Tensor) -> bool:
     """1-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
     whose products kernels/bf16_rows.cpp runs faster than oneDNN (and, at one row, than torch's own
     matrix-vector kernel) on a CPU without AMX (the figures: docs/benchmarks/bf16-rows.md,
-    `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and bf16_rows() is None."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 1:
+    `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and bf16_rows() is None. Not for
+    a tensor autograd follows: the kernel has no backward."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 1 or x.requires_grad:
         return False
     kernel = bf16_rows()
     return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
@@ -232,6 +237,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # (tokens, in)
 
 
+class _FrozenPackedLinear(torch.autograd.Function):
+    """A frozen int4/int8 weight's product with a backward for x (fine-tuning over a quantized base, QLoRA's
+    way): the forward is the kernel's; the backward multiplies by the dequantized weight, which is the
+    kernel's own product of the identity (its int8 quantization of a one-hot row is exact), so the weight's
+    packed layout needs no dequantizer of its own. Formed per call: (out, in) in x's dtype, then freed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.w, ctx.dtype = w, x.dtype
+        return _PACKED[w.kind](x.detach(), w, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.w
+        eye = torch.eye(w.shape[1], dtype=ctx.dtype, device=grad.device)  # (in, in)
+        w_t = _PACKED[w.kind](eye, w, None)  # (in, out) = W^T
+        return grad.to(ctx.dtype) @ w_t.T, None, None  # (..., in)
+
+
 def _gguf_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     # GGML blocks dequantized to the compute dtype for this product only: (out, in)
     return F.linear(x, w.dense(), bias)
@@ -253,7 +277,18 @@ def _int8_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear}
+def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """A frozen base product plus low-rank adapters (engine.finetune's LoRAWeight): y = x W^T + b, and each
+    output segment s of y (q, k, v of a stacked wqkv; the whole of y otherwise) adds
+    scale * (x A_s^T) B_s^T, in the adapter's dtype, rounded to y's dtype after the sum as PEFT does."""
+    y = linear(x, w.base, bias)  # (..., out)
+    xa = x.to(w.dtype)
+    deltas = [F.linear(F.linear(xa, a), b) * w.scale if a is not None  # (..., segment) adapter dtype
+              else xa.new_zeros(*y.shape[:-1], n) for a, b, n in zip(w.a, w.b, w.sizes)]
+    return (y + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))).to(y.dtype)
+
+
+_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear}
 
 
 # -- small ops ----------------------------------------------------------------------------------------
@@ -264,6 +299,9 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _fusable(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the fused CPU ops take these tensors: on the CPU, one floating dtype, last dimension
     contiguous (the ops check the rest and raise)."""
+    # The C++ ops have no backward: a tensor autograd follows (fine-tuning) takes torch's ops.
+    if x.requires_grad or any(t.requires_grad for t in others):
+        return False
     return (x.is_cpu and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
             and all(t.dtype == x.dtype and t.stride(-1) == 1 for t in others) and fused_ops() is not None)
 
@@ -337,7 +375,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 def uses_bf16_matmul(q: torch.Tensor) -> bool:
     """Whether attend runs these queries through the bf16 matmul path rather than SDPA."""
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and bf16_matmul_attention()
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and not q.requires_grad and bf16_matmul_attention()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, chunk_bytes: int | None = None,

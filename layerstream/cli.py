@@ -18,6 +18,8 @@ SUBCOMMANDS = {
     "serve": ("server.cli", "start the OpenAI-compatible HTTP server"),
     "convert": ("layerstream.convert", "build a model's cache entry ahead of time: a GGUF file prepacked for the CPU "
                 "kernels, or --quantization int4|int8 of a safetensors checkpoint"),
+    "finetune": ("layerstream.finetune", "train a LoRA adapter on a JSONL file over a frozen base that streams (larger "
+                 "than memory); PEFT's adapter format"),
     "build-kernels": ("engine.kernels.cli", "build the C++ CPU kernels now (setup and image builds run it), so no "
                       "start-up or request waits on a compiler"),
     "bench": ("layerstream.bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
@@ -38,6 +40,8 @@ SUBCOMMANDS = {
                     "same files, load, prefill, decode, peak memory, and under a memory cgroup"),
     "bench-kv": ("layerstream.bench.kv_cache", "the quantized KV cache and the KV disk tier on real SmolLM2: accuracy "
                  "against bf16 KV, capacity, decode tok/s at 16 long sequences, TTFT after a restart"),
+    "bench-finetune": ("layerstream.bench.finetune", "LoRA training tok/s and peak memory: layerstream streaming vs PEFT "
+                       "+ accelerate offload under the same budget"),
     "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
 

@@ -24,6 +24,8 @@ tests/test_import_rules.py enforces both):
       Embeddings, final norm and head placed on the device; .embed(ids) gathers rows in the compute dtype.
   weights.acquire(i) -> {short name: tensor}; weights.release(i); weights.reset()
       Block i's weights for the math, then give its buffer back (compute thread only, blocks in order).
+  weights.set_visit_order(blocks)
+      Change that order (a cycle; a block may recur): fine-tuning's forward 0..n-1 then backward n-1..0.
       A weight is a tensor or a packed weight (GGUFWeight, Int4Weight, Int8Weight: data, which engine.ops
       multiplies).
   weights.experts(i, chosen, hidden, router) -> iterator of {expert: {"w_gate", "w_up", "w_down"}} groups

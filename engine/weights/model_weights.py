@@ -334,6 +334,13 @@ class ModelWeights:
         self._acquired.pop(block, None)
         self._streamer.release(block)
 
+    def set_visit_order(self, blocks: list[int]) -> None:
+        """The cyclic order acquire() visits blocks in from now on (default: 0..n-1 every step). Training
+        passes 0..n-1 then n-1..0 so that the backward pass's blocks are prefetched in reverse. Drops
+        what was prepared for the old order."""
+        self._acquired.clear()
+        self._streamer.set_order(blocks)
+
     def experts(self, block: int, chosen: list[int], hidden: torch.Tensor, router: "Router"
                 ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
         """The chosen experts of MoE block `block` (acquired), as groups {expert: {"w_gate", "w_up",

@@ -91,6 +91,7 @@ class BlockStreamer:
         self.transport = transport
         self.depth = depth
         self.streamed = list(streamed)
+        self.order = list(streamed)  # the cycle the prefetcher follows (set_order: training's forward and back)
         self.stats = StreamStats()
         self._resident: dict[int, dict[str, torch.Tensor]] = {}
         for i in resident:
@@ -128,7 +129,7 @@ class BlockStreamer:
             self._slots.acquire()
             if self._stop.is_set():
                 return
-            block = self.streamed[i % len(self.streamed)]
+            block = self.order[i % len(self.order)]
             t0 = time.perf_counter()
             try:
                 ticket = self.transport.prepare(block)
@@ -165,6 +166,15 @@ class BlockStreamer:
             return
         self.transport.retire(ticket)
         self._slots.release()
+
+    def set_order(self, blocks: list[int]) -> None:
+        """From now on visit the streamed blocks among `blocks` in that cyclic order (a block may recur:
+        training visits 0..n-1 then n-1..0); restarts the prefetcher, dropping what it had prepared."""
+        order = [b for b in blocks if b in set(self.streamed)]
+        if set(order) != set(self.streamed):
+            raise ValueError(f"a visit order must visit every streamed block; missing {set(self.streamed) - set(order)}")
+        self.order = order
+        self.reset()
 
     def reset(self) -> None:
         """Drop everything in flight and restart the cycle at the first streamed block: used after
