@@ -90,7 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streamed", action="store_true", help="also run layerstream on each file with a budget of "
                    "--streamed-fraction of its size (most blocks streamed from the page cache, warm), against "
                    "its resident run")
-    p.add_argument("--streamed-fraction", type=float, default=0.25)
+    # Half: the 3B Q4 files' plans need about a third of the file beside their blocks (head, KV, a 512-token
+    # step's workspace, two stream buffers), so half streams most of their blocks and leaves a few resident.
+    p.add_argument("--streamed-fraction", type=float, default=0.5)
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run (llama.cpp capped: a fifth)")
     p.add_argument("--llama-cpp-sdist", default=None,
                    help=f"{LLAMA_CPP_SDIST}.tar.gz (default: pip downloads it into the bench folder)")
@@ -439,7 +441,8 @@ def run(ns: argparse.Namespace) -> int:
                 print(f"  {f} layerstream streamed from the page cache (budget {budget / 2**30:.2f} GiB, blocks "
                       f"resident / RAM / disk {s.get('plan', '-')}): decode {_fmt(dec)} tok/s, "
                       f"{dec / res:.2f}x the resident run's {_fmt(res)}" if dec and res else
-                      f"  {f} layerstream streamed: {s.get('error', 'no figure')}", flush=True)
+                      f"  {f} layerstream streamed: {s.get('error', 'no figure')}: "
+                      f"{s.get('stderr_tail', '').strip().splitlines()[-1:]}", flush=True)
         speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1)) for r in rows]
         ref = speeds[-1] if len(rows) > 1 else (None, None)  # llama.cpp's, when it ran
 
