@@ -29,8 +29,8 @@
 //
 //   linear(x, w, bias) -> (M, N) bf16   when applies(x, w), else at::linear(x, w, bias) (the caller need
 //                                        not check: engine/model.py and decode_block.cpp call this)
-//   applies(x, w)                        x (M, K) bf16 contiguous, 1 <= M <= MAX_ROWS (16); w (N, K) bf16
-//                                        contiguous; K % 32 == 0; the CPU has AVX512-BF16
+//   applies(x, w)                        x (M, K) bf16 contiguous, 1 <= M <= MAX_ROWS (16) (K <= 4096 for
+//                                        M >= 2); w (N, K) bf16 contiguous; K % 32 == 0; the CPU has AVX512-BF16
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,6 +46,7 @@ namespace bf16_rows {
 constexpr int64_t MAX_ROWS = 16;
 constexpr int64_t SLICE = 32;  // K must be a multiple of this: a k loop step reads one 64-byte line of each weight row
 constexpr int64_t TILE = 16;   // weight rows per tile: 16 accumulators, one per output
+constexpr int64_t MAX_PAIRED_K = 4096;  // the most inputs 2-16 rows take this kernel for (applies)
 
 #define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -231,7 +232,9 @@ bool applies(const at::Tensor& x, const at::Tensor& w) {
         x.size(1) % SLICE == 0 && x.is_contiguous() && w.is_contiguous())) {
     return false;
   }
-  return x.size(0) >= 1 && x.size(0) <= MAX_ROWS;
+  // 2-16 rows lay x out as K/2 pairs of up to 16 rows; past MAX_PAIRED_K inputs that outgrows the first-level
+  // cache and oneDNN is the faster (docs/benchmarks/bf16-rows.md). One row reads x as it is.
+  return x.size(0) == 1 || (x.size(0) >= 2 && x.size(0) <= MAX_ROWS && x.size(1) <= MAX_PAIRED_K);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {

@@ -84,7 +84,7 @@ def test_threads_split_outputs_without_changing_a_bit(rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["no rows", "seventeen rows", "K not a multiple of 32",
+@pytest.mark.parametrize("case", ["no rows", "seventeen rows", "2 rows of 8192 inputs", "K not a multiple of 32",
                                   "float32", "strided x", "3-d x", "float32 bias"])
 def test_where_it_does_not_apply_it_is_at_linear(case):
     """Outside its cases linear() is at::linear itself: the same result bit for bit, or the same error."""
@@ -94,6 +94,9 @@ def test_where_it_does_not_apply_it_is_at_linear(case):
         x = x[:0]
     elif case == "seventeen rows":
         x = torch.randn(17, 64).bfloat16()
+    elif case == "2 rows of 8192 inputs":  # oneDNN is the faster there (docs/benchmarks/bf16-rows.md)
+        x, w = torch.randn(2, 8192).bfloat16(), torch.randn(40, 8192).bfloat16()
+        assert module.applies(x[:1], w)  # one row still takes the kernel
     elif case == "K not a multiple of 32":
         x, w = x[:, :48].contiguous(), w[:, :48].contiguous()
     elif case == "float32":
