@@ -184,13 +184,7 @@ def attention(
     k_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, k)
     v_cache.view(-1, nkv, hd).index_copy_(0, step.slot_mapping, v)
 
-    seqs, mq = step.block_tables.shape[0], step.max_query
-    if step.pad_rows is not None:
-        qp = q.new_zeros(seqs * mq, nh, hd)
-        qp[step.pad_rows] = q
-    else:
-        qp = q
-    qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
+    qp = padded_queries(q, step)  # (seqs, heads, max_query, head_dim)
     first = step.first_block
     tables, ctx = step.block_tables[:, first:], step.context_len - first * k_cache.shape[1]
     keys = gather_blocks(k_cache, tables, ctx)  # (seqs, kv_heads, context from the first block, head_dim)
@@ -198,10 +192,28 @@ def attention(
     # (seqs, heads, max_query, head_dim)
     out = ops.attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch,
                      scale=cfg.attn_scale, softcap=cfg.attn_softcap)
-    out = out.transpose(1, 2).reshape(seqs * mq, nh * hd)  # (seqs * max_query, heads*head_dim)
-    if step.pad_rows is not None:
-        out = out[step.pad_rows]  # (tokens, heads*head_dim)
+    out = unpadded_outputs(out, step).reshape(-1, nh * hd)  # (tokens, heads*head_dim)
     return ops.linear(out, w["wo"], w.get("bo"))
+
+
+def padded_queries(q: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """q (tokens, heads, head_dim) -> (seqs, heads, max_query, head_dim): each sequence's queries in a row of
+    max_query, prompt chunks shorter than it padded with zeros (step.pad_rows: each token's padded row)."""
+    seqs, mq = step.block_tables.shape[0], step.max_query
+    if step.pad_rows is not None:
+        qp = q.new_zeros(seqs * mq, *q.shape[1:])
+        qp[step.pad_rows] = q
+    else:
+        qp = q
+    return qp.view(seqs, mq, *q.shape[1:]).transpose(1, 2)
+
+
+def unpadded_outputs(out: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """padded_queries' inverse for attention's output (seqs, heads, max_query, head_dim) -> (tokens, heads,
+    head_dim), the padding rows dropped."""
+    seqs, nh, mq, hd = out.shape
+    out = out.transpose(1, 2).reshape(seqs * mq, nh, hd)
+    return out if step.pad_rows is None else out[step.pad_rows]
 
 
 def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedKV,
@@ -222,18 +234,9 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     if tables is not None:
         out = ops.quantized_decode_attention(q, k_cache, v_cache, step, tables, scale)  # (tokens, heads, hd) fp32
     else:
-        seqs, mq = step.block_tables.shape[0], step.max_query
-        q = q.to(dtype)
-        if step.pad_rows is not None:
-            qp = q.new_zeros(seqs * mq, nh, hd)
-            qp[step.pad_rows] = q
-        else:
-            qp = q
-        qp = qp.view(seqs, mq, nh, hd).transpose(1, 2)  # (seqs, heads, max_query, head_dim)
+        qp = padded_queries(q.to(dtype), step)  # (seqs, heads, max_query, head_dim)
         out = ops.attend_quantized(qp, k_cache, v_cache, step, scale, cfg.attn_softcap)  # (seqs, heads, mq, hd)
-        out = out.transpose(1, 2).reshape(seqs * mq, nh, hd)
-        if step.pad_rows is not None:
-            out = out[step.pad_rows]  # (tokens, heads, head_dim)
+        out = unpadded_outputs(out, step)  # (tokens, heads, head_dim)
     if quant.rotate:
         out = kv_quant.rotate(out)  # H is symmetric and orthonormal: its own inverse
     return out.to(dtype).reshape(tokens, nh * hd)

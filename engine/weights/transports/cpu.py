@@ -15,8 +15,8 @@ from .buffers import BufferPool
 class CpuTransport(Transport):
     """CPU compute straight from the page cache.
 
-    Resident blocks are views of the mapping too (converted copies where the dtypes differ). When the checkpoint dtype is the compute dtype, a streamed block is the mmap view itself
-    (zero copy); prepare() only faults its pages in ahead of use. Otherwise prepare() converts into
+    Resident blocks are views of the mapping too (converted copies where the dtypes differ). When the
+    checkpoint dtype is the compute dtype, a streamed block is the mmap view itself (zero copy); prepare() only faults its pages in ahead of use. Otherwise prepare() converts into
     a buffer set from a BufferPool that retire() hands back for the next block (see buffers.py).
     With release_pages, retire() also drops the block's pages from this process (MADV_DONTNEED)
     so a model larger than RAM keeps a bounded resident set.
@@ -45,7 +45,7 @@ class CpuTransport(Transport):
         return to_compute(self.source.views(block), self.dtype, self.device, copy=True)
 
     def resident_is_view(self, block: int) -> bool:
-        return all(v.dtype == self.dtype for v in self.source.views(block).values())
+        return all(t.dtype == self.dtype for t in self.source.tensors(block).values())  # packed: dtype None
 
     def prepare(self, block: int) -> Ticket:
         views = self._views.get(block)

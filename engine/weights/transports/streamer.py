@@ -170,9 +170,10 @@ class BlockStreamer:
     def set_order(self, blocks: list[int]) -> None:
         """From now on visit the streamed blocks among `blocks` in that cyclic order (a block may recur:
         training visits 0..n-1 then n-1..0); restarts the prefetcher, dropping what it had prepared."""
-        order = [b for b in blocks if b in set(self.streamed)]
-        if set(order) != set(self.streamed):
-            raise ValueError(f"a visit order must visit every streamed block; missing {set(self.streamed) - set(order)}")
+        streamed = set(self.streamed)
+        order = [b for b in blocks if b in streamed]
+        if set(order) != streamed:
+            raise ValueError(f"a visit order must visit every streamed block; missing {streamed - set(order)}")
         self.order = order
         self.reset()
 
