@@ -17,13 +17,22 @@ from pathlib import Path
 SDIST = "llama_cpp_python-0.3.36"
 
 # The converter names a BPE pre-tokenizer by a fingerprint of its outputs; a tiny test tokenizer matches none,
-# so the run names it GPT-2's (what it is built like). Everything else is the converter's own code.
+# so the run names it GPT-2's (what it is built like). Llama-like families try a sentencepiece vocabulary first, and
+# the converter imports sentencepiece (not a dependency here) before it looks for tokenizer.model; a tiny checkpoint
+# has none, so the try fails on the missing file first, as it would with sentencepiece installed, and the converter
+# falls back to the BPE vocabulary. Everything else is the converter's own code.
 _WRAPPER = """
 import runpy, sys
 root = sys.argv.pop(1)
 sys.path[:0] = [root, root + "/gguf-py"]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sentencepiece_vocab = base.TextModel._create_vocab_sentencepiece
+def without_model_file(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return sentencepiece_vocab(self)
+base.TextModel._create_vocab_sentencepiece = without_model_file
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
