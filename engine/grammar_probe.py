@@ -10,7 +10,12 @@ What callers use (structured_output's GrammarCompiler, from its compile pool):
   was stopped ("cpu": killed at the budget; "memory": it needed more than max_bytes of address
   space); None when the probe cannot run here (then the server compiles unprobed, and its own
   after-the-fact budget applies);
+- `rss_bytes()`: the child's resident memory now (0 when none runs), for /metrics;
 - `close()`.
+- `serialized_tokenizer(hf_tokenizer) -> str | None`: the fast tokenizer's JSON the child builds its
+  own from (None for a slow tokenizer: no probe);
+- `probe_memory_bytes(max_bytes, tokenizer_json_bytes)`: what the plan counts for the probe: its
+  start (which grows with the tokenizer) and its cap.
 
 The child imports only the standard library and llguidance (no torch: it starts in a fraction of
 a second and holds tens of MB, most of them the tokenizer's trie). It runs at the priority of the
@@ -21,6 +26,7 @@ imports nothing from the package).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import select
@@ -36,6 +42,12 @@ _POLL_SECONDS = 0.01
 # The child's start (reading the tokenizer, building llguidance's trie): generous, a busy machine
 # must not disable the probe. Not a request's cost.
 _START_SECONDS = 120.0
+# The child's peak resident memory while it starts: the interpreter and llguidance, and the
+# tokenizer, which llguidance parses from its JSON into a tokenizer and a token trie of its own, peaking
+# at tens of bytes per byte of JSON (SmolLM2's 1.4 MB and Gemma 3's 11.5 MB both stay within this
+# estimate: tests/engine/test_grammar_limits.py). A compile may add at most max_bytes of address space.
+START_BASE_BYTES = 32 << 20
+START_BYTES_PER_JSON_BYTE = 48
 # The child runs this file with neither the working directory nor this file's folder on its path:
 # a module there named like one of the standard library's would be imported in its place.
 _CHILD = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
@@ -92,6 +104,16 @@ class GrammarProbe:
                     self._stop()
                     return ProbeVerdict(cpu_seconds=used, stopped="cpu")
 
+    def rss_bytes(self) -> int:
+        child = self._child
+        if child is None:
+            return 0
+        try:
+            with open(f"/proc/{child.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):  # gone between the check and the read
+            return 0
+
     def _ensure(self) -> subprocess.Popen | None:
         if self._child is not None and self._child.poll() is None:
             return self._child
@@ -134,6 +156,26 @@ class GrammarProbe:
             self._stop()
 
 
+def serialized_tokenizer(hf_tokenizer) -> str | None:
+    """The fast tokenizer as JSON without padding or truncation (what llguidance.hf.from_tokenizer
+    reads too); None for a slow tokenizer, which has none."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
+def probe_memory_bytes(max_bytes: int, tokenizer_json_bytes: int) -> int:
+    """Host memory the probe may hold: its start, which grows with the tokenizer, and the growth its
+    address-space limit allows; 0 without a serialized tokenizer (no probe runs)."""
+    if tokenizer_json_bytes <= 0:
+        return 0
+    return START_BASE_BYTES + START_BYTES_PER_JSON_BYTE * tokenizer_json_bytes + max_bytes
+
+
 def _cpu_seconds(pid: int) -> float:
     """A process's user + system CPU time (all its threads), from /proc."""
     try:
@@ -152,7 +194,7 @@ def _serve() -> None:
     from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
     config = json.loads(sys.stdin.readline())
-    tok = LLTokenizer(config["tokenizer"], n_vocab=config["n_vocab"], eos_token=config["eos"] or None)
+    tok = LLTokenizer(config.pop("tokenizer"), n_vocab=config["n_vocab"], eos_token=config["eos"] or None)
     limits = LLParserLimits(**config["limits"])
     words = (config["n_vocab"] + 31) // 32
     mask = (ctypes.c_uint32 * words)()  # (vocab / 32,) one bit per token
@@ -160,6 +202,8 @@ def _serve() -> None:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         trim = None
+    if trim is not None:
+        trim(0)  # the tokenizer's JSON (megabytes, read twice) is garbage now: only the trie stays
     # From here on, the process may grow by max_bytes: a compile that needs more aborts it (Rust's
     # allocation failure), which the parent reads as "memory".
     with open("/proc/self/statm") as f:

@@ -27,6 +27,7 @@ from .sampler import make_generator, sample_one, score_tokens
 from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .speculative import SpeculativeStep, build_drafter
+from .grammar_probe import serialized_tokenizer
 from .structured_output import GrammarCompiler
 from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
@@ -124,7 +125,9 @@ class LLMEngine:
             draft_model = load_draft_model(args)
             reservation = DraftReservation(draft_model.plan.device_bytes, f"draft model {spec.model}, resident")
         try:
-            self.model: LoadedModel = load_model(args, path, reservation)
+            tokenizer_json = serialized_tokenizer(self.tokenizer)
+            self.model: LoadedModel = load_model(args, path, reservation,
+                                                 len(tokenizer_json) if tokenizer_json is not None else 0)
         except BaseException:
             if draft_model is not None:
                 draft_model.close()
@@ -161,9 +164,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._steps = 0
         try:
-            # The cache's cap as the plan counted it in host memory.
+            # The cache's cap as the plan counted it in host memory, and the probe where the plan holds it.
             limits = dataclasses.replace(args.grammar_limits(), cache_bytes=self.model.plan.grammar_cache_bytes
-                                         or args.grammar_limits().cache_bytes)
+                                         or args.grammar_limits().cache_bytes,
+                                         probe=self.model.plan.grammar_probe_bytes > 0)
             self.grammar = GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self._eos_ids(), limits)
         except BaseException:
             if self.speculative is not None:

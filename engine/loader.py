@@ -20,6 +20,7 @@ from . import ops
 from .args import EngineArgs, resolve_dtype
 from .arch import ModelConfig
 from .errors import UnsupportedModelError, out_of_memory_error
+from .grammar_probe import probe_memory_bytes
 from .host_memory import anonymous_bytes, host_budget
 from .cache import cache_root
 from .kv_cache import KVCache
@@ -228,9 +229,10 @@ def kv_layout(args: EngineArgs, cfg: ModelConfig) -> KVLayout:
 
 
 def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
-             host_room: int, draft: DraftReservation | None = None) -> MemoryPlan:
+             host_room: int, draft: DraftReservation | None = None, tokenizer_json_bytes: int = 0) -> MemoryPlan:
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
-    with room for a speculative draft when one is configured."""
+    with room for a speculative draft when one is configured. tokenizer_json_bytes: the serialized
+    tokenizer's size, which the grammar probe's memory grows with (0: no probe is counted)."""
     device = torch.device(args.device)
     sizes = checkpoint.sizes(dtype, args.quantization, device)
     budget = args.max_device_memory
@@ -242,51 +244,74 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     if experts and tiering is not None:  # what a disk-tier block read moves: the block without its experts
         tiering = replace(tiering, disk_block_bytes=sizes.dense_checkpoint_block_bytes)
     weights_bytes = cfg.num_layers * sizes.block_bytes + sizes.global_bytes
-    # The device is the host: the plan fits the room the host has (its memory cgroup, MemAvailable or
-    # --max-host-memory), whatever the budget asks; what does not fit streams. Disk-tier staging holds
-    # checkpoint bytes; converted copies are the plan's stream buffers.
+    # Checkpoint bytes staged for converted disk-tier blocks (converted copies are the plan's stream
+    # buffers), and structured output's host memory: the compiled-grammar cache and the grammar probe.
     staging = (args.prefetch_depth + 1) * sizes.checkpoint_block_bytes if checkpoint.converts(dtype) else 0
+    grammar_cap = grammar_cache_bytes(args, host_room)
     computes_on_host = device.type == "cpu" and (tiering is None or tiering.holds_device_plan)
-    host_sized = computes_on_host and (weights_bytes if budget is None else budget) > host_room - staging
-    if host_sized:
-        budget = host_room - staging
     kv_host = kv_host_bytes(args, device, host_room)
     runtime = anonymous_bytes() if device.type == "cpu" else 0
     # one layer's K and V (codes and scales with a quantized cache)
     layer_bytes = KVCache.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype, kv_quant_for(args, cfg))
     kv_groups = tuple((len(g.layers) * layer_bytes, g.window) for g in kv_layout(args, cfg).groups)
-    plan = _plan_context(args, cfg, host_room if host_sized else None, budget, lambda max_len, chunk, tokens: PlanInputs(
-        num_layers=cfg.num_layers,
-        block_bytes=sizes.block_bytes,
-        global_bytes=sizes.global_bytes,
-        kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
-                                                   kv_quant_for(args, cfg)),
-        kv_dtype_options=kv_dtype_options(cfg, dtype, args.kv_cache_rotation),
-        workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args), chunk),
-        max_num_batched_tokens=tokens,
-        runtime_bytes=runtime,
-        budget=budget,
-        max_model_len=max_len,
-        max_num_seqs=args.max_num_seqs,
-        prefetch_depth=args.prefetch_depth,
-        host_budget=host_room,
-        host_tiering=tiering,
-        checkpoint_bytes=sizes.checkpoint_bytes,
-        streamed_block_bytes=sizes.streamed_block_bytes,
-        kv_block_size=args.block_size,
-        kv_groups=kv_groups,
-        kv_cache_bytes=args.kv_cache_memory,
-        kv_host_bytes=kv_host,
-        grammar_cache_bytes=grammar_cache_bytes(args, host_room),
-        **experts,
-        **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
-        attn_chunk_bytes=chunk,
-    ))
-    if host_sized and args.max_device_memory is not None:
-        plan = replace(plan, notes=plan.notes + (
-            f"--max-device-memory {format_bytes(args.max_device_memory)} lowered to the host memory this process "
-            f"may use ({format_bytes(host_room)}: its memory cgroup, MemAvailable or --max-host-memory)",))
-    return plan
+
+    def plan_with(grammar_probe: int) -> MemoryPlan:
+        # The device is the host: the plan fits the room the host has (its memory cgroup, MemAvailable or
+        # --max-host-memory) besides what is outside the plan, whatever the budget asks; what does not fit streams.
+        outside = staging + grammar_cap + grammar_probe
+        host_sized = computes_on_host and (weights_bytes if budget is None else budget) > host_room - outside
+        limit = host_room - outside if host_sized else budget
+
+        def inputs(max_len: int, chunk: int | None, tokens: int) -> PlanInputs:
+            return PlanInputs(
+                num_layers=cfg.num_layers,
+                block_bytes=sizes.block_bytes,
+                global_bytes=sizes.global_bytes,
+                kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                                           kv_quant_for(args, cfg)),
+                kv_dtype_options=kv_dtype_options(cfg, dtype, args.kv_cache_rotation),
+                workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args), chunk),
+                max_num_batched_tokens=tokens,
+                runtime_bytes=runtime,
+                budget=limit,
+                max_model_len=max_len,
+                max_num_seqs=args.max_num_seqs,
+                prefetch_depth=args.prefetch_depth,
+                host_budget=host_room,
+                host_tiering=tiering,
+                checkpoint_bytes=sizes.checkpoint_bytes,
+                streamed_block_bytes=sizes.streamed_block_bytes,
+                kv_block_size=args.block_size,
+                kv_groups=kv_groups,
+                kv_cache_bytes=args.kv_cache_memory,
+                kv_host_bytes=kv_host,
+                grammar_cache_bytes=grammar_cap,
+                grammar_probe_bytes=grammar_probe,
+                **experts,
+                **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
+                attn_chunk_bytes=chunk,
+            )
+
+        plan = _plan_context(args, cfg, host_room if host_sized else None, limit, inputs)
+        if host_sized and args.max_device_memory is not None:
+            plan = replace(plan, notes=plan.notes + (
+                f"--max-device-memory {format_bytes(args.max_device_memory)} lowered to the host memory this "
+                f"process may use ({format_bytes(host_room)}: its memory cgroup, MemAvailable or --max-host-memory)",))
+        return plan
+
+    # The grammar probe isolates the cost of compiling a new grammar (engine/grammar_probe.py). Where the
+    # host cannot hold it besides the model, the model comes first: compiles run in this process, their
+    # cost checked after the fact, and the plan says so.
+    probe = probe_memory_bytes(grammar_cap, tokenizer_json_bytes)
+    try:
+        return plan_with(probe)
+    except PlanError:
+        if not probe:
+            raise
+    plan = plan_with(0)
+    return replace(plan, notes=plan.notes + (
+        f"grammar probe off: host memory cannot hold its {format_bytes(probe)} besides the model; a new "
+        "grammar compiles in this process and its cost is checked after the fact",))
 
 
 def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:
@@ -333,8 +358,10 @@ class LoadedModel:
             self.runner.kv.disk.close()
 
 
-def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservation | None = None) -> LoadedModel:
-    """draft: a separate speculative draft model's bytes, for the plan to reserve."""
+def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservation | None = None,
+               tokenizer_json_bytes: int = 0) -> LoadedModel:
+    """draft: a separate speculative draft model's bytes, for the plan to reserve; tokenizer_json_bytes:
+    the serving tokenizer's serialized size, for the plan to count the grammar probe (plan_for)."""
     path = Path(path)
     checkpoint = ModelCheckpoint(path)  # a safetensors folder or a GGUF file; the config its format records
     cfg = checkpoint.cfg
@@ -352,7 +379,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         # request: a no-op where the engine loop (or an earlier load) has made them. Builds run on
         # prepare's threads, whose compilers a Ctrl-C here stops. The table is logged once.
         kernels = ops.choose(device, dtype)
-        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft)
+        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft, tokenizer_json_bytes)
         disk_gbps = None
         if plan.disk_blocks:
             disk_gbps, note = checkpoint.measure_disk()

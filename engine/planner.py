@@ -83,8 +83,11 @@ class PlanInputs:
     # (name, KV bytes per token) of each KV cache dtype the model could use (--kv-cache-dtype): the plan
     # reports what each would hold under the same budget (MemoryPlan.kv_fits); () = not reported.
     kv_dtype_options: tuple[tuple[str, int], ...] = ()
-    # Compiled structured-output grammars (--grammar-cache-memory): host memory whatever computes.
+    # Compiled structured-output grammars (--grammar-cache-memory) and the grammar probe, the process
+    # that compiles each new grammar first (its start and at most a cache's worth of growth): host
+    # memory whatever computes, in this process's memory cgroup.
     grammar_cache_bytes: int = 0
+    grammar_probe_bytes: int = 0
     # Expert-granular streaming (mixtures of experts; 0 = off): when the model does not fit, blocks
     # stream without their routed experts (dense_block_bytes each) and experts go through a device
     # cache of expert_bytes slots holding at least min_expert_slots.
@@ -210,6 +213,7 @@ class MemoryPlan:
     kv_group_blocks: tuple[int, ...] = ()
     kv_group_host_blocks: tuple[int, ...] = ()
     grammar_cache_bytes: int = 0  # see PlanInputs
+    grammar_probe_bytes: int = 0
     # Expert-granular streaming (see PlanInputs); expert_slots == 0: off, experts travel inside their blocks.
     expert_slots: int = 0
     expert_bytes: int = 0
@@ -321,7 +325,9 @@ class MemoryPlan:
                          "(evicted prefix-cache blocks, copied back on a hit)")
         if self.grammar_cache_bytes:
             lines.append(f"  grammar cache: up to {format_bytes(self.grammar_cache_bytes)} of host memory "
-                         "(compiled structured-output grammars)")
+                         "(compiled structured-output grammars)"
+                         + (f", and up to {format_bytes(self.grammar_probe_bytes)} in the grammar probe process"
+                            if self.grammar_probe_bytes else ""))
         if self.expert_streaming:
             lines.append(
                 f"  expert cache: {self.expert_slots}/{self.num_experts_total} experts "
@@ -498,8 +504,8 @@ def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
     host_blocks, disk_blocks, disk_block_bytes = list(streamed), [], 0
     if tier is not None and streamed and p.host_budget is not None:
         disk_block_bytes = tier.disk_block_bytes
-        # The KV host tier (pinned on CUDA) and the grammar cache are host memory whatever computes.
-        room = (p.host_budget - tier.fixed_bytes - plan.kv_host_bytes - p.grammar_cache_bytes
+        # The KV host tier (pinned on CUDA) and the grammar memory are host memory whatever computes.
+        room = (p.host_budget - tier.fixed_bytes - plan.kv_host_bytes - p.grammar_cache_bytes - p.grammar_probe_bytes
                 - (plan.device_bytes if tier.holds_device_plan else 0))
         keep = (0 if tier.force_disk or disk_block_bytes <= 0
                 else max(0, min(len(streamed), room // disk_block_bytes)))
@@ -512,7 +518,8 @@ def _with_host_tier(p: PlanInputs, plan: MemoryPlan) -> MemoryPlan:
         notes.append(f"checkpoint ({format_bytes(p.checkpoint_bytes)}) exceeds host memory "
                      f"({format_bytes(p.host_budget)}): streamed pages are released after use")
     return replace(plan, notes=tuple(notes), host_budget=p.host_budget if tier is not None else None,
-                   grammar_cache_bytes=p.grammar_cache_bytes, kv_fits=_kv_fits(p, plan),
+                   grammar_cache_bytes=p.grammar_cache_bytes, grammar_probe_bytes=p.grammar_probe_bytes,
+                   kv_fits=_kv_fits(p, plan),
                    host_blocks=host_blocks if tier is not None else [], disk_blocks=disk_blocks,
                    disk_block_bytes=disk_block_bytes, release_pages=release)
 

@@ -47,7 +47,6 @@ with a compile in flight. A sequence's matcher copy is freed with the sequence.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import dataclasses
 import json
@@ -62,7 +61,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .grammar_probe import GrammarProbe
+from .grammar_probe import GrammarProbe, serialized_tokenizer
 from .sampling_params import InvalidParameter
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -92,12 +91,15 @@ class GrammarLimits:
     of one token's parse on the engine thread, which holds the GIL (llguidance's consume_token does
     not release it), so every thread of the server waits while it runs: past it the request ends
     (parses on the pool release the GIL and only count against max_cpu_seconds); cache_bytes:
-    the compiled-grammar cache's size; threads: each pool's threads (0: sized to the cores)."""
+    the compiled-grammar cache's size; threads: each pool's threads (0: sized to the cores);
+    probe: compile each new grammar first in the grammar probe's process (off where the memory plan
+    could not hold it: then a compile's cost is checked after the fact)."""
 
     max_cpu_seconds: float = 0.5
     max_parse_seconds: float = 0.01
     cache_bytes: int = 256 * 2**20
     threads: int = 0
+    probe: bool = True
 
     def __post_init__(self) -> None:
         if not self.max_cpu_seconds > 0:
@@ -212,7 +214,8 @@ class MaskStats:
     parses that held the GIL (on the engine thread: every thread waited meanwhile) and the longest
     of them, CPU seconds of the parses that released it (on the pool), sequences that skipped a
     step because their mask was late, requests refused or ended for their grammar's cost, and the
-    compiled-grammar cache (bytes as estimated, entries)."""
+    compiled-grammar cache (bytes as estimated, entries); probe_bytes is read when the snapshot is
+    taken (the grammar probe's resident memory)."""
 
     masks: int = 0
     compute_seconds: float = 0.0
@@ -224,6 +227,7 @@ class MaskStats:
     over_budget: int = 0
     cache_bytes: int = 0
     cache_entries: int = 0
+    probe_bytes: int = 0  # the grammar probe process's resident memory
 
     def snapshot(self) -> "MaskStats":
         return dataclasses.replace(self)
@@ -289,13 +293,10 @@ class GrammarCompiler:
     def _make_probe(self) -> "GrammarProbe | None":
         # The probe's child builds its own llguidance tokenizer from the same serialized fast
         # tokenizer that llguidance.hf.from_tokenizer reads (a slow tokenizer has none: no probe).
-        backend = getattr(self._hf, "backend_tokenizer", None)
-        if backend is None:
+        tokenizer_json = serialized_tokenizer(self._hf) if self.limits.probe else None
+        if tokenizer_json is None:
             return None
-        backend = copy.copy(backend)
-        backend.no_padding()
-        backend.no_truncation()
-        return GrammarProbe(backend.to_str(), self.vocab_size, self.eos_token_ids, PARSER_LIMITS,
+        return GrammarProbe(tokenizer_json, self.vocab_size, self.eos_token_ids, PARSER_LIMITS,
                             self.limits.max_cpu_seconds, self.limits.cache_bytes)
 
     # -- compiling --------------------------------------------------------------------------------
@@ -508,7 +509,10 @@ class GrammarCompiler:
 
     def telemetry(self) -> MaskStats:
         with self._lock:
-            return self.stats.snapshot()
+            stats = self.stats.snapshot()
+        if self._probe is not None:
+            stats.probe_bytes = self._probe.rss_bytes()
+        return stats
 
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

