@@ -23,7 +23,7 @@ from types import ModuleType
 from . import build, fused_ops, int4_backend
 
 SOURCE = Path(__file__).with_name("decode_block.cpp")
-INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE,  # what decode_block.cpp #includes
+INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE, *fused_ops.INCLUDES,  # what it #includes
             Path(__file__).with_name("bf16_rows.cpp"))
 NAME = "layerstream_decode_block"
 # The kernels' instruction sets, and fused_ops' rounding flags (which leave the kernels' explicit

@@ -36,6 +36,8 @@
 #include <tuple>
 #include <vector>
 
+#include "exp_approx.h"
+
 namespace {
 
 // The value torch stores when an fp32 result is written to a tensor of dtype T.
@@ -250,29 +252,6 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x_in,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm",
                                   [&] { rms_norm_impl<scalar_t>(x, &r, w, h, y, eps); });
   return {h, y};
-}
-
-// expf that the compiler vectorizes (glibc's expf is a scalar call, which made SiLU over 1536 values
-// 3x slower than torch's vectorized one): Cephes' range reduction and degree-6 polynomial, within
-// 2 ulp of the exact value like torch's own vectorized exp (Sleef, 1 ulp). Overflow gives inf as expf
-// does; below -87.3 it flushes to 0, where silu(a) = a / (1 + exp(-a)) is a either way.
-inline float exp_approx(float x) {
-  const float big = x > 88.7228f ? INFINITY : 0.0f;
-  x = x < -87.3365f ? -87.3365f : (x > 88.3763f ? 88.3763f : x);
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick: plain adds, which vectorize without SSE4.1's round
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return big > 0.0f ? big : p * scale;
 }
 
 // One row of silu(g) * u in fp32 from values widened from T; built for AVX-512, AVX2 and plain x86-64,
@@ -635,22 +614,11 @@ void accumulate(const float* p, int64_t stride, const std::vector<const void*>& 
   }
 }
 
-// p = exp(s - max s) over one row of scores, in place, then rounded to bf16 or fp16 when asked; returns
-// the fp32 sum of the unrounded p. Separate loops and 16 partial sums, so that each vectorizes (the one
-// scalar loop of exp, sum and rounding it replaces was slower at long contexts).
+// p = exp(s - max s) over one row of scores, in place (softmax_numerators), then rounded to bf16 or fp16
+// when asked; returns the fp32 sum of the unrounded p.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float softmax_row(float* s, int64_t n, bool round_bf16, bool round_f16) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  for (int64_t j = 0; j < n; ++j) s[j] = exp_approx(s[j] - mx);
-  constexpr int L = 16;
-  float part[L] = {0};
-  int64_t j = 0;
-  for (; j + L <= n; j += L)
-    for (int l = 0; l < L; ++l) part[l] += s[j + l];
-  float sum = 0;
-  for (int l = 0; l < L; ++l) sum += part[l];
-  for (; j < n; ++j) sum += s[j];
+  const float sum = softmax_numerators(s, n);
   if (round_bf16) for (int64_t k = 0; k < n; ++k) s[k] = round_to<c10::BFloat16>(s[k]);
   if (round_f16) for (int64_t k = 0; k < n; ++k) s[k] = round_to<c10::Half>(s[k]);
   return sum;

@@ -21,6 +21,7 @@ from types import ModuleType
 from .build import optional_kernel
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
+INCLUDES = (Path(__file__).with_name("exp_approx.h"),)  # what fused_ops.cpp #includes
 NAME = "layerstream_fused_ops"
 # No FMA contraction: a*b + c must round twice, as torch's separate mul and add do. No trapping math
 # and no errno from math functions: neither changes a result, and without them GCC will not vectorize
@@ -32,4 +33,4 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno")
 def fused_ops() -> ModuleType | None:
     return optional_kernel("LAYERSTREAM_FUSED_OPS", "torch",
                            "RMSNorm, SwiGLU and rotary: using torch ops, not the fused CPU ops", NAME, SOURCE, CFLAGS,
-                           subject="they")
+                           INCLUDES, subject="they")

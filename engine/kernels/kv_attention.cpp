@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "exp_approx.h"
+
 namespace {
 
 struct Args {
@@ -163,17 +165,7 @@ LAYERSTREAM_AVX512 void attend_one_avx512(const Args& A, int64_t row, int64_t kv
     big_sums.resize(G);
     sum = big_sums.data();
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s.data() + g * ctx;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, sg[j]);
-    float total = 0;
-    for (int64_t j = 0; j < ctx; ++j) {
-      sg[j] = std::exp(sg[j] - mx);
-      total += sg[j];
-    }
-    sum[g] = total;
-  }
+  for (int64_t g = 0; g < G; ++g) sum[g] = softmax_numerators(s.data() + g * ctx, ctx);
   float* out = A.out + (row * A.nkv * G + kvh * G) * hd;
   for (int64_t g0 = 0; g0 < G; g0 += HG) {
     const int64_t hg = std::min<int64_t>(HG, G - g0);
@@ -244,17 +236,7 @@ void attend_one(const Args& A, int64_t row, int64_t kvh) {
     }
   }
   std::vector<float> sums(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s.data() + g * ctx;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < ctx; ++j) mx = std::max(mx, sg[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < ctx; ++j) {
-      sg[j] = std::exp(sg[j] - mx);
-      sum += sg[j];
-    }
-    sums[g] = sum;
-  }
+  for (int64_t g = 0; g < G; ++g) sums[g] = softmax_numerators(s.data() + g * ctx, ctx);
   for (int64_t j = 0; j < ctx; ++j) {
     const void* c;
     const c10::Half* sc;

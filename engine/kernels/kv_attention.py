@@ -21,6 +21,7 @@ from types import ModuleType
 from .build import optional_kernel
 
 SOURCE = Path(__file__).with_name("kv_attention.cpp")
+INCLUDES = (Path(__file__).with_name("exp_approx.h"),)  # what kv_attention.cpp #includes
 NAME = "layerstream_kv_attention"
 CFLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno")
 
@@ -29,4 +30,4 @@ CFLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno")
 def kv_attention() -> ModuleType | None:
     return optional_kernel("LAYERSTREAM_KV_ATTENTION", "torch",
                            "attention over the quantized KV cache: using torch (dequantizing a group of sequences "
-                           "at a time), not the C++ kernel", NAME, SOURCE, CFLAGS)
+                           "at a time), not the C++ kernel", NAME, SOURCE, CFLAGS, INCLUDES)
