@@ -432,7 +432,10 @@ def _place_globals(source: BlockSource, dtype: torch.dtype, device: torch.device
         return _place_packed_globals(source, PackedFormat(dtype, device), head)
     views = source.global_views()
     lazy_embed = device.type == "cpu" and "lm_head" in views
-    placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=True)[k]
+    # On the CPU, a table the checkpoint holds in the compute dtype is used where it lies, as resident
+    # blocks are (CpuTransport.resident): a copy would cost the load its time and the process its
+    # anonymous memory. Other dtypes, and other devices, get their own converted copy.
+    placed = {k: v if k == "embed" and lazy_embed else to_compute({k: v}, dtype, device, copy=device.type != "cpu")[k]
               for k, v in views.items() if not (k == "lm_head" and quantized is not None)}
     # Quantized at load: the head is int8 per row, whatever the blocks' mode (packed/quantize.py).
     head = quantized.head() if quantized is not None else placed.get("lm_head", placed["embed"])
