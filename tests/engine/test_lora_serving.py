@@ -36,9 +36,11 @@ def _budget_streaming_all_but_one(llama_dir, **kw) -> int:
             + (p.prefetch_depth + 1) * p.block_bytes)
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
-def test_served_adapter_logits_equal_peft_merged_model(llama_dir, adapters, streamed):
-    kw = dict(dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4)
+@pytest.mark.parametrize("streamed,device", [(False, "cpu"), (True, "cpu"),
+                                             pytest.param(True, "cuda", marks=pytest.mark.cuda)],
+                         ids=["resident", "streamed", "streamed-cuda"])
+def test_served_adapter_logits_equal_peft_merged_model(llama_dir, adapters, streamed, device):
+    kw = dict(dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4, device=device)
     if streamed:
         kw["max_device_memory"] = _budget_streaming_all_but_one(llama_dir, **kw)
     llm = LLM(str(llama_dir), lora_modules={k: str(v) for k, v in adapters.items()}, **kw)
