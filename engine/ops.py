@@ -293,16 +293,19 @@ def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """Served adapters (engine.lora_serving's RowLoRAWeight): one base product y = x W^T + b over every row
-    of x (tokens, in), then for each adapter only its rows r: y[r] = y[r] + scale * (x[r] A^T) B^T per output
-    segment, in fp32, rounded to y's dtype after the sum (as _lora_linear, and PEFT, do): a row gets what it
-    would alone, whichever adapters share the step. Rows of no group keep the base product."""
+    of x (tokens, in), then for each adapter only its rows r: y[r] + (x[r] A^T) B^T, in fp32 (B holds the
+    scale; a stacked weight's B is block diagonal), rounded to y's dtype once after the sum, as PEFT does.
+    A row gets what it would alone, whichever adapters share the step; rows of no group keep y."""
     y = linear(x, w.base, bias)  # (tokens, out)
     for g in w.groups:
-        xr = x.index_select(0, g.rows).float()  # (n, in)
-        deltas = [F.linear(F.linear(xr, a), b) * g.scale if a is not None  # (n, segment) fp32
-                  else xr.new_zeros(xr.shape[0], n) for a, b, n in zip(g.a, g.b, w.sizes)]
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)  # (n, out)
-        y.index_copy_(0, g.rows, (y.index_select(0, g.rows) + delta).to(y.dtype))
+        xr = x.float() if g.every_row else x.index_select(0, g.rows).float()  # (n, in)
+        delta = F.linear(F.linear(xr, g.a), g.b)  # (n, out) fp32
+        if g.every_row:
+            y = (y + delta).to(y.dtype) if y.dtype != torch.float32 else y.add_(delta)
+        elif y.dtype == torch.float32:
+            y.index_add_(0, g.rows, delta)  # one addition per element: the same rounding as y[r] + delta
+        else:
+            y.index_copy_(0, g.rows, (y.index_select(0, g.rows) + delta).to(y.dtype))
     return y
 
 

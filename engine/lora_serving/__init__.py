@@ -15,7 +15,8 @@ Public interface (callers import only this module):
   LoRARows.of(slots per token, device) -> LoRARows | None
       A step's rows grouped by adapter (None: no row has one); the runner puts it in StepInputs.lora.
   RowLoRAWeight, LoRAGroup  the data engine.ops multiplies: one base product for every row, each adapter's
-      low-rank product (x A^T B^T * scale, fp32, as PEFT computes it) added to its own rows only.
+      low-rank product (x A^T B^T * scale, fp32 as PEFT computes it; a stacked q/k/v or gate/up weight's
+      segments as one stacked A and one block-diagonal B, the scale folded into B) added to its own rows only.
 
 The math: a projection y = x W^T over the step's rows gains, on the rows of adapter s only,
 scale_s * (x A_s^T) B_s^T. Rows of the base alone get nothing added. The fused C++ decode block has no

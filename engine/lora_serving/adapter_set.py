@@ -44,6 +44,10 @@ class AdapterSet:
         # slot -> ((layer, PEFT module) -> (A (r, in), B (out, r)) fp32 on the device), and its scale
         self._params: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._scale: dict[int, float] = {}
+        # (slot, layer, weight name) -> (A (R, in), B (out, R) * scale) as ops multiplies them, or None where
+        # the adapter leaves that weight alone. Formed on first use: whether a block's q/k/v arrive stacked
+        # depends on its placement (resident or streamed), fixed for the engine's life.
+        self._products: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def add(self, name: str, weights: AdapterWeights) -> ServedAdapter:
         """Serve `weights` as `name` in the lowest free slot; LoRAAdapterError when the name is taken."""
@@ -62,6 +66,8 @@ class AdapterSet:
     def remove(self, name: str) -> ServedAdapter:
         served = self.get(name)
         del self._by_name[name], self._params[served.slot], self._scale[served.slot]
+        for key in [k for k in self._products if k[0] == served.slot]:
+            del self._products[key]
         return served
 
     def get(self, name: str) -> ServedAdapter:
@@ -76,20 +82,42 @@ class AdapterSet:
 
     def adapt(self, layer: int, w: dict[str, object], rows: LoRARows) -> dict[str, object]:
         """Block `layer`'s weights for a step whose tokens `rows` assigns to adapters: each projection some
-        of those adapters target becomes a RowLoRAWeight (a stacked wqkv / w_gate_up gets a segment per
-        projection); the rest stay as they are."""
+        of those adapters target becomes a RowLoRAWeight; the rest stay as they are."""
         out = dict(w)
         for name, weight in w.items():
             parts = STACKED.get(name, (name,))
             if parts[0] not in MODULE_OF:
                 continue
-            modules = [MODULE_OF[p] for p in parts]
             groups = []
             for slot, token_rows in rows.groups:
-                found = [self._params[slot].get((layer, m)) for m in modules]
-                if any(found):
-                    groups.append(LoRAGroup(token_rows, tuple(f[0] if f else None for f in found),
-                                            tuple(f[1] if f else None for f in found), self._scale[slot]))
+                product = self._product(slot, layer, name, parts)
+                if product is not None:
+                    groups.append(LoRAGroup(token_rows, *product, rows.every_row(token_rows)))
             if groups:
-                out[name] = RowLoRAWeight(weight, tuple(groups), tuple(self._rows_of[p] for p in parts))
+                out[name] = RowLoRAWeight(weight, tuple(groups))
         return out
+
+    def _product(self, slot: int, layer: int, name: str, parts: tuple[str, ...]):
+        key = (slot, layer, name)
+        if key not in self._products:
+            found = [self._params[slot].get((layer, MODULE_OF[p])) for p in parts]
+            self._products[key] = _stacked(found, [self._rows_of[p] for p in parts], self._scale[slot]) \
+                if any(found) else None
+        return self._products[key]
+
+
+def _stacked(found: list, sizes: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight's adapter as two products: A (R, in) the segments' A stacked, B (out, R) block diagonal,
+    segment s's rows holding its B * scale in its own columns (zeros for an unadapted segment). Folding the
+    scale into B is PEFT's (x A^T B^T) * scale up to rounding."""
+    pairs = [f for f in found if f is not None]
+    a = torch.cat([p[0] for p in pairs]) if len(pairs) > 1 else pairs[0][0]  # (R, in)
+    b = a.new_zeros(sum(sizes), a.shape[0])  # (out, R)
+    row = col = 0
+    for f, n in zip(found, sizes):
+        if f is not None:
+            r = f[0].shape[0]
+            b[row:row + n, col:col + r] = f[1] * scale
+            col += r
+        row += n
+    return a, b

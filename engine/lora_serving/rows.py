@@ -23,6 +23,9 @@ class LoRARows:
     slots: tuple[int | None, ...]
     groups: tuple[tuple[int, torch.Tensor], ...]
 
+    def every_row(self, rows: torch.Tensor) -> bool:
+        return rows.numel() == len(self.slots)
+
     @staticmethod
     def of(slots: list[int | None], device: torch.device) -> LoRARows | None:
         """None when no token has an adapter: the step is the base model's alone (and keeps every fused path)."""
@@ -40,23 +43,22 @@ class LoRARows:
 
 @dataclass(frozen=True)
 class LoRAGroup:
-    """One adapter's share of a product: its rows of x, and A (r, in) / B (segment rows, r) fp32 for each
-    output segment (None: that segment is not adapted), scaled by `scale`."""
+    """One adapter's share of a product: its rows of x, A (R, in) and B (out, R) fp32 with the adapter's
+    scale folded into B. For a stacked weight (q/k/v, gate/up) A stacks the segments' A and B is block
+    diagonal, so the whole stack is two products; an unadapted segment's rows of B are zero."""
 
     rows: torch.Tensor  # (n,) int64
-    a: tuple[torch.Tensor | None, ...]
-    b: tuple[torch.Tensor | None, ...]
-    scale: float
+    a: torch.Tensor  # (R, in)
+    b: torch.Tensor  # (out, R)
+    every_row: bool  # rows are all of the step's: no gather or scatter needed
 
 
 @dataclass(frozen=True)
 class RowLoRAWeight:
-    """A frozen base weight (out, in), dense or packed, whose output rows split into segments of `sizes`
-    (q, k, v of a stacked wqkv; one segment otherwise), with each group's adapters on its own rows of x."""
+    """A frozen base weight (out, in), dense or packed, with each group's adapter on its own rows of x."""
 
     base: object
     groups: tuple[LoRAGroup, ...]
-    sizes: tuple[int, ...]
     kind: str = "lora_rows"
 
     @property
