@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_quant import KV_CACHE_DTYPES
+from .lora_serving import parse_lora_modules
 from .planner import parse_bytes
 from .weights import check_transport
 
@@ -81,6 +82,10 @@ class EngineArgs:
     # counts it as host memory).
     max_grammar_ms: float = 500.0
     grammar_cache_memory: int | str | None = None
+    # LoRA adapters served from the start over this base (engine.lora_serving), as vLLM's lora_modules:
+    # {name: folder}, or "name=folder" specs; once built, the {name: folder} dict. A request names one as its
+    # model; more load and unload at run time (LLMEngine.load_lora, the server's /v1/load_lora_adapter).
+    lora_modules: dict[str, str] | list[str] | str | None = None
 
     def __post_init__(self) -> None:
         self.max_device_memory = parse_bytes(self.max_device_memory)
@@ -122,6 +127,12 @@ class EngineArgs:
                                  f"(device {self.device!r}, transport {self.transport!r} asked)")
 
         self.speculative_config = self._speculative()
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        if self.lora_modules and self.speculative_config is not None:
+            # Refused rather than half-right: the drafts and their verification pass were not made to
+            # carry each sequence's adapter.
+            raise ValueError("LoRA adapters are not served with speculative decoding yet: give lora_modules or "
+                             "a speculative method, not both")
         if self.speculative_method == "self" and (self.device != "cpu" or self.quantization is not None):
             raise ValueError("the self-draft (int4 copies of the target's blocks) runs on the CPU device, "
                              "with an unquantized target (its int4 copies would be the blocks themselves)")

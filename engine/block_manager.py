@@ -5,7 +5,9 @@ table (block ids in position order) that grows as it does; a finished sequence h
 
 Automatic prefix caching: once every token of a block has its K/V computed, the block gets a
 content address, a hash chained over (parent block's hash, the block's token ids), so equal
-prefixes, and only equal prefixes, share addresses. A new sequence whose leading blocks match
+prefixes, and only equal prefixes, share addresses. The first block's parent is the sequence's cache
+salt (a served LoRA adapter's digest, or none for the base model): the same tokens under different
+adapters have different K/V, and different addresses. A new sequence whose leading blocks match
 cached addresses takes a reference to those blocks instead of computing them. A freed cached block
 keeps its content and its address while it sits in the free pool; allocation takes never-cached
 blocks first and then evicts cached ones least-recently-used first.
@@ -44,6 +46,7 @@ class PagedSequence(Protocol):
     block_table: list[int]
     block_hashes: list[bytes]  # chained hashes of the sequence's full blocks, computed once each
     num_computed: int
+    cache_salt: bytes | None  # the first block's parent: sequences under different salts share no block
 
     @property
     def num_tokens(self) -> int: ...
@@ -237,7 +240,7 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_range(i * bs, bs)))
+            hashes.append(block_hash(hashes[-1] if hashes else seq.cache_salt, seq.token_range(i * bs, bs)))
         return hashes[:num_blocks]
 
     def match(self, seq: PagedSequence) -> PrefixMatch:

@@ -23,6 +23,7 @@ from .kernels.build import stop_builds
 from .kernels.prepare import BuildProgress, prepare
 from .failures import EngineUnhealthyError
 from .llm_engine import LLMEngine
+from .lora_serving import ServedAdapter
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from .telemetry import EngineTelemetry
@@ -85,6 +86,7 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    lora_name: str | None = None  # a served LoRA adapter; None: the base model
 
 
 @dataclass
@@ -263,6 +265,31 @@ class EngineLoop:
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", list(request_ids)))
 
+    def lora_adapters(self) -> tuple[ServedAdapter, ...]:
+        """The LoRA adapters served now (from the telemetry snapshot, refreshed by every load and unload)."""
+        telemetry = self._telemetry
+        return telemetry.lora_adapters if telemetry is not None else ()
+
+    async def load_lora(self, name: str, folder: str) -> ServedAdapter:
+        """Serve the adapter in `folder` as `name`: read and checked on a worker thread (LoRAAdapterError),
+        then added on the engine thread between two steps."""
+        self._check_ready()
+        weights = await asyncio.to_thread(self.engine.read_adapter, folder)
+        return await self._on_engine(lambda engine: engine.add_lora(name, weights))
+
+    async def unload_lora(self, name: str) -> ServedAdapter:
+        """Stop serving adapter `name`: refused while requests using it are in flight (LLMEngine.remove_lora)."""
+        return await self._on_engine(lambda engine: engine.remove_lora(name))
+
+    async def _on_engine(self, fn):
+        """fn(engine) run on the engine thread between steps, as every change to the engine's state is; its
+        result or its exception comes back here."""
+        self._check_ready()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future)))
+        return await future
+
     def drain(self, grace: float) -> None:
         """Graceful shutdown: admit nothing new (503); requests still running after `grace`
         seconds end with ShuttingDownError, which a stream sends as an error event + [DONE]."""
@@ -333,6 +360,7 @@ class EngineLoop:
                     self.observer.on_finished("error", t.prompt_tokens)
                 t.handle._post(error)
             self._tracked.clear()
+            self._fail_queued(error)
             try:
                 self.engine.close()
             except Exception as e:  # noqa: BLE001 - after a fatal device error freeing may fail too
@@ -369,6 +397,8 @@ class EngineLoop:
                 self._deadline = arg
             elif kind == "add":
                 self._add(arg)
+            elif kind == "call":
+                self._call(*arg)
             elif kind == "abort":
                 for rid in arg:
                     t = self._tracked.pop(rid, None)
@@ -377,11 +407,32 @@ class EngineLoop:
                         if self.observer:
                             self.observer.on_finished("abort", t.prompt_tokens)
 
+    def _call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        result, error = None, None
+        try:
+            result = fn(self.engine)
+        except Exception as e:  # noqa: BLE001 - delivered to the caller, which maps it to a status
+            error = e
+        self._telemetry = self.engine.telemetry()  # what the call changed is observable at once
+        _settle(loop, future, result, error)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Commands still queued when the engine thread ends: their callers get `error` rather than wait."""
+        while True:
+            try:
+                kind, arg = self._commands.get(block=False)
+            except queue.Empty:
+                return
+            if kind == "add":
+                arg._resolve(error)
+            elif kind == "call":
+                _settle(arg[1], arg[2], None, error)
+
     def _add(self, handle: RequestHandle) -> None:
         added = []
         try:
             for r in handle.requests:
-                self.engine.add_request(r.prompt_ids, r.params, r.request_id)
+                self.engine.add_request(r.prompt_ids, r.params, r.request_id, r.lora_name)
                 added.append(r)
         except Exception as e:  # noqa: BLE001 - delivered to the request, which maps it to a status
             for r in added:
@@ -424,3 +475,17 @@ class EngineLoop:
             t.handle._post(out)
         if obs:
             obs.on_queue(self.engine)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error: BaseException | None) -> None:
+    """Resolve an asyncio future from the engine thread."""
+    def settle():
+        if not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the event loop is gone (server shutting down): nobody is waiting any more

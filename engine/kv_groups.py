@@ -91,6 +91,10 @@ class _GroupTable:
         return self.seq.block_hashes
 
     @property
+    def cache_salt(self) -> bytes | None:
+        return self.seq.cache_salt
+
+    @property
     def num_computed(self) -> int:
         return self.seq.num_computed
 

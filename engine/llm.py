@@ -48,8 +48,17 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[GenerationResult]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    def load_lora(self, name: str, folder: str) -> None:
+        """Serve the PEFT adapter in `folder` as `name` (as lora_modules={name: folder} does at start)."""
+        self.engine.load_lora(name, folder)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None,
+                 lora_name: str | None = None) -> list[GenerationResult]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
+        lora_name: a served adapter's name (lora_modules, load_lora) to generate with; None: the base."""
         params = sampling_params or SamplingParams()
         if params.structured is not None:
             self.engine.grammar.check(params.structured)  # an invalid constraint raises here, as other bad params do
@@ -59,7 +68,7 @@ class LLM:
             res = GenerationResult(p, ids, [CompletionOutput(i) for i in range(params.n)])
             results.append(res)
             for out, choice in zip(res.outputs, params.per_choice()):
-                rid = self.engine.add_request(ids, choice)
+                rid = self.engine.add_request(ids, choice, lora_name=lora_name)
                 pending[rid], owner[rid] = out, len(results) - 1
         while pending:
             for o in self.engine.step():

@@ -20,6 +20,7 @@ from .arch import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .failures import EngineUnhealthyError, raise_if_fatal
 from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
+from .lora_serving import AdapterSet, AdapterWeights, LoRAAdapterError, ServedAdapter, read_adapter
 from .model_source import resolve_model
 from .request import RequestOutput, RequestState, emit
 from .runner import check_token_ids
@@ -112,6 +113,10 @@ def check_same_tokenizer(target_tokenizer, draft_path) -> None:
                          f"(vocabularies of {len(draft_tokenizer)} and {len(target_tokenizer)} tokens differ)")
 
 
+class LoRAAdapterBusyError(LoRAAdapterError):
+    """An adapter that requests in flight (running or waiting) use cannot be unloaded."""
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, tokenizer=None):
         path = resolve_model(args.model)
@@ -174,6 +179,13 @@ class LLMEngine:
                 self.speculative.close()
             self.model.close()
             raise
+        self.adapters = AdapterSet(self.model.cfg, torch.device(self.model.runner.device))
+        try:
+            for name, folder in args.lora_modules.items():
+                self.load_lora(name, folder)
+        except BaseException:
+            self.close()
+            raise
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model.cfg.eos_token_ids)
@@ -205,18 +217,55 @@ class LLMEngine:
         if prompt_len + max_tokens > self.max_model_len:
             raise PromptTooLongError(prompt_len, max_tokens, self.max_model_len)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    # -- LoRA adapters (engine.lora_serving) ---------------------------------------------------------
+    def read_adapter(self, folder: str) -> AdapterWeights:
+        """An adapter folder read and checked against this model (LoRAAdapterError says what is wrong). Safe off
+        the engine thread: it reads the folder and the model's config only."""
+        return read_adapter(folder, self.model.cfg)
+
+    def add_lora(self, name: str, weights: AdapterWeights) -> ServedAdapter:
+        """Serve an adapter read by read_adapter as `name` from the next step on."""
+        if self.speculative is not None:
+            raise LoRAAdapterError("LoRA adapters are not served with speculative decoding yet (this engine "
+                                   "drafts): restart without a speculative method to serve them")
+        served = self.adapters.add(name, weights)
+        log.info("LoRA adapter %r loaded from %s (r=%d, %s)", name, weights.path, weights.r,
+                 ", ".join(served.target_modules))
+        return served
+
+    def load_lora(self, name: str, folder: str) -> ServedAdapter:
+        return self.add_lora(name, self.read_adapter(folder))
+
+    def remove_lora(self, name: str) -> ServedAdapter:
+        """Stop serving adapter `name` (UnknownAdapterError when none is). Refused (LoRAAdapterBusyError) while
+        any request using it is running or waiting: cancelling them would fail requests the client was
+        promised, and letting them finish would need an adapter that is no longer listed. Its prefix-cache
+        blocks stay under its digest and age out; the same folder loaded again finds them."""
+        served = self.adapters.get(name)
+        busy = sum(1 for seq in self._seqs.values() if seq.lora_slot == served.slot)
+        if busy:
+            raise LoRAAdapterBusyError(f"the LoRA adapter {name!r} is in use by {busy} request(s) in flight; "
+                                       "unload it once they have finished")
+        self.adapters.remove(name)
+        log.info("LoRA adapter %r unloaded", name)
+        return served
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    lora_name: str | None = None) -> str:
+        """lora_name: a served adapter (UnknownAdapterError when there is none of that name); None: the base."""
         ids = self.encode(prompt)
         self.check_length(len(ids), params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request id {rid!r} is already in use")
+        adapter = self.adapters.get(lora_name) if lora_name is not None else None
         params.check_vocab(self.model.cfg.vocab_size)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self._eos_ids())
         guide = self.grammar.guide(params.structured) if params.structured is not None else None
-        seq = Sequence(rid, ids, params.max_tokens, prompt_logits=params.prompt_logprobs is not None)
+        seq = Sequence(rid, ids, params.max_tokens, prompt_logits=params.prompt_logprobs is not None,
+                       lora_slot=adapter.slot if adapter else None, cache_salt=adapter.digest if adapter else None)
         seq.state = RequestState(params, make_generator(params.seed),
                                  IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
                                  stop_ids, guide, [None] * len(ids) if seq.prompt_logits else None)
@@ -321,7 +370,7 @@ class LLMEngine:
         # rejects it for CUDA probabilities) and the penalties build CPU tensors. One copy per step.
         self._copy_kv_blocks()
         try:
-            logits = self.model.runner.execute(chunks).cpu()
+            logits = self.model.runner.execute(chunks, self.adapters).cpu()
         except Exception as e:
             raise_if_fatal(e)
             raise
@@ -457,15 +506,17 @@ class LLMEngine:
             pinned_cache=weights.pinned_cache,
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
+            lora_adapters=self.adapters.served(),
         )
 
-    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """fp32 logits (vocab,) of the token after `prompt_ids`, from one prefill step on KV blocks
-        borrowed from the pool, outside the scheduler and the prefix cache: for tests and tools
-        comparing against a reference, not while requests run."""
+    def prompt_logits(self, prompt_ids: list[int], lora_name: str | None = None) -> torch.Tensor:
+        """fp32 logits (vocab,) of the token after `prompt_ids` (under the served adapter lora_name), from one
+        prefill step on KV blocks borrowed from the pool, outside the scheduler and the prefix cache: for
+        tests and tools comparing against a reference, not while requests run."""
         if self.scheduler.has_work():
             raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
-        seq = Sequence("prompt-logits", list(prompt_ids), 1)
+        slot = self.adapters.get(lora_name).slot if lora_name is not None else None
+        seq = Sequence("prompt-logits", list(prompt_ids), 1, lora_slot=slot)
         if not self.scheduler.blocks.can_grow(seq, seq.num_tokens):
             raise ValueError(f"{seq.num_tokens} tokens do not fit the KV pool "
                              f"({self.scheduler.blocks.num_blocks} blocks of {self.scheduler.blocks.block_size})")

@@ -27,6 +27,7 @@ from .kv_quant import QuantizedKV
 
 if TYPE_CHECKING:
     from .attention_backend import AttentionScratch
+    from .lora_serving import LoRARows
 
 
 @dataclass
@@ -64,6 +65,9 @@ class StepInputs:
     # The gather reads each table from this block on (the first a sliding window needs this step); attn_mask
     # covers keys from first_block * block_size to context_len. block_tables and token_tables stay whole.
     first_block: int = 0
+    # Served LoRA adapters (engine.lora_serving): the adapter of each token and the rows of each adapter, or
+    # None when every row is the base model's. The block's weights carry the adapters (RowLoRAWeight).
+    lora: LoRARows | None = None
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -15,7 +15,9 @@ docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
                by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
                LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
                dequantized to the compute dtype for each product; a LoRA-adapted weight (kind "lora",
-               engine.finetune) as its base's product plus the adapters' low-rank products in torch.
+               engine.finetune) as its base's product plus the adapters' low-rank products in torch;
+               served adapters (kind "lora_rows", engine.lora_serving) as one base product for the
+               step's rows plus each adapter's low-rank product on its own rows, in torch.
                A tensor autograd follows (fine-tuning's recomputed blocks) never reaches a C++ kernel.
   small ops    rms_norm, add_rms_norm, apply_rotary, silu_mul: fused_ops.cpp on the CPU
                (LAYERSTREAM_FUSED_OPS), else torch.
@@ -29,7 +31,8 @@ docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
                token_by_token would run; else gathered and dequantized a bounded group of sequences at a time
                into `attend` (attend_quantized; the CUDA path). The fused decode block is not used with it.
   block        a whole Llama block of such a step as one C++ call (fused_block: decode_block.cpp,
-               LAYERSTREAM_DECODE_BLOCK), else op by op.
+               LAYERSTREAM_DECODE_BLOCK), else op by op; op by op for a step with served adapters' rows
+               (StepInputs.lora), which the C++ block would leave out.
   GGUF repack  GGUF blocks put in the VNNI kernels' layout by ggml_repack.cpp (gguf_repack(), which the
                weights package asks: LAYERSTREAM_STREAM_REPACK), else by torch at load and dequantized per
                product when streamed.
@@ -288,7 +291,26 @@ def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return (y + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))).to(y.dtype)
 
 
-_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear}
+def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """Served adapters (engine.lora_serving's RowLoRAWeight): one base product y = x W^T + b over every row
+    of x (tokens, in), then for each adapter only its rows r: y[r] + (x[r] A^T) B^T, in fp32 (B holds the
+    scale; a stacked weight's B is block diagonal), rounded to y's dtype once after the sum, as PEFT does.
+    A row gets what it would alone, whichever adapters share the step; rows of no group keep y."""
+    y = linear(x, w.base, bias)  # (tokens, out)
+    for g in w.groups:
+        xr = x.float() if g.every_row else x.index_select(0, g.rows).float()  # (n, in)
+        delta = F.linear(F.linear(xr, g.a), g.b)  # (n, out) fp32
+        if g.every_row:
+            y = (y + delta).to(y.dtype) if y.dtype != torch.float32 else y.add_(delta)
+        elif y.dtype == torch.float32:
+            y.index_add_(0, g.rows, delta)  # one addition per element: the same rounding as y[r] + delta
+        else:
+            y.index_copy_(0, g.rows, (y.index_select(0, g.rows) + delta).to(y.dtype))
+    return y
+
+
+_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear,
+           "lora_rows": _lora_rows_linear}
 
 
 # -- small ops ----------------------------------------------------------------------------------------
@@ -459,6 +481,8 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     (engine.weights fuses copies; the streamed blocks' repack does it too) or apart (views of the mapping),
     no per-head norms or clipping, a KV cache in the compute dtype, and every matmul a dense weight of x's
     dtype or a VNNI-layout one."""
+    if step.lora is not None:
+        return None  # the C++ block has no adapter term: served adapters' rows need the products op by op
     qkv_names = _parts(w, "wqkv", ("wq", "wk", "wv"))
     gate_up_names = _parts(w, "w_gate_up", ("w_gate", "w_up"))
     if (qkv_names is None or gate_up_names is None or cfg.qk_norm or cfg.clip_qkv is not None

@@ -19,6 +19,7 @@ from .arch import LayerAttention, ModelConfig
 from .attention_backend import AttentionScratch
 from .block_manager import NULL_BLOCK, BlockCopy
 from .kv_cache import KVCache
+from .lora_serving import AdapterSet, LoRARows
 from .scheduler import ScheduledChunk
 from .weights import ModelWeights, StreamStats
 
@@ -118,7 +119,7 @@ class ModelRunner:
     def _layer_step_inputs(self, chunks: list[ScheduledChunk]) -> list[M.StepInputs]:
         """The step's inputs of every block: one StepInputs per layer kind (window, RoPE table), shared by
         the blocks of that kind."""
-        ids, positions, logits_index, prompt_rows = [], [], [], []
+        ids, positions, logits_index, prompt_rows, lora_slots = [], [], [], [], []
         slot_mapping = {g: [] for g in self.groups}
         starts, counts = [], []
         bs = self.kv.block_size
@@ -126,6 +127,7 @@ class ModelRunner:
             first = len(ids)
             ids += c.token_ids()
             positions += range(c.start, c.start + c.count)
+            lora_slots += [c.seq.lora_slot] * c.count
             for g in self.groups:
                 table = _table(c.seq, g)
                 slot_mapping[g] += [table[p // bs] * bs + p % bs for p in range(c.start, c.start + c.count)]
@@ -197,6 +199,7 @@ class ModelRunner:
             token_tables=token_tables[group] if token_tables is not None else None,
             window=first.window,
             first_block=masks[first.window][2],
+            lora=LoRARows.of(lora_slots, dev),
         )
         by_kind: dict[tuple[LayerAttention, int], M.StepInputs] = {(first, group): step}
         for kind, g in self.kinds[1:]:
@@ -253,19 +256,24 @@ class ModelRunner:
         return self.kv.bytes_swapped_out, self.kv.bytes_swapped_in
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def execute(self, chunks: list[ScheduledChunk], adapters: AdapterSet | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits (rows, vocab): each chunk's num_logits rows in chunk order
         (one per sampling chunk; 1 + k for a speculative verify chunk), then the rows of
-        `prompt_logit_positions` of every chunk, in chunk order."""
+        `prompt_logit_positions` of every chunk, in chunk order. adapters: the served LoRA adapters, which
+        the chunks' sequences name by slot (Sequence.lora_slot); each block's targeted projections get the
+        adapters of the step's rows."""
         t0 = time.perf_counter()
         before = self.weights.stream_stats
         steps = self._layer_step_inputs(chunks)
         step = steps[0]
+        assert step.lora is None or adapters is not None, "a sequence names an adapter but none are served"
         x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
         with ops.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
             try:
                 for block in range(self.cfg.num_layers):
                     w = self.weights.acquire(block)
+                    if step.lora is not None:
+                        w = adapters.adapt(block, w, step.lora)
                     k_cache, v_cache = self.kv.layer(block)
                     if self.cfg.is_moe_layer(block):
                         x = self._moe_block(block, x, w, k_cache, v_cache, steps[block])

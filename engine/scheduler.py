@@ -47,6 +47,10 @@ class Sequence:
     finish_reason: str | None = None
     state: RequestState | None = None  # the engine's (engine.request); the scheduler never reads it
     prompt_logits: bool = False  # the runner also returns the logits of its prompt positions (prompt logprobs)
+    lora_slot: int | None = None  # the served LoRA adapter it runs with (engine.lora_serving), None: the base
+    # The first block's parent in the prefix cache's hash chain (the adapter's digest): KV computed under one
+    # adapter is never another's, nor the base's. None: the base model's chain.
+    cache_salt: bytes | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_manager import KVTelemetry
+from .lora_serving import ServedAdapter
 from .ops import KernelChoices
 from .planner import MemoryPlan
 from .speculative import SpecTelemetry
@@ -75,3 +76,4 @@ class EngineTelemetry:
     pinned_cache: bool = False  # CUDA: every streamed block pinned once in host memory (else staging)
     speculative: SpecTelemetry | None = None  # speculative decoding's counters; None when it is off
     kernels: KernelChoices | None = None  # which kernel each operation runs on (engine.ops), chosen at load
+    lora_adapters: tuple[ServedAdapter, ...] = ()  # the LoRA adapters served, in the order they were loaded

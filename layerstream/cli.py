@@ -41,7 +41,8 @@ SUBCOMMANDS = {
     "bench-kv": ("layerstream.bench.kv_cache", "the quantized KV cache and the KV disk tier on real SmolLM2: accuracy "
                  "against bf16 KV, capacity, decode tok/s at 16 long sequences, TTFT after a restart"),
     "bench-finetune": ("layerstream.bench.finetune", "LoRA training tok/s and peak memory: layerstream streaming vs PEFT "
-                       "+ accelerate offload under the same budget"),
+                       "+ accelerate offload under the same budget; --serve: adapters served beside the base vs "
+                       "the base alone"),
     "bench-paged": ("layerstream.bench.paged", "paged KV: chat TTFT with/without prefix caching, concurrency, 16 vs 1 tok/s"),
 }
 

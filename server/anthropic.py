@@ -255,7 +255,7 @@ class AnthropicServing:
         content += [_tool_use(t) for t in calls]
         stop_reason, stop_sequence = _stop(c, bool(calls))
         usage = job.usage()
-        return MessageResponse(id=msg_id, model=self.serving.model_name, content=content, stop_reason=stop_reason,
+        return MessageResponse(id=msg_id, model=job.model, content=content, stop_reason=stop_reason,
                                stop_sequence=stop_sequence,
                                usage=Usage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens))
 
@@ -267,7 +267,7 @@ class AnthropicServing:
         text_open = False
         try:
             yield _event("message_start", {"type": "message_start", "message": {
-                "id": msg_id, "type": "message", "role": "assistant", "model": self.serving.model_name,
+                "id": msg_id, "type": "message", "role": "assistant", "model": job.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0}}})
             yield _event("ping", {"type": "ping"})

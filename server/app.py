@@ -14,7 +14,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.engine_loop import EngineLoop
@@ -24,14 +24,14 @@ from .anthropic import AnthropicServing, MessagesRequest
 from .limits import RequestLimits
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelList)
+                       ErrorResponse, LoadLoRAAdapterRequest, ModelList, UnloadLoRAAdapterRequest)
 from .serving import OpenAIServing
 from .tokenization import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("layerstream.server")
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-           "/detokenize", "/v1/messages", "/openapi.json"}
+           "/detokenize", "/v1/messages", "/openapi.json", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in logs and metrics only
 
 
@@ -220,6 +220,14 @@ def build_app(engine: EngineLoop, served_model_name: str, api_key: str | None = 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         return JSONResponse(serving.model(model_id).model_dump(mode="json"))
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return PlainTextResponse(await serving.load_lora(body))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await serving.unload_lora(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

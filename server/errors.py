@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.engine_loop import EngineDeadError, EngineNotReadyError, RequestFailedError
 from engine.llm_engine import PromptTooLongError
+from engine.lora_serving import UnknownAdapterError
 from engine.sampling_params import InvalidParameter
 from engine.scheduler import QueueFullError
 
@@ -36,8 +37,9 @@ class APIError(Exception):
 
 
 class ModelNotFoundError(APIError):
-    def __init__(self, name: str, served: str):
-        super().__init__(404, f"The model `{name}` does not exist; this server serves `{served}`.",
+    def __init__(self, name: str, served: list[str]):
+        names = ", ".join(f"`{n}`" for n in served)
+        super().__init__(404, f"The model `{name}` does not exist; this server serves {names}.",
                          param="model", type_="NotFoundError")
 
 
@@ -136,6 +138,9 @@ def error_for(exc: BaseException) -> MappedError:
         message, param = _validation_message(exc)
     elif isinstance(exc, json.JSONDecodeError):
         status, message = 400, f"malformed JSON body: {exc}"
+    elif isinstance(exc, UnknownAdapterError):
+        # Unloaded between the model check and the engine taking the request, or an unload of an unknown name.
+        status, message, param, type_ = 404, str(exc), "lora_name", "NotFoundError"
     elif isinstance(exc, InvalidParameter):
         status, message, param = 400, str(exc), exc.param
     elif isinstance(exc, PromptTooLongError):
@@ -174,5 +179,5 @@ def install(app) -> None:
     # then re-raises (the connection is dropped): so every expected class is registered by name
     # and only a real bug reaches the Exception handler (500, logged with its traceback).
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ValueError, QueueFullError,
-                     EngineNotReadyError, EngineDeadError, RequestFailedError, Exception):
+                     EngineNotReadyError, EngineDeadError, RequestFailedError, UnknownAdapterError, Exception):
         app.add_exception_handler(exc_type, handle_exception)

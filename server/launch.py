@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the model writes tool calls (vLLM's names): hermes (<tool_call> tags: Qwen, Hermes), "
                         "llama3_json (Llama 3.x bare JSON), mistral ([TOOL_CALLS]); auto: the one the chat template "
                         "teaches")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve over the model (PEFT folders, e.g. `layerstream finetune`'s output), "
+                        "as vLLM's: name=path or '{\"name\": ..., \"path\": ...}'; a request's model field picks "
+                        "one by name (docs/usage/finetune.md#serving-adapters)")
     p.add_argument("--max-queue", type=int, default=EngineArgs.default("max_queue"),
                    help="requests waiting for a slot (beyond free slots) before new ones get 503 + Retry-After")
     limits = p.add_argument_group("limits (docs/usage/serving.md#limits)")
@@ -103,11 +107,14 @@ def build_server(ns: argparse.Namespace, on_failed=None):
     from .app import build_app, check_api_key
     from .metrics import ServerMetrics
 
-    args = engine_args_from(ns, max_queue=ns.max_queue)  # a bad value: ValueError, one line from main
+    # a bad value: ValueError, one line from main
+    args = engine_args_from(ns, max_queue=ns.max_queue, lora_modules=getattr(ns, "lora_modules", None))
     limits = limits_from(ns)
     if ns.api_key:
         check_api_key(ns.api_key)
     name = ns.served_model_name or ns.model
+    if name in args.lora_modules:
+        raise ValueError(f"--lora-modules: the adapter name {name!r} is the served model's name; choose another")
     metrics = ServerMetrics(name)
 
     def factory(engine_args):
@@ -140,6 +147,8 @@ def parse_flags(args: dict) -> argparse.Namespace:
                              "e.g. model=demo num_replicas=2")
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             switches[action.dest] = str(value).strip().lower() in _TRUE  # false must beat a LAYERSTREAM_ default
+        elif isinstance(value, list):  # a flag of several values (lora_modules: [a=/path, b=/path])
+            argv += [action.option_strings[0], *map(str, value)]
         else:  # a dict (speculative_config: {method: ngram} in YAML) goes as the JSON its flag takes
             argv += [action.option_strings[0], json.dumps(value) if isinstance(value, dict) else str(value)]
     try:

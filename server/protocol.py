@@ -291,7 +291,23 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "layerstream"
+    root: str | None = None  # a LoRA adapter's folder (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model: the served model's id (vLLM's field)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and unused: names identify adapters)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -29,8 +29,9 @@ from .errors import APIError, ModelNotFoundError, error_for
 from .limits import RequestLimits
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-                       CompletionRequest, CompletionResponse, DeltaMessage, DeltaToolCall, ModelCard, ModelList,
-                       ToolCallInfo, TopLogprob, UsageInfo, lone_surrogate, random_id, sse)
+                       CompletionRequest, CompletionResponse, DeltaMessage, DeltaToolCall, LoadLoRAAdapterRequest,
+                       ModelCard, ModelList, ToolCallInfo, TopLogprob, UnloadLoRAAdapterRequest, UsageInfo,
+                       lone_surrogate, random_id, sse)
 
 log = logging.getLogger("layerstream.server")
 
@@ -63,6 +64,7 @@ class _Job:
     handle: RequestHandle
     choices: dict[str, _Choice]
     prompt_tokens: int
+    model: str  # what the request asked for: the served model's name or a LoRA adapter's (responses echo it)
 
     def usage(self) -> UsageInfo:
         done = sum(c.num_output_tokens for c in self.choices.values())
@@ -153,18 +155,52 @@ class OpenAIServing:
                                           f"however it were tokenized (at most {limit} characters)")
 
     # -- shared ------------------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFoundError(name, self.model_name)
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's model field names, None for the base model (or no model given);
+        ModelNotFoundError (404) for a name that is neither."""
+        if name is None or name == self.model_name:
+            return None
+        if any(a.name == name for a in self.engine.lora_adapters()):
+            return name
+        raise ModelNotFoundError(name, self._names())
+
+    def _names(self) -> list[str]:
+        return [self.model_name] + [a.name for a in self.engine.lora_adapters()]
 
     def models(self) -> ModelList:
-        return ModelList(data=[self.model(self.model_name)])
+        """The base model, then each LoRA adapter with the base as its parent (as vLLM lists them)."""
+        return ModelList(data=[self.model(self.model_name)]
+                         + [self._adapter_card(a) for a in self.engine.lora_adapters()])
 
     def model(self, name: str) -> ModelCard:
         if name != self.model_name:
-            raise ModelNotFoundError(name, self.model_name)
+            adapter = next((a for a in self.engine.lora_adapters() if a.name == name), None)
+            if adapter is None:
+                raise ModelNotFoundError(name, self._names())
+            return self._adapter_card(adapter)
         max_len = self.engine.max_model_len if self.engine.ready else None
-        return ModelCard(id=self.model_name, max_model_len=max_len)
+        return ModelCard(id=self.model_name, root=self.model_name, max_model_len=max_len)
+
+    def _adapter_card(self, adapter) -> ModelCard:
+        return ModelCard(id=adapter.name, root=adapter.path, parent=self.model_name,
+                         max_model_len=self.engine.max_model_len if self.engine.ready else None)
+
+    async def load_lora(self, req: LoadLoRAAdapterRequest) -> str:
+        """Serve another adapter (vLLM's /v1/load_lora_adapter): 400 for a name already served (the base's
+        included) or a folder that is not an adapter this model can serve."""
+        if req.lora_name in self._names():
+            raise APIError(400, f"The lora adapter '{req.lora_name}' has already been loaded."
+                           if req.lora_name != self.model_name else
+                           f"'{req.lora_name}' is the served model's name; choose another adapter name",
+                           param="lora_name")
+        await self.engine.load_lora(req.lora_name, req.lora_path)
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    async def unload_lora(self, req: UnloadLoRAAdapterRequest) -> str:
+        """Stop serving an adapter (vLLM's /v1/unload_lora_adapter): 404 for an unknown name, 400 while
+        requests using it are in flight (they are not cancelled: unload once they finish)."""
+        await self.engine.unload_lora(req.lora_name)
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
 
     def tool_format(self) -> str:
         """How the served model writes tool calls (tools.FORMATS), from the flag or its template."""
@@ -210,15 +246,17 @@ class OpenAIServing:
         )
 
     async def _submit(self, prompts: list[list[int]], req, params: SamplingParams, prefix: str,
-                      echo_texts: list[str] | None = None, tool_plan: tools.ToolPlan | None = None) -> _Job:
-        """Submit n engine requests per prompt (seed + i when seeded, as engine.llm does) and wait
-        until the engine has taken all of them, so admission errors become a status code."""
+                      echo_texts: list[str] | None = None, tool_plan: tools.ToolPlan | None = None,
+                      lora_name: str | None = None) -> _Job:
+        """Submit n engine requests per prompt (seed + i when seeded, as engine.llm does), under the LoRA
+        adapter lora_name if any, and wait until the engine has taken all of them, so admission errors
+        become a status code."""
         response_id = random_id(prefix)
         requests, choices = [], {}
         for p, ids in enumerate(prompts):
             for i, choice in enumerate(dataclasses.replace(params, n=req.n).per_choice()):
                 rid = f"{response_id}-{p}-{i}"
-                requests.append(EngineRequest(rid, ids, choice))
+                requests.append(EngineRequest(rid, ids, choice, lora_name))
                 choices[rid] = _Choice(p * req.n + i, echo_texts[p] if echo_texts else "",
                                        tool_parser=tool_plan.parser() if tool_plan and tool_plan.active else None,
                                        prompt_ids=ids)
@@ -228,7 +266,8 @@ class OpenAIServing:
         except BaseException:
             handle.abort()
             raise
-        return _Job(response_id, int(time.time()), handle, choices, sum(len(ids) for ids in prompts))
+        return _Job(response_id, int(time.time()), handle, choices, sum(len(ids) for ids in prompts),
+                    lora_name or self.model_name)
 
     async def collect(self, job: _Job) -> None:
         try:
@@ -253,7 +292,7 @@ class OpenAIServing:
         return ids, self._echo_texts(req.prompt, ids) if req.echo else None
 
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
         if req.suffix:
             raise InvalidParameter("suffix", "suffix is not supported")
         _check_stream_options(req)
@@ -266,7 +305,7 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)  # the echoed prompt scored too
         prompts, echo = await self.off_loop(self._completion_prompts, req, raw)
-        job = await self._submit(prompts, req, params, "cmpl", echo)
+        job = await self._submit(prompts, req, params, "cmpl", echo, lora_name=lora_name)
         if req.stream:
             return _event_stream(job, self._completion_chunks(job, req))
         await self.collect(job)
@@ -275,7 +314,7 @@ class OpenAIServing:
                                                                                             [len(c.echo_text)]))
                                     if req.logprobs is not None else None)
                    for c in sorted(job.choices.values(), key=lambda c: c.index)]
-        return CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+        return CompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                   choices=choices, usage=job.usage())
 
     def _echo_texts(self, prompt, ids: list[list[int]]) -> list[str]:
@@ -330,12 +369,12 @@ class OpenAIServing:
                 logprobs = self._completion_logprobs(out.logprobs, offsets[c.index])
                 if out.prompt_logprobs is not None:
                     logprobs = self._with_prompt(c, logprobs)
-            chunk = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+            chunk = CompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                        choices=[CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                                                  finish_reason=c.finish_reason)])
             yield sse(chunk)
         if _include_usage(req):
-            yield sse(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+            yield sse(CompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                          choices=[], usage=job.usage()))
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
@@ -380,13 +419,13 @@ class OpenAIServing:
                               finish_reason=tools.finish_reason(c.finish_reason, c.tool_parser),
                               logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
                    for c in sorted(job.choices.values(), key=lambda c: c.index)]
-        return ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+        return ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                       choices=choices, usage=job.usage())
 
     async def start_chat(self, req: ChatCompletionRequest) -> _Job:
         """Everything a chat request does before its outputs arrive: checks, prompt, submission.
         The Messages API (server.anthropic) shares it."""
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
         _check_stream_options(req)
@@ -401,7 +440,7 @@ class OpenAIServing:
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, so)
         if plan.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return await self._submit([ids], req, params, "chatcmpl", tool_plan=plan)
+        return await self._submit([ids], req, params, "chatcmpl", tool_plan=plan, lora_name=lora_name)
 
     @staticmethod
     def message(c: _Choice) -> AssistantMessage:
@@ -422,7 +461,7 @@ class OpenAIServing:
 
     async def _chat_chunks(self, job: _Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
         def chunk(choices, usage=None) -> str:
-            return sse(ChatCompletionChunk(id=job.response_id, created=job.created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model,
                                            choices=choices, usage=usage))
 
         for c in sorted(job.choices.values(), key=lambda c: c.index):

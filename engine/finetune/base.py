@@ -48,10 +48,3 @@ def check_trainable(cfg: ModelConfig) -> None:
     if cfg.family.fused_qkv or cfg.family.fused_gate_up:
         raise UnsupportedModelError(f"fine-tuning {cfg.architecture} (stored stacked q/k/v or gate/up "
                                     "projections) is not supported yet")
-
-
-def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of every projection LoRA may adapt, by PEFT module name."""
-    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# PEFT's module names for the projections LoRA may adapt -> the model math's short name of the weight.
-TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-# Where each sits under model.layers.{i} in a Hugging Face checkpoint (PEFT's adapter keys use it).
-MODULE_PATHS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-                "down_proj": "mlp.down_proj"}
+from ..lora_targets import MODULE_PATHS, TARGETS  # noqa: F401 - this package's names for them
 
 
 @dataclass(frozen=True)

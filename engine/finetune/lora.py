@@ -13,11 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..lora_targets import MODULE_OF as _MODULE_OF
+from ..lora_targets import STACKED as _STACKED
 from .config import TARGETS, LoRAConfig
-
-# A stacked weight's segments, in row order (engine.weights' fuse: q, k, v and gate, up).
-_STACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
-_MODULE_OF = {short: module for module, short in TARGETS.items()}
 
 
 @dataclass(frozen=True)

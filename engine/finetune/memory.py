@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..arch import ModelConfig
+from ..lora_targets import projection_shapes
 from ..planner import format_bytes
-from .base import projection_shapes
 from .config import TrainConfig
 
 

@@ -9,7 +9,8 @@ import torch
 
 from ..loader import LoadedModel
 from ..planner import PlanError, format_bytes, parse_bytes
-from .base import base_config, open_base, projection_shapes
+from ..lora_targets import projection_shapes
+from .base import base_config, open_base
 from .batch import Example, build_micro_batch
 from .config import TrainConfig
 from .lora import LoRAAdapter

@@ -4,6 +4,11 @@ the same budget (on a GPU; on the CPU, PEFT + transformers all resident, there b
 to), each in its own process, on the same batches.
 
     layerstream bench-finetune [--model FOLDER] [--device cuda] [--budget-fraction 0.25] [--steps 5]
+    layerstream bench-finetune --serve [--model FOLDER] [--requests 16] [--adapters 3] [--max-tokens 64]
+
+--serve measures serving adapters instead (issue 39): --requests concurrent requests spread over
+--adapters random rank --lora-r adapters and the base, against as many on the base alone, in one engine
+with every request in flight at once; aggregate generated tokens/s of each, and their ratio.
 
 The budget is a fraction of the base's weights in fp32 (the issue's 25%). Peak device memory: CUDA's
 max_memory_allocated; on the CPU, the sampled peak of anonymous memory (RssAnon), beside which the
@@ -19,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from layerstream.bench.common import MemorySampler, bench_main, bench_model_path, fmt, machine_description, mib, table
 
@@ -32,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=5, help="timed steps, after one warm-up step")
     p.add_argument("--lora-r", type=int, default=16)
+    serve = p.add_argument_group("--serve: adapters served over one base")
+    serve.add_argument("--serve", action="store_true", help="measure serving adapters, not training")
+    serve.add_argument("--requests", type=int, default=16, help="concurrent requests")
+    serve.add_argument("--adapters", type=int, default=3, help="adapters the mixed run spreads them over (with the base)")
+    serve.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates")
     p.add_argument("--peer", choices=("layerstream", "peft"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -113,7 +124,75 @@ def _child(ns, peer: str, budget: int) -> dict:
     return result
 
 
+def _random_adapters(model: str, folder, count: int, r: int) -> dict[str, str]:
+    """count adapters of rank r on every projection, A and B random (B starts at zero in training), in PEFT's
+    format under folder."""
+    import torch
+
+    from engine.finetune import LoRAAdapter, LoRAConfig, save_adapter
+    from engine.lora_targets import projection_shapes
+    from engine.weights import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(model)
+    cfg = checkpoint.cfg
+    checkpoint.close()
+    out = {}
+    for i in range(count):
+        adapter = LoRAAdapter(LoRAConfig(r=r, alpha=2 * r), projection_shapes(cfg), cfg.num_layers,
+                              torch.device("cpu"), seed=i)
+        gen = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for _, b in adapter.params.values():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+        out[f"adapter-{i}"] = str(save_adapter(Path(folder) / f"adapter-{i}", adapter, model))
+    return out
+
+
+def _serving(ns: argparse.Namespace) -> int:
+    """Aggregate decode throughput with every request in flight at once: on the base alone, then spread
+    round-robin over the base and the adapters."""
+    import tempfile
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    ns.model = ns.model or str(bench_model_path())
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[(i * 31 + j * 7) % 500 + 6 for j in range(32)] for i in range(ns.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = _random_adapters(ns.model, tmp, ns.adapters, ns.lora_r)
+        llm = LLM(ns.model, device=ns.device, dtype=ns.dtype, max_num_seqs=ns.requests,
+                  enable_prefix_caching=False, lora_modules=modules)
+        names = [None, *modules]
+        try:
+            def timed(loras: list[str | None]) -> float:
+                engine = llm.engine
+                for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+                    engine.add_request(prompt, params, f"r{i}", lora_name=lora)
+                t0, tokens = time.perf_counter(), 0
+                while engine.has_unfinished():
+                    tokens += sum(len(o.new_token_ids) for o in engine.step())
+                return tokens / (time.perf_counter() - t0)
+
+            spread = [names[i % len(names)] for i in range(ns.requests)]
+            timed([None] * ns.requests)  # warm-up of both paths: kernels, page cache, the op-by-op block
+            timed(spread)
+            base = timed([None] * ns.requests)
+            mixed = timed(spread)
+        finally:
+            llm.close()
+    print(machine_description())
+    print(f"{ns.model}: {ns.requests} concurrent requests of 32 prompt tokens, {ns.max_tokens} generated each, "
+          f"{ns.dtype} on {ns.device}; {ns.adapters} adapters of rank {ns.lora_r} on every projection")
+    print(table(["requests", "tok/s"], [["base only", fmt(base, 1)],
+                                        [f"base + {ns.adapters} adapters, round-robin", fmt(mixed, 1)]]))
+    print(f"mixed / base-only: {mixed / base:.2f}x")
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
+    if ns.serve:
+        return _serving(ns)
     if ns.peer:
         print(json.dumps(_layerstream(ns) if ns.peer == "layerstream" else _peft(ns)))
         return 0

@@ -17,6 +17,7 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
+    cache_salt: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +86,18 @@ def test_shared_prefix_is_found_by_content_and_leaves_the_last_token_to_compute(
     e = Seq([7, 1, 2, 3, 4, 5, 6, 7, 1])
     assert admit(bm, e) == 0
     assert bm.stats.hit_tokens == 16 and bm.stats.queried_tokens == 10 + 11 + 10 + 8 + 9
+    bm.check()
+
+
+def test_sequences_under_different_salts_share_no_block():
+    """A served LoRA adapter's sequences salt their hash chain with its digest: the same tokens under another
+    adapter (or the base) compute K/V of their own; under the same adapter they share as usual."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    assert admit(bm, Seq(list(range(10)))) == 0  # the base model's
+    assert admit(bm, Seq(list(range(10)), cache_salt=b"adapter-1")) == 0
+    assert admit(bm, Seq(list(range(10)), cache_salt=b"adapter-2")) == 0
+    assert admit(bm, Seq(list(range(10)), cache_salt=b"adapter-1")) == 8
+    assert admit(bm, Seq(list(range(10)))) == 8
     bm.check()
 
 

@@ -71,11 +71,11 @@ def _faulty_factory(state: dict, fail=RuntimeError("simulated device failure")):
         runner = engine.model.runner
         execute = runner.execute
 
-        def faulty(chunks):
+        def faulty(chunks, *args):
             state["passes"] += 1
             if state.get("fail_all") or any(POISON in c.seq.prompt_ids for c in chunks):
                 raise fail
-            return execute(chunks)
+            return execute(chunks, *args)
 
         runner.execute = faulty
         return engine
