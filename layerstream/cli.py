@@ -20,6 +20,8 @@ SUBCOMMANDS = {
                 "kernels, or --quantization int4|int8 of a safetensors checkpoint"),
     "finetune": ("layerstream.finetune", "train a LoRA adapter on a JSONL file over a frozen base that streams (larger "
                  "than memory); PEFT's adapter format"),
+    "finetune-demo": ("layerstream.finetune_demo", "fine-tune the demo model on the bundled answer cards, then compare "
+                      "the base and the served adapter on held-out questions"),
     "build-kernels": ("engine.kernels.cli", "build the C++ CPU kernels now (setup and image builds run it), so no "
                       "start-up or request waits on a compiler"),
     "bench": ("layerstream.bench.offline", "decode speed and memory: transformers vs layerstream resident vs streaming"),
