@@ -179,7 +179,7 @@ class LLMEngine:
                 self.speculative.close()
             self.model.close()
             raise
-        self.adapters = AdapterSet(self.model.cfg, torch.device(self.model.runner.device))
+        self.adapters = AdapterSet(self.model.cfg, torch.device(self.model.runner.device), self.model.runner.dtype)
         try:
             for name, folder in args.lora_modules.items():
                 self.load_lora(name, folder)

@@ -293,20 +293,14 @@ def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """Served adapters (engine.lora_serving's RowLoRAWeight): one base product y = x W^T + b over every row
-    of x (tokens, in), then for each adapter only its rows r: y[r] + (x[r] A^T) B^T, in fp32 (B holds the
-    scale; a stacked weight's B is block diagonal), rounded to y's dtype once after the sum, as PEFT does.
-    A row gets what it would alone, whichever adapters share the step; rows of no group keep y."""
+    of x (tokens, in), then y + (x A^T * mask) B^T for the step's adapters side by side, in their dtype (the
+    compute dtype: fp32 as PEFT computes, bf16 as vLLM does; B holds the scales, a stacked weight's B is
+    block diagonal), the mask keeping each row's own adapter's columns, rounded to y's dtype once after the
+    sum. A row of no adapter adds exact zeros: it keeps y."""
     y = linear(x, w.base, bias)  # (tokens, out)
-    for g in w.groups:
-        xr = x.float() if g.every_row else x.index_select(0, g.rows).float()  # (n, in)
-        delta = F.linear(F.linear(xr, g.a), g.b)  # (n, out) fp32
-        if g.every_row:
-            y = (y + delta).to(y.dtype) if y.dtype != torch.float32 else y.add_(delta)
-        elif y.dtype == torch.float32:
-            y.index_add_(0, g.rows, delta)  # one addition per element: the same rounding as y[r] + delta
-        else:
-            y.index_copy_(0, g.rows, (y.index_select(0, g.rows) + delta).to(y.dtype))
-    return y
+    xa = linear(x.to(w.a.dtype), w.a).mul_(w.rows.mask(w.cols, w.a.dtype))  # (tokens, sum of R)
+    delta = linear(xa, w.b)  # (tokens, out)
+    return y.add_(delta) if y.dtype == delta.dtype == torch.float32 else (y.float() + delta).to(y.dtype)
 
 
 _PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear,

@@ -13,10 +13,11 @@ Public interface (callers import only this module):
       .add(name, weights) -> ServedAdapter (its slot, digest); .remove(name); .get(name) (UnknownAdapterError);
       .served(); .adapt(layer, w, rows) -> block weights with each targeted projection a RowLoRAWeight.
   LoRARows.of(slots per token, device) -> LoRARows | None
-      A step's rows grouped by adapter (None: no row has one); the runner puts it in StepInputs.lora.
-  RowLoRAWeight, LoRAGroup  the data engine.ops multiplies: one base product for every row, each adapter's
-      low-rank product (x A^T B^T * scale, fp32 as PEFT computes it; a stacked q/k/v or gate/up weight's
-      segments as one stacked A and one block-diagonal B, the scale folded into B) added to its own rows only.
+      Each token's adapter for a step (None: no row has one); the runner puts it in StepInputs.lora.
+  RowLoRAWeight  the data engine.ops multiplies: one base product for every row, and the step's adapters'
+      low-rank products (x A^T B^T * scale, fp32 as PEFT computes it; a stacked q/k/v or gate/up weight's
+      segments as one stacked A and one block-diagonal B, the scale folded into B) side by side, masked so
+      that each row adds its own adapter's only.
 
 The math: a projection y = x W^T over the step's rows gains, on the rows of adapter s only,
 scale_s * (x A_s^T) B_s^T. Rows of the base alone get nothing added. The fused C++ decode block has no
@@ -26,7 +27,7 @@ adapter term: a step with any adapted row runs its blocks op by op (engine.ops.f
 from .adapter_file import AdapterWeights, LoRAAdapterError, check_servable, read_adapter
 from .adapter_set import AdapterSet, ServedAdapter, UnknownAdapterError
 from .modules import parse_lora_modules
-from .rows import LoRAGroup, LoRARows, RowLoRAWeight
+from .rows import LoRARows, RowLoRAWeight
 
-__all__ = ["AdapterSet", "AdapterWeights", "LoRAAdapterError", "LoRAGroup", "LoRARows", "RowLoRAWeight",
+__all__ = ["AdapterSet", "AdapterWeights", "LoRAAdapterError", "LoRARows", "RowLoRAWeight",
            "ServedAdapter", "UnknownAdapterError", "check_servable", "parse_lora_modules", "read_adapter"]

@@ -13,7 +13,7 @@ import torch
 from ..arch import ModelConfig
 from ..lora_targets import MODULE_OF, STACKED, projection_shapes
 from .adapter_file import AdapterWeights, LoRAAdapterError
-from .rows import LoRAGroup, LoRARows, RowLoRAWeight
+from .rows import LoRARows, RowLoRAWeight
 
 
 class UnknownAdapterError(LookupError):
@@ -37,8 +37,11 @@ class ServedAdapter:
 
 
 class AdapterSet:
-    def __init__(self, cfg: ModelConfig, device: torch.device):
-        self.device = device
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32):
+        # A step's adapter products run in the compute dtype, as vLLM's do: in fp32 they are PEFT's
+        # (tests/engine/test_lora_serving.py); in bf16 they read half the bytes and run on the kernels the
+        # base's few-row products use, which fp32's small products cost several times.
+        self.device, self.dtype = device, dtype
         self._rows_of = {short: projection_shapes(cfg)[module][0] for short, module in MODULE_OF.items()}
         self._by_name: dict[str, ServedAdapter] = {}
         # slot -> ((layer, PEFT module) -> (A (r, in), B (out, r)) fp32 on the device), and its scale
@@ -48,6 +51,9 @@ class AdapterSet:
         # the adapter leaves that weight alone. Formed on first use: whether a block's q/k/v arrive stacked
         # depends on its placement (resident or streamed), fixed for the engine's life.
         self._products: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # (layer, weight name, the step's adapter slots) -> those adapters' products side by side in the
+        # compute dtype, as RowLoRAWeight holds them, or None where none of them adapts the weight.
+        self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor, tuple] | None] = {}
 
     def add(self, name: str, weights: AdapterWeights) -> ServedAdapter:
         """Serve `weights` as `name` in the lowest free slot; LoRAAdapterError when the name is taken."""
@@ -68,6 +74,8 @@ class AdapterSet:
         del self._by_name[name], self._params[served.slot], self._scale[served.slot]
         for key in [k for k in self._products if k[0] == served.slot]:
             del self._products[key]
+        for key in [k for k in self._stacks if served.slot in k[2]]:
+            del self._stacks[key]
         return served
 
     def get(self, name: str) -> ServedAdapter:
@@ -88,13 +96,16 @@ class AdapterSet:
             parts = STACKED.get(name, (name,))
             if parts[0] not in MODULE_OF:
                 continue
-            groups = []
-            for slot, token_rows in rows.groups:
-                product = self._product(slot, layer, name, parts)
-                if product is not None:
-                    groups.append(LoRAGroup(token_rows, *product, rows.every_row(token_rows)))
-            if groups:
-                out[name] = RowLoRAWeight(weight, tuple(groups))
+            key = (layer, name, rows.present)
+            if key not in self._stacks:
+                products = [(slot, self._product(slot, layer, name, parts)) for slot in rows.present]
+                products = [(slot, p) for slot, p in products if p is not None]
+                self._stacks[key] = (torch.cat([p[0] for _, p in products]).to(self.dtype),
+                                     torch.cat([p[1] for _, p in products], 1).to(self.dtype),
+                                     tuple((slot, p[0].shape[0]) for slot, p in products)) if products else None
+            stack = self._stacks[key]
+            if stack is not None:
+                out[name] = RowLoRAWeight(weight, *stack, rows)
         return out
 
     def _product(self, slot: int, layer: int, name: str, parts: tuple[str, ...]):

@@ -1,15 +1,17 @@
 """Which rows of a step each adapter owns, and a projection's weight with those adapters attached.
 
 A step's tokens are packed into one (tokens, hidden) matrix (engine.model); a token's adapter is its
-sequence's. LoRARows groups the token rows by adapter once per step, on the host, so a block's products
-never ask the device which rows are whose (a host sync per projection). RowLoRAWeight is data, as the
-packed weight types are: engine.ops multiplies it as one base product over every row plus each adapter's
-low-rank product over its own rows.
+sequence's. LoRARows records each token's adapter once per step, on the host, so a block's products never
+ask the device which rows are whose (a host sync per projection). RowLoRAWeight is data, as the packed
+weight types are: engine.ops multiplies it as one base product over every row plus the step's adapters'
+low-rank products, stacked into two products whose middle is masked to each row's own adapter: a handful
+of operations per projection whatever the number of adapters (one pair per adapter, each on its rows, was
+dozens of small operations per projection, which cost more than the products).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,48 +19,46 @@ import torch
 @dataclass(frozen=True)
 class LoRARows:
     """slots: the adapter slot of each token of the step, in packed order (None: the base alone), the
-    per-row index as positions are per row; groups: (slot, rows (n,) int64 on the device) for each
-    adapter that has rows this step, in slot order."""
+    per-row index as positions are per row; present: the slots that have rows this step, in order;
+    row_slots: the same per token on the device (-1: the base)."""
 
     slots: tuple[int | None, ...]
-    groups: tuple[tuple[int, torch.Tensor], ...]
+    present: tuple[int, ...]
+    row_slots: torch.Tensor  # (tokens,) int64
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def every_row(self, rows: torch.Tensor) -> bool:
-        return rows.numel() == len(self.slots)
+    def mask(self, cols: tuple[tuple[int, int], ...], dtype: torch.dtype) -> torch.Tensor:
+        """(tokens, sum of R): 1 where a token's adapter owns the column, for a stack whose columns are
+        (slot, R) runs in order. Made once per step and column layout (most weights share one)."""
+        m = self._masks.get(cols)
+        if m is None:
+            col_slots = torch.tensor([s for s, r in cols for _ in range(r)], dtype=torch.long)
+            m = (self.row_slots[:, None] == col_slots.to(self.row_slots.device)[None, :]).to(dtype)
+            self._masks[cols] = m
+        return m
 
     @staticmethod
     def of(slots: list[int | None], device: torch.device) -> LoRARows | None:
         """None when no token has an adapter: the step is the base model's alone (and keeps every fused path)."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(slots):
-            if slot is not None:
-                by_slot.setdefault(slot, []).append(row)
-        if not by_slot:
+        present = tuple(sorted({s for s in slots if s is not None}))
+        if not present:
             return None
-        order = sorted(by_slot)
-        flat = torch.tensor([r for s in order for r in by_slot[s]], dtype=torch.long)  # (adapted tokens,)
-        rows = torch.split(flat.to(device, non_blocking=device.type == "cuda"), [len(by_slot[s]) for s in order])
-        return LoRARows(tuple(slots), tuple(zip(order, rows)))
-
-
-@dataclass(frozen=True)
-class LoRAGroup:
-    """One adapter's share of a product: its rows of x, A (R, in) and B (out, R) fp32 with the adapter's
-    scale folded into B. For a stacked weight (q/k/v, gate/up) A stacks the segments' A and B is block
-    diagonal, so the whole stack is two products; an unadapted segment's rows of B are zero."""
-
-    rows: torch.Tensor  # (n,) int64
-    a: torch.Tensor  # (R, in)
-    b: torch.Tensor  # (out, R)
-    every_row: bool  # rows are all of the step's: no gather or scatter needed
+        row_slots = torch.tensor([-1 if s is None else s for s in slots], dtype=torch.long)
+        return LoRARows(tuple(slots), present, row_slots.to(device, non_blocking=device.type == "cuda"))
 
 
 @dataclass(frozen=True)
 class RowLoRAWeight:
-    """A frozen base weight (out, in), dense or packed, with each group's adapter on its own rows of x."""
+    """A frozen base weight (out, in), dense or packed, with the step's adapters on their own rows of x: their
+    A stacked (sum of R, in) and their B side by side (out, sum of R) in the compute dtype, each adapter's scale folded into its
+    B (a stacked weight's B block diagonal over q/k/v or gate/up); cols: the (slot, R) run of each adapter's
+    columns, which rows.mask turns into each token's own columns."""
 
     base: object
-    groups: tuple[LoRAGroup, ...]
+    a: torch.Tensor
+    b: torch.Tensor
+    cols: tuple[tuple[int, int], ...]
+    rows: LoRARows
     kind: str = "lora_rows"
 
     @property
