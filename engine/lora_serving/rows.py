@@ -50,9 +50,9 @@ class LoRARows:
 @dataclass(frozen=True)
 class RowLoRAWeight:
     """A frozen base weight (out, in), dense or packed, with the step's adapters on their own rows of x: their
-    A stacked (sum of R, in) and their B side by side (out, sum of R) in the compute dtype, each adapter's scale folded into its
-    B (a stacked weight's B block diagonal over q/k/v or gate/up); cols: the (slot, R) run of each adapter's
-    columns, which rows.mask turns into each token's own columns."""
+    A stacked (sum of R, in) and their B side by side (out, sum of R) in the compute dtype, each adapter's
+    scale folded into its B (a stacked weight's B block diagonal over q/k/v or gate/up); cols: the (slot, R)
+    run of each adapter's columns, which rows.mask turns into each token's own columns."""
 
     base: object
     a: torch.Tensor
