@@ -12,7 +12,7 @@ from engine import EngineArgs
 from engine.llm import LLM
 from engine.llm_engine import LoRAAdapterBusyError
 from engine.lora_serving import UnknownAdapterError
-from tests.support.batching import Result, assert_same, greedy
+from tests.support.batching import Result, assert_same, drive, greedy
 from tests.support.lora import make_adapter, merged_logits
 
 PROMPT = [(i * 37 + 11) % 500 + 6 for i in range(21)]
@@ -59,22 +59,7 @@ def test_served_adapter_logits_equal_peft_merged_model(llama_dir, adapters, stre
 
 def _run(engine, requests: list[tuple[str, list[int], object, str | None]]) -> dict[str, Result]:
     """Add every request at once, then step until they finish; each request's tokens and logprobs."""
-    results = {}
-    for rid, prompt, params, lora in requests:
-        engine.add_request(prompt, params, rid, lora_name=lora)
-        results[rid] = Result()
-    step = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            r = results[out.request_id]
-            r.tokens += out.new_token_ids
-            r.logprobs += [lp.logprob for lp in out.logprobs]
-            r.steps.append(step)
-            if out.finished:
-                r.finish_reason = out.finish_reason
-        step += 1
-        assert step < 500
-    return results
+    return drive(engine, {0: requests})
 
 
 def test_a_step_mixing_base_and_two_adapters_gives_each_row_what_it_gets_alone(llama_dir, adapters):

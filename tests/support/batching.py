@@ -34,13 +34,14 @@ class Result:
 
 def drive(engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
           aborts: dict[int, list[str]] | None = None, on_step=None) -> dict[str, Result]:
-    """Run the engine step by step; `arrivals[k]` are added and `aborts[k]` cancelled before step k."""
+    """Run the engine step by step; `arrivals[k]` are added and `aborts[k]` cancelled before step k. An
+    arrival may name a served LoRA adapter as a fourth item (None: the base)."""
     aborts = aborts or {}
     results: dict[str, Result] = {}
     step = 0
     while engine.has_unfinished() or any(k >= step for k in arrivals):
-        for rid, prompt, params in arrivals.get(step, []):
-            engine.add_request(prompt, params, rid)
+        for rid, prompt, params, *lora in arrivals.get(step, []):
+            engine.add_request(prompt, params, rid, **({"lora_name": lora[0]} if lora else {}))
             results[rid] = Result()
         for rid in aborts.get(step, []):
             assert engine.abort(rid)
