@@ -5,11 +5,16 @@ these codes directly is engine/kernels/kv_attention.cpp (chosen by engine.ops).
 - int8: one scale per (token, KV head): absmax / 127, codes in [-127, 127] (llama.cpp's q8_0 rounding,
   over the whole head instead of 32 values: the rotation spreads a head's outliers over all of it, and
   2 scale bytes per head keep the cache at 1.94x fewer bytes than bf16 for head_dim 64).
-- int4: one scale per 32 values (16 for a head_dim that 32 does not divide; llama.cpp's q4_0): d = m / -8 where m is the group's value of largest
-  magnitude, codes round(x / d) clamped to [-8, 7] and stored + 8, two to a byte (even dimension in the
-  low nibble). Four bits leave too few levels for one scale over a whole head.
-- The scale is rounded to float16 before the codes are computed from it, so a code times its stored
-  scale is the value the rounding chose.
+- int4: one scale per 32 values (16 for a head_dim that 32 does not divide), codes two to a byte (even
+  dimension in the low nibble), each an index into 16 levels (INT4_LEVELS: a Gaussian's Lloyd-Max levels,
+  as integers), not llama.cpp's q4_0 even steps: the rotation makes each group near-Gaussian, where levels
+  denser near zero err less. The scale is searched, not absmax / 8: for each of INT4_TOPS the codes of the
+  group scaled so that its largest magnitude lands on that top, and the least-squares scale for those
+  codes; the candidate with the least squared error is kept (llama.cpp's make_qx_quants does the same
+  for its k-quants). Four bits leave too few levels for one scale over a whole head. The levels and the
+  search bring int4 within issue #37's perplexity target on SmolLM2-135M (docs/benchmarks/kv-cache.md).
+- int8's scale is rounded to float16 before the codes are computed from it, so a code times its stored
+  scale is the value the rounding chose; int4's codes are chosen first and its scale fitted to them.
 - Rotation: each head's K (and V) is multiplied by H, an orthonormal Hadamard matrix (block-diagonal
   Sylvester blocks when head_dim is not a power of two). Outlier channels, which decide a group's scale,
   are spread over the group, so the rounding error of the other values shrinks. Q is rotated the same
@@ -26,6 +31,17 @@ import torch
 
 KV_CACHE_DTYPES = ("auto", "int8", "int4")
 INT4_GROUP = 32
+# int4's 16 levels, a code's value in units of its group's scale: the Lloyd-Max quantizer of a Gaussian
+# (+-0.1284 ... +-2.7326 standard deviations), the outermost at 127, rounded to integers. The rotation
+# leaves each group near-Gaussian, where these levels, denser near zero, err less than 16 evenly spaced
+# ones. No level is zero, so the two halves mirror each other (quantize relies on it).
+# kv_attention.cpp holds the same table.
+INT4_LEVELS = (-127, -96, -75, -58, -44, -31, -18, -6, 6, 18, 31, 44, 58, 75, 96, 127)
+# The values a group's largest magnitude is scaled to before rounding, one candidate scale each
+# (quantize keeps the one with least squared error): below 127 every value keeps its own level, above it
+# the largest few share the outermost level and the rest get finer steps.
+INT4_TOPS = tuple(float(t) for t in range(100, 165, 4))
+_INT4_PASS = 1 << 21  # values times candidates quantize's int4 search holds at once (~28 bytes each)
 SCALE_DTYPE = torch.float16
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -79,6 +95,11 @@ class KVQuant:
         return self.code_width + self.groups * SCALE_DTYPE.itemsize
 
     @property
+    def levels(self) -> tuple[int, ...]:
+        """The values int4's codes stand for (an index each); int8's codes are their values: ()."""
+        return INT4_LEVELS if self.bits == 4 else ()
+
+    @property
     def code_dtype(self) -> torch.dtype:
         return torch.int8 if self.bits == 8 else torch.uint8
 
@@ -103,6 +124,22 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 @functools.cache
+def _levels_on(device: torch.device) -> torch.Tensor:
+    return torch.tensor(INT4_LEVELS, dtype=torch.float32, device=device)  # (16,)
+
+
+@functools.cache
+def _midpoints_on(device: torch.device) -> torch.Tensor:
+    levels = _levels_on(device)[8:]  # the positive half; the negative mirrors it
+    return (levels[1:] + levels[:-1]) / 2  # (7,): halves, exact in fp32
+
+
+@functools.cache
+def _tops_on(device: torch.device) -> torch.Tensor:
+    return torch.tensor(INT4_TOPS, dtype=torch.float32, device=device)  # (candidates,)
+
+
+@functools.cache
 def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
     return hadamard(n).to(device)  # once per device: not a host-to-device copy per layer and step
 
@@ -121,13 +158,35 @@ def quantize(x: torch.Tensor, quant: KVQuant) -> tuple[torch.Tensor, torch.Tenso
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
         codes = (xf * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
         return codes.reshape(*x.shape[:-1], quant.code_width), scale
-    idx = xf.abs().argmax(-1, keepdim=True)
-    m = xf.gather(-1, idx).squeeze(-1)  # (..., groups): the signed value of largest magnitude
-    scale = (m / -8).clamp(-_FP16_MAX, _FP16_MAX).to(SCALE_DTYPE)
-    s = scale.float()
-    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
-    q = ((xf * inv[..., None]).round().clamp(-8, 7) + 8).to(torch.uint8)  # (..., groups, group) in [0, 15]
-    q = q.reshape(*x.shape[:-1], quant.head_dim // 2, 2)
+    # The search holds every candidate's codes of a vector at once: a bounded number of vectors a pass.
+    rows = xf.reshape(-1, quant.groups, quant.group)  # (vectors, groups, group)
+    step = max(1, _INT4_PASS // (quant.head_dim * len(INT4_TOPS)))
+    parts = [_quantize_int4(rows[i:i + step], quant) for i in range(0, rows.shape[0], step)]
+    codes, scales = (torch.cat(p) for p in zip(*parts)) if parts else _quantize_int4(rows, quant)
+    return codes.reshape(*x.shape[:-1], quant.code_width), scales.reshape(*x.shape[:-1], quant.groups)
+
+
+def _quantize_int4(xf: torch.Tensor, quant: KVQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """xf (..., groups, group) fp32 -> codes (..., head_dim / 2), scales (..., groups): for each candidate
+    top, the codes of x scaled so that its absmax lands on that top, then the least-squares scale for
+    those codes, sum(x l) / sum(l l); the candidate with the least squared error, sum(x x) - sum(x l)^2 /
+    sum(l l), wins. The levels are integers, so these sums are exact in float64 and kv_attention.cpp's
+    write, which sums in another order, picks the same codes and scale. A value halfway between two levels
+    takes the smaller magnitude, the same rule on both sides of zero."""
+    table = _levels_on(xf.device).double()
+    amax = xf.abs().amax(-1, keepdim=True)  # (..., groups, 1)
+    tops = _tops_on(xf.device)  # (candidates,)
+    iscale = torch.where(amax > 0, tops / amax, torch.zeros((), device=xf.device))  # (..., groups, candidates)
+    v = xf[..., None, :] * iscale[..., :, None]  # (..., groups, candidates, group)
+    j = torch.bucketize(v.abs(), _midpoints_on(xf.device))  # the nearest magnitude; a tie to the smaller
+    idx = torch.where(v < 0, 7 - j, 8 + j)  # (..., groups, candidates, group): the level's index
+    lv = table[idx]  # float64
+    sxl = (xf.double()[..., None, :] * lv).sum(-1)  # (..., groups, candidates): exact
+    sll = (lv * lv).sum(-1)  # > 0: no level is zero
+    best = (sxl * sxl / sll).argmax(-1, keepdim=True)  # (..., groups, 1): the first of equal errors
+    scale = (sxl / sll).gather(-1, best).squeeze(-1).float().clamp(max=_FP16_MAX).to(SCALE_DTYPE)  # (..., groups)
+    idx = idx.gather(-2, best[..., None].expand(*best.shape, quant.group)).squeeze(-2)  # (..., groups, group)
+    q = idx.to(torch.uint8).reshape(*xf.shape[:-2], quant.head_dim // 2, 2)
     codes = q[..., 0] | (q[..., 1] << 4)  # (..., head_dim / 2)
     return codes, scale
 
@@ -140,7 +199,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, quant: KVQuant, dtype:
         v = codes.float()
     else:
         lo, hi = (codes & 0xF), (codes >> 4)
-        v = torch.stack((lo, hi), dim=-1).reshape(*lead, quant.head_dim).float() - 8  # (..., head_dim)
+        idx = torch.stack((lo, hi), dim=-1).reshape(*lead, quant.head_dim).long()  # (..., head_dim) in [0, 15]
+        v = _levels_on(codes.device)[idx]  # (..., head_dim) fp32
     v = v.reshape(*lead, quant.groups, quant.group) * scales.float()[..., None]
     return v.reshape(*lead, quant.head_dim).to(dtype)
 

@@ -104,12 +104,12 @@ def kv_dtype_options(cfg: ModelConfig, dtype: torch.dtype, rotate: bool) -> tupl
 
 def model_identity(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: KVQuant | None, block_size: int) -> dict:
     """What KV on disk must have been computed with to be reused: the checkpoint's files (names, sizes,
-    modification times: a changed file is another model), the config, the compute dtype, the KV format and
-    the block size."""
+    modification times: a changed file is another model), the config, the compute dtype, the KV format (int4:
+    with its levels, which give the codes their meaning) and the block size."""
     files = sorted(path.iterdir()) if path.is_dir() else [path]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     return {"files": stats, "config": repr(cfg), "dtype": str(dtype), "block_size": block_size,
-            "kv": None if quant is None else [quant.bits, quant.head_dim, quant.rotate]}
+            "kv": None if quant is None else [quant.bits, quant.head_dim, quant.rotate, *quant.levels]}
 
 
 def open_kv_disk(args: EngineArgs, path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: KVQuant | None,

@@ -4,7 +4,7 @@
 //   attention(q, k_codes, k_scales, v_codes, v_scales, tables, positions, window, bits, scale)
 //     q          (rows, heads, hd) fp32, contiguous: each row one token, already rotated as K was
 //     *_codes    (blocks, block_size, kv_heads, hd) int8 (bits 8) or (.., hd / 2) uint8 (bits 4, two codes a
-//                byte, the even dimension in the low nibble, stored + 8)
+//                byte, the even dimension in the low nibble, each an index into kInt4Levels)
 //     *_scales   (blocks, block_size, kv_heads, groups) float16: one per hd / groups values (int8: one group;
 //                int4: groups of 32, or 16 for small heads)
 //     tables     (rows, max_blocks) int64: the block table of each row's sequence
@@ -31,6 +31,12 @@
 #include "exp_approx.h"
 
 namespace {
+
+// engine/kv_quant.py's INT4_LEVELS and INT4_TOPS (tests/kernels/test_kv_attention.py holds the two sides
+// equal: the kernel reads and writes the codes torch does).
+constexpr float kInt4Levels[16] = {-127, -96, -75, -58, -44, -31, -18, -6, 6, 18, 31, 44, 58, 75, 96, 127};
+constexpr float kInt4Tops[] = {100, 104, 108, 112, 116, 120, 124, 128, 132, 136, 140, 144, 148, 152, 156, 160, 164};
+constexpr int kInt4Candidates = sizeof(kInt4Tops) / sizeof(kInt4Tops[0]);
 
 struct Args {
   const float* q;
@@ -60,7 +66,7 @@ float dot_i8(const float* q, const int8_t* c, int64_t n) {
   return sum;
 }
 
-// The same for n int4 codes packed two a byte (n / 2 bytes), stored + 8.
+// The same for n int4 codes packed two a byte (n / 2 bytes), each a level's index.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float dot_i4(const float* q, const uint8_t* c, int64_t n) {
   constexpr int L = 16;
@@ -68,8 +74,8 @@ float dot_i4(const float* q, const uint8_t* c, int64_t n) {
   for (int64_t b = 0; b < n / 2; b += L / 2)
     for (int l = 0; l < L / 2; ++l) {
       const uint8_t v = c[b + l];
-      acc[2 * l] += q[2 * (b + l)] * static_cast<float>(static_cast<int>(v & 0xF) - 8);
-      acc[2 * l + 1] += q[2 * (b + l) + 1] * static_cast<float>(static_cast<int>(v >> 4) - 8);
+      acc[2 * l] += q[2 * (b + l)] * kInt4Levels[v & 0xF];
+      acc[2 * l + 1] += q[2 * (b + l) + 1] * kInt4Levels[v >> 4];
     }
   float sum = 0;
   for (int l = 0; l < L; ++l) sum += acc[l];
@@ -82,13 +88,13 @@ void axpy_i8(float* a, float w, const int8_t* c, int64_t n) {
   for (int64_t d = 0; d < n; ++d) a[d] += w * static_cast<float>(c[d]);
 }
 
-// a[d] += w * code[d] over n int4 codes (n / 2 bytes).
+// a[d] += w * level[d] over n int4 codes (n / 2 bytes).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void axpy_i4(float* a, float w, const uint8_t* c, int64_t n) {
   for (int64_t b = 0; b < n / 2; ++b) {
     const uint8_t v = c[b];
-    a[2 * b] += w * static_cast<float>(static_cast<int>(v & 0xF) - 8);
-    a[2 * b + 1] += w * static_cast<float>(static_cast<int>(v >> 4) - 8);
+    a[2 * b] += w * kInt4Levels[v & 0xF];
+    a[2 * b + 1] += w * kInt4Levels[v >> 4];
   }
 }
 
@@ -115,7 +121,7 @@ bool cpu_avx512() {
   return yes;
 }
 
-// 16 codes from p (int8: 16 bytes; int4: 8 bytes, the even value in the low nibble) as fp32.
+// 16 codes from p (int8: 16 bytes; int4: 8 bytes, the even value in the low nibble) as fp32 (int4: their levels).
 template <int BITS>
 LAYERSTREAM_AVX512 inline __m512 widen16(const uint8_t* p) {
   if constexpr (BITS == 8) {
@@ -124,7 +130,7 @@ LAYERSTREAM_AVX512 inline __m512 widen16(const uint8_t* p) {
     const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // 8 x u16
     const __m128i lo = _mm_and_si128(x, _mm_set1_epi16(0xF)), hi = _mm_srli_epi16(x, 4);
     const __m128i bytes = _mm_or_si128(lo, _mm_slli_epi16(hi, 8));  // 16 bytes: value 0, 1, 2, ... in order
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(8)));
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes), _mm512_loadu_ps(kInt4Levels));
   }
 }
 
@@ -314,9 +320,54 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_codes,
   return out;
 }
 
+// One int4 group of n values (16 or 32), as kv_quant.py's _quantize_int4 does it: for each candidate top,
+// the nearest level of each value of x scaled so that its absmax lands there (a tie to the smaller
+// magnitude), and the least-squares scale for those levels; the first candidate of least squared error
+// wins. sum(x l) is exact in double and sum(l l) in float (integer levels), so the lanes' order of summing
+// does not change the choice: the loops vectorize and still pick what torch picks.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void write_int4_group(const float* x, int64_t n, uint8_t* codes, c10::Half* scale) {
+  constexpr float FP16_MAX = 65504.0f;
+  constexpr int L = 16;
+  float mid[7];  // between the positive levels kInt4Levels[8 + m] and [9 + m]
+  for (int m = 0; m < 7; ++m) mid[m] = (kInt4Levels[8 + m] + kInt4Levels[9 + m]) / 2;
+  float amax = 0;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  float lv[32];
+  uint8_t idx[32], best[32];
+  double best_score = -1, best_sxl = 0, best_sll = 1;
+  for (int c = 0; c < kInt4Candidates; ++c) {
+    const float iscale = amax > 0 ? kInt4Tops[c] / amax : 0.0f;
+    for (int64_t d = 0; d < n; ++d) {
+      const float v = x[d] * iscale, a = std::fabs(v);
+      int j = 0;  // the magnitude's level among the 8 positive ones
+      for (int m = 0; m < 7; ++m) j += a > mid[m];
+      idx[d] = static_cast<uint8_t>(v < 0 ? 7 - j : 8 + j);
+      lv[d] = v < 0 ? -kInt4Levels[8 + j] : kInt4Levels[8 + j];
+    }
+    double sx[L] = {0};
+    float sl[L] = {0};
+    for (int64_t d = 0; d < n; d += L)
+      for (int l = 0; l < L; ++l) {
+        sx[l] += static_cast<double>(x[d + l]) * static_cast<double>(lv[d + l]);
+        sl[l] += lv[d + l] * lv[d + l];
+      }
+    double sxl = 0, sll = 0;
+    for (int l = 0; l < L; ++l) sxl += sx[l], sll += sl[l];
+    const double score = sxl * sxl / sll;
+    if (score > best_score) {
+      best_score = score, best_sxl = sxl, best_sll = sll;
+      std::copy(idx, idx + n, best);
+    }
+  }
+  *scale = c10::Half(std::min(FP16_MAX, static_cast<float>(best_sxl / best_sll)));
+  for (int64_t d = 0; d < n; d += 2) codes[d / 2] = static_cast<uint8_t>(best[d] | (best[d + 1] << 4));
+}
+
 // x (rows, kv_heads, hd) fp32 quantized into the cache at slots (rows of (blocks * block_size, kv_heads, ...)),
-// exactly as engine/kv_quant.py's quantize does it (the same fp32 operations, float16 scale first, rounding
-// half to even): one call instead of a dozen small torch ops per K and V per layer and step.
+// exactly as engine/kv_quant.py's quantize does it (int8: the same fp32 operations, float16 scale first,
+// rounding half to even; int4: write_int4_group): one call instead of a dozen small torch ops per K and V
+// per layer and step.
 void write_codes(const torch::Tensor& x_in, torch::Tensor codes, torch::Tensor scales, const torch::Tensor& slots_in,
            int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 4, "kv_attention.write: bits must be 8 or 4, got ", bits);
@@ -331,7 +382,7 @@ void write_codes(const torch::Tensor& x_in, torch::Tensor codes, torch::Tensor s
   const int64_t groups = scales.dim() == 4 ? scales.size(3) : 0;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && groups > 0 && hd % groups == 0 &&
               scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == nkv &&
-              (hd / groups) % 2 == 0,
+              (hd / groups) % 2 == 0 && (bits == 8 || hd / groups == 16 || hd / groups == 32),
               "kv_attention.write: scales must be contiguous float16 (blocks, block_size, ", nkv, ", groups), got ",
               scales.sizes());
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "kv_attention.write: one int64 slot per row");
@@ -343,7 +394,10 @@ void write_codes(const torch::Tensor& x_in, torch::Tensor codes, torch::Tensor s
   for (int64_t i = 0; i < rows; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < cache_rows, "kv_attention.write: slot ", sp[i], " outside the cache");
   constexpr float FP16_MAX = 65504.0f;
-  for (int64_t i = 0; i < rows; ++i) {
+  // Rows in parallel (a step's slots are distinct): int4's scale search makes a prompt chunk's write
+  // worth spreading.
+  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+  for (int64_t i = first; i < last; ++i) {
     for (int64_t h = 0; h < nkv; ++h) {
       const float* v = xp + (i * nkv + h) * hd;
       uint8_t* c = cp + (sp[i] * nkv + h) * width;
@@ -360,22 +414,12 @@ void write_codes(const torch::Tensor& x_in, torch::Tensor codes, torch::Tensor s
           for (int64_t d = 0; d < gsize; ++d)
             cg[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(vg[d] * inv))));
         } else {
-          float m = 0, am = -1;
-          for (int64_t d = 0; d < gsize; ++d)
-            if (std::fabs(vg[d]) > am) { am = std::fabs(vg[d]); m = vg[d]; }  // the first of equal magnitudes
-          const c10::Half scale(std::min(FP16_MAX, std::max(-FP16_MAX, m / -8.0f)));
-          sc[g] = scale;
-          const float s = static_cast<float>(scale), inv = s != 0 ? 1.0f / s : 0.0f;
-          uint8_t* cg = c + g * gsize / 2;
-          for (int64_t d = 0; d < gsize; d += 2) {
-            const int q0 = static_cast<int>(std::min(7.0f, std::max(-8.0f, std::nearbyint(vg[d] * inv)))) + 8;
-            const int q1 = static_cast<int>(std::min(7.0f, std::max(-8.0f, std::nearbyint(vg[d + 1] * inv)))) + 8;
-            cg[d / 2] = static_cast<uint8_t>(q0 | (q1 << 4));
-          }
+          write_int4_group(vg, gsize, c + g * gsize / 2, sc + g);
         }
       }
     }
   }
+  });
 }
 
 }  // namespace

