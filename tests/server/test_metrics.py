@@ -30,7 +30,8 @@ def snapshot(link_gbps, bytes_streamed=400_000_000, seconds=0.5, kv: KVTelemetry
                            kv=kv or kv_snapshot(), pinned_host_bytes=0, buffer_sets=0, blocks_converted=0,
                            structured_output=MaskStats(masks=3, compute_seconds=0.25, wait_seconds=0.5, skips=7,
                                                        over_budget=2, cache_bytes=5 << 20, cache_entries=4,
-                                                       gil_parse_seconds=0.125, pool_parse_seconds=2.5))
+                                                       gil_parse_seconds=0.125, pool_parse_seconds=2.5,
+                                                       probe_bytes=60 << 20))
 
 
 def samples(m: ServerMetrics) -> dict[str, float]:
@@ -71,6 +72,7 @@ def test_structured_output_mask_seconds():
     assert got["layerstream_structured_output_too_costly"] == 2
     assert got["layerstream_structured_output_cache_bytes"] == 5 << 20
     assert got["layerstream_structured_output_cache_entries"] == 4
+    assert got["layerstream_structured_output_probe_bytes"] == 60 << 20
 
 
 def test_vllm_metric_names():
