@@ -19,6 +19,7 @@ from .args import EngineArgs
 from .arch import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .failures import EngineUnhealthyError, raise_if_fatal
+from .grammar_probe import serialized_tokenizer
 from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
 from .lora_serving import AdapterSet, AdapterWeights, LoRAAdapterError, ServedAdapter, read_adapter
 from .model_source import resolve_model
@@ -28,7 +29,6 @@ from .sampler import make_generator, sample_one, score_tokens
 from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from .speculative import SpeculativeStep, build_drafter
-from .grammar_probe import serialized_tokenizer
 from .structured_output import GrammarCompiler
 from .telemetry import EngineTelemetry, PlanSummary, StepTelemetry
 
