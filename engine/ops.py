@@ -294,13 +294,13 @@ def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """Served adapters (engine.lora_serving's RowLoRAWeight): one base product y = x W^T + b over every row
     of x (tokens, in), then y + (x A^T * mask) B^T for the step's adapters side by side, in their dtype (the
-    compute dtype: fp32 as PEFT computes, bf16 as vLLM does; B holds the scales, a stacked weight's B is
-    block diagonal), the mask keeping each row's own adapter's columns, rounded to y's dtype once after the
-    sum. A row of no adapter adds exact zeros: it keeps y."""
+    compute dtype: fp32 as PEFT computes, bf16 as vLLM does, added to y in place: widening y for the sum
+    cost more than the adapters' products; B holds the scales, a stacked weight's B is block diagonal), the
+    mask keeping each row's own adapter's columns. A row of no adapter adds exact zeros: it keeps y."""
     y = linear(x, w.base, bias)  # (tokens, out)
     xa = linear(x.to(w.a.dtype), w.a).mul_(w.rows.mask(w.cols, w.a.dtype))  # (tokens, sum of R)
     delta = linear(xa, w.b)  # (tokens, out)
-    return y.add_(delta) if y.dtype == delta.dtype == torch.float32 else (y.float() + delta).to(y.dtype)
+    return y.add_(delta) if y.dtype == delta.dtype else (y.float() + delta).to(y.dtype)
 
 
 _PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear,
