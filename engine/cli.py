@@ -35,18 +35,26 @@ def add_model_argument(p: argparse.ArgumentParser, default: str | None, help: st
                    help="the same as MODEL")
 
 
+def add_placement_arguments(p, device_budget_help: str = "device memory budget, e.g. 4GiB or 512MB") -> None:
+    """Where a model computes and within what memory: --device, --dtype, --max-device-memory and
+    --max-host-memory, with EngineArgs' defaults (p: a parser or an argument group)."""
+    from .args import EngineArgs
+
+    d = EngineArgs.default
+    p.add_argument("--device", default=d("device"), help="cpu or cuda")
+    p.add_argument("--dtype", default=d("dtype"), help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--max-device-memory", default=d("max_device_memory"), help=device_budget_help)
+    p.add_argument("--max-host-memory", default=d("max_host_memory"),
+                   help="host memory budget (default: what is available)")
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model; defaults are EngineArgs' own."""
     from .args import EngineArgs
 
     d = EngineArgs.default
     add_model_argument(p, default="demo", help=f"{MODEL_HELP}, or demo (the default: a built-in small model)")
-    p.add_argument("--device", default=d("device"), help="cpu or cuda")
-    p.add_argument("--dtype", default=d("dtype"), help="auto (the checkpoint's), float32, bfloat16, float16")
-    p.add_argument("--max-device-memory", default=d("max_device_memory"),
-                   help="device memory budget, e.g. 4GiB or 512MB")
-    p.add_argument("--max-host-memory", default=d("max_host_memory"),
-                   help="host memory budget (default: what is available)")
+    add_placement_arguments(p)
     p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
                    help="context window (prompt + completion)")
     p.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"), help="sequences decoded together in one step")

@@ -14,8 +14,8 @@ What callers use (structured_output's GrammarCompiler, from its compile pool):
 - `close()`.
 - `serialized_tokenizer(hf_tokenizer) -> str | None`: the fast tokenizer's JSON the child builds its
   own from (None for a slow tokenizer: no probe);
-- `probe_memory_bytes(max_bytes, tokenizer_json_bytes)`: what the plan counts for the probe: its
-  start (which grows with the tokenizer) and its cap.
+- `probe_memory_bytes(max_bytes, vocab_size)`: what the plan counts for the probe: its start (which
+  grows with the vocabulary) and its cap.
 
 The child imports only the standard library and llguidance (no torch: it starts in a fraction of
 a second and holds tens of MB, most of them the tokenizer's trie). It runs at the priority of the
@@ -43,11 +43,13 @@ _POLL_SECONDS = 0.01
 # must not disable the probe. Not a request's cost.
 _START_SECONDS = 120.0
 # The child's peak resident memory while it starts: the interpreter and llguidance, and the
-# tokenizer, which llguidance parses from its JSON into a tokenizer and a token trie of its own, peaking
-# at tens of bytes per byte of JSON (SmolLM2's 1.4 MB and Gemma 3's 11.5 MB both stay within this
-# estimate: tests/engine/test_grammar_limits.py). A compile may add at most max_bytes of address space.
+# tokenizer, which llguidance parses from its JSON into a tokenizer and a token trie of its own, about
+# 2 KiB per vocabulary entry at its peak (SmolLM2's 49,152 tokens and Gemma 3's 262,144 both stay within
+# this estimate: tests/engine/test_grammar_limits.py). Estimated from the vocabulary's size, which the plan
+# knows for free: serializing the tokenizer to measure its JSON costs a load a large part of a second.
+# A compile may add at most max_bytes of address space.
 START_BASE_BYTES = 32 << 20
-START_BYTES_PER_JSON_BYTE = 48
+START_BYTES_PER_TOKEN = 2 << 10
 # The child runs this file with neither the working directory nor this file's folder on its path:
 # a module there named like one of the standard library's would be imported in its place.
 _CHILD = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
@@ -168,12 +170,10 @@ def serialized_tokenizer(hf_tokenizer) -> str | None:
     return backend.to_str()
 
 
-def probe_memory_bytes(max_bytes: int, tokenizer_json_bytes: int) -> int:
-    """Host memory the probe may hold: its start, which grows with the tokenizer, and the growth its
-    address-space limit allows; 0 without a serialized tokenizer (no probe runs)."""
-    if tokenizer_json_bytes <= 0:
-        return 0
-    return START_BASE_BYTES + START_BYTES_PER_JSON_BYTE * tokenizer_json_bytes + max_bytes
+def probe_memory_bytes(max_bytes: int, vocab_size: int) -> int:
+    """Host memory the probe may hold: its start, which grows with the vocabulary, and the growth its
+    address-space limit allows."""
+    return START_BASE_BYTES + START_BYTES_PER_TOKEN * vocab_size + max_bytes
 
 
 def _cpu_seconds(pid: int) -> float:

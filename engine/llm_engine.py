@@ -19,7 +19,6 @@ from .args import EngineArgs
 from .arch import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .failures import EngineUnhealthyError, raise_if_fatal
-from .grammar_probe import serialized_tokenizer
 from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
 from .lora_serving import AdapterSet, AdapterWeights, LoRAAdapterError, ServedAdapter, read_adapter
 from .model_source import resolve_model
@@ -130,9 +129,9 @@ class LLMEngine:
             draft_model = load_draft_model(args)
             reservation = DraftReservation(draft_model.plan.device_bytes, f"draft model {spec.model}, resident")
         try:
-            tokenizer_json = serialized_tokenizer(self.tokenizer)
+            # A slow tokenizer has no serialized form for the grammar probe to build from: no probe runs.
             self.model: LoadedModel = load_model(args, path, reservation,
-                                                 len(tokenizer_json) if tokenizer_json is not None else 0)
+                                                 grammar_probe=hasattr(self.tokenizer, "backend_tokenizer"))
         except BaseException:
             if draft_model is not None:
                 draft_model.close()

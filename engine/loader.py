@@ -229,10 +229,10 @@ def kv_layout(args: EngineArgs, cfg: ModelConfig) -> KVLayout:
 
 
 def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
-             host_room: int, draft: DraftReservation | None = None, tokenizer_json_bytes: int = 0) -> MemoryPlan:
+             host_room: int, draft: DraftReservation | None = None, grammar_probe: bool = True) -> MemoryPlan:
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
-    with room for a speculative draft when one is configured. tokenizer_json_bytes: the serialized
-    tokenizer's size, which the grammar probe's memory grows with (0: no probe is counted)."""
+    with room for a speculative draft when one is configured. grammar_probe: count the grammar probe's
+    process (False: the tokenizer cannot start one)."""
     device = torch.device(args.device)
     sizes = checkpoint.sizes(dtype, args.quantization, device)
     budget = args.max_device_memory
@@ -303,7 +303,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     # The grammar probe isolates the cost of compiling a new grammar (engine/grammar_probe.py). Where the
     # host cannot hold it besides the model, the model comes first: compiles run in this process, their
     # cost checked after the fact, and the plan says so.
-    probe = probe_memory_bytes(grammar_cap, tokenizer_json_bytes)
+    probe = probe_memory_bytes(grammar_cap, cfg.vocab_size) if grammar_probe else 0
     try:
         return plan_with(probe)
     except PlanError:
@@ -360,9 +360,9 @@ class LoadedModel:
 
 
 def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservation | None = None,
-               tokenizer_json_bytes: int = 0) -> LoadedModel:
-    """draft: a separate speculative draft model's bytes, for the plan to reserve; tokenizer_json_bytes:
-    the serving tokenizer's serialized size, for the plan to count the grammar probe (plan_for)."""
+               grammar_probe: bool = True) -> LoadedModel:
+    """draft: a separate speculative draft model's bytes, for the plan to reserve; grammar_probe: whether
+    the plan counts the grammar probe's process (plan_for)."""
     path = Path(path)
     checkpoint = ModelCheckpoint(path)  # a safetensors folder or a GGUF file; the config its format records
     cfg = checkpoint.cfg
@@ -380,7 +380,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         # request: a no-op where the engine loop (or an earlier load) has made them. Builds run on
         # prepare's threads, whose compilers a Ctrl-C here stops. The table is logged once.
         kernels = ops.choose(device, dtype)
-        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft, tokenizer_json_bytes)
+        plan = plan_for(args, cfg, checkpoint, dtype, host_room, draft, grammar_probe)
         disk_gbps = None
         if plan.disk_blocks:
             disk_gbps, note = checkpoint.measure_disk()

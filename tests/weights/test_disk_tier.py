@@ -35,10 +35,12 @@ GRAMMAR_CACHE = 64 << 10
 def _host(folder, room: int) -> dict:
     """LLM arguments for `room` bytes of host memory besides what the plan counts for structured output:
     a small grammar cache (by default a share of the host memory) and the grammar probe's process."""
-    from engine.grammar_probe import probe_memory_bytes, serialized_tokenizer
-    from engine.llm_engine import load_tokenizer
+    from engine.grammar_probe import probe_memory_bytes
+    from engine.weights import ModelCheckpoint
 
-    probe = probe_memory_bytes(GRAMMAR_CACHE, len(serialized_tokenizer(load_tokenizer(folder))))
+    checkpoint = ModelCheckpoint(folder)
+    probe = probe_memory_bytes(GRAMMAR_CACHE, checkpoint.cfg.vocab_size)
+    checkpoint.close()
     return dict(max_host_memory=room + GRAMMAR_CACHE + probe, grammar_cache_memory=GRAMMAR_CACHE)
 
 

@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, quants
 
 from engine import LLM, SamplingParams, ops
-from engine.grammar_probe import probe_memory_bytes, serialized_tokenizer
+from engine.grammar_probe import probe_memory_bytes
 from engine.weights import CheckpointError
 from engine.weights.packed.dequant import SUPPORTED_TYPES, dequantize
 from engine.weights.formats.gguf_file import GGUFIndex
@@ -234,12 +234,12 @@ def test_auto_tiers_a_packed_model_between_ram_and_disk(gguf_root, resident_runs
     budget = plan.budget_keeping(1)
     probe = LLM(str(path), dtype=dtype, max_device_memory=budget, **SHORT)
     device_bytes, block = probe.plan.device_bytes, probe.plan.disk_block_bytes
-    tokenizer_json = serialized_tokenizer(probe.tokenizer)
+    vocab = probe.engine.model.cfg.vocab_size
     probe.close()
     # Host memory: the device plan, depth + 1 disk staging buffers, the grammar cache (set, since by
     # default it is a share of the host memory) and its probe, and room for two of the 4 streamed blocks.
     cache = 64 << 10
-    grammar = cache + probe_memory_bytes(cache, len(tokenizer_json))
+    grammar = cache + probe_memory_bytes(cache, vocab)
     llm = LLM(str(path), dtype=dtype, max_device_memory=budget, grammar_cache_memory=cache,
               max_host_memory=device_bytes + grammar + (2 + 2) * block + block // 2, **SHORT)
     try:
