@@ -11,8 +11,8 @@ docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
   products     linear(x, w, bias): dense weights on F.linear (oneDNN / MKL), 1-16 bf16 rows on
                bf16_rows.cpp (AVX512-BF16 without AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row where
                that kernel is not in use on torch's matrix-vector kernel with oneDNN off around the step
-               (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, told apart
-               by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
+               (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, KQuantWeight,
+               told apart by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
                LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
                dequantized to the compute dtype for each product; a LoRA-adapted weight (kind "lora",
                engine.finetune) as its base's product plus the adapters' low-rank products in torch;
@@ -190,7 +190,7 @@ def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ w.T + bias -> (..., out), where w is a dense (out, in) tensor or a packed weight."""
     if not isinstance(w, torch.Tensor):
-        if x.requires_grad and w.kind in ("int4", "int8"):
+        if x.requires_grad and w.kind in ("int4", "int8", "kquant"):
             return _FrozenPackedLinear.apply(x, w, bias)  # the kernels have no backward
         return _PACKED[w.kind](x, w, bias)
     if _few_bf16_rows(x):
@@ -280,6 +280,10 @@ def _int8_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
+def _kquant_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    return kernels.kquant_linear(x, w.codes, w.scales, w.shape[0], bias)  # (..., out)
+
+
 def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """A frozen base product plus low-rank adapters (engine.finetune's LoRAWeight): y = x W^T + b, and each
     output segment s of y (q, k, v of a stacked wqkv; the whole of y otherwise) adds
@@ -303,7 +307,8 @@ def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     return y.add_(delta) if y.dtype == delta.dtype else (y.float() + delta).to(y.dtype)
 
 
-_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "lora": _lora_linear,
+_PACKED = {"gguf": _gguf_linear, "int4": _int4_linear, "int8": _int8_linear, "kquant": _kquant_linear,
+           "lora": _lora_linear,
            "lora_rows": _lora_rows_linear}
 
 

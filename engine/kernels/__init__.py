@@ -11,6 +11,8 @@ Interface:
   int4_linear(x, codes, scales, out_features, bias)  the vnni kernel itself (only when int4_backend() == "vnni").
   int8_linear(x, codes, scales, out_features, bias)  its int8-weight twin (one scale per row; Int8Weight
       "vnni"), used on the same condition; its fallback is aten's `_weight_int8pack_mm`.
+  kquant_linear(x, codes, scales, out_features, bias)  Q4_K / Q6_K with their sub-scales kept (KQuantWeight),
+      on the same condition; without it those types take the int4 / int8 layouts.
   onednn_has_amx() -> bool   whether oneDNN can use AMX tiles here, for the choices that turn on it
       (engine/ops.py makes them: bf16_rows, the one-row products, CPU attention).
 
@@ -107,3 +109,9 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_
                 bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
     """The same for Int8Weight's "vnni" layout (engine/weights/packed/weights.py)."""
     return _loaded().int8_linear(x, codes, scales, out_features, bias, two_pass)
+
+
+def kquant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
+    """The same for KQuantWeight's layouts (engine/weights/packed/weights.py)."""
+    return _loaded().kquant_linear(x, codes, scales, out_features, bias, two_pass)

@@ -16,7 +16,8 @@
 //   y   = h + (silu(gate) * up) @ w_down.T,  gate | up = hn2 @ w_gate_up.T (stacked or as two parts)
 //
 // A weight is (tensor, scales, out_features): scales None for a dense (out, in) tensor, float16
-// scales for Int4Weight's "vnni" layout, float32 for Int8Weight's (engine/weights/packed.py).
+// scales for Int4Weight's "vnni" layout, float32 for Int8Weight's, uint8 for KQuantWeight's
+// (engine/weights/packed/weights.py).
 // Built with the VNNI kernels' instruction sets and fused_ops' rounding flags (no FMA contraction:
 // the kernels use explicit intrinsics, so neither side's results change).
 
@@ -35,6 +36,7 @@ at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at:
     return few_rows ? bf16_rows::linear(x, tensor, bias) : at::linear(x, tensor, bias);
   }
   if (scales->scalar_type() == at::kHalf) return int4_linear(x, tensor, *scales, out, bias, true);
+  if (scales->scalar_type() == at::kByte) return kquant_linear(x, tensor, *scales, out, bias, true);
   return int8_linear(x, tensor, *scales, out, bias, true);
 }
 

@@ -317,6 +317,86 @@ void repack_int8(const torch::Tensor& rows, int64_t qtype, int64_t K, torch::Ten
   }
 }
 
+// The k-quant layouts (int4_vnni.cpp's block_kernel_k): Q4_K and Q6_K rearranged, every bit kept.
+// Q4_K: codes as repack_int4 writes them; per row block and super-block, 320 bytes: per group the 16
+// rows' 6-bit scales then mins, then the 16 rows' fp16 d, then their fp16 dmin (copied, not rounded).
+// Q6_K: per row block and group 384 code bytes: the low nibbles in the int4 arrangement, then two
+// 64-byte vectors of high bit pairs (vector p, lane j, byte t: bits 2i..2i+1 = weight 16p + 4i + t's);
+// per row block and super-block 288 bytes: per group the 16 rows' int8 scales of weights 0..15, then of
+// 16..31, then the 16 rows' fp16 d. Padding rows: every byte 0 (code 0, scales 0).
+void repack_kquant(const torch::Tensor& rows, int64_t qtype, int64_t K, torch::Tensor codes, torch::Tensor scales,
+                   const c10::optional<torch::Tensor>& order) {
+  TORCH_CHECK_VALUE(qtype == Q4_K || qtype == Q6_K, "ggml repack: GGML type id ", qtype,
+                    " has no k-quant layout (Q4_K, Q6_K)");
+  const Rows src = check_rows(rows, order, qtype, K);
+  const bool six = qtype == Q6_K;
+  const int64_t N = rows.size(0), G = K / GROUP, S = K / 256, blocks = (N + LANES - 1) / LANES;
+  const int64_t code_bytes = six ? 384 : 256, sb_bytes = six ? 288 : 320;
+  check_out(codes, torch::kUInt8, {blocks, G * code_bytes}, "codes");
+  check_out(scales, torch::kUInt8, {blocks, S, sb_bytes}, "scales");
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  uint8_t* sc_out = scales.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < blocks * LANES; ++n) {
+    const int64_t b = n / LANES, j = n % LANES;
+    uint8_t* dst = out + b * G * code_bytes;
+    uint8_t* sbb = sc_out + b * S * sb_bytes;
+    if (n >= N) {  // padding
+      for (int64_t g = 0; g < G; ++g)
+        for (int v = 0; v < code_bytes / 64; ++v) std::memset(dst + g * code_bytes + v * 64 + j * 4, 0, 4);
+      for (int64_t s0 = 0; s0 < S; ++s0) {
+        uint8_t* sb = sbb + s0 * sb_bytes;
+        for (int g = 0; g < 8; ++g) sb[32 * g + j] = sb[32 * g + 16 + j] = 0;
+        std::memset(sb + 256 + 2 * j, 0, 2);
+        if (!six) std::memset(sb + 288 + 2 * j, 0, 2);
+      }
+      continue;
+    }
+    const uint8_t* row = src.row(n);
+    for (int64_t s0 = 0; s0 < S; ++s0) {
+      uint8_t* sb = sbb + s0 * sb_bytes;
+      if (!six) {
+        const uint8_t* blk = row + s0 * 144;
+        uint8_t sc[8], mn[8];
+        k_scale_min(blk + 4, sc, mn);
+        std::memcpy(sb + 256 + 2 * j, blk, 2);      // d
+        std::memcpy(sb + 288 + 2 * j, blk + 2, 2);  // dmin
+        for (int s = 0; s < 8; ++s) {
+          sb[32 * s + j] = sc[s];
+          sb[32 * s + 16 + j] = mn[s];
+          const uint8_t* qs = blk + 16 + 32 * (s / 2);
+          uint8_t* d = dst + (s0 * 8 + s) * 256 + j * 4;
+          for (int v = 0; v < 4; ++v) {
+            const uint32_t u = lane_bytes(load8(qs + 8 * v), s % 2 == 1);
+            std::memcpy(d + v * 64, &u, 4);
+          }
+        }
+        continue;
+      }
+      const uint8_t* blk = row + s0 * 210;
+      const uint8_t *ql = blk, *qh = blk + 128;
+      std::memcpy(sb + 256 + 2 * j, blk + 208, 2);  // d
+      for (int s = 0; s < 8; ++s) {  // group s = 4 h + k of 32 weights, as dequantize_row reads Q6_K
+        const int h = s / 4, k = s % 4;
+        const uint8_t* lo = ql + 64 * h + 32 * (k % 2);
+        const int shift = (k / 2) * 4;
+        uint8_t q[32];  // the group's 6-bit codes, 0..63
+        for (int i = 0; i < 32; ++i) q[i] = ((lo[i] >> shift) & 0x0F) | (((qh[32 * h + i] >> (2 * k)) & 3) << 4);
+        sb[32 * s + j] = blk[192 + 2 * s];
+        sb[32 * s + 16 + j] = blk[192 + 2 * s + 1];
+        uint8_t* d = dst + (s0 * 8 + s) * 384 + j * 4;
+        for (int v = 0; v < 4; ++v)
+          for (int t = 0; t < 4; ++t) d[v * 64 + t] = (q[8 * v + t] & 0x0F) | ((q[8 * v + 4 + t] & 0x0F) << 4);
+        for (int p = 0; p < 2; ++p)
+          for (int t = 0; t < 4; ++t) {
+            uint8_t hb = 0;
+            for (int i = 0; i < 4; ++i) hb |= (q[16 * p + 4 * i + t] >> 4) << (2 * i);
+            d[256 + p * 64 + t] = hb;
+          }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // The GIL is released while a repack runs: it runs on the prefetch thread, and holding the GIL would
@@ -326,6 +406,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("qtype"), py::arg("K"), py::arg("codes"), py::arg("scales"),
         py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("repack_int8", &repack_int8, "Q8_0/Q5_0/Q5_1/Q5_K/Q6_K rows -> per-row int8 in the VNNI layout",
+        py::arg("rows"), py::arg("qtype"), py::arg("K"), py::arg("codes"), py::arg("scales"),
+        py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("repack_kquant", &repack_kquant, "Q4_K/Q6_K rows -> their k-quant layout (every bit kept)",
         py::arg("rows"), py::arg("qtype"), py::arg("K"), py::arg("codes"), py::arg("scales"),
         py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -10,7 +10,8 @@ Interface:
   The module: repack_int4(rows, qtype, K, codes, scales, order=None) for Q4_0/Q4_1/Q4_K and
       repack_int8(rows, qtype, K, codes, scales, order=None) for Q8_0/Q5_0/Q5_1/Q5_K/Q6_K, writing into
       the caller's `codes` / `scales` (Int4Weight / Int8Weight "vnni", engine/weights/packed/weights.py); rows
-      (out, bytes per row) uint8 as stored, `order` the engine row order (rows to take, int64).
+      (out, bytes per row) uint8 as stored, `order` the engine row order (rows to take, int64);
+      repack_kquant(rows, qtype, K, codes, scales, order=None) for Q4_K/Q6_K into KQuantWeight's layouts.
 
 Built with the VNNI kernels' instruction-set flags (it runs only beside them) and without FMA
 contraction, so its arithmetic rounds as the torch code it replaces does.

@@ -17,6 +17,8 @@
 //          or (N16/16, G, 16), scales only, for symmetric weights (Q4_0: min = -8 * scale), whose
 //          mins would be a tenth of the bytes a decode step reads
 // K = 32 G need not be a multiple of 256 (any number of groups).
+// The same kernel reads int8 weights (block_kernel_i8) and Q4_K / Q6_K with their integer sub-scales
+// kept (block_kernel_k, KQuantWeight), each described where its block kernel is.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -45,6 +47,7 @@ struct QuantX {
   std::vector<float> dx;   // (M, G): the step, or the step / 256 in two passes
   std::vector<float> sx;   // (M, G)
   std::vector<int32_t> qsum;  // (M, G): sum of the integer activations (q * 256 + r in two passes)
+  std::vector<int32_t> hsum;  // (M, 2G): the same per 16 values (the k-quant layouts' sub-scales)
 };
 
 template <typename T> inline __m512 load16(const T* p);
@@ -69,9 +72,8 @@ inline void store16(c10::Half* p, __m512 v, __mmask16 k) {
   _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-inline int32_t sum_i8(const int8_t* p) {  // 32 values
-  return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))) +
-         _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+inline int32_t sum_i8_16(const int8_t* p) {  // 16 values
+  return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 template <typename T>
@@ -83,6 +85,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool two_pass, QuantX& X) {
   X.dx.resize(M * G);
   X.sx.resize(M * G);
   X.qsum.resize(M * G);
+  X.hsum.resize(M * 2 * G);
   const __m512 k256 = _mm512_set1_ps(256.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
@@ -102,11 +105,14 @@ void quantize_rows(const T* x, int64_t M, int64_t K, bool two_pass, QuantX& X) {
         __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(tb, _mm512_cvtepi32_ps(qb)), k256));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(X.r.data() + at), _mm512_cvtsepi32_epi8(ra));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(X.r.data() + at + 16), _mm512_cvtsepi32_epi8(rb));
-        // The sums of what was stored (saturated), for the int8 weights' +128 offset.
-        X.qsum[m * G + g] = 256 * sum_i8(X.q.data() + at) + sum_i8(X.r.data() + at);
-      } else {
-        X.qsum[m * G + g] = sum_i8(X.q.data() + at);
       }
+      // The sums of what was stored (saturated), per 16 and per 32: the int8 weights' +128 offset, the
+      // 6-bit k-quant weights' -32.
+      for (int h = 0; h < 2; ++h) {
+        const int32_t qh = sum_i8_16(X.q.data() + at + 16 * h);
+        X.hsum[(m * G + g) * 2 + h] = two_pass ? 256 * qh + sum_i8_16(X.r.data() + at + 16 * h) : qh;
+      }
+      X.qsum[m * G + g] = X.hsum[(m * G + g) * 2] + X.hsum[(m * G + g) * 2 + 1];
       X.dx[m * G + g] = two_pass ? amax / 127.f / 256.f : amax / 127.f;
       X.sx[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
@@ -202,6 +208,90 @@ void block_kernel_i8(const uint8_t* codes, const float* rowscale, const float* b
   for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_fmadd_ps(acc[m], sc, b), k);
 }
 
+// k-quant weights as llama.cpp stores them, rearranged (KQuantWeight, engine/weights/packed/weights.py),
+// for the bytes a decode step reads: 256-weight super-blocks (K a multiple of 256) whose sub-scales
+// stay 6- or 8-bit integers under one fp16 scale per row and super-block.
+//   Q4_K (BITS 4): codes as int4's; scales (N16/16, K/256, 320) u8: per group g of 32 of the super-block
+//          the 16 rows' 6-bit scales sc then their 6-bit mins mn (32 bytes), then 16 fp16 d and 16 fp16
+//          dmin: w = d sc q - dmin mn (4.625 bits a weight; Q4_K's own 4.5, int4's 5).
+//   Q6_K (BITS 6): codes (N16/16, K/32*384) u8: per group int4's 256 bytes of low nibbles, then two
+//          64-byte vectors of high bit pairs: vector p, lane j, byte t holds in bits 2i..2i+1 the high
+//          bits of weight 16p + 4i + t (i = 0..3, so each half of a 4-bit vector's byte pairs with the
+//          low-nibble vector 2p + i/2); scales (N16/16, K/256, 288) u8: per group the 16 rows' int8
+//          scales of its first 16 weights, then of its last 16, then 16 fp16 d: w = d sc (q - 32)
+//          (6.5625 bits a weight, as Q6_K).
+// (q - 32) . xq = q . xq - 32 sum(xq): the second term is the activations' per-16 sum (QuantX::hsum).
+template <int MT, bool TWO_PASS, int BITS, typename T>
+void block_kernel_k(const uint8_t* codes, const uint8_t* sb, const float* bias, const QuantX& X,
+                    int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 384, SB_BYTES = BITS == 4 ? 320 : 288;
+  const int64_t G = X.G, K = X.K;
+  const __m512i low = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = codes + g * CODE_BYTES;
+    const uint8_t* s = sb + (g / 8) * SB_BYTES;
+    const int64_t sg = (g % 8) * 32;
+    __m512i isum[MT][2], rsum[MT][2];
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = rsum[m][0] = rsum[m][1] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      const __m512i wv = _mm512_loadu_si512(w + v * 64);
+      __m512i wl = _mm512_and_si512(wv, low);
+      __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+      if (BITS == 6) {
+        __m512i hv = _mm512_loadu_si512(w + 256 + (v / 2) * 64);
+        if (v % 2) hv = _mm512_srli_epi16(hv, 4);  // bits 4..7 of each byte down (the spill is masked)
+        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
+        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
+      }
+      const int h = v / 2;  // vectors 0, 1 hold the group's first 16 weights
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
+        isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wl, bcast4(X.q.data() + at));
+        isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wh, bcast4(X.q.data() + at + 4));
+        if (TWO_PASS) {
+          rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wl, bcast4(X.r.data() + at));
+          rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wh, bcast4(X.r.data() + at + 4));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 256)));
+    auto u8 = [&](int64_t at) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+    };
+    auto i8 = [&](int64_t at) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+    };
+    if (BITS == 4) {
+      const __m512 scale = _mm512_mul_ps(d, u8(sg));
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
+      const __m512 mn = _mm512_mul_ps(dmin, u8(sg + 16));
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = (m0 + m) * G + g;
+        __m512i t = _mm512_add_epi32(isum[m][0], isum[m][1]);
+        if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(rsum[m][0], rsum[m][1]));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[m]);
+        acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[m]);
+      }
+    } else {
+      const __m512 scale0 = _mm512_mul_ps(d, i8(sg)), scale1 = _mm512_mul_ps(d, i8(sg + 16));
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = (m0 + m) * G + g;
+        const __m512 dx = _mm512_set1_ps(X.dx[i]);
+        for (int h = 0; h < 2; ++h) {
+          __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m][h], 8), rsum[m][h]) : isum[m][h];
+          t = _mm512_sub_epi32(t, _mm512_set1_epi32(32 * X.hsum[i * 2 + h]));
+          acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dx), h ? scale1 : scale0, acc[m]);
+        }
+      }
+    }
+  }
+  const __mmask16 k = static_cast<__mmask16>(nvalid >= LANES ? 0xFFFF : (1u << nvalid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m], b), k);
+}
+
 // f(std::integral_constant<int, MT>) for the activation tile's height, 1..8: each a kernel unrolled
 // over exactly its rows.
 template <typename F>
@@ -218,18 +308,23 @@ void with_tile(int64_t mt, F&& f) {
   }
 }
 
+// The weight formats: Int4Weight, Int8Weight and KQuantWeight's two (engine/weights/packed/weights.py).
+enum class Format { Int4, Int8, K4, K6 };
+
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const float* bias, int64_t N,
-         bool two_pass, int bits, at::Tensor& y) {
+         bool two_pass, Format fmt, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, blocks = codes.size(0);
   thread_local QuantX X;  // reused across calls: no allocation per matmul once warm
   quantize_rows(x.data_ptr<T>(), M, K, two_pass, X);
   const uint8_t* w = codes.data_ptr<uint8_t>();
-  const uint16_t* s = bits == 4 ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
-  const bool has_min = bits == 4 && scales.dim() == 4;  // else the symmetric int4 layout, (N16/16, G, 16)
+  const uint16_t* s = fmt == Format::Int4 ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
+  const bool has_min = fmt == Format::Int4 && scales.dim() == 4;  // else symmetric int4, (N16/16, G, 16)
   const int64_t sm_stride = has_min ? G * 32 : G * 16;  // float16 values per row block
-  const float* rs = bits == 8 ? scales.data_ptr<float>() : nullptr;
-  const int64_t block_bytes = G * (bits == 4 ? 256 : 512);
+  const float* rs = fmt == Format::Int8 ? scales.data_ptr<float>() : nullptr;
+  const uint8_t* ks = fmt == Format::K4 || fmt == Format::K6 ? scales.data_ptr<uint8_t>() : nullptr;
+  const int64_t ks_stride = ks ? scales.size(1) * scales.size(2) : 0;  // bytes per row block
+  const int64_t block_bytes = G * (fmt == Format::Int4 || fmt == Format::K4 ? 256 : fmt == Format::K6 ? 384 : 512);
   T* out = y.data_ptr<T>();
   const QuantX& Xr = X;  // worker threads read the caller's buffers
   // Enough row blocks per task (~64 KiB of codes) to be worth a hand-off to another thread.
@@ -242,15 +337,28 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
         const uint8_t* wb = w + b * block_bytes;
         with_tile(std::min(MTILE, M - m0), [&](auto mt) {
           constexpr int MT = decltype(mt)::value;
-          if (bits == 8) {
-            if (two_pass) block_kernel_i8<MT, true>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-            else block_kernel_i8<MT, false>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-          } else if (has_min) {
-            if (two_pass) block_kernel<MT, true, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-            else block_kernel<MT, false, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-          } else {
-            if (two_pass) block_kernel<MT, true, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-            else block_kernel<MT, false, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+          switch (fmt) {
+            case Format::Int8:
+              if (two_pass) block_kernel_i8<MT, true>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
+              else block_kernel_i8<MT, false>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
+              break;
+            case Format::K4:
+              if (two_pass) block_kernel_k<MT, true, 4>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
+              else block_kernel_k<MT, false, 4>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
+              break;
+            case Format::K6:
+              if (two_pass) block_kernel_k<MT, true, 6>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
+              else block_kernel_k<MT, false, 6>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
+              break;
+            case Format::Int4:
+              if (has_min) {
+                if (two_pass) block_kernel<MT, true, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+                else block_kernel<MT, false, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+              } else {
+                if (two_pass) block_kernel<MT, true, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+                else block_kernel<MT, false, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
+              }
+              break;
           }
         });
       }
@@ -258,9 +366,9 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
   });
 }
 
-// Checks common to both weight formats; returns y, calling run() with the right element type.
+// Checks common to the weight formats; returns y, calling run() with the right element type.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t N, int64_t G,
-                  const c10::optional<at::Tensor>& bias_in, bool two_pass, int bits) {
+                  const c10::optional<at::Tensor>& bias_in, bool two_pass, Format fmt) {
   const int64_t blocks = codes.size(0), K = G * GROUP;
   TORCH_CHECK(x_in.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
               "int4/int8 linear: a CPU kernel, given tensors on ", x_in.device(), " and ", codes.device());
@@ -281,9 +389,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Ten
   }
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (x.size(0) > 0) {
-    if (dtype == at::kFloat) run<float>(x, codes, scales, b, N, two_pass, bits, y);
-    else if (dtype == at::kBFloat16) run<c10::BFloat16>(x, codes, scales, b, N, two_pass, bits, y);
-    else run<c10::Half>(x, codes, scales, b, N, two_pass, bits, y);
+    if (dtype == at::kFloat) run<float>(x, codes, scales, b, N, two_pass, fmt, y);
+    else if (dtype == at::kBFloat16) run<c10::BFloat16>(x, codes, scales, b, N, two_pass, fmt, y);
+    else run<c10::Half>(x, codes, scales, b, N, two_pass, fmt, y);
   }
   return y.view(out_shape);
 }
@@ -298,7 +406,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
               codes.size(0) == scales.size(0) && codes.size(1) == G * 256,
               "int4_linear: codes must be contiguous (N16/16, K/32*256) uint8");
-  return linear(x, codes, scales, N, G, bias, two_pass, 4);
+  return linear(x, codes, scales, N, G, bias, two_pass, Format::Int4);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
@@ -308,7 +416,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
               scales.size(0) == codes.size(0) && scales.size(1) == LANES,
               "int8_linear: scales must be contiguous (N16/16, 16) float32");
-  return linear(x, codes, scales, N, codes.size(1) / 512, bias, two_pass, 8);
+  return linear(x, codes, scales, N, codes.size(1) / 512, bias, two_pass, Format::Int8);
+}
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t N,
+                         const c10::optional<at::Tensor>& bias, bool two_pass) {
+  TORCH_CHECK(scales.dtype() == at::kByte && scales.is_contiguous() && scales.dim() == 3 &&
+                  (scales.size(2) == 320 || scales.size(2) == 288),
+              "kquant_linear: scales must be contiguous (N16/16, K/256, 320 for Q4_K or 288 for Q6_K) uint8");
+  const Format fmt = scales.size(2) == 320 ? Format::K4 : Format::K6;
+  const int64_t G = scales.size(1) * 8;
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(0) == scales.size(0) && codes.size(1) == G * (fmt == Format::K4 ? 256 : 384),
+              "kquant_linear: codes must be contiguous (N16/16, K/32*256 for Q4_K or K/32*384 for Q6_K) uint8");
+  return linear(x, codes, scales, N, G, bias, two_pass, fmt);
 }
 
 bool cpu_supported() {
@@ -326,6 +447,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("two_pass") = true);
   m.def("int8_linear", &int8_linear, "y = x @ W.T, W int8 with a scale per row, x quantized to int8 per 32",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("two_pass") = true);
+  m.def("kquant_linear", &kquant_linear, "y = x @ W.T, W Q4_K or Q6_K rearranged (KQuantWeight), x int8 per 32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("two_pass") = true);
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");

@@ -116,7 +116,8 @@ def test_matches_transformers_gguf_loader(gguf_root, arch, qtype):
         llm.close()
 
 
-# Fast mode computes in bf16 with int4 (Q4_*) or per-row int8 (others) weights; over the prompt its
+# Fast mode computes in bf16 with int4 (Q4_*) or per-row int8 (others) weights, Q4_K and Q6_K as stored
+# where the VNNI kernels run; over the prompt its
 # log-probabilities stay this close to the exact fp32 dequantization (random tiny models; the real
 # SmolLM2 file is compared in test_smollm2.py).
 FAST_LOGPROB_TOL = 0.1
@@ -132,7 +133,10 @@ def test_fast_mode_close_to_exact(gguf_root, qtype):
             logprobs[dtype] = torch.log_softmax(prompt_logits(llm, PROMPT), dim=-1)  # (prompt, vocab)
             if dtype == "auto":
                 kinds = {type(w).__name__ for w in llm.engine.model.weights.acquire(0).values()}
-                assert ("Int4Weight" if qtype in (Q.Q4_0, Q.Q4_K) else "Int8Weight") in kinds
+                expected = "Int4Weight" if qtype in (Q.Q4_0, Q.Q4_K) else "Int8Weight"
+                if qtype in (Q.Q4_K, Q.Q6_K) and ops.gguf_repack() is not None:
+                    expected = "KQuantWeight"  # every stored bit kept, for the VNNI kernel
+                assert expected in kinds
         finally:
             llm.close()
     diff = (logprobs["float32"] - logprobs["auto"]).abs().max().item()

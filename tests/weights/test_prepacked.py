@@ -20,7 +20,7 @@ from engine.weights import CheckpointError
 from engine.weights.transports.disk_reader import StagingBuffer
 from engine.weights.packed.fuse import fuse_projections
 from engine.weights.formats.gguf_file import GGUFIndex
-from engine.weights.packed.weights import Int4Weight, Int8Weight
+from engine.weights.packed.weights import Int4Weight, Int8Weight, KQuantWeight
 from engine.weights.packed.compute_form import PackedFormat
 from engine.weights.transports.gguf import PackedCpuTransport
 from engine.weights.packed.prepacked import DATA, PrepackedBlocks, prepack_layout, prepack_mode
@@ -66,7 +66,7 @@ class Opened:
 
 
 def _tensors(w) -> list[torch.Tensor]:
-    return [w.codes, w.scales] if isinstance(w, (Int4Weight, Int8Weight)) else [w]
+    return [w.codes, w.scales] if isinstance(w, (Int4Weight, Int8Weight, KQuantWeight)) else [w]
 
 
 # -- the same computation from every tier ---------------------------------------------------------------
@@ -100,7 +100,7 @@ def test_every_tier_computes_the_repack_paths_logits(repack, gguf_root, cache, m
                 assert not plan.streamed_blocks
                 continue
             assert len(plan.resident_blocks) == 1 and plan.streamed_blocks
-            assert streamed_kinds(llm) <= {Int4Weight, Int8Weight}
+            assert streamed_kinds(llm) <= {Int4Weight, Int8Weight, KQuantWeight}
             total = llm.telemetry().total
             assert total.blocks_streamed > 0 and llm.telemetry().blocks_converted == 0
             assert total.bytes_streamed == total.blocks_streamed * plan.stream_block_bytes

@@ -15,14 +15,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine import LLM
-from engine import kernels
+from engine import kernels, ops
 from engine.kernels import ggml_repack as repack_module
 from engine.kernels.fused_ops import fused_ops
 from engine.weights.packed.dequant import dequantize
 from engine.weights.transports.disk_reader import StagingBuffer
 from engine.weights.packed.fuse import fuse_projections
 from engine.weights.formats.gguf_file import GGUFIndex
-from engine.weights.packed.weights import INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf
+from engine.weights.packed.weights import (INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, KQuantWeight,
+                                           int4_from_gguf, vnni_parts)
 from engine.weights.packed.compute_form import PackedFormat
 from engine.weights.transports.gguf import PackedCpuTransport
 from engine.weights.formats.block_source import BlockSource
@@ -72,6 +73,31 @@ def test_repack_equals_the_load_time_repack(repack, qtype, rows):
     assert torch.equal(scales.view(torch.uint8), ref.scales.view(torch.uint8))
     fn(raw[order].contiguous(), int(qtype), cols, codes, scales)  # no order: the rows as given
     assert torch.equal(codes, ref.codes)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_kquant_repack_takes_rows_in_engine_order_and_zeroes_padding(repack, qtype):
+    """The k-quant layouts (their products: tests/kernels/test_kquant_kernel.py): `order` picks the same
+    bytes as the rows given in that order, and the padding rows of the last block are zeros (code 0, every
+    scale 0) over a dirty buffer, so they add nothing."""
+    rows, cols = 37, 512
+    raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed=int(qtype)))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+    layout = {Q.Q4_K: "q4k", Q.Q6_K: "q6k"}[qtype]
+    (_, code_shape), (_, scale_shape) = vnni_parts(layout, (rows, cols))
+    made = []
+    for args in ((raw, order), (raw[order].contiguous(), None)):
+        codes = torch.full(code_shape, 0x5A, dtype=torch.uint8)
+        scales = torch.full(scale_shape, 0x5A, dtype=torch.uint8)
+        repack.repack_kquant(args[0], int(qtype), cols, codes, scales, args[1])
+        made.append((codes, scales))
+    assert torch.equal(made[0][0], made[1][0]) and torch.equal(made[0][1], made[1][1])
+    codes, scales = made[0]
+    x = torch.randn(2, cols)
+    y = KQuantWeight(codes, scales, (48, cols), layout)  # the padded block's rows computed too
+    assert torch.equal(ops.linear(x, y)[:, rows:], torch.zeros(2, 48 - rows))
+    with pytest.raises(ValueError, match="no k-quant layout"):
+        repack.repack_kquant(raw, int(Q.Q4_0), cols, codes, scales)
 
 
 def test_repack_rejects_bad_input(repack):
@@ -141,7 +167,7 @@ def test_streamed_block_equals_the_resident_block(repack, gguf_root, arch, qtype
                 assert all(same_weight(streamed[k], resident[k]) for k in resident), \
                     [k for k in resident if not same_weight(streamed[k], resident[k])]
             kinds = {type(w) for w in ticket.weights.values()}
-            assert kinds <= {torch.Tensor, Int4Weight, Int8Weight} and GGUFWeight not in kinds
+            assert kinds <= {torch.Tensor, Int4Weight, Int8Weight, KQuantWeight} and GGUFWeight not in kinds
             transport.retire(ticket)
             repacker.give(slot)
         reader.close()
@@ -178,7 +204,7 @@ def test_streamed_runs_compute_the_resident_run(repack, gguf_root, monkeypatch, 
         llm = LLM(str(path), transport=transport, max_device_memory=budget, **SHORT)
         try:
             assert len(llm.plan.resident_blocks) == 1 and llm.plan.streamed_blocks
-            assert streamed_kinds(llm) <= {Int4Weight, Int8Weight}
+            assert streamed_kinds(llm) <= {Int4Weight, Int8Weight, KQuantWeight}
             assert torch.equal(prompt_logits(llm, PROMPT), ref_logits)
             assert greedy_tokens(llm) == ref_tokens
             telemetry = llm.telemetry()

@@ -3,7 +3,9 @@
   exact (float32): dense fp32, dequantized bit-exactly (once at load for resident blocks, at each use
                    for streamed ones) - the reference mode;
   fast (bf16/fp16): Q4_0/Q4_1/Q4_K repacked at load for the int4 kernel (codes kept), other
-                   quantized types requantized at load to per-row int8 for the int8 kernel;
+                   quantized types requantized at load to per-row int8 for the int8 kernel; with the
+                   VNNI kernels and the C++ repack, Q4_K and Q6_K rearranged with every bit kept
+                   (KQuantWeight: as few bytes per weight as the file's);
                    streamed blocks move their GGML bytes and, with the VNNI kernels, are put in this
                    same resident form by the prefetch thread (stream_repack.py, in C++); without
                    them (aten's kernels) they are dequantized to the compute dtype on use (`streamed`).
@@ -27,8 +29,8 @@ from ... import ops
 from ..formats.reader import TensorInfo
 from .dequant import dequantize
 from ..formats.gguf_file import ggml_type
-from .weights import (INT4_TYPES, GGUFWeight, Int4Weight, Int8Weight, int4_from_gguf, int4_nbytes, int8_nbytes,
-                      vnni_parts)
+from .weights import (INT4_TYPES, KQUANT_TYPES, GGUFWeight, Int4Weight, Int8Weight, KQuantWeight, int4_from_gguf,
+                      int4_nbytes, int8_nbytes, kquant_nbytes, vnni_parts)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class PackedFormat:
             return numel * self.dtype.itemsize
         if not self.on_cpu:
             return t.nbytes
+        layout = kquant_layout(ggml_type(t), t.shape)
+        if layout is not None:
+            return kquant_nbytes(t.shape, layout)
         if ggml_type(t) in INT4_TYPES:
             return int4_nbytes(t.shape, self.dtype)
         return int8_nbytes(t.shape, self.dtype)
@@ -90,11 +95,26 @@ class PackedFormat:
 _CHUNK_ROWS = 2048
 
 
+def kquant_layout(q, shape: tuple[int, ...]) -> str | None:
+    """"q4k" / "q6k" where a Q4_K / Q6_K (out, in) weight keeps its sub-scales for the VNNI kernel
+    (KQuantWeight: the fewest bytes a decode step reads), else None (the int4 / int8 forms)."""
+    layout = KQUANT_TYPES.get(q)
+    if layout is None or len(shape) != 2 or shape[1] % 256 or ops.gguf_repack() is None:
+        return None
+    return layout
+
+
 def _repack(rows: torch.Tensor, q, shape: tuple[int, int], dtype: torch.dtype):
     """A quantized (out, in) tensor in the CPU kernels' resident form: the C++ repack writing straight
     into the result where it runs (no temporaries), else the torch code, a chunk of rows at a time."""
     out, inner = shape
     module = ops.gguf_repack() if inner % 32 == 0 else None
+    layout = kquant_layout(q, shape)
+    if layout is not None:
+        (code_dtype, code_shape), (scale_dtype, scale_shape) = vnni_parts(layout, shape)
+        codes, scales = torch.empty(code_shape, dtype=code_dtype), torch.empty(scale_shape, dtype=scale_dtype)
+        module.repack_kquant(rows.contiguous(), int(q), inner, codes, scales, None)
+        return KQuantWeight(codes, scales, shape, layout)
     if module is not None:
         int4 = q in INT4_TYPES
         (code_dtype, code_shape), (scale_dtype, scale_shape) = vnni_parts("int4" if int4 else "int8", shape)

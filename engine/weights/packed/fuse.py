@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .weights import GGUFWeight, Int4Weight, Int8Weight
+from .weights import GGUFWeight, Int4Weight, Int8Weight, KQuantWeight
 
 # fused name -> the parts, stacked in this order along the output rows
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
@@ -41,6 +41,8 @@ def stack_rows(parts: list):
         return Int4Weight.stack_rows(parts)
     if kind is Int8Weight:
         return Int8Weight.stack_rows(parts)
+    if kind is KQuantWeight:
+        return KQuantWeight.stack_rows(parts)
     if kind is GGUFWeight:
         if len({(p.qtype, p.dtype, p.data.shape[1]) for p in parts}) != 1:
             return None

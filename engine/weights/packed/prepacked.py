@@ -18,7 +18,8 @@ one, so the disk tier reads a block with one aligned O_DIRECT request. A block h
 StreamRepacker.fill makes of it; the head, laid out as a block of one weight ("head"), what
 PackedFormat.resident makes of it. An int4 weight made of Q4_0 rows only (kind "int4s") is stored in the
 symmetric form (its mins are -8 * its scales: Int4Weight.without_min), the scales alone: the same
-products from 10% fewer bytes, for resident and streamed blocks alike.
+products from 10% fewer bytes, for resident and streamed blocks alike. Q4_K and Q6_K weights keep their
+sub-scales (kinds "q4k", "q6k": KQuantWeight), so the entry is no larger than the file's bytes.
 
 The key hashes the GGUF's identity (quant_cache.checkpoint_identity: names, sizes, modification
 times, sampled bytes), the compute dtype, torch's version, the kernel layout and VERSION (bump it
@@ -54,8 +55,8 @@ from gguf import GGMLQuantizationType
 from ...cache import build_once, cache_root
 from ...errors import CheckpointError
 from ..formats.reader import TensorInfo
-from .weights import INT4_TYPES, Int4Weight, Int8Weight, vnni_parts
-from .compute_form import PackedFormat
+from .weights import INT4_TYPES, KQUANT_BYTES, Int4Weight, Int8Weight, KQuantWeight, vnni_parts
+from .compute_form import PackedFormat, kquant_layout
 from .quant_cache import checkpoint_identity, kernel_layout
 from ..formats.block_source import BlockSource
 from ..formats.gguf_file import ggml_type
@@ -65,7 +66,7 @@ from ..formats.views import close_mapping, typed_view
 
 log = logging.getLogger("layerstream")
 
-VERSION = 3  # bump when what an entry holds changes (the repack's bytes, the file's layout)
+VERSION = 4  # bump when what an entry holds changes (the repack's bytes, the file's layout)
 MARKER = "layerstream-prepacked.json"
 DATA, DIGEST = "blocks.bin", "digest.json"
 PAGE = 4096  # blocks start on a page: O_DIRECT reads and madvise ranges need it
@@ -102,7 +103,7 @@ class Part:
 @dataclass(frozen=True)
 class WeightLayout:
     name: str  # its name in the block's weights ("wqkv", "w_gate_up", "attn_norm", ...)
-    kind: str  # "int4" | "int8" (VNNI layouts; parts: codes, scales) | "dense" (one part, compute dtype)
+    kind: str  # "int4" | "int4s" | "int8" | "q4k" | "q6k" (VNNI layouts; parts: codes, scales) | "dense"
     shape: tuple[int, ...]  # logical: (out, in), or (n,)
     parts: tuple[Part, ...]
 
@@ -222,7 +223,7 @@ def _head_spec(source: BlockSource, fmt: PackedFormat):
         return HEAD, "dense", tuple(t.shape), ((fmt.dtype, tuple(t.shape)),)
     if len(t.shape) != 2 or t.shape[1] % 32:
         return None
-    kind = "int4" if ggml_type(t) in INT4_TYPES else "int8"
+    kind = kquant_layout(ggml_type(t), t.shape) or ("int4" if ggml_type(t) in INT4_TYPES else "int8")
     if ggml_type(t) == GGMLQuantizationType.Q4_0:
         kind = "int4s"
     return HEAD, kind, tuple(t.shape), _output_parts(kind, t.shape, fmt.dtype)
@@ -236,13 +237,15 @@ def _weights(block: BlockLayout, raw: torch.Tensor) -> dict[str, object]:
             out[w.name] = Int4Weight(parts[0], parts[1], w.shape, "vnni")
         elif w.kind == "int8":
             out[w.name] = Int8Weight(parts[0], parts[1], w.shape, "vnni")
+        elif w.kind in KQUANT_BYTES:
+            out[w.name] = KQuantWeight(parts[0], parts[1], w.shape, w.kind)
         else:
             out[w.name] = parts[0]
     return out
 
 
 def _parts_of(w) -> tuple[torch.Tensor, ...]:
-    return (w.codes, w.scales) if isinstance(w, (Int4Weight, Int8Weight)) else (w,)
+    return (w.codes, w.scales) if isinstance(w, (Int4Weight, Int8Weight, KQuantWeight)) else (w,)
 
 
 def _sample_digest(fd: int, start: int, end: int) -> str:

@@ -1,7 +1,7 @@
 """Streamed GGUF blocks put in their resident twins' compute form, on the prefetch thread (CPU fast mode).
 
-A resident GGUF block is repacked once at load (PackedFormat.resident: Q4_0/Q4_1/Q4_K to the int4
-VNNI layout, Q8_0/Q5_x/Q5_K/Q6_K requantized to the int8 twin's) and its q/k/v and gate/up stacked
+A resident GGUF block is repacked once at load (PackedFormat.resident: Q4_0/Q4_1 to the int4 VNNI
+layout, Q4_K/Q6_K to their k-quant layouts, Q8_0/Q5_x/Q5_K requantized to the int8 twin's) and its q/k/v and gate/up stacked
 (fuse.py). Without this module a streamed block stays GGUFWeight views, dequantized to bf16 by every
 matmul: a slower computation than its resident twin's, and a different one (other tokens).
 
@@ -31,8 +31,8 @@ from ... import ops
 from ..formats.reader import TensorInfo
 from .fuse import FUSED, FUSED_BIAS
 from ..formats.gguf_file import ggml_type
-from .weights import INT4_TYPES, LANES, Int4Weight, Int8Weight, vnni_parts
-from .compute_form import PackedFormat
+from .weights import INT4_TYPES, KQUANT_BYTES, LANES, Int4Weight, Int8Weight, KQuantWeight, vnni_parts
+from .compute_form import PackedFormat, kquant_layout
 from ..formats.block_source import BlockSource
 
 ALIGN = 64  # every region of a slot starts on a cache line (and on its dtype's size)
@@ -44,10 +44,13 @@ class _Output:
     stacked along the output rows) or a single repacked one."""
 
     name: str  # its name in the block's weights ("wqkv", "bqkv", "w_gate_up", or a stored short name)
-    kind: str  # "int4" | "int8" (VNNI layouts), "dense" (2-D, compute dtype), "bias" (1-D, compute dtype)
+    kind: str  # "int4" | "int8" | "q4k" | "q6k" (VNNI layouts), "dense" (2-D, compute dtype), "bias" (1-D)
     parts: tuple[str, ...]  # stored tensors, in row order
     shape: tuple[int, ...]  # (out, in), or (out,) for a bias
     offsets: tuple[int, int]  # slot byte offsets of (codes, scales), or of (values, -)
+
+
+PACKED_KINDS = ("int4", "int8", *KQUANT_BYTES)
 
 
 def _round_up(n: int) -> int:
@@ -81,7 +84,7 @@ class _Layout:
             if present:
                 groups.append((bias_name, "bias", tuple(bias_parts)))
                 fused.update(bias_parts)
-        groups += [(s, k, (s,)) for s, k in kinds.items() if k in ("int4", "int8") and s not in fused]
+        groups += [(s, k, (s,)) for s, k in kinds.items() if k in PACKED_KINDS and s not in fused]
         outputs, offset = [], 0
         for name, kind, parts in groups:
             rows = sum(infos[p].shape[0] for p in parts)
@@ -92,7 +95,7 @@ class _Layout:
             outputs.append(_Output(name, kind, parts, shape, offsets))
         self.outputs: tuple[_Output, ...] = tuple(outputs)
         self.nbytes = offset
-        self.kept = tuple(s for s in infos if s not in fused and kinds[s] not in ("int4", "int8"))
+        self.kept = tuple(s for s in infos if s not in fused and kinds[s] not in PACKED_KINDS)
 
     @staticmethod
     def _kind(t: TensorInfo) -> str | None:
@@ -100,7 +103,7 @@ class _Layout:
             return None
         if t.quant is None:
             return "dense"
-        return "int4" if ggml_type(t) in INT4_TYPES else "int8"
+        return kquant_layout(ggml_type(t), t.shape) or ("int4" if ggml_type(t) in INT4_TYPES else "int8")
 
     @staticmethod
     def _sizes(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
@@ -176,7 +179,8 @@ class StreamRepacker:
         (code_dtype, code_shape), (scale_dtype, scale_shape) = vnni_parts(out.kind, out.shape)
         codes = self._region(slot, out.offsets[0], code_dtype, code_shape)
         scales = self._region(slot, out.offsets[1], scale_dtype, scale_shape)
-        repack = self._module.repack_int4 if out.kind == "int4" else self._module.repack_int8
+        repack = {"int4": self._module.repack_int4, "int8": self._module.repack_int8}.get(out.kind,
+                                                                                         self._module.repack_kquant)
         first = 0  # first row block of the part (every part but the last is whole blocks)
         for p in out.parts:
             t = infos[p]
@@ -186,7 +190,9 @@ class StreamRepacker:
             first += n
         if out.kind == "int4":
             return Int4Weight(codes, scales, out.shape, "vnni")
-        return Int8Weight(codes, scales, out.shape, "vnni")
+        if out.kind == "int8":
+            return Int8Weight(codes, scales, out.shape, "vnni")
+        return KQuantWeight(codes, scales, out.shape, out.kind)
 
 
 def make_repacker(source: BlockSource, fmt: PackedFormat) -> StreamRepacker | None:

@@ -61,16 +61,25 @@ class GGUFWeight:
 LANES = 16  # rows per block of the VNNI layouts
 
 
+# The k-quant layouts (KQuantWeight): code bytes per row block and group of 32, scale bytes per row block
+# and super-block of 256.
+KQUANT_BYTES = {"q4k": (256, 320), "q6k": (384, 288)}
+KQUANT_TYPES = {Q.Q4_K: "q4k", Q.Q6_K: "q6k"}
+
+
 def vnni_parts(kind: str, shape: tuple[int, int]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
     """(dtype, shape) of the codes and the scales of an (out, in) "int4", "int4s" (int4 in the symmetric
-    form: scales only, Int4Weight.without_min) or "int8" weight in the VNNI layout (Int4Weight, Int8Weight
-    below): what the C++ repack writes and the prepacked entry stores."""
+    form: scales only, Int4Weight.without_min), "int8", "q4k" or "q6k" weight in the VNNI layout
+    (Int4Weight, Int8Weight, KQuantWeight below): what the C++ repack writes and the prepacked entry stores."""
     rows, inner = shape
     blocks, groups = -(-rows // LANES), inner // GROUP
     if kind == "int4":
         return (torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, 2, LANES))
     if kind == "int4s":
         return (torch.uint8, (blocks, groups * 256)), (torch.float16, (blocks, groups, LANES))
+    if kind in KQUANT_BYTES:
+        code_bytes, super_bytes = KQUANT_BYTES[kind]
+        return (torch.uint8, (blocks, groups * code_bytes)), (torch.uint8, (blocks, inner // 256, super_bytes))
     return (torch.uint8, (blocks, groups * 512)), (torch.float32, (blocks, LANES))
 
 
@@ -224,6 +233,51 @@ class Int8Weight:
             s = F.pad(scales, (0, pad)).reshape(blocks, 16)
             return cls(q.reshape(blocks, -1).contiguous(), s.contiguous(), (out, inner), "vnni")
         return cls(codes.contiguous(), scales.to(dtype))
+
+
+class KQuantWeight:
+    """Q4_K ("q4k") or Q6_K ("q6k") rows with every stored bit kept, rearranged for the VNNI kernel
+    (engine/kernels/int4_vnni.cpp, block_kernel_k; engine/kernels/ggml_repack.cpp, repack_kquant writes
+    it): rows in blocks of 16 as Int4Weight's "vnni" layout, the codes' low nibbles in its arrangement
+    (Q6_K's high bit pairs in two more vectors per group), and the 6- or 8-bit sub-scales left integers
+    under each row's fp16 super-block scale. A decode step reads 4.625 bits a weight for Q4_K (Int4Weight's
+    fp16 scale and min per 32 make it 5) and 6.5625 for Q6_K (the file's own; per-row int8 makes it 8).
+      codes  (out16 / 16, in / 32 * 256 | 384) uint8
+      scales (out16 / 16, in / 256, 320 | 288) uint8: per group of the super-block the 16 rows' sub-scales
+             (Q4_K: scales then mins; Q6_K: those of weights 0..15 then 16..31), then the rows' fp16 d
+             (Q4_K: then dmin): w = d sc q - dmin mn (Q4_K), d sc (q - 32) (Q6_K).
+    Only made where the VNNI kernels and the C++ repack run (ops.gguf_repack())."""
+
+    kind = "kquant"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], layout: str):
+        self.codes, self.scales, self.shape, self.layout = codes, scales, tuple(shape), layout  # layout: q4k | q6k
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel()
+
+    def vnni_args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """As Int4Weight.vnni_args: uint8 scales tell the k-quant layouts apart from the others."""
+        return self.codes, self.scales, self.shape[0]
+
+    def clone(self) -> "KQuantWeight":
+        return KQuantWeight(self.codes.clone(), self.scales.clone(), self.shape, self.layout)
+
+    @classmethod
+    def stack_rows(cls, parts: list["KQuantWeight"]) -> "KQuantWeight | None":
+        """As Int4Weight.stack_rows: row blocks of 16 concatenate when every part but the last is whole blocks."""
+        if (any(p.shape[0] % LANES for p in parts[:-1])
+                or len({(p.layout, p.shape[1]) for p in parts}) != 1):
+            return None
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                   (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].layout)
+
+
+def kquant_nbytes(shape: tuple[int, int], layout: str) -> int:
+    """Bytes of an (out, in) KQuantWeight."""
+    (_, codes), (_, scales) = vnni_parts(layout, shape)
+    return codes[0] * codes[1] + scales[0] * scales[1] * scales[2]
 
 
 def int8_nbytes(shape: tuple[int, int], dtype: torch.dtype) -> int:

@@ -1,0 +1,109 @@
+"""The k-quant layouts (KQuantWeight: Q4_K and Q6_K rows rearranged for the VNNI kernel, every stored bit
+kept) against the gguf package's dequantizer: the C++ repack (ggml_repack.cpp, repack_kquant) and the
+kernel (int4_vnni.cpp, block_kernel_k) together compute x @ W.T for the W that gguf dequantizes, up to the
+kernel's own quantization of the activations (int8 per 32, two passes), which the reference applies too.
+
+Skipped where the VNNI kernels or the C++ repack do not run (the int4 / int8 forms are used there)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine import ops
+from engine.weights.packed.compute_form import PackedFormat, kquant_layout
+from engine.weights.packed.weights import KQuantWeight
+
+pytestmark = pytest.mark.skipif(ops.gguf_repack() is None, reason="the VNNI kernels / C++ repack do not run here")
+
+BLOCK = {Q.Q4_K: 144, Q.Q6_K: 210}
+
+
+def stored_rows(q: Q, out: int, inner: int, seed: int) -> torch.Tensor:
+    """(out, bytes per row) uint8: random k-quant super-blocks with small finite fp16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    n = inner // 256
+    b = torch.randint(0, 256, (out, n, BLOCK[q]), generator=g, dtype=torch.uint8)
+    def f16(scale: float) -> torch.Tensor:
+        return (torch.rand(out, n, generator=g) * scale + scale / 10).half().view(torch.uint8).reshape(out, n, 2)
+    if q == Q.Q4_K:
+        b[..., 0:2], b[..., 2:4] = f16(0.01), f16(0.01)  # d, dmin
+    else:
+        b[..., 208:210] = f16(0.01)  # d
+    return b.reshape(out, -1)
+
+
+def gguf_weight(rows: torch.Tensor, q: Q, shape) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(rows.numpy(), q).reshape(shape).astype(np.float64))
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32 values, step max|x| / 127, codes round-half-even in int8 and the
+    residual in 1/256ths of a step (two passes): step * (q + r / 256), float64."""
+    m, inner = x.shape
+    xg = x.float().reshape(m, -1, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    t = xg * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(t).clamp(-128, 127)
+    r = torch.round((t - q) * 256).clamp(-128, 127)
+    return ((q * 256 + r).double() * (amax.double() / 127 / 256)).reshape(m, inner)
+
+
+def reference(x: torch.Tensor, rows: torch.Tensor, q: Q, shape) -> torch.Tensor:
+    """Q6_K: w = d sc (q - 32), every term of it meets the quantized activations. Q4_K: w = d sc q - dmin mn,
+    whose min term meets each group's exact sum of x (as llama.cpp's Q4_K dot product)."""
+    w = gguf_weight(rows, q, shape)
+    xq = quantized_activations(x)
+    if q == Q.Q6_K:
+        return xq @ w.T
+    no_codes = rows.clone().reshape(shape[0], -1, 144)
+    no_codes[..., 16:] = 0
+    mins = gguf_weight(no_codes.reshape(shape[0], -1), q, shape)  # -dmin mn, per weight
+    sums = x.double().reshape(x.shape[0], -1, 32).sum(-1)  # (tokens, groups)
+    return xq @ (w - mins).T + sums @ mins.reshape(shape[0], -1, 32)[..., 0].T
+
+
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", [(64, 3072), (40, 512), (17, 256)])  # rows past / short of a 16-row block
+@pytest.mark.parametrize("tokens", [1, 3, 9])  # decode; past the kernel's 8-row tile
+def test_kquant_product_matches_the_gguf_dequantizer(q, shape, tokens):
+    rows = stored_rows(q, *shape, seed=shape[0] + tokens)
+    w = PackedFormat(torch.bfloat16).resident(_info(q, shape), rows)
+    assert isinstance(w, KQuantWeight) and w.layout == kquant_layout(q, shape)
+    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens))
+    y = ops.linear(x, w).double()
+    ref = reference(x, rows, q, shape)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), float((y - ref).abs().max())
+    # And against the plain product with gguf's weights: only the activations' int8 rounding apart.
+    plain = x.double() @ gguf_weight(rows, q, shape).T
+    assert float((y - plain).abs().max()) < 1e-3 * float(plain.abs().max())
+
+
+@pytest.mark.parametrize("q, bits", [(Q.Q4_K, 4.625), (Q.Q6_K, 6.5625)], ids=["Q4_K", "Q6_K"])
+def test_kquant_weight_reads_the_files_bits_per_weight(q, bits):
+    """What a decode step reads of the weight: Q6_K exactly the file's 6.5625 bits, Q4_K 4.625 (the file's
+    4.5 with the 6-bit sub-scales in bytes), not the 5 and 8 bits of the int4 / int8 forms."""
+    shape = (256, 1024)
+    w = PackedFormat(torch.bfloat16).resident(_info(q, shape), stored_rows(q, *shape, seed=1))
+    assert w.nbytes * 8 / (shape[0] * shape[1]) == bits
+    assert PackedFormat(torch.bfloat16).resident_bytes(_info(q, shape)) == w.nbytes
+
+
+def test_stacked_kquant_weights_compute_their_parts():
+    """q/k/v or gate/up stacked (fuse.py) give each part's own products."""
+    from engine.weights.packed.fuse import stack_rows
+    parts_rows = [stored_rows(Q.Q4_K, 32, 512, seed=s) for s in (1, 2)]
+    parts = [PackedFormat(torch.bfloat16).resident(_info(Q.Q4_K, (32, 512)), r) for r in parts_rows]
+    stacked = stack_rows(parts)
+    assert isinstance(stacked, KQuantWeight) and stacked.shape == (64, 512)
+    x = torch.randn(2, 512)
+    assert torch.equal(ops.linear(x, stacked), torch.cat([ops.linear(x, p) for p in parts], dim=-1))
+
+
+def _info(q: Q, shape):
+    from engine.weights.formats.reader import TensorInfo
+    nbytes = shape[0] * shape[1] // 256 * BLOCK[q]
+    return TensorInfo("w", None, None, tuple(shape), 0, nbytes, quant=q.name)
