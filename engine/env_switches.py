@@ -46,6 +46,10 @@ SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("LAYERSTREAM_BF16_ROWS", "auto", "auto, off", ENGINE, "engine/kernels/bf16_rows.py",
               "bf16 products of 1-16 rows by engine/kernels/bf16_rows.cpp (CPUs with AVX512-BF16 and no AMX); "
               "off leaves them to oneDNN."),
+    EnvSwitch("LAYERSTREAM_AMX_PREFILL", "auto", "auto, off", ENGINE, "engine/ops.py",
+              "Packed (GGUF, int4, int8) weights times a prompt chunk of many rows on a CPU with AMX: dequantized "
+              "to bf16 a chunk at a time for oneDNN's AMX products; off keeps every product on the integer "
+              "kernel."),
     EnvSwitch("LAYERSTREAM_DECODE_BLOCK", "auto", "auto, off", ENGINE, "engine/kernels/decode_block.py",
               "A decode step's transformer block as one C++ call; off runs the block op by op."),
     EnvSwitch("LAYERSTREAM_STREAM_REPACK", "auto", "auto, off", ENGINE, "engine/kernels/ggml_repack.py",

@@ -264,8 +264,65 @@ def _gguf_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, w.dense(), bias)
 
 
+# Packed weights times many bf16 rows on a CPU with AMX: the weight dequantized to bf16, a chunk of its
+# rows at a time, and one oneDNN product per chunk (AMX tiles) outrun the integer kernel from about this many
+# rows (a prompt chunk; decode steps stay on the integer kernel, which reads the fewest bytes). The figures:
+# docs/benchmarks/scale.md. LAYERSTREAM_AMX_PREFILL=off keeps every product on the integer kernel.
+DENSE_PRODUCT_ROWS = 128
+DENSE_CHUNK_ELEMENTS = 4 << 20  # one chunk's dequantized weight: 8 MiB of bf16, reused chunk after chunk
+
+
+@functools.cache
+def amx_prefill() -> bool:
+    """Whether packed weights take the dense bf16 product for prompt chunks (CPU with AMX, the VNNI kernels)."""
+    mode = os.environ.get("LAYERSTREAM_AMX_PREFILL", "auto")
+    if mode not in ("auto", "off"):
+        raise ValueError(f"LAYERSTREAM_AMX_PREFILL={mode!r}: expected auto or off")
+    return mode == "auto" and onednn_has_amx() and kernels.int4_backend() == "vnni"
+
+
+def _dense_rows(x: torch.Tensor, w) -> bool:
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() >= DENSE_PRODUCT_ROWS * x.shape[-1]
+            and getattr(w, "layout", "vnni") != "aten" and amx_prefill())
+
+
+def _chunk_blocks(inner: int) -> int:
+    """Row blocks of 16 dequantized per chunk of _dense_product."""
+    return max(1, min(DENSE_CHUNK_ELEMENTS // (inner * 16), 128))
+
+
+def dense_product_workspace_bytes(tokens: int, inner: int) -> int:
+    """What _dense_product allocates for a step of `tokens` rows whose packed weights take `inner` inputs at
+    most: one chunk's dequantized weight and its product (the plan's workspace counts it)."""
+    if tokens < DENSE_PRODUCT_ROWS or not amx_prefill():
+        return 0
+    rows = _chunk_blocks(inner) * 16
+    return (inner * rows + tokens * rows) * 2
+
+
+def _dense_product(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ W.T for a packed VNNI-layout weight, as bf16 oneDNN products over chunks of W's rows,
+    each chunk dequantized exactly (then rounded to bf16) by int4_vnni.cpp's dequantize_bf16_t."""
+    out, inner = w.shape
+    rows = _rows(x)  # (tokens, in)
+    y = torch.empty(rows.shape[0], out, dtype=x.dtype)  # (tokens, out)
+    per = _chunk_blocks(inner)
+    blocks = w.codes.shape[0]
+    chunk = torch.empty(inner, min(per, blocks) * 16, dtype=torch.bfloat16)  # (in, chunk rows)
+    for b0 in range(0, blocks, per):
+        b1 = min(blocks, b0 + per)
+        wt = kernels.dequantize_bf16_t(w.codes, w.scales, inner, b0, b1, chunk[:, :(b1 - b0) * 16])
+        n0, n1 = b0 * 16, min(out, b1 * 16)
+        y[:, n0:n1] = rows @ wt[:, :n1 - n0]  # (tokens, chunk rows)
+    if bias is not None:
+        y += bias
+    return y.reshape(*x.shape[:-1], out)
+
+
 def _int4_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     if w.layout == "vnni":
+        if _dense_rows(x, w):
+            return _dense_product(x, w, bias)
         return kernels.int4_linear(x, w.codes, w.scales, w.shape[0], bias)  # (..., out)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), w.codes, w.group, w.scales)  # (tokens, out)
     y = y.reshape(*x.shape[:-1], w.shape[0])  # (..., out)
@@ -274,6 +331,8 @@ def _int4_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _int8_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     if w.layout == "vnni":
+        if _dense_rows(x, w) and w.shape[1] % 32 == 0:
+            return _dense_product(x, w, bias)
         return kernels.int8_linear(x, w.codes, w.scales, w.shape[0], bias)  # (..., out)
     y = torch.ops.aten._weight_int8pack_mm(_rows(x), w.codes, w.scales)  # (tokens, out)
     y = y.reshape(*x.shape[:-1], w.shape[0])  # (..., out)
@@ -281,6 +340,8 @@ def _int8_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _kquant_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    if _dense_rows(x, w):
+        return _dense_product(x, w, bias)
     return kernels.kquant_linear(x, w.codes, w.scales, w.shape[0], bias)  # (..., out)
 
 

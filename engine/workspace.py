@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_backend
+from . import attention_backend, ops
 from .arch import ModelConfig
 
 
@@ -31,7 +31,8 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
     a step of s - 1 decodes and one prefill chunk of tokens - s + 1 gives s * (tokens - s + 1) padded
     rows, far more than `tokens`. Attention holds: the padded query and its output (a few copies),
     the boolean mask and its GQA-folded copy, K and V gathered for each sequence, and the
-    temporaries of the largest attend() call (bounded by attention_backend's chunking)."""
+    temporaries of the largest attend() call (bounded by attention_backend's chunking); and where a prompt
+    chunk's packed products run dense on AMX, one chunk of a dequantized weight and its product (ops)."""
     isz = dtype.itemsize
     act = tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * isz
     logits = (logits_rows or seqs) * cfg.vocab_size * 4 * 3  # rows: k + 1 per sequence when verifying drafts
@@ -45,4 +46,5 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
         call = attention_backend.workspace_bytes(s, group * mq, max_len, cfg.num_kv_heads, cfg.head_dim, isz,
                                                  attn_chunk_bytes)
         attn = max(attn, padded + masks + gathered + call)
-    return act + attn + logits
+    dense = ops.dense_product_workspace_bytes(tokens, max(cfg.hidden_size, cfg.intermediate_size))
+    return act + attn + logits + dense

@@ -13,6 +13,8 @@ Interface:
       "vnni"), used on the same condition; its fallback is aten's `_weight_int8pack_mm`.
   kquant_linear(x, codes, scales, out_features, bias)  Q4_K / Q6_K with their sub-scales kept (KQuantWeight),
       on the same condition; without it those types take the int4 / int8 layouts.
+  dequantize_bf16_t(codes, scales, K, b0, b1, out)  any of those layouts' rows as bf16, transposed, for a
+      dense product of many rows (engine/ops.py: prompt chunks on AMX).
   onednn_has_amx() -> bool   whether oneDNN can use AMX tiles here, for the choices that turn on it
       (engine/ops.py makes them: bf16_rows, the one-row products, CPU attention).
 
@@ -109,6 +111,13 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_
                 bias: torch.Tensor | None = None, two_pass: bool = True) -> torch.Tensor:
     """The same for Int8Weight's "vnni" layout (engine/weights/packed/weights.py)."""
     return _loaded().int8_linear(x, codes, scales, out_features, bias, two_pass)
+
+
+def dequantize_bf16_t(codes: torch.Tensor, scales: torch.Tensor, inner: int, b0: int, b1: int,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Row blocks [b0, b1) of 16 rows of an Int4Weight / Int8Weight "vnni" or KQuantWeight, dequantized into
+    out (inner, 16 (b1 - b0)) bf16 transposed (out[k, n] = w[16 b0 + n, k]); returns out."""
+    return _loaded().dequantize_bf16_t(codes, scales, inner, b0, b1, out)
 
 
 def kquant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,

@@ -448,6 +448,114 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   return linear(x, codes, scales, N, G, bias, two_pass, fmt);
 }
 
+// The weight of any of the formats above, rows [16 b0, 16 b1), dequantized to bf16 transposed: out (K, 16 (b1 - b0)),
+// out[k, n] = w[16 b0 + n, k]. A prompt chunk of many rows is then one dense bf16 product (oneDNN's, on AMX
+// tiles where the CPU has them), which outruns the integer kernel once enough rows share the weight. The
+// layouts hold 16 rows side by side, so 16 consecutive outputs of one k are one vector: no transposition.
+inline __m512i byte_lanes(__m512i v, int t) {  // byte t of each 32-bit lane, zero-extended
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * t), _mm512_set1_epi32(0xFF));
+}
+
+inline void store_bf16(c10::BFloat16* p, __m512 v) { store16(p, v, 0xFFFF); }
+
+void dequantize_t(const at::Tensor& codes, const at::Tensor& scales, Format fmt, int64_t G, int64_t b0, int64_t b1,
+                  at::Tensor& out) {
+  const int64_t ld = out.size(1);
+  const uint8_t* w0 = codes.data_ptr<uint8_t>();
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const bool has_min = fmt == Format::Int4 && scales.dim() == 4;
+  const int64_t code_bytes = fmt == Format::Int8 ? 512 : fmt == Format::K6 ? 384 : 256;
+  const int64_t block_bytes = G * code_bytes;
+  const __m512i nib = _mm512_set1_epi32(0x0F);
+  at::parallel_for(b0, b1, 1, [&](int64_t lo_b, int64_t hi_b) {
+    for (int64_t b = lo_b; b < hi_b; ++b) {
+      c10::BFloat16* ob = o + (b - b0) * LANES;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* w = w0 + b * block_bytes + g * code_bytes;
+        c10::BFloat16* og = ob + g * GROUP * ld;  // row k = 32 g of out
+        if (fmt == Format::Int8) {
+          const __m512 sc = _mm512_loadu_ps(scales.data_ptr<float>() + b * LANES);
+          const __m512i off = _mm512_set1_epi32(128);
+          for (int v = 0; v < 8; ++v) {
+            const __m512i wv = _mm512_loadu_si512(w + v * 64);
+            for (int t = 0; t < 4; ++t)
+              store_bf16(og + (4 * v + t) * ld,
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(byte_lanes(wv, t), off)), sc));
+          }
+          continue;
+        }
+        __m512 d[2], mn = _mm512_setzero_ps();
+        if (fmt == Format::Int4) {
+          const uint16_t* sm = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) +
+                               b * G * (has_min ? 32 : 16) + g * (has_min ? 32 : 16);
+          d[0] = d[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+          mn = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)))
+                       : _mm512_mul_ps(d[0], _mm512_set1_ps(-8.f));
+        } else {
+          const uint8_t* sb = scales.data_ptr<uint8_t>() + (b * (G / 8) + g / 8) * scales.size(2) + (g % 8) * 32;
+          const uint8_t* top = scales.data_ptr<uint8_t>() + (b * (G / 8) + g / 8) * scales.size(2) + 256;
+          const __m512 dsup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top)));
+          auto widen = [&](const uint8_t* p, bool is_signed) {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+            return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+          };
+          if (fmt == Format::K4) {
+            d[0] = d[1] = _mm512_mul_ps(dsup, widen(sb, false));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 32)));
+            mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, widen(sb + 16, false)));
+          } else {
+            d[0] = _mm512_mul_ps(dsup, widen(sb, true));
+            d[1] = _mm512_mul_ps(dsup, widen(sb + 16, true));
+            mn = _mm512_set1_ps(-32.f);  // applied to q before the scale below
+          }
+        }
+        for (int v = 0; v < 4; ++v) {
+          const __m512i wv = _mm512_loadu_si512(w + v * 64);
+          __m512i hv = _mm512_setzero_si512();
+          if (fmt == Format::K6) {
+            hv = _mm512_loadu_si512(w + 256 + (v / 2) * 64);
+            if (v % 2) hv = _mm512_srli_epi32(hv, 4);
+          }
+          for (int t = 0; t < 4; ++t) {
+            const __m512i bt = byte_lanes(wv, t);
+            __m512i ql = _mm512_and_si512(bt, nib), qh = _mm512_srli_epi32(bt, 4);
+            if (fmt == Format::K6) {
+              const __m512i ht = byte_lanes(hv, t);
+              ql = _mm512_or_si512(ql, _mm512_slli_epi32(_mm512_and_si512(ht, _mm512_set1_epi32(3)), 4));
+              qh = _mm512_or_si512(qh, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(ht, 2),
+                                                                          _mm512_set1_epi32(3)), 4));
+              store_bf16(og + (8 * v + t) * ld, _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(ql), mn), d[v / 2]));
+              store_bf16(og + (8 * v + 4 + t) * ld,
+                         _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(qh), mn), d[v / 2]));
+            } else {
+              store_bf16(og + (8 * v + t) * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d[0], mn));
+              store_bf16(og + (8 * v + 4 + t) * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), d[0], mn));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// dequantize_t for Python: the format told from the scales (as decode_block.cpp's project does).
+at::Tensor dequantize_bf16_t(const at::Tensor& codes, const at::Tensor& scales, int64_t K, int64_t b0, int64_t b1,
+                             at::Tensor out) {
+  Format fmt;
+  if (scales.scalar_type() == at::kHalf) fmt = Format::Int4;
+  else if (scales.scalar_type() == at::kFloat) fmt = Format::Int8;
+  else fmt = scales.size(2) == 320 ? Format::K4 : Format::K6;
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && K % GROUP == 0 && (fmt != Format::K4 && fmt != Format::K6 || K % 256 == 0),
+              "dequantize_bf16_t: contiguous codes and scales, K a multiple of 32 (256 for Q4_K / Q6_K)");
+  TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= codes.size(0), "dequantize_bf16_t: row blocks [", b0, ", ", b1,
+              ") out of ", codes.size(0));
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == K &&
+                  out.size(1) == (b1 - b0) * LANES && out.stride(1) == 1,
+              "dequantize_bf16_t: out must be (K, 16 (b1 - b0)) bfloat16 with unit column stride");
+  dequantize_t(codes, scales, fmt, K / GROUP, b0, b1, out);
+  return out;
+}
+
 bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -468,6 +576,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_linear", &kquant_linear, "y = x @ W.T, W Q4_K or Q6_K rearranged (KQuantWeight), x int8 per 32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("two_pass") = true);
+  m.def("dequantize_bf16_t", &dequantize_bf16_t, "row blocks [b0, b1) of an int4/int8/k-quant weight as bf16 (K, rows)",
+        py::arg("codes"), py::arg("scales"), py::arg("K"), py::arg("b0"), py::arg("b1"), py::arg("out"));
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");
 }
 #endif

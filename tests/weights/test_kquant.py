@@ -19,7 +19,7 @@ from engine.weights.packed.weights import KQuantWeight
 
 pytestmark = pytest.mark.skipif(ops.gguf_repack() is None, reason="the VNNI kernels / C++ repack do not run here")
 
-BLOCK = {Q.Q4_K: 144, Q.Q6_K: 210}
+BLOCK = {Q.Q4_K: 144, Q.Q6_K: 210}  # bytes per super-block of 256
 
 
 def stored_rows(q: Q, out: int, inner: int, seed: int) -> torch.Tensor:
@@ -105,5 +105,44 @@ def test_stacked_kquant_weights_compute_their_parts():
 
 def _info(q: Q, shape):
     from engine.weights.formats.reader import TensorInfo
-    nbytes = shape[0] * shape[1] // 256 * BLOCK[q]
+    nbytes = shape[0] * shape[1] // 256 * BLOCK[q] if q in BLOCK else shape[0] * shape[1] // 32 * 18
     return TensorInfo("w", None, None, tuple(shape), 0, nbytes, quant=q.name)
+
+
+@pytest.mark.parametrize("q", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_dequantized_bf16_rows_are_the_gguf_weights(q):
+    """dequantize_bf16_t (the dense product of prompt chunks on AMX) writes gguf's exact weights rounded to
+    bf16, transposed, for any range of row blocks; the padding rows of the last block are zeros."""
+    from engine import kernels
+    shape = (40, 512)
+    rows = q4_0_rows(*shape) if q == Q.Q4_0 else stored_rows(q, *shape, seed=3)
+    w = PackedFormat(torch.bfloat16).resident(_info(q, shape), rows)
+    ref = gguf_weight(rows, q, shape).to(torch.bfloat16)  # (out, in)
+    out = torch.full((shape[1], 32), 7.0, dtype=torch.bfloat16)
+    kernels.dequantize_bf16_t(w.codes, w.scales, shape[1], 1, 3, out)  # rows 16..47 of 40
+    assert torch.equal(out[:, :24].T, ref[16:40])
+    assert torch.equal(out[:, 24:], torch.zeros(shape[1], 8, dtype=torch.bfloat16))
+
+
+def test_prompt_chunk_products_run_dense_on_amx_and_match():
+    """A product of many bf16 rows takes the dense path exactly where the CPU has AMX (ops.amx_prefill); either
+    way it is x times gguf's weights up to bf16 roundings, and the plan's workspace counts its buffers."""
+    shape = (300, 1024)  # rows past a chunk of row blocks' multiple of 16
+    rows = stored_rows(Q.Q4_K, *shape, seed=4)
+    w = PackedFormat(torch.bfloat16).resident(_info(Q.Q4_K, shape), rows)
+    x = torch.randn(ops.DENSE_PRODUCT_ROWS, shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert ops._dense_rows(x, w) == ops.amx_prefill()
+    assert not ops._dense_rows(x[:ops.DENSE_PRODUCT_ROWS - 1], w)  # fewer rows: the integer kernel
+    plain = x.double() @ gguf_weight(rows, Q.Q4_K, shape).T
+    for y in (ops.linear(x, w), ops._dense_product(x, w, None)):
+        assert y.shape == (x.shape[0], shape[0])
+        assert float((y.double() - plain).abs().max()) < 2e-2 * float(plain.abs().max())
+    expected = ops.amx_prefill() * 2 * (shape[1] * 16 * ops._chunk_blocks(shape[1]) + 512 * 16 * ops._chunk_blocks(shape[1]))
+    assert ops.dense_product_workspace_bytes(512, shape[1]) == expected
+
+
+def q4_0_rows(out: int, inner: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    b = torch.randint(0, 256, (out, inner // 32, 18), generator=g, dtype=torch.uint8)
+    b[..., 0:2] = (torch.rand(out, inner // 32, generator=g) * 0.01 + 0.001).half().view(torch.uint8).reshape(out, -1, 2)
+    return b.reshape(out, -1)
