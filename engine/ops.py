@@ -9,7 +9,7 @@ line and the telemetry snapshot carries (EngineTelemetry.kernels). Why each thre
 docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
 
   products     linear(x, w, bias): dense weights on F.linear (oneDNN / MKL), 1-16 bf16 rows on
-               bf16_rows.cpp (AVX512-BF16 without AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row where
+               bf16_rows.cpp (AVX512-BF16; one row only with AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row where
                that kernel is not in use on torch's matrix-vector kernel with oneDNN off around the step
                (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, KQuantWeight,
                told apart by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from . import attention_backend, kernels
 from .kernels import _cpu_flags, onednn_has_amx
 from .kernels.attention_ops import attention_ops
-from .kernels.bf16_rows import bf16_rows
+from .kernels.bf16_rows import bf16_rows, max_rows as bf16_rows_max
 from .kernels.decode_block import decode_block
 from .kernels.fused_ops import fused_ops
 from .kernels.ggml_repack import ggml_repack
@@ -161,7 +161,8 @@ def choose(device: torch.device, dtype: torch.dtype) -> KernelChoices:
     fused = cpu and fused_ops() is not None
     products = "oneDNN/MKL (F.linear)" if cpu else "F.linear"
     if bf16_cpu and bf16_rows() is not None:
-        products += ", 1-16 rows bf16_rows"
+        rows = bf16_rows_max(bf16_rows())
+        products += ", 1 row bf16_rows" if rows == 1 else f", 1-{rows} rows bf16_rows"
     if bf16_cpu and not onednn_has_amx():
         products += ", 1 row torch gemv (oneDNN off)"
     if not cpu:
@@ -202,12 +203,12 @@ def _few_bf16_rows(x: torch.Tensor) -> bool:
     """1-16 bf16 rows on the CPU with the AVX512-BF16 kernel in use: a decode step of a few sequences,
     whose products kernels/bf16_rows.cpp runs faster than oneDNN (and, at one row, than torch's own
     matrix-vector kernel) on a CPU without AMX (the figures: docs/benchmarks/bf16-rows.md,
-    `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster and bf16_rows() is None. Not for
-    a tensor autograd follows: the kernel has no backward."""
+    `layerstream bench-bf16-rows`). With AMX, oneDNN is the faster from 2 rows on: one row only
+    (bf16_rows_max). Not for a tensor autograd follows: the kernel has no backward."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.shape[0] < 1 or x.requires_grad:
         return False
     kernel = bf16_rows()
-    return kernel is not None and x.shape[0] <= kernel.MAX_ROWS
+    return kernel is not None and x.shape[0] <= bf16_rows_max(kernel)
 
 
 def _one_bf16_row_on_cpu(x: torch.Tensor) -> bool:

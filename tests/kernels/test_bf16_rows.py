@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine import ops
 from engine.kernels import bf16_rows as br
 
-module = br.built()  # the kernel itself, also where the engine prefers oneDNN's AMX path
+module = br.built()  # the kernel itself, also where the engine prefers oneDNN's AMX path for 2-16 rows
 needs_kernel = pytest.mark.skipif(module is None, reason="the AVX512-BF16 rows kernel is not available here")
 
 # (out, in): the benchmark model's and SmolLM2's shapes, and small ones whose out is not a multiple of
@@ -119,9 +119,10 @@ def test_where_it_does_not_apply_it_is_at_linear(case):
     assert torch.equal(module.linear(x, w, bias), F.linear(x, w, bias))
 
 
-def test_model_linear_routes_one_to_sixteen_bf16_rows(monkeypatch):
-    """engine/model.py's linear: the kernel for 1-16 bf16 rows on the CPU (while it is loaded), F.linear
-    for seventeen, float32, and when the kernel is off."""
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_model_linear_routes_one_to_sixteen_bf16_rows(monkeypatch, amx):
+    """engine/model.py's linear: the kernel for 1-16 bf16 rows on the CPU (while it is loaded; one row only
+    where oneDNN has AMX tiles), F.linear for seventeen, float32, and when the kernel is off."""
     calls = []
 
     class Spy:
@@ -132,14 +133,16 @@ def test_model_linear_routes_one_to_sixteen_bf16_rows(monkeypatch):
             return F.linear(x, w, bias)
 
     monkeypatch.setattr(ops, "bf16_rows", lambda: Spy())
+    monkeypatch.setattr(br, "onednn_has_amx", lambda: amx)
     w = torch.randn(8, 64).bfloat16()
     for rows in (1, 2, 16, 17):
         ops.linear(torch.randn(rows, 64).bfloat16(), w)
     ops.linear(torch.randn(4, 64), w.float())
-    assert calls == [1, 2, 16]
+    expected = [1] if amx else [1, 2, 16]
+    assert calls == expected
     monkeypatch.setattr(ops, "bf16_rows", lambda: None)
     ops.linear(torch.randn(4, 64).bfloat16(), w)
-    assert calls == [1, 2, 16]
+    assert calls == expected
 
 
 @needs_kernel
@@ -152,6 +155,7 @@ def test_a_decode_step_of_four_sequences_is_unchanged_in_tokens(monkeypatch, tmp
     path = build(tmp_path, "llama", dtype=torch.bfloat16)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    monkeypatch.setattr(br, "onednn_has_amx", lambda: False)  # 4 rows: the kernel's where AMX is not
     runs, calls = [], []
     real = module
 

@@ -1,8 +1,8 @@
 """Streamed GGUF blocks put in their resident twins' compute form, on the prefetch thread (CPU fast mode).
 
 A resident GGUF block is repacked once at load (PackedFormat.resident: Q4_0/Q4_1 to the int4 VNNI
-layout, Q4_K/Q6_K to their k-quant layouts, Q8_0/Q5_x/Q5_K requantized to the int8 twin's) and its q/k/v and gate/up stacked
-(fuse.py). Without this module a streamed block stays GGUFWeight views, dequantized to bf16 by every
+layout, Q4_K/Q6_K to their k-quant layouts, Q8_0/Q5_x/Q5_K requantized to the int8 twin's) and its
+q/k/v and gate/up stacked (fuse.py). Without this module a streamed block stays GGUFWeight views, dequantized to bf16 by every
 matmul: a slower computation than its resident twin's, and a different one (other tokens).
 
 StreamRepacker writes a streamed block, with the C++ repack (engine/kernels/ggml_repack.cpp), into
