@@ -9,11 +9,13 @@ line and the telemetry snapshot carries (EngineTelemetry.kernels). Why each thre
 docs/benchmarks/ (bf16-rows.md, amx.md, int4.md, decode-profile.md).
 
   products     linear(x, w, bias): dense weights on F.linear (oneDNN / MKL), 1-16 bf16 rows on
-               bf16_rows.cpp (AVX512-BF16; one row only with AMX; LAYERSTREAM_BF16_ROWS), a single bf16 row where
-               that kernel is not in use on torch's matrix-vector kernel with oneDNN off around the step
-               (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight, Int4Weight, Int8Weight, KQuantWeight,
-               told apart by `kind`) on int4_vnni.cpp (AVX512-VNNI) or aten's weight-only kernels (int4_layout():
-               LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are stored), GGUF blocks
+               bf16_rows.cpp (AVX512-BF16; one row only with AMX; LAYERSTREAM_BF16_ROWS), a single bf16
+               row where that kernel is not in use on torch's matrix-vector kernel with oneDNN off around
+               the step (single_row_products: without AMX); packed weights (engine.weights: GGUFWeight,
+               Int4Weight, Int8Weight, KQuantWeight, told apart by `kind`) on int4_vnni.cpp (AVX512-VNNI),
+               prompt chunks on AMX as dequantized bf16 (LAYERSTREAM_AMX_PREFILL), or aten's weight-only
+               kernels (int4_layout(): LAYERSTREAM_INT4_KERNEL, which also fixes how int4/int8 weights are
+               stored), GGUF blocks
                dequantized to the compute dtype for each product; a LoRA-adapted weight (kind "lora",
                engine.finetune) as its base's product plus the adapters' low-rank products in torch;
                served adapters (kind "lora_rows", engine.lora_serving) as one base product for the

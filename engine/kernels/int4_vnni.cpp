@@ -545,7 +545,8 @@ at::Tensor dequantize_bf16_t(const at::Tensor& codes, const at::Tensor& scales, 
   if (scales.scalar_type() == at::kHalf) fmt = Format::Int4;
   else if (scales.scalar_type() == at::kFloat) fmt = Format::Int8;
   else fmt = scales.size(2) == 320 ? Format::K4 : Format::K6;
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && K % GROUP == 0 && (fmt != Format::K4 && fmt != Format::K6 || K % 256 == 0),
+  const bool kquant = fmt == Format::K4 || fmt == Format::K6;
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && K % GROUP == 0 && (!kquant || K % 256 == 0),
               "dequantize_bf16_t: contiguous codes and scales, K a multiple of 32 (256 for Q4_K / Q6_K)");
   TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= codes.size(0), "dequantize_bf16_t: row blocks [", b0, ", ", b1,
               ") out of ", codes.size(0));
