@@ -388,9 +388,13 @@ def run(ns: argparse.Namespace) -> int:
         for f in wanted:
             if f not in (*QUANTS, "bf16"):
                 raise ValueError(f"unknown file {f!r}: choose from Q4_0, Q4_K_M, bf16")
-        if ns.skip_llama_cpp:
-            wanted = ["bf16"]
-            ggufs = {}
+        if ns.skip_llama_cpp:  # llama.cpp's quantizer makes the GGUFs: those made before, if any
+            ggufs = {q: root / f"{ns.shape}.{q}.gguf" for q in QUANTS}
+            missing = [f for f in wanted if f != "bf16" and not ggufs[f].exists()]
+            if missing:
+                print(f"--skip-llama-cpp: {', '.join(missing)} not made yet (llama.cpp's quantizer makes them): "
+                      "skipped", file=sys.stderr, flush=True)
+            wanted = [f for f in wanted if f not in missing]
         else:
             ggufs = gguf_files(ns, root, bf16, ns.shape)
         # layerstream serves bf16 from the safetensors; llama.cpp from the BF16 GGUF of the same weights.
