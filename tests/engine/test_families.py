@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.arch import ModelConfig
+from engine.arch import ModelConfig, load_model_config
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
 from tests.support.families import COMMON, FAMILY_ARCHS, LONGROPE_AFTER, WINDOW, build, sharpen_attention
@@ -57,12 +57,15 @@ LIMITS = dict(max_model_len=128, max_num_seqs=2)
 def _engine_kwargs(folder, mode: str) -> dict:
     if mode == "resident":
         return {}
+    # A mixture of experts (GPT-OSS) streams whole blocks here, its experts inside them; streaming each expert
+    # by itself is tests/weights/test_moe.py's.
+    whole = {"expert_streaming": False} if load_model_config(folder).moe is not None else {}
     if mode == "streamed":  # one block resident, the rest streamed through memory
         llm = LLM(str(folder), **LIMITS)
         llm.close()
-        return {"max_device_memory": stream_all_but_one_budget(llm)}
+        return {"max_device_memory": stream_all_but_one_budget(llm), **whole}
     if mode == "disk":  # every streamed block read from the file each step
-        return {"max_device_memory": budget_for(folder, 1, 1, **LIMITS), "transport": "disk"}
+        return {"max_device_memory": budget_for(folder, 1, 1, **LIMITS), "transport": "disk", **whole}
     raise ValueError(mode)
 
 
@@ -150,6 +153,59 @@ def test_gemma3_layers_see_only_their_window(family_dirs):
     assert [k.rope for k in kinds] == ["local", "local", "global"] * 2
     assert cfg.attn_scale == pytest.approx(24 ** -0.5) and cfg.embed_scale == pytest.approx(8.0)
     assert cfg.norm_offset == 1.0 and cfg.family.activation == "gelu_tanh"
+
+
+def test_gpt_oss_config_and_what_moves_its_reference(family_dirs):
+    """GPT-OSS as the engine reads it (alternating windows, YaRN's table and scale, biases, sinks, the experts' and
+    router's rows), and every feature the tiny checkpoint's transformers logits depend on by far more than the
+    tolerance, so that the exact tests above hold the engine to each: attention sinks, the SwiGLU clamp and its
+    alpha, the router's and the experts' biases, the sliding window."""
+    import math
+
+    from engine.arch import load_model_config
+
+    folder = family_dirs["gpt_oss"]
+    cfg = load_model_config(folder)
+    assert [cfg.layer_attention(i).window for i in range(cfg.num_layers)] == [WINDOW, None] * 3
+    assert cfg.rope_attention_scaling == pytest.approx(0.1 * math.log(32.0) + 1.0)  # YaRN's attention factor
+    assert cfg.qkv_bias and cfg.o_bias and cfg.family.attn_sinks and cfg.family.router == "topk_softmax"
+    m = cfg.moe
+    assert (m.num_experts, m.top_k, m.expert_mlp, m.swiglu_limit) == (4, 2, "clamped_swiglu", 0.15)
+    assert m.sparse_layers == tuple(range(cfg.num_layers)) and m.swiglu_alpha == pytest.approx(1.702)
+
+    def logits(edit=None) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for layer in model.model.layers if edit else ():
+                edit(model, layer)
+            return model(torch.tensor([PROMPT])).logits[0]
+
+    base = logits()
+    edits = {
+        "sinks": lambda _m, layer: layer.self_attn.sinks.fill_(float("-inf")),  # exp(-inf) = 0: no sink
+        "swiglu_limit": lambda _m, layer: setattr(layer.mlp.experts, "limit", float("inf")),
+        "swiglu_alpha": lambda _m, layer: setattr(layer.mlp.experts, "alpha", 1.0),
+        "router_bias": lambda _m, layer: layer.mlp.router.bias.zero_(),
+        "expert_biases": lambda _m, layer: (layer.mlp.experts.gate_up_proj_bias.zero_(),
+                                            layer.mlp.experts.down_proj_bias.zero_()),
+        "window": lambda model, _l: setattr(model.config, "layer_types", ["full_attention"] * cfg.num_layers),
+    }
+    for name, edit in edits.items():
+        assert (logits(edit) - base).abs().max() > 10 * ATOL, name
+
+
+def test_gpt_oss_mxfp4_safetensors_are_a_clear_error(family_dirs, tmp_path):
+    """The released GPT-OSS checkpoints keep their experts as MXFP4 blocks and scales: refused by name, with the
+    way out, before any tensor is read."""
+    import json
+
+    from engine.arch import load_model_config
+
+    cfg = json.loads((family_dirs["gpt_oss"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=r"MXFP4 experts .*'mxfp4'.* dequantize them to bf16"):
+        load_model_config(tmp_path)
 
 
 def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):

@@ -270,12 +270,13 @@ def test_speculative_decoding_past_every_window(family_dirs, transformers_greedy
 
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_a_quantized_cache_with_sliding_window_layers_is_a_clear_error(family_dirs, kv_dtype):
+def test_a_quantized_cache_with_sliding_window_layers_is_a_clear_error(family_dirs, kv_dtype, arch):
     """The quantized attention path does not read the windowed groups' pools yet: refused before loading,
     naming the option and the way out, never a wrong or crashing step."""
     from engine.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=rf"--kv-cache-dtype {kv_dtype} is not supported yet for a model "
                                                     r"with sliding-window layers .*--kv-cache-dtype auto"):
-        LLM(str(family_dirs["gemma3"]), kv_cache_dtype=kv_dtype, **LIMITS)
+        LLM(str(family_dirs[arch]), kv_cache_dtype=kv_dtype, **LIMITS)
