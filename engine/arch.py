@@ -111,8 +111,8 @@ FAMILIES: dict[str, Family] = {
     "OlmoeForCausalLM": Family(qk_norm="whole", moe=True, scalars=("clip_qkv",)),
     # GPT-OSS: Llama's norms, biases on q/k/v/o (attention_bias), attention sinks, every block a mixture of
     # clamped-SwiGLU experts with biases behind a biased router; alternating sliding/full layers, YaRN.
-    "GptOssForCausalLM": Family(moe=True, attn_sinks=True, expert_mlp="clamped_swiglu", router_bias=True,
-                                router="topk_softmax"),
+    "GptOssForCausalLM": Family(gguf="gpt-oss", moe=True, attn_sinks=True, expert_mlp="clamped_swiglu",
+                                router_bias=True, router="topk_softmax"),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
@@ -161,6 +161,9 @@ class MoEConfig:
     expert_mlp: str = "swiglu"  # the family's (Family.expert_mlp): which tensors one expert has
     swiglu_alpha: float = 1.0  # "clamped_swiglu": gate * sigmoid(alpha * gate)
     swiglu_limit: float = float("inf")  # "clamped_swiglu": gate <= limit, -limit <= up <= limit
+    # "clamped_swiglu": gate and up interleaved by column in one input-major tensor with one bias (GPT-OSS's
+    # safetensors), or (False) apart as (out, in) tensors each with its bias (llama.cpp's GGUF)
+    gate_up_interleaved: bool = True
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -170,9 +173,12 @@ class MoEConfig:
     def expert_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         """One expert's tensors (short names) and shapes."""
         i = self.expert_intermediate_size
-        if self.expert_mlp == "clamped_swiglu":
+        if self.expert_mlp == "clamped_swiglu" and self.gate_up_interleaved:
             # Stored as GPT-OSS stores them, (in, out): x @ w. gate_up's columns alternate gate, up.
             return {"w_gate_up_t": (hidden, 2 * i), "b_gate_up": (2 * i,), "w_down_t": (i, hidden), "b_down": (hidden,)}
+        if self.expert_mlp == "clamped_swiglu":
+            return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i),
+                    "b_gate": (i,), "b_up": (i,), "b_down": (hidden,)}
         return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i)}
 
 

@@ -388,14 +388,20 @@ def moe_experts(
 def clamped_swiglu(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's expert, x (n, hidden) -> (n, hidden), in transformers' GptOssExperts order: gate_up = x @
     w_gate_up_t + b (its columns alternate gate, up), gate clamped above at limit and up to [-limit, limit],
-    (up + 1) * gate * sigmoid(alpha * gate), then @ w_down_t + b. The weights are stored (in, out): .mT
-    hands ops.linear its (out, in) view without a copy."""
-    gate_up = ops.linear(x, w["w_gate_up_t"].mT, w["b_gate_up"])  # (n, 2 * intermediate)
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # (n, intermediate) strided views
+    (up + 1) * gate * sigmoid(alpha * gate), then @ w_down_t + b. Safetensors store the weights (in, out): .mT
+    hands ops.linear its (out, in) view without a copy. llama.cpp's files hold gate, up and down apart, (out,
+    in) with a bias each (MoEConfig.gate_up_interleaved): the same products, row by row."""
+    if "w_gate_up_t" in w:
+        gate_up = ops.linear(x, w["w_gate_up_t"].mT, w["b_gate_up"])  # (n, 2 * intermediate)
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # (n, intermediate) strided views
+        down, down_bias = w["w_down_t"].mT, w["b_down"]  # (hidden, intermediate) view
+    else:
+        gate, up = ops.linear(x, w["w_gate"], w["b_gate"]), ops.linear(x, w["w_up"], w["b_up"])  # (n, intermediate)
+        down, down_bias = w["w_down"], w["b_down"]
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     glu = gate * torch.sigmoid(gate * alpha)
-    return ops.linear((up + 1) * glu, w["w_down_t"].mT, w["b_down"])  # (n, hidden)
+    return ops.linear((up + 1) * glu, down, down_bias)  # (n, hidden)
 
 
 def expert_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], moe: MoEConfig) -> torch.Tensor:

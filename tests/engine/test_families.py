@@ -7,6 +7,7 @@ A family joins by a row in tests/support/families.py (docs/usage/adding-a-family
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from engine import LLM, SamplingParams
 from engine.arch import ModelConfig, load_model_config
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
-from tests.support.families import COMMON, FAMILY_ARCHS, LONGROPE_AFTER, WINDOW, build, sharpen_attention
+from tests.support.families import (COMMON, FAMILY_ARCHS, LONGROPE_AFTER, WINDOW, build, build_gpt_oss_for_gguf,
+                                    sharpen_attention)
 from tests.support.reference import budget_for
 from tests.support.reference import ATOL, RTOL, prompt_logits, stream_all_but_one_budget
 
@@ -296,7 +298,9 @@ def test_gemma_gguf_matches_transformers(tmp_path, arch, streaming):
 
 def converter_source(folder, arch: str):
     """The tiny checkpoint of `arch` as llama.cpp can represent it: SmolLM3 with llama.cpp's fixed NoPE layers
-    (every 4th) and no window; every other family as its test row."""
+    (every 4th) and no window; GPT-OSS with llama.cpp's SwiGLU limit; every other family as its test row."""
+    if arch == "gpt_oss":
+        return build_gpt_oss_for_gguf(folder)
     if arch != "smollm3":
         return build(folder, arch)
     from transformers import SmolLM3Config
@@ -305,12 +309,13 @@ def converter_source(folder, arch: str):
     return build_random_model(folder, cfg, seed=11, adjust=sharpen_attention)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4"])
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4", "gpt_oss"])
 def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
     """llama.cpp's convert_hf_to_gguf.py of each tiny family (F32: the same weights), served from the file: its
-    tensor names (Phi-3's stacked qkv and gate/up), Q/K rows it permutes (Granite, SmolLM3), the config from its
-    metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's window and LongRoPE factor tensors, which
-    transformers' GGUF reader does not read or does not know), held to transformers on the original checkpoint."""
+    tensor names (Phi-3's stacked qkv and gate/up, GPT-OSS's stacked experts with gate and up split), Q/K rows it
+    permutes (Granite, SmolLM3), the config from its metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's
+    window and LongRoPE factor tensors, GPT-OSS's experts, window and YaRN, which transformers' GGUF reader does
+    not read or does not know), held to transformers on the original checkpoint."""
     from engine.arch import load_model_config
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
     from tests.support.reference import greedy_with
@@ -333,9 +338,80 @@ def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
         for field in ("rope_inv_freq", "rope_long_inv_freq"):
             torch.testing.assert_close(torch.tensor(getattr(cfg, field)), torch.tensor(getattr(want, field)))
         assert cfg.rope_attention_scaling == pytest.approx(want.rope_attention_scaling, rel=1e-6)
+        if want.moe is not None:  # GPT-OSS: the file holds gate and up apart, (out, in)
+            assert cfg.moe == dataclasses.replace(want.moe, gate_up_interleaved=False), cfg.moe
+            assert cfg.layer_windows == want.layer_windows and cfg.family == want.family
         first = LONGROPE_AFTER if cfg.rope_long_inv_freq else 0  # as in test_family_matches_transformers
         torch.testing.assert_close(prompt_logits(llm, PROMPT)[first:], ref_logits[first:], atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streamed"])
+def test_gpt_oss_mxfp4_gguf_matches_transformers(tmp_path, streaming):
+    """GPT-OSS's experts in MXFP4, as llama.cpp's converter writes the released checkpoint: a tiny checkpoint whose
+    experts lie on MXFP4's grid, converted, its expert tensors stored as MXFP4 blocks (gguf-py's quantizer), served
+    in fp32 (each MXFP4 tensor dequantized exactly: at load when resident, per use when streamed, experts inside
+    their blocks) and held to transformers on that checkpoint."""
+    from gguf import GGMLQuantizationType as Q, GGUFReader
+
+    from tests.support.gguf_models import experts_to_mxfp4
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = build_gpt_oss_for_gguf(tmp_path / "hf", mxfp4=True)
+    path = experts_to_mxfp4(convert(folder, tmp_path / "tiny-gpt-oss-f32.gguf", "f32"), tmp_path / "tiny-mxfp4.gguf")
+    stored = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    assert stored["blk.0.ffn_gate_exps.weight"] == stored["blk.5.ffn_down_exps.weight"] == Q.MXFP4
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
+    kwargs = dict(dtype="float32", **LIMITS)
+    if streaming:
+        llm = LLM(str(path), **kwargs)
+        llm.close()
+        kwargs["max_device_memory"] = stream_all_but_one_budget(llm)
+    llm = LLM(str(path), **kwargs)
+    try:
+        if streaming:
+            assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kv_dtype,share", [("int8", 0.02), ("int4", 0.25)])
+def test_gpt_oss_sinks_over_a_quantized_kv_cache(tmp_path_factory, kv_dtype, share):
+    """A quantized KV cache is refused beside sliding-window layers (test_kv_groups); a GPT-OSS whose layers are all
+    full takes one, and its attention keeps the sinks there too (the eager path over the dequantized cache; the
+    kv_attention kernel has no sink term): prompt logits off transformers' by a small share of what dropping the
+    sinks moves them, and the same greedy tokens."""
+    from transformers import GptOssConfig
+
+    from tests.support.families import gpt_oss_settings, sharpen_gpt_oss
+    from tests.support.reference import greedy_with
+
+    folder = tmp_path_factory.getbasetemp() / "gpt-oss-full-attention"
+    if not (folder / "config.json").exists():
+        cfg = GptOssConfig(**gpt_oss_settings(), num_local_experts=4, num_experts_per_tok=2,
+                           layer_types=["full_attention"] * COMMON["num_hidden_layers"])
+        build_random_model(folder, cfg, seed=5, adjust=sharpen_gpt_oss)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref_tokens, ref_logits = greedy_with(model, PROMPT, 12)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+        without_sinks = model(torch.tensor([PROMPT])).logits[0]
+    llm = LLM(str(folder), kv_cache_dtype=kv_dtype, **LIMITS)
+    try:
+        err = (prompt_logits(llm, PROMPT) - ref_logits).abs().max()
+        assert err < share * (without_sinks - ref_logits).abs().max(), err
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:
         llm.close()

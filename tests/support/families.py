@@ -95,3 +95,30 @@ def sharpen_gpt_oss(model: torch.nn.Module) -> None:
 def build(folder, arch: str):
     adjust = sharpen_gpt_oss if arch == "gpt_oss" else sharpen_attention
     return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000, adjust=adjust)
+
+
+def build_gpt_oss_for_gguf(folder, mxfp4: bool = False):
+    """The GPT-OSS row as llama.cpp can represent it: its SwiGLU limit is llama.cpp's constant (7.0, also
+    GptOssConfig's default), which the metadata cannot change. mxfp4: the experts' weights rounded to MXFP4's grid
+    (gguf-py's quantizer, 32-value blocks along each output row's inputs, as llama.cpp's converter lays them out),
+    so that a file with those tensors in MXFP4 (gguf_models.experts_to_mxfp4) holds exactly this checkpoint."""
+    from transformers import GptOssConfig
+
+    cfg = GptOssConfig(**{**gpt_oss_settings(), "swiglu_limit": 7.0}, num_local_experts=4, num_experts_per_tok=2)
+
+    def adjust(model: torch.nn.Module) -> None:
+        sharpen_gpt_oss(model)
+        if mxfp4:
+            for name, p in model.named_parameters():
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (experts, in, out)
+                    p.copy_(mxfp4_rounded(p.transpose(-1, -2)).transpose(-1, -2))
+
+    return build_random_model(folder, cfg, seed=zlib.crc32(b"gpt_oss-gguf") % 1000, adjust=adjust)
+
+
+def mxfp4_rounded(w: torch.Tensor) -> torch.Tensor:
+    """w (..., cols) through gguf-py's MXFP4 quantizer and back: blocks of 32 along the last dimension."""
+    from gguf import GGMLQuantizationType as Q, quants
+
+    data = w.detach().float().numpy()
+    return torch.from_numpy(quants.dequantize(quants.quantize(data, Q.MXFP4), Q.MXFP4).reshape(data.shape))

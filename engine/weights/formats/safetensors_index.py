@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ...arch import ModelConfig, load_model_config
-from .reader import CheckpointError, CheckpointReader, TensorInfo
+from .reader import CheckpointError, CheckpointReader, TensorInfo, split_stacked
 from .views import close_mapping, typed_view
 
 # The largest header we accept: real checkpoints stay well under a few MB; anything bigger is a
@@ -73,7 +73,7 @@ MIXTRAL_EXPERT_TENSORS = {"w_gate": "block_sparse_moe.experts.{e}.w1.weight",
                           "w_up": "block_sparse_moe.experts.{e}.w3.weight",
                           "w_down": "block_sparse_moe.experts.{e}.w2.weight"}
 # GPT-OSS stores each block's experts stacked, one tensor per kind with the expert first: expert e's slice is one
-# contiguous byte range, indexed here as a tensor of its own named "<stacked name>[e]" (split_stacked_experts),
+# contiguous byte range, indexed here as a tensor of its own named "<stacked name>[e]" (reader.split_stacked),
 # so that every expert is still its own streaming unit.
 STACKED_EXPERT_TENSORS = {"w_gate_up_t": "mlp.experts.gate_up_proj", "b_gate_up": "mlp.experts.gate_up_proj_bias",
                           "w_down_t": "mlp.experts.down_proj", "b_down": "mlp.experts.down_proj_bias"}
@@ -245,7 +245,7 @@ class WeightIndex(CheckpointReader):
                 for name, shard in weight_map.items():
                     if name not in self.entries:
                         raise CheckpointError(f"{self.folder / shard}: tensor {name!r} listed in the index is missing")
-            self.entries = split_stacked_experts(self.entries)
+            self.entries = split_stacked(self.entries, tuple(STACKED_EXPERT_TENSORS.values()))
         except BaseException:
             self.close()  # shards opened before the bad one: their descriptors and mappings
             raise
@@ -271,20 +271,3 @@ class WeightIndex(CheckpointReader):
 
     def global_tensor_name(self, short: str) -> str:
         return GLOBAL_TENSORS[short]
-
-
-def split_stacked_experts(entries: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """entries with each stacked expert tensor (STACKED_EXPERT_TENSORS: (experts, ...)) replaced by one entry per
-    expert, "<name>[e]", its byte range the e-th slice; every other entry as it was."""
-    stacked = tuple("." + n for n in STACKED_EXPERT_TENSORS.values())
-    out: dict[str, TensorInfo] = {}
-    for name, info in entries.items():
-        if not name.endswith(stacked) or len(info.shape) < 2:
-            out[name] = info
-            continue
-        experts, shape = info.shape[0], info.shape[1:]
-        step = info.nbytes // max(1, experts)
-        for e in range(experts):
-            out[f"{name}[{e}]"] = TensorInfo(f"{name}[{e}]", info.path, info.dtype, shape,
-                                             info.start + e * step, info.start + (e + 1) * step)
-    return out
