@@ -349,38 +349,71 @@ def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
         llm.close()
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streamed"])
-def test_gpt_oss_mxfp4_gguf_matches_transformers(tmp_path, streaming):
-    """GPT-OSS's experts in MXFP4, as llama.cpp's converter writes the released checkpoint: a tiny checkpoint whose
-    experts lie on MXFP4's grid, converted, its expert tensors stored as MXFP4 blocks (gguf-py's quantizer), served
-    in fp32 (each MXFP4 tensor dequantized exactly: at load when resident, per use when streamed, experts inside
-    their blocks) and held to transformers on that checkpoint."""
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """(checkpoint, GGUF file) of GPT-OSS with MXFP4 experts, as llama.cpp's converter writes the released
+    checkpoint: a tiny checkpoint whose experts lie on MXFP4's grid, converted, its expert tensors then stored as
+    MXFP4 blocks (gguf-py's quantizer)."""
     from gguf import GGMLQuantizationType as Q, GGUFReader
 
     from tests.support.gguf_models import experts_to_mxfp4
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
-    from tests.support.reference import greedy_with
 
     if llama_cpp_root() is None:
         pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
-    folder = build_gpt_oss_for_gguf(tmp_path / "hf", mxfp4=True)
-    path = experts_to_mxfp4(convert(folder, tmp_path / "tiny-gpt-oss-f32.gguf", "f32"), tmp_path / "tiny-mxfp4.gguf")
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    folder = build_gpt_oss_for_gguf(root / "hf", mxfp4=True)
+    path = experts_to_mxfp4(convert(folder, root / "tiny-gpt-oss-f32.gguf", "f32"), root / "tiny-mxfp4.gguf")
     stored = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
     assert stored["blk.0.ffn_gate_exps.weight"] == stored["blk.5.ffn_down_exps.weight"] == Q.MXFP4
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
-    kwargs = dict(dtype="float32", **LIMITS)
+    return folder, path
+
+
+def _mxfp4_llm(path, dtype: str, streaming: bool) -> LLM:
+    kwargs = dict(dtype=dtype, **LIMITS)
     if streaming:
         llm = LLM(str(path), **kwargs)
         llm.close()
         kwargs["max_device_memory"] = stream_all_but_one_budget(llm)
     llm = LLM(str(path), **kwargs)
+    if streaming:
+        assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
+    return llm
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streamed"])
+def test_gpt_oss_mxfp4_gguf_matches_transformers(gpt_oss_mxfp4, streaming):
+    """GGUF MXFP4 experts served in fp32 (each MXFP4 tensor dequantized exactly: at load when resident, per use
+    when streamed, experts inside their blocks), held to transformers on the checkpoint they were made from."""
+    from tests.support.reference import greedy_with
+
+    folder, path = gpt_oss_mxfp4
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
+    llm = _mxfp4_llm(path, "float32", streaming)
     try:
-        if streaming:
-            assert len(llm.plan.streamed_blocks) == llm.engine.model.cfg.num_layers - 1
         torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["resident", "streamed"])
+def test_gpt_oss_mxfp4_gguf_in_the_fast_mode(gpt_oss_mxfp4, streaming):
+    """bf16: no kernel takes MXFP4 (nor the C++ repack), so resident experts are requantized to int8 by the torch
+    code at load and streamed ones dequantized at each use; the prompt logits stay within bf16's and int8's
+    error of the exact mode's."""
+    _folder, path = gpt_oss_mxfp4
+    exact = _mxfp4_llm(path, "float32", False)
+    try:
+        want = prompt_logits(exact, PROMPT)
+    finally:
+        exact.close()
+    llm = _mxfp4_llm(path, "bfloat16", streaming)
+    try:
+        got = prompt_logits(llm, PROMPT).float()
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
     finally:
         llm.close()
 
