@@ -116,7 +116,6 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # one routed expert: a SwiGLU MLP of its own
 # RoPE types the math implements: their frequencies are fixed at load, or (LongRoPE: Phi-3, Phi-4-mini) one of
 # two tables chosen by the sequence's length. "dynamic" rescales with every length and is refused rather than
 # run wrong.

@@ -227,7 +227,7 @@ def test_prefix_cache_and_batching_past_every_window(family_dirs, transformers_g
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "gpt_oss"])
 def test_preemption_and_the_host_tier_past_every_window(family_dirs, transformers_greedy, arch):
     """A pool of one max_model_len sequence in every group for three growing sequences: the newest are
     preempted and resume, their evicted cached blocks (windowed ones too) coming back from the host tier."""
