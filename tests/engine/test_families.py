@@ -196,6 +196,36 @@ def test_gpt_oss_config_and_what_moves_its_reference(family_dirs):
         assert (logits(edit) - base).abs().max() > 10 * ATOL, name
 
 
+def test_gpt_oss_keeps_its_sinks_in_bf16(family_dirs):
+    """bf16 on the CPU: the paths a 16-bit step may take (the token-by-token C++ decode attention, the bf16 matmul
+    attention, the fused block) have no sink term, so GPT-OSS's attention stays on the eager path. The logprobs of
+    the tokens the engine chose, prefill and decode steps, are off transformers' fp32 ones on that same sequence by
+    a small share of what dropping the sinks moves them (held to the engine's own sequence: bf16 may pick another
+    token where two are close)."""
+    folder = family_dirs["gpt_oss"]
+    llm = LLM(str(folder), dtype="bfloat16", **LIMITS)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        out = llm.generate([PROMPT], params)[0].outputs[0]
+    finally:
+        llm.close()
+    got = torch.tensor([lp.logprob for lp in out.logprobs])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def chosen_logprobs() -> torch.Tensor:
+        with torch.no_grad():
+            full = torch.log_softmax(model(torch.tensor([PROMPT + out.token_ids])).logits[0], dim=-1)
+        rows = torch.arange(len(PROMPT) - 1, len(PROMPT) - 1 + len(out.token_ids))
+        return full[rows, torch.tensor(out.token_ids)]  # (new tokens,)
+
+    want = chosen_logprobs()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    gap = (chosen_logprobs() - want).abs().max()
+    assert (got - want).abs().max() < 0.25 * gap, ((got - want).abs().max(), gap)
+
+
 def test_gpt_oss_mxfp4_safetensors_are_a_clear_error(family_dirs, tmp_path):
     """The released GPT-OSS checkpoints keep their experts as MXFP4 blocks and scales: refused by name, with the
     way out, before any tensor is read."""
