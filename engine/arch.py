@@ -48,14 +48,28 @@ class Family:
     fused_gate_up: bool = False
     # RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (GLM-4) instead of the two halves of the rotated dims.
     rope_interleaved: bool = False
+    # A learned logit per query head ("sinks", (heads,)) joins every attention softmax's denominator and
+    # takes no value (GPT-OSS): the rows need not sum to 1 over the keys.
+    attn_sinks: bool = False
+    # The routed experts' MLP: "swiglu" (w_gate, w_up, w_down; Mixtral, Qwen-MoE, OLMoE) or "clamped_swiglu"
+    # (GPT-OSS: gate and up interleaved by column in one (hidden, 2 * intermediate) tensor stored input-major,
+    # biases on both products, gate clamped above and up on both sides at swiglu_limit, (up + 1) * gate *
+    # sigmoid(alpha * gate)).
+    expert_mlp: str = "swiglu"
+    # GPT-OSS's router: a bias ("router_bias"), and the softmax over the k chosen logits only, where the
+    # others take the softmax over every expert first ("softmax_topk" vs "topk_softmax").
+    router_bias: bool = False
+    router: str = "softmax_topk"
 
     def __post_init__(self):
         assert self.activation in ACTIVATIONS and self.qk_norm in (None, "head", "whole"), self
+        assert self.expert_mlp in EXPERT_MLPS and self.router in ("softmax_topk", "topk_softmax"), self
         assert set(self.norms) <= set(NORMS) and set(self.scalars) <= set(CONFIG_SCALARS), self
 
 
 NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
 ACTIVATIONS = ("silu", "gelu_tanh")
+EXPERT_MLPS = ("swiglu", "clamped_swiglu")
 _SANDWICH = NORMS  # Gemma 2/3: a norm before and after both attention and the MLP
 # A transformers config field -> the ModelConfig field it sets, and how (a field left None keeps the default).
 CONFIG_SCALARS = {
@@ -95,10 +109,13 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(qk_norm="head", moe=True),
     # OLMoE normalises the whole q and k projections (not each head) and may clip q, k, v.
     "OlmoeForCausalLM": Family(qk_norm="whole", moe=True, scalars=("clip_qkv",)),
+    # GPT-OSS: Llama's norms, biases on q/k/v/o (attention_bias), attention sinks, every block a mixture of
+    # clamped-SwiGLU experts with biases behind a biased router; alternating sliding/full layers, YaRN.
+    "GptOssForCausalLM": Family(gguf="gpt-oss", moe=True, attn_sinks=True, expert_mlp="clamped_swiglu",
+                                router_bias=True, router="topk_softmax"),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # one routed expert: a SwiGLU MLP of its own
 # RoPE types the math implements: their frequencies are fixed at load, or (LongRoPE: Phi-3, Phi-4-mini) one of
 # two tables chosen by the sequence's length. "dynamic" rescales with every length and is refused rather than
 # run wrong.
@@ -140,6 +157,12 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]  # blocks whose MLP is the mixture; the others keep a dense MLP
     # Qwen2-MoE: an always-on expert of this width whose output is scaled by sigmoid(shared_gate . x); 0 = none
     shared_expert_intermediate_size: int = 0
+    expert_mlp: str = "swiglu"  # the family's (Family.expert_mlp): which tensors one expert has
+    swiglu_alpha: float = 1.0  # "clamped_swiglu": gate * sigmoid(alpha * gate)
+    swiglu_limit: float = float("inf")  # "clamped_swiglu": gate <= limit, -limit <= up <= limit
+    # "clamped_swiglu": gate and up interleaved by column in one input-major tensor with one bias (GPT-OSS's
+    # safetensors), or (False) apart as (out, in) tensors each with its bias (llama.cpp's GGUF)
+    gate_up_interleaved: bool = True
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -147,7 +170,14 @@ class MoEConfig:
                 f"num_experts_per_tok {self.top_k} must be between 1 and the number of experts {self.num_experts}")
 
     def expert_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
+        """One expert's tensors (short names) and shapes."""
         i = self.expert_intermediate_size
+        if self.expert_mlp == "clamped_swiglu" and self.gate_up_interleaved:
+            # Stored as GPT-OSS stores them, (in, out): x @ w. gate_up's columns alternate gate, up.
+            return {"w_gate_up_t": (hidden, 2 * i), "b_gate_up": (2 * i,), "w_down_t": (i, hidden), "b_down": (hidden,)}
+        if self.expert_mlp == "clamped_swiglu":
+            return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i),
+                    "b_gate": (i,), "b_up": (i,), "b_down": (hidden,)}
         return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i)}
 
 
@@ -239,6 +269,8 @@ class ModelConfig:
             shapes.update(bqkv=(q + 2 * kv,)) if self.family.fused_qkv else shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
         if self.o_bias:
             shapes.update(bo=(h,))
+        if self.family.attn_sinks:
+            shapes.update(sinks=(self.num_heads,))
         if self.qk_norm:
             shapes.update(q_norm=(q,), k_norm=(kv,)) if self.qk_norm_whole else shapes.update(q_norm=(d,), k_norm=(d,))
         if not self.is_moe_layer(layer):
@@ -250,6 +282,8 @@ class ModelConfig:
             return shapes
         m = self.moe
         shapes["router"] = (m.num_experts, h)
+        if self.family.router_bias:
+            shapes["router_bias"] = (m.num_experts,)
         if m.shared_expert_intermediate_size:
             s = m.shared_expert_intermediate_size
             shapes.update({"shared.w_gate": (s, h), "shared.w_up": (s, h), "shared.w_down": (h, s),
@@ -317,6 +351,12 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         flags.update(qkv_bias=True, o_bias=fam.attention_bias_o)
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported (the MLP runs without biases)")
+    quant = getattr(hf, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method == "mxfp4":  # GPT-OSS as released: its experts as uint8 blocks and scales beside the bf16 rest
+        raise UnsupportedModelError(
+            f"{arch} safetensors with MXFP4 experts (quantization_config quant_method 'mxfp4') are not supported; "
+            "dequantize them to bf16 first (transformers: Mxfp4Config(dequantize=True), then save_pretrained)")
     scalars = {}
     for name in fam.scalars:
         value = getattr(hf, name, None)
@@ -379,8 +419,11 @@ def _moe(hf, arch: str) -> MoEConfig | None:
     if arch not in MOE_ARCHITECTURES:
         return None
     layers = range(hf.num_hidden_layers)
+    fam = family(arch)
     if arch == "MixtralForCausalLM":
         experts, width, norm_topk = hf.num_local_experts, hf.intermediate_size, True
+    elif arch == "GptOssForCausalLM":  # the softmax over the top k already sums to 1
+        experts, width, norm_topk = hf.num_local_experts, hf.intermediate_size, False
     else:
         experts = hf.num_experts
         width = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
@@ -392,8 +435,12 @@ def _moe(hf, arch: str) -> MoEConfig | None:
     shared = getattr(hf, "shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
     if experts < 1:
         raise UnsupportedModelError(f"{arch} with {experts} experts has no mixture to route to")
+    swiglu = {}
+    if fam.expert_mlp == "clamped_swiglu":
+        swiglu = dict(swiglu_alpha=float(hf.swiglu_alpha), swiglu_limit=float(hf.swiglu_limit))
     return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=width,
-                     norm_topk_prob=norm_topk, sparse_layers=sparse, shared_expert_intermediate_size=shared or 0)
+                     norm_topk_prob=norm_topk, sparse_layers=sparse, shared_expert_intermediate_size=shared or 0,
+                     expert_mlp=fam.expert_mlp, **swiglu)
 
 
 def _ropes(hf, head_dim: int) -> dict:

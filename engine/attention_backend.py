@@ -239,37 +239,45 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _attend_softcap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                    cap: float, chunk_bytes: int | None) -> torch.Tensor:
-    """Folded attention whose scores are soft-capped, cap * tanh(s / cap) before the mask (Gemma 2), which
-    no SDPA kernel takes: the reference's eager order in fp32, split as the math path is. q: (seqs,
-    kv_heads, rows, head_dim); k, v: (seqs, kv_heads, context, head_dim); mask (seqs, 1, rows, context).
-    Returns (seqs, kv_heads, rows, head_dim) in q's dtype."""
+def _attend_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  cap: float | None, sinks: torch.Tensor | None, chunk_bytes: int | None) -> torch.Tensor:
+    """Folded attention that no SDPA kernel takes, in the reference's eager order in fp32, split as the math
+    path is: scores soft-capped, cap * tanh(s / cap) before the mask (Gemma 2), and/or a sink logit per row
+    joining the softmax's denominator and dropped from its output (GPT-OSS). q: (seqs, kv_heads, rows,
+    head_dim); k, v: (seqs, kv_heads, context, head_dim); mask (seqs, 1, rows, context); sinks (kv_heads,
+    rows) fp32, each row's head's sink. Returns (seqs, kv_heads, rows, head_dim) in q's dtype."""
     seqs, nkv, rows, hd = q.shape
     ctx = k.shape[2]
-    sp, rp = split(seqs, rows, ctx, nkv, hd, q.element_size(), chunk_bytes)
+    sp, rp = split(seqs, rows, ctx + (sinks is not None), nkv, hd, q.element_size(), chunk_bytes)
     out = q.new_empty(q.shape)
     for a in range(0, seqs, sp):
         kt = k[a:a + sp].float().transpose(-1, -2)  # (n, kv_heads, head_dim, context)
         vf = v[a:a + sp].float()
         for r in range(0, rows, rp):
             s = torch.matmul(q[a:a + sp, :, r:r + rp].float(), kt) * scale  # (n, kv_heads, m, context) fp32
-            s = torch.tanh(s / cap) * cap
+            if cap is not None:
+                s = torch.tanh(s / cap) * cap
             s = s.masked_fill(~mask[a:a + sp, :, r:r + rp], float("-inf"))
-            out[a:a + sp, :, r:r + rp] = torch.matmul(torch.softmax(s, dim=-1), vf)
+            if sinks is None:
+                out[a:a + sp, :, r:r + rp] = torch.matmul(torch.softmax(s, dim=-1), vf)
+                continue
+            sink = sinks[:, r:r + rp, None].expand(s.shape[0], -1, -1, 1)  # (n, kv_heads, m, 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]  # (n, kv_heads, m, context)
+            out[a:a + sp, :, r:r + rp] = torch.matmul(p, vf)
     return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
            chunk_bytes: int | None = None, open_keys: int = 0, scratch: AttentionScratch | None = None,
            scale: float | None = None, softcap: float | None = None, *, matmul: bool = False,
-           softmax: ModuleType | None = None) -> torch.Tensor:
+           softmax: ModuleType | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (seqs, heads, max_query, head_dim); k, v: (seqs, kv_heads, context, head_dim);
     mask: (seqs, 1, max_query, context) bool, True = may attend; its first open_keys columns must be
     all True (a promise the bf16 matmul path relies on; 0 makes none); scratch: memory that path reuses;
     scale: multiplies q . k (None: 1 / sqrt(head_dim)); softcap: scores -> softcap * tanh(scores / softcap).
     matmul: bf16 queries on the CPU take the matmul path, with `softmax` (its C++ softmax, or None: torch's
-    ops), not SDPA (engine.ops chooses). Returns (seqs, heads, max_query, head_dim)."""
+    ops), not SDPA (engine.ops chooses). sinks: (heads,) a logit per query head in each softmax's denominator
+    (GPT-OSS), or None. Returns (seqs, heads, max_query, head_dim)."""
     seqs, nh, mq, hd = q.shape
     nkv, ctx = k.shape[1], k.shape[2]
     group = nh // nkv
@@ -278,8 +286,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q = q.reshape(seqs, nkv, group * mq, hd)  # (seqs, kv_heads, group * max_query, head_dim)
         mask = mask[:, :, None].expand(seqs, 1, group, mq, ctx).reshape(seqs, 1, group * mq, ctx)
     rows = q.shape[2]
-    if softcap is not None:
-        out = _attend_softcap(q, k, v, mask, hd ** -0.5 if scale is None else scale, softcap, chunk_bytes)
+    if softcap is not None or sinks is not None:
+        if sinks is not None:  # row group * max_query + t of kv head j is query head j * group + g
+            sinks = sinks.float().view(nkv, group, 1).expand(nkv, group, mq).reshape(nkv, group * mq)
+        out = _attend_eager(q, k, v, mask, hd ** -0.5 if scale is None else scale, softcap, sinks, chunk_bytes)
         return out.reshape(seqs, nh, mq, hd)
     if matmul and q.dtype == torch.bfloat16 and q.device.type == "cpu":
         out = _attend_bf16_matmul(q, k, v, mask, open_keys, chunk_bytes, scratch, scale, softmax)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_quant, ops
-from .arch import Family, ModelConfig
+from .arch import Family, ModelConfig, MoEConfig
 from .kv_quant import QuantizedKV
 
 if TYPE_CHECKING:
@@ -171,10 +171,12 @@ def attention(
             q = rotate(q, step.cos, step.sin, cfg)
             k = rotate(k, step.cos, step.sin, cfg)
 
+    sinks = w.get("sinks")  # (heads,) GPT-OSS: a logit per head in every softmax's denominator
     if isinstance(k_cache, QuantizedKV):
-        out = quantized_attention(q, k, v, k_cache, v_cache, step, cfg)  # (tokens, heads*head_dim)
+        out = quantized_attention(q, k, v, k_cache, v_cache, step, cfg, sinks)  # (tokens, heads*head_dim)
         return ops.linear(out, w["wo"], w.get("bo"))
-    tables = ops.token_by_token(step, q, k, v, k_cache) if cfg.attn_softcap is None else None
+    # The token-by-token kernel takes neither a soft-cap nor sinks.
+    tables = ops.token_by_token(step, q, k, v, k_cache) if cfg.attn_softcap is None and sinks is None else None
     if tables is not None:
         factor = 1.0 if cfg.attn_scale is None else cfg.attn_scale * hd ** 0.5
         if factor != 1.0:
@@ -195,7 +197,7 @@ def attention(
     values = gather_blocks(v_cache, tables, ctx)
     # (seqs, heads, max_query, head_dim)
     out = ops.attend(qp, keys, values, step.attn_mask, step.attn_chunk_bytes, step.open_keys, step.attn_scratch,
-                     scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+                     scale=cfg.attn_scale, softcap=cfg.attn_softcap, sinks=sinks)
     out = unpadded_outputs(out, step).reshape(-1, nh * hd)  # (tokens, heads*head_dim)
     return ops.linear(out, w["wo"], w.get("bo"))
 
@@ -221,12 +223,13 @@ def unpadded_outputs(out: torch.Tensor, step: StepInputs) -> torch.Tensor:
 
 
 def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedKV,
-                        v_cache: QuantizedKV, step: StepInputs, cfg: ModelConfig) -> torch.Tensor:
+                        v_cache: QuantizedKV, step: StepInputs, cfg: ModelConfig,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a quantized KV cache (engine.kv_quant). q (tokens, heads, head_dim), k, v (tokens,
     kv_heads, head_dim) after RoPE -> (tokens, heads*head_dim) in q's dtype. With the format's rotation, Q,
     K and V are rotated by the same orthonormal H: scores need no inverse, and the output, a mix of
     rotated V rows, is rotated back once per query. The step's own K/V are written quantized first, so
-    a token attends to its own key as later tokens will see it."""
+    a token attends to its own key as later tokens will see it. sinks: (heads,) attention sinks or None."""
     tokens, nh, hd = q.shape
     quant, dtype = k_cache.quant, q.dtype
     if quant.rotate:
@@ -234,12 +237,12 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     ops.write_quantized(k_cache, step.slot_mapping, k)
     ops.write_quantized(v_cache, step.slot_mapping, v)
     scale = hd ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
-    tables = ops.quantized_kv_tables(step, q) if cfg.attn_softcap is None else None
+    tables = ops.quantized_kv_tables(step, q) if cfg.attn_softcap is None and sinks is None else None
     if tables is not None:
         out = ops.quantized_decode_attention(q, k_cache, v_cache, step, tables, scale)  # (tokens, heads, hd) fp32
     else:
         qp = padded_queries(q.to(dtype), step)  # (seqs, heads, max_query, head_dim)
-        out = ops.attend_quantized(qp, k_cache, v_cache, step, scale, cfg.attn_softcap)  # (seqs, heads, mq, hd)
+        out = ops.attend_quantized(qp, k_cache, v_cache, step, scale, cfg.attn_softcap, sinks)  # (seqs, heads, mq, hd)
         out = unpadded_outputs(out, step)  # (tokens, heads, head_dim)
     if quant.rotate:
         out = kv_quant.rotate(out)  # H is symmetric and orthonormal: its own inverse
@@ -318,14 +321,19 @@ class Routing:
         return [e for e, n in enumerate(self.counts) if n]
 
 
-def router_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h: (tokens, hidden) normed hidden states; router: (experts, hidden) -> ids, weights (tokens, top_k).
-    Softmax over all experts in fp32 first, then the top k (as every supported family does), optionally
-    renormalised over the k chosen."""
-    probs = torch.softmax(ops.linear(h, router).float(), dim=-1)  # (tokens, experts)
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # (tokens, top_k)
-    if norm_topk_prob:
+def router_topk(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """h: (tokens, hidden) normed hidden states; w: the block's "router" (experts, hidden) and, where the
+    family has one, "router_bias" -> ids, weights (tokens, top_k). "softmax_topk" (Family.router): softmax over
+    all experts in fp32 first, then the top k, optionally renormalised over the k chosen; "topk_softmax"
+    (GPT-OSS): the top k logits, then the softmax over those k alone."""
+    m = cfg.moe
+    logits = ops.linear(h, w["router"], w.get("router_bias"))  # (tokens, experts)
+    if cfg.family.router == "topk_softmax":
+        top, ids = torch.topk(logits, m.top_k, dim=-1)  # (tokens, top_k)
+        return ids, torch.softmax(top.float(), dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)  # (tokens, experts)
+    weights, ids = torch.topk(probs, m.top_k, dim=-1)  # (tokens, top_k)
+    if m.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
 
@@ -334,26 +342,25 @@ def guess_experts(hidden: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelCo
     """The experts a MoE block's router (w: its "mlp_norm" and "router") chooses for hidden (tokens, hidden)
     taken before the block's own attention: (tokens, top_k) int64. The expert tier's guess of the next
     block's experts from this block's residual stream, made while this block computes."""
-    m = cfg.moe
     normed = ops.rms_norm(hidden, w["mlp_norm"], cfg.rms_norm_eps)  # (tokens, hidden)
-    ids, _ = router_topk(normed, w["router"], m.top_k, m.norm_topk_prob)
+    ids, _ = router_topk(normed, w, cfg)
     return ids
 
 
 def route(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> Routing:
     """The router's choice for every token. counts crosses to the host (one sync per MoE block): which
     experts to fetch is a host decision, and the same sync gives route_experts its split sizes."""
-    m = cfg.moe
-    ids, weights = router_topk(h, w["router"], m.top_k, m.norm_topk_prob)
-    counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
+    ids, weights = router_topk(h, w, cfg)
+    counts = torch.bincount(ids.flatten(), minlength=cfg.moe.num_experts).tolist()
     return Routing(ids, weights, counts)
 
 
 def moe_experts(
-    h: torch.Tensor, routing: Routing, experts: dict[int, dict[str, torch.Tensor]], out: torch.Tensor
+    h: torch.Tensor, routing: Routing, experts: dict[int, dict[str, torch.Tensor]], out: torch.Tensor,
+    moe: MoEConfig | None = None,
 ) -> None:
-    """Add into out (tokens, hidden) the weighted outputs of the given experts ({expert: its w_gate,
-    w_up, w_down}) for the tokens routed to them. Called once per group of fetched experts, so a
+    """Add into out (tokens, hidden) the weighted outputs of the given experts ({expert: its tensors, w_gate,
+    w_up, w_down unless moe says otherwise}) for the tokens routed to them. Called once per group of fetched experts, so a
     cache smaller than one block's experts still computes the whole mixture, group by group.
 
     At decode every expert sees a token or two, so the cost is per op, not per FLOP: the group's rows
@@ -371,11 +378,37 @@ def moe_experts(
     ys, start = [], 0
     for e, ew in experts.items():
         n = routing.counts[e]
-        ys.append(mlp(x[start:start + n], ew))  # (counts[e], hidden)
+        ys.append(mlp(x[start:start + n], ew) if moe is None else expert_mlp(x[start:start + n], ew, moe))
         start += n
     y = torch.cat(ys) if len(ys) > 1 else ys[0]  # (n, hidden)
     gate = routing.weights.flatten()[pairs, None]  # (n, 1) fp32
     out.index_add_(0, tokens, (y.float() * gate).to(out.dtype))
+
+
+def clamped_swiglu(x: torch.Tensor, w: dict[str, torch.Tensor], alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert, x (n, hidden) -> (n, hidden), in transformers' GptOssExperts order: gate_up = x @
+    w_gate_up_t + b (its columns alternate gate, up), gate clamped above at limit and up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate), then @ w_down_t + b. Safetensors store the weights (in, out): .mT
+    hands ops.linear its (out, in) view without a copy. llama.cpp's files hold gate, up and down apart, (out,
+    in) with a bias each (MoEConfig.gate_up_interleaved): the same products, row by row."""
+    if "w_gate_up_t" in w:
+        gate_up = ops.linear(x, w["w_gate_up_t"].mT, w["b_gate_up"])  # (n, 2 * intermediate)
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # (n, intermediate) strided views
+        down, down_bias = w["w_down_t"].mT, w["b_down"]  # (hidden, intermediate) view
+    else:
+        gate, up = ops.linear(x, w["w_gate"], w["b_gate"]), ops.linear(x, w["w_up"], w["b_up"])  # (n, intermediate)
+        down, down_bias = w["w_down"], w["b_down"]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return ops.linear((up + 1) * glu, down, down_bias)  # (n, hidden)
+
+
+def expert_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], moe: MoEConfig) -> torch.Tensor:
+    """One routed expert's MLP in the family's form (MoEConfig.expert_mlp): x (n, hidden) -> (n, hidden)."""
+    if moe.expert_mlp == "clamped_swiglu":
+        return clamped_swiglu(x, w, moe.swiglu_alpha, moe.swiglu_limit)
+    return mlp(x, w)
 
 
 def shared_expert(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -410,7 +443,7 @@ def _llama_block(cfg: ModelConfig, step: StepInputs) -> bool:
     paths (the residual add with the next norm in one call, the whole block in one C++ call) compute exactly it."""
     f = cfg.family
     return (f.norms == _LLAMA.norms and f.activation == "silu" and not cfg.norm_offset and cfg.attn_scale is None
-            and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None
+            and not f.attn_sinks and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None
             and not f.rope_interleaved and step.cos.shape[-1] == cfg.head_dim)
 
 

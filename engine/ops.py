@@ -465,11 +465,12 @@ def uses_bf16_matmul(q: torch.Tensor) -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, chunk_bytes: int | None = None,
            open_keys: int = 0, scratch: attention_backend.AttentionScratch | None = None, scale: float | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a padded batch (attention_backend.attend: its arguments and shapes) on the kernel
-    chosen for these queries."""
+    chosen for these queries. A soft-cap or attention sinks (GPT-OSS) take the eager torch path: no SDPA
+    kernel and neither C++ attention kernel computes them."""
     return attention_backend.attend(q, k, v, mask, chunk_bytes, open_keys, scratch, scale, softcap,
-                                    matmul=uses_bf16_matmul(q), softmax=attention_ops())
+                                    matmul=uses_bf16_matmul(q), softmax=attention_ops(), sinks=sinks)
 
 
 # -- attention over a quantized KV cache ---------------------------------------------------------------
@@ -505,7 +506,7 @@ def quantized_decode_attention(q: torch.Tensor, k_cache: QuantizedKV, v_cache: Q
 
 
 def attend_quantized(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV, step: StepInputs, scale: float,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a padded batch (as attend) whose K/V are in a quantized cache: q (seqs, heads,
     max_query, head_dim) -> the same shape. The sequences' codes are gathered (still quantized) and
     dequantized to q's dtype a group of sequences at a time, the group's K and V bounded by the step's
@@ -522,7 +523,7 @@ def attend_quantized(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV
         keys = dequantize(*k_cache.gather(tables, ctx), k_cache.quant, q.dtype)  # (n, kv_heads, context, head_dim)
         values = dequantize(*v_cache.gather(tables, ctx), v_cache.quant, q.dtype)
         outs.append(attend(q[a:a + group], keys, values, step.attn_mask[a:a + group], step.attn_chunk_bytes,
-                           step.open_keys, step.attn_scratch, scale=scale, softcap=softcap))
+                           step.open_keys, step.attn_scratch, scale=scale, softcap=softcap, sinks=sinks))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

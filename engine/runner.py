@@ -239,7 +239,7 @@ class ModelRunner:
         routing = M.route(hn, w, cfg)
         out = M.shared_expert(hn, w) if "shared_gate" in w else torch.zeros_like(hn)  # (tokens, hidden)
         for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
-            M.moe_experts(hn, routing, group, out)
+            M.moe_experts(hn, routing, group, out, cfg.moe)
         return h + out
 
     def _guess_experts(self, hidden: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:

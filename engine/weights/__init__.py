@@ -29,10 +29,11 @@ tests/test_import_rules.py enforces both):
       A weight is a tensor or a packed weight (GGUFWeight, Int4Weight, Int8Weight: data, which engine.ops
       multiplies).
   weights.experts(i, chosen, hidden, router) -> iterator of {expert: {"w_gate", "w_up", "w_down"}} groups
+      (an expert's tensors are MoEConfig.expert_shapes': GPT-OSS's have biases and other names)
       Mixtures of experts: the experts the step's tokens chose in block i (acquired). With a plan that
       streams experts (plan.expert_streaming) each is its own unit, read by byte range into the device
-      expert cache (experts/); `router(hidden, {"mlp_norm", "router"})` -> expert ids (the model's router,
-      passed by the runner: this package holds weights, not math) lets the tier guess block i+1's
+      expert cache (experts/); `router(hidden, {"mlp_norm", "router"[, "router_bias"]})` -> expert ids (the
+      model's router, passed by the runner: this package holds weights, not math) lets the tier guess block i+1's
       experts from `hidden` and prefetch them. Otherwise they come out of block i's own weights.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and

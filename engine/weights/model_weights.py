@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..arch import EXPERT_WEIGHTS, ModelConfig, expert_key
+from ..arch import ModelConfig, expert_key
 from ..planner import HostTiering, MemoryPlan
 from .transports.bandwidth import LinkSpeeds
 from .formats.reader import CheckpointReader
@@ -276,6 +276,8 @@ class ModelWeights:
         self._source: BlockSource = source
         self._packed = checkpoint.packed
         self._dtype, self._device = dtype, device
+        moe = checkpoint.cfg.moe
+        self._expert_names = tuple(moe.expert_shapes(checkpoint.cfg.hidden_size)) if moe is not None else ()
         experts = None
         if plan.expert_streaming:  # (MoE models are never quantized: the loader refuses that)
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
@@ -344,15 +346,15 @@ class ModelWeights:
     def experts(self, block: int, chosen: list[int], hidden: torch.Tensor, router: "Router"
                 ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
         """The chosen experts of MoE block `block` (acquired), as groups {expert: {"w_gate", "w_up",
-        "w_down"}} that are valid until the next group is asked for. `hidden` (tokens, hidden) is the
-        block's residual stream after attention: the expert tier guesses the next MoE block's experts
-        from it with `router` (the model's, experts/tier.py Router) and starts fetching them while this
-        block computes."""
+        "w_down"}} (the names MoEConfig.expert_shapes gives) that are valid until the next group is asked
+        for. `hidden` (tokens, hidden) is the block's residual stream after attention: the expert tier
+        guesses the next MoE block's experts from it with `router` (the model's, experts/tier.py Router)
+        and starts fetching them while this block computes."""
         if self._experts is not None:
             yield from self._experts.groups(block, chosen, hidden, router)
             return
         w = self._acquired[block]  # whole-block streaming: the experts came with the block
-        yield {e: {k: w[expert_key(e, k)] for k in EXPERT_WEIGHTS} for e in chosen}
+        yield {e: {k: w[expert_key(e, k)] for k in self._expert_names} for e in chosen}
 
     def reset(self) -> None:
         """After a step failed half-way: drop what is in flight, restart at the first streamed block."""

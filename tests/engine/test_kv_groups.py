@@ -227,7 +227,7 @@ def test_prefix_cache_and_batching_past_every_window(family_dirs, transformers_g
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "gpt_oss"])
 def test_preemption_and_the_host_tier_past_every_window(family_dirs, transformers_greedy, arch):
     """A pool of one max_model_len sequence in every group for three growing sequences: the newest are
     preempted and resume, their evicted cached blocks (windowed ones too) coming back from the host tier."""
@@ -270,12 +270,13 @@ def test_speculative_decoding_past_every_window(family_dirs, transformers_greedy
 
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_a_quantized_cache_with_sliding_window_layers_is_a_clear_error(family_dirs, kv_dtype):
+def test_a_quantized_cache_with_sliding_window_layers_is_a_clear_error(family_dirs, kv_dtype, arch):
     """The quantized attention path does not read the windowed groups' pools yet: refused before loading,
     naming the option and the way out, never a wrong or crashing step."""
     from engine.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=rf"--kv-cache-dtype {kv_dtype} is not supported yet for a model "
                                                     r"with sliding-window layers .*--kv-cache-dtype auto"):
-        LLM(str(family_dirs["gemma3"]), kv_cache_dtype=kv_dtype, **LIMITS)
+        LLM(str(family_dirs[arch]), kv_cache_dtype=kv_dtype, **LIMITS)

@@ -39,6 +39,24 @@ def test_attend_equals_reference_math(kv_heads, dtype, chunk_bytes):
     torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-call", "split-rows"])
+def test_attend_with_sinks_equals_reference_math(kv_heads, chunk_bytes):
+    """GPT-OSS's attention sinks: each query head's sink logit joins the softmax's denominator and takes no
+    value, exp(s) / (sum exp(s) + exp(sink)), held to float64 with each head's own sink (GQA's row order), split
+    or not. Without the sinks the result is far off: the test sees them."""
+    q, k, v, mask = padded_problem(*MIXED, heads=4, kv_heads=kv_heads, head_dim=16, dtype=torch.float32)
+    sinks = torch.tensor([1.5, -0.5, 0.7, 2.5])  # (heads,)
+    out = attend(q, k, v, mask, chunk_bytes=chunk_bytes, sinks=sinks)
+    group = 4 // kv_heads
+    kr, vr = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q.double() @ kr.transpose(-1, -2) / 4.0).masked_fill(~mask, float("-inf"))  # (seqs, heads, mq, ctx)
+    e = scores.exp()
+    p = e / (e.sum(-1, keepdim=True) + sinks.double().exp()[None, :, None, None])
+    torch.testing.assert_close(out.double(), p @ vr, atol=1e-5, rtol=1e-5)
+    assert (attend(q, k, v, mask, chunk_bytes=chunk_bytes) - out).abs().max() > 0.1
+
+
 def test_attend_equals_torch_gqa_sdpa():
     """Folding GQA into the query axis gives what SDPA's own enable_gqa gives (fp32, same kernel family)."""
     q, k, v, mask = padded_problem(*MIXED, heads=8, kv_heads=2, head_dim=16, dtype=torch.float32, seed=3)

@@ -17,8 +17,8 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def make_config(arch: str):
-    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
-                              SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GptOssConfig, GraniteConfig, Olmo2Config,
+                              Phi3Config, SmolLM3Config)
 
     if arch == "gemma3":  # 2 local : 1 global, both RoPE tables (the global one scaled), a scale not of head_dim
         return Gemma3TextConfig(
@@ -50,10 +50,22 @@ def make_config(arch: str):
                           rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0, 2.5, 3.0],
                                         "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 14.0]},
                           architectures=["Phi3ForCausalLM"])
+    if arch == "gpt_oss":
+        return GptOssConfig(**gpt_oss_settings(), num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(arch)
 
 
-FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3", "phi4mini"]
+def gpt_oss_settings() -> dict:
+    """GPT-OSS's tiny shape: sliding and full layers alternating (the config's default layer_types), YaRN as the
+    released config has it (factor 32 over the original context: here 8 of 256 positions, so the prompt runs
+    past it), biases on q/k/v/o, and a SwiGLU limit small enough that both clamps bite on these weights."""
+    return dict(**COMMON, sliding_window=WINDOW, attention_bias=True, swiglu_limit=0.15,
+                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 8, "rope_theta": 150000.0},
+                architectures=["GptOssForCausalLM"])
+
+
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3", "phi4mini", "gpt_oss"]
 
 
 def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
@@ -64,6 +76,49 @@ def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
             p.mul_(scale)
 
 
+def sharpen_gpt_oss(model: torch.nn.Module) -> None:
+    """Attention sharpened; routers scaled so each token's top-k wins by clear margins (rounding must not
+    flip a choice) and embeddings scaled so that tokens differ (else the perturbed v and o biases, the same for
+    every token, dominate the hidden states and every token picks the same experts); attention sinks drawn
+    large enough to take a real share of each softmax (their init is ~0.02, next to nothing)."""
+    sharpen_attention(model)
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.named_parameters():
+        if name.endswith("router.weight"):
+            p.mul_(40.0)
+        elif name.endswith("embed_tokens.weight"):
+            p.mul_(10.0)
+        elif name.endswith("sinks"):
+            p.copy_(torch.randn(p.shape, generator=g) * 2.0)
+
+
 def build(folder, arch: str):
-    return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000,
-                              adjust=sharpen_attention)
+    adjust = sharpen_gpt_oss if arch == "gpt_oss" else sharpen_attention
+    return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000, adjust=adjust)
+
+
+def build_gpt_oss_for_gguf(folder, mxfp4: bool = False):
+    """The GPT-OSS row as llama.cpp can represent it: its SwiGLU limit is llama.cpp's constant (7.0, also
+    GptOssConfig's default), which the metadata cannot change. mxfp4: the experts' weights rounded to MXFP4's grid
+    (gguf-py's quantizer, 32-value blocks along each output row's inputs, as llama.cpp's converter lays them out),
+    so that a file with those tensors in MXFP4 (gguf_models.experts_to_mxfp4) holds exactly this checkpoint."""
+    from transformers import GptOssConfig
+
+    cfg = GptOssConfig(**{**gpt_oss_settings(), "swiglu_limit": 7.0}, num_local_experts=4, num_experts_per_tok=2)
+
+    def adjust(model: torch.nn.Module) -> None:
+        sharpen_gpt_oss(model)
+        if mxfp4:
+            for name, p in model.named_parameters():
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (experts, in, out)
+                    p.copy_(mxfp4_rounded(p.transpose(-1, -2)).transpose(-1, -2))
+
+    return build_random_model(folder, cfg, seed=zlib.crc32(b"gpt_oss-gguf") % 1000, adjust=adjust)
+
+
+def mxfp4_rounded(w: torch.Tensor) -> torch.Tensor:
+    """w (..., cols) through gguf-py's MXFP4 quantizer and back: blocks of 32 along the last dimension."""
+    from gguf import GGMLQuantizationType as Q, quants
+
+    data = w.detach().float().numpy()
+    return torch.from_numpy(quants.dequantize(quants.quantize(data, Q.MXFP4), Q.MXFP4).reshape(data.shape))

@@ -223,3 +223,30 @@ SHORT = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
 def greedy_tokens(llm, n=12):
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT[3:]], params)]
+
+
+def experts_to_mxfp4(src: Path, dst: Path) -> Path:
+    """A copy of GGUF file src with its expert weights (blk.*.ffn_{gate,up,down}_exps.weight) stored as MXFP4
+    (gguf-py's quantizer), every other tensor and every metadata key as they were: the file llama.cpp's converter
+    writes from GPT-OSS's released MXFP4 checkpoint, made from a tiny one."""
+    from gguf import GGUFReader, GGUFValueType
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), kind, sub_type=sub)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")):
+            w.add_tensor(t.name, quants.quantize(data.astype(np.float32), Q.MXFP4), raw_dtype=Q.MXFP4)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type if t.tensor_type not in (Q.F32, Q.F16) else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -21,7 +21,7 @@ NUM_EXPERTS = 8
 
 
 def make_config(arch: str):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch == "qwen3_moe":  # a dense first block (mlp_only_layers), renormalised top-k
         return Qwen3MoeConfig(**_COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
@@ -37,18 +37,38 @@ def make_config(arch: str):
         return Qwen2MoeConfig(**_COMMON, intermediate_size=96, moe_intermediate_size=32,
                               shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS, decoder_sparse_step=2,
                               norm_topk_prob=False, architectures=["Qwen2MoeForCausalLM"])
+    if arch == "gpt_oss":  # biased router, softmax over the top k; clamped SwiGLU experts with biases; sinks
+        return GptOssConfig(**_COMMON, head_dim=16, intermediate_size=32, num_local_experts=NUM_EXPERTS,
+                            sliding_window=4, swiglu_limit=0.15, architectures=["GptOssForCausalLM"],
+                            rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 8,
+                                             "rope_theta": 150000.0})
     raise ValueError(arch)
 
 
-MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"]
 
 
 def sharpen_routers(model: torch.nn.Module, scale: float = 40.0) -> None:
     for name, p in model.named_parameters():
-        if name.endswith(".gate.weight"):  # the router (mlp.gate / block_sparse_moe.gate)
+        if name.endswith((".gate.weight", ".router.weight")):  # the router (mlp.gate / block_sparse_moe.gate / router)
             p.mul_(scale)
 
 
+def sharpen_gpt_oss(model: torch.nn.Module) -> None:
+    """Routers sharpened; embeddings scaled up, or the perturbed v and o biases (the same for every token) would
+    dominate the hidden states and every token would pick the same experts; attention sinks drawn large enough to
+    take a real share of each softmax (their init is ~0.02)."""
+    sharpen_routers(model)
+    g = torch.Generator().manual_seed(3)
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.mul_(10.0)
+        elif name.endswith(".sinks"):
+            p.copy_(torch.randn(p.shape, generator=g) * 2.0)
+
+
 def build(folder: Path, arch: str, dtype: torch.dtype = torch.float32) -> Path:
+    adjust = sharpen_gpt_oss if arch == "gpt_oss" else sharpen_routers
     return build_random_model(folder, make_config(arch), dtype=dtype, seed=zlib.crc32(arch.encode()) % 1000,
-                              adjust=sharpen_routers)
+                              adjust=adjust)

@@ -53,6 +53,28 @@ def test_dequantize_equals_gguf_reference(qtype):
         assert np.array_equal(ours.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
 
 
+def test_mxfp4_dequantizes_gguf_pys_own_quantization_exactly():
+    """GPT-OSS's MXFP4 (GGUF type 39): blocks quantized by gguf-py's own MXFP4 quantizer from real values, and
+    every one of the 256 E8M0 exponents (the two subnormal ones among them) beside every code, dequantized bit
+    for bit as gguf.quants.dequantize does; the quantized values stay within the format's step of the data."""
+    rng = np.random.default_rng(39)
+    data = (rng.standard_normal((6, 4 * 32)) * rng.uniform(1e-3, 10.0, size=(6, 1))).astype(np.float32)
+    packed = quants.quantize(data, Q.MXFP4)  # (6, 4 * 17) uint8
+    every = np.zeros((256, 17), dtype=np.uint8)
+    every[:, 0] = np.arange(256)  # each exponent once
+    every[:, 1:] = (np.arange(16, dtype=np.uint8) * 17)[None, :]  # codes 0..15 in both nibbles
+    for blocks in (packed, every.reshape(16, 16 * 17)):
+        ref = quants.dequantize(blocks, Q.MXFP4)
+        ours = dequantize(torch.from_numpy(blocks.copy()), Q.MXFP4).numpy()
+        assert ours.shape == ref.shape and np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    back = dequantize(torch.from_numpy(packed.copy()), Q.MXFP4).numpy()
+    # e2m1 steps are at most a third of the block's largest value apart (4 -> 6 of 6)
+    assert np.abs(back - data).max() <= np.abs(data).max() / 3
+    # code 1 is e2m1's 0.5 (doubled: 1) at scale 2^(e - 128): exponents 0 and 1 give float32 subnormals, 254 2^126
+    ones = dequantize(torch.from_numpy(every.copy()), Q.MXFP4)[:, 1]  # (256,) code 1 at each exponent
+    assert ones[0].item() == 2.0 ** -128 and ones[1].item() == 2.0 ** -127 and ones[254].item() == 2.0 ** 126
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_int4_repack_keeps_the_codes(qtype):
     """The int4 kernel over repacked Q4 blocks holds the exact dequantization's weights: multiplying

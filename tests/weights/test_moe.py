@@ -2,6 +2,7 @@
 identical greedy tokens, all-resident and streamed; batches whose sequences route differently;
 damaged expert tensors."""
 
+import math
 import shutil
 
 import pytest
@@ -34,7 +35,8 @@ def references(moe_dirs):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         first_sparse = load_model_config(folder).moe.sparse_layers[0]
         chosen = []
-        router = model.model.layers[first_sparse].mlp.gate
+        mlp = model.model.layers[first_sparse].mlp
+        router = mlp.router if hasattr(mlp, "router") else mlp.gate  # GPT-OSS: router, returning (logits, scores, ids)
         hook = router.register_forward_hook(lambda _m, _i, o: chosen.append(o[2][-1].tolist()))
         with torch.no_grad():
             for p in PROMPTS:
@@ -62,7 +64,11 @@ def test_config(moe_dirs, arch):
     assert m.sparse_layers == expected
     assert m.norm_topk_prob == (arch in ("qwen3_moe", "mixtral"))
     assert bool(m.shared_expert_intermediate_size) == (arch == "qwen2_moe")
-    assert (cfg.o_bias, cfg.qk_norm_whole, cfg.clip_qkv) == ((True, True, 0.2) if arch == "olmoe" else (False, False, None))
+    want = {"olmoe": (True, True, 0.2), "gpt_oss": (True, False, None)}.get(arch, (False, False, None))
+    assert (cfg.o_bias, cfg.qk_norm_whole, cfg.clip_qkv) == want
+    if arch == "gpt_oss":  # the clamped SwiGLU's numbers, the biased top-k-then-softmax router, sinks
+        assert (m.expert_mlp, m.swiglu_alpha, m.swiglu_limit) == ("clamped_swiglu", pytest.approx(1.702), 0.15)
+        assert cfg.family.router == "topk_softmax" and {"sinks", "router_bias"} <= set(cfg.block_shapes(0))
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -169,23 +175,26 @@ def test_expert_cache_smaller_than_a_block_matches_transformers(moe_dirs, refere
         assert t.plan.expert_cache_slots == 4
         assert t.total.expert_misses > 4 and t.total.expert_hits > 0  # evictions happened, hits too
         cfg = llm.engine.model.cfg
-        one_expert = 3 * cfg.hidden_size * cfg.moe.expert_intermediate_size * 4  # fp32
+        one_expert = sum(math.prod(s) for s in cfg.moe.expert_shapes(cfg.hidden_size).values()) * 4  # fp32
         assert t.total.expert_bytes % one_expert == 0 and t.total.expert_bytes >= t.total.expert_misses * one_expert
         assert 0 < t.total.prefetch_accuracy <= 1
     finally:
         llm.close()
 
 
+# GPT-OSS: each expert a slice of a stacked tensor. Its experts are small beside its blocks: with more slots
+# the plan would keep a block resident instead.
+@pytest.mark.parametrize("arch,slots", [("qwen2_moe", 6), ("gpt_oss", 3)])
 @pytest.mark.parametrize("transport", ["disk", "simulated"])
-def test_expert_tiers_match_transformers(moe_dirs, references, transport, monkeypatch):
+def test_expert_tiers_match_transformers(moe_dirs, references, transport, arch, slots, monkeypatch):
     """Experts read by byte range off the disk (O_DIRECT), or from the page cache behind the simulated link."""
     monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "0")
-    arch = "qwen2_moe"
     folder = moe_dirs[arch]
     llm = LLM(str(folder), max_model_len=128, max_num_seqs=4, show_progress=False, transport=transport,
-              max_device_memory=expert_budget(folder, slots=6))
+              max_device_memory=expert_budget(folder, slots=slots))
     try:
-        assert llm.plan.expert_slots == 6
+        # at least the slots asked for (GPT-OSS's plan finds room for one more), fewer than a block's experts
+        assert slots <= llm.plan.expert_slots < NUM_EXPERTS and llm.plan.resident_blocks == []
         check_against_reference(llm, references[arch])
         total = llm.telemetry().total
         if transport == "disk":
@@ -247,7 +256,8 @@ def _protocol_counts(slots) -> tuple[int, int]:
     return waits, frees
 
 
-@pytest.mark.parametrize("arch,tier", [("qwen2_moe", "host"), ("mixtral", "host"), ("mixtral", "disk")])
+@pytest.mark.parametrize("arch,tier", [("qwen2_moe", "host"), ("mixtral", "host"), ("mixtral", "disk"),
+                                       ("gpt_oss", "host")])
 def test_cuda_expert_slots_replayed_on_cpu(moe_dirs, references, recording_cuda_experts, arch, tier):
     """Expert-granular streaming on the GPU path, on CPU: experts staged in pinned memory (from the page
     cache, or read with O_DIRECT when host memory sends the blocks to the disk tier), copied into device
@@ -313,7 +323,7 @@ def test_expert_protocol_check_catches_a_broken_protocol(moe_dirs, recording_cud
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "gpt_oss"])
 def test_expert_streaming_on_a_gpu(moe_dirs, references, arch):
     """On a real GPU (fp32, TF32 off): 4 expert slots in device memory for 8 experts per block, every
     step evicting; logits within 1e-4 of transformers and the same greedy tokens for a batch that routes

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from ...arch import EXPERT_WEIGHTS, ModelConfig
+from ...arch import ModelConfig
 from ..transports.disk_reader import DiskReader, StagingBuffer, plan_reads
 from .cache import ExpertCache, ExpertCacheStats, Key
 from ..formats.safetensors_index import MADV_POPULATE_READ
@@ -40,7 +40,7 @@ from ..transports.base import DISK, HOST
 if TYPE_CHECKING:
     from .cuda_slots import CudaExpertSlots
 
-# The model's router for a guess: (hidden (tokens, hidden), {"mlp_norm", "router"} of a MoE block)
+# The model's router for a guess: (hidden (tokens, hidden), {"mlp_norm", "router"[, "router_bias"]} of a MoE block)
 # -> the experts it would choose, (tokens, top_k) int64.
 Router = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -140,7 +140,7 @@ class HostExpertSlots:
         self._held: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]  # zero-copy: slot -> views
         # (slots, *shape) per expert tensor: slot s of every tensor together is one expert
         self.buffers = {} if self.zero_copy else {
-            k: torch.empty((slots, *shapes[k]), dtype=dtype, device=device) for k in EXPERT_WEIGHTS}
+            k: torch.empty((slots, *shape), dtype=dtype, device=device) for k, shape in shapes.items()}
 
     def fill(self, key: Key, slot: int) -> int:
         if not self.zero_copy:
@@ -174,12 +174,13 @@ class ExpertTier:
         self.next_sparse = {b: n for b, n in zip(self.sparse, self.sparse[1:])}
         self.cache = None
         try:
-            # The guesser's weights: each sparse block's router and post-attention norm (predictor_bytes).
+            # The guesser's weights: each sparse block's router (and its bias, GPT-OSS) and post-attention
+            # norm (predictor_bytes).
             self.predictor: dict[int, dict[str, torch.Tensor]] = {}
             for b in self.sparse:
                 views = source.views(b)
                 self.predictor[b] = {k: views[k].to(device=device, dtype=dtype, copy=True)
-                                     for k in ("mlp_norm", "router")}
+                                     for k in ("mlp_norm", "router", "router_bias") if k in views}
             self.cache = ExpertCache(slots.count, slots.fill)
         except BaseException:
             self.close()

@@ -65,7 +65,8 @@ class BlockSource:
         # Row orders depend on the tensor's role, not its block: found once, from block 0.
         self._row_orders = {s: reader.row_order(n) for s, n in self._names[0].items()} if self._names else {}
         self.packed = any(i.quant is not None for t in self._tensors + [self._globals] for i in t.values())
-        # block -> expert -> {"w_gate", "w_up", "w_down": entry}: each expert its own streaming unit
+        # block -> expert -> {"w_gate", "w_up", "w_down" (MoEConfig.expert_shapes): entry}: each expert its own
+        # streaming unit
         self._experts: list[dict[int, dict[str, TensorInfo]]] = [{} for _ in range(self.num_blocks)]
         for b, tensors in enumerate(self._tensors):
             for short, info in tensors.items():
@@ -87,7 +88,7 @@ class BlockSource:
         return len(self._experts[block])
 
     def expert_tensors(self, block: int, expert: int) -> dict[str, TensorInfo]:
-        """One expert's tensors by short name ("w_gate", "w_up", "w_down"): where its bytes lie."""
+        """One expert's tensors by short name ("w_gate", "w_up", "w_down", or GPT-OSS's): where its bytes lie."""
         return self._experts[block][expert]
 
     def advise_expert(self, block: int, expert: int, advice: int) -> None:

@@ -38,7 +38,8 @@ DEFAULT_CHAT = {"gemma2": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>"), "gemma3": (GEM
 
 # llama.cpp architectures whose config transformers' GGUF reader does not know: read here (_config_from_metadata),
 # the tokenizer still through transformers (its GGUF tokenizer reader takes any architecture).
-OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm4": "glm4"}  # -> model_type
+OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm4": "glm4",
+              "gpt-oss": "gpt_oss"}  # -> model_type
 
 METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
 
@@ -118,11 +119,28 @@ def _config_from_metadata(architecture: str, meta: dict, tensor_names: set[str] 
                   residual_multiplier=get("residual_scale"), logits_scaling=get("logit_scale"))
     if architecture == "smollm3":
         kw.update(no_rope_layer_interval=4, use_sliding_window=False)  # llama.cpp's n_no_rope_layer_step
+    if architecture == "gpt-oss":
+        kw.update(_gpt_oss_metadata(get, rope))
     if "partial_rotary_factor" in rope:
         kw["partial_rotary_factor"] = rope["partial_rotary_factor"]
     config = AutoConfig.for_model(OWN_READER[architecture], **{k: v for k, v in kw.items() if v is not None})
     config.head_dim = head_dim
     return config
+
+
+def _gpt_oss_metadata(get, rope: dict) -> dict:
+    """GPT-OSS's config fields from llama.cpp's keys, and what its runtime assumes beside them: the SwiGLU's alpha
+    1.702 and limit 7.0 (constants in llama-graph.cpp; GptOssConfig's defaults), sliding layers first and every
+    other one after (its swa pattern 2; GptOssConfig's default layer_types). YaRN is taken as the released
+    config.json has it, truncate false: the metadata does not say, and this is what transformers computes."""
+    if get("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")), truncate=False,
+                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)))
+    return dict(num_local_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                intermediate_size=int(get("expert_feed_forward_length")),
+                sliding_window=int(get("attention.sliding_window")), swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
 def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None,
@@ -190,6 +208,9 @@ def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict) 
         out["attn_scale"] = (cfg.hidden_size / cfg.num_heads) ** -0.5
     elif architecture in ("gemma2", "gemma3"):
         out["attn_scale"] = cfg.head_dim ** -0.5
+    if cfg.moe is not None and cfg.moe.expert_mlp == "clamped_swiglu":
+        # its converter splits GPT-OSS's interleaved gate_up into gate and up, (out, in), with their biases
+        out["moe"] = dataclasses.replace(cfg.moe, gate_up_interleaved=False)
     for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         value = metadata.get(f"{architecture}.{key}")
         if value is not None:  # Gemma 2's caps are in the metadata; transformers' reader leaves them at defaults

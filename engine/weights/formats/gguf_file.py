@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ...arch import ModelConfig
-from .reader import CheckpointError, CheckpointReader, TensorInfo
+from .reader import CheckpointError, CheckpointReader, TensorInfo, split_stacked
 from ..packed.dequant import SUPPORTED_TYPES
 from .safetensors_index import PAGE_SIZE
 
@@ -59,7 +59,16 @@ BLOCK_NAMES = {
     "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
     # stacked q/k/v and gate/up (Phi-3): llama.cpp keeps them stacked, gate/up under ffn_up
     "wqkv": "attn_qkv.weight", "bqkv": "attn_qkv.bias", "w_gate_up": "ffn_up.weight",
+    # GPT-OSS: attention sinks, the biased router
+    "sinks": "attn_sinks.weight", "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
 }
+# Architectures whose names differ from BLOCK_NAMES: GPT-OSS's MLP input norm is its post_attention_norm.
+FAMILY_BLOCK_NAMES = {"gpt-oss": {"mlp_norm": "post_attention_norm.weight"}}
+# A block's routed experts, stacked by llama.cpp (expert first in torch's order): one expert's short name ->
+# the stacked tensor under blk.{i}; each expert's slice is indexed as "<name>[e]" (reader.split_stacked).
+STACKED_EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight",
+                        "w_down": "ffn_down_exps.weight", "b_gate": "ffn_gate_exps.bias",
+                        "b_up": "ffn_up_exps.bias", "b_down": "ffn_down_exps.bias"}
 # LongRoPE's per-frequency factors, which llama.cpp's converter stores as tensors (Phi-3)
 ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 GLOBAL_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
@@ -332,6 +341,8 @@ class GGUFIndex(CheckpointReader):
                 raise CheckpointError(f"{path}: split.tensors.count = {expected} but the files hold "
                                       f"{len(self.entries)} tensors")
             self.header_digest = first.header_sha256()
+            self.entries = split_stacked(self.entries, tuple(STACKED_EXPERT_NAMES.values()))
+            self._block_names = {**BLOCK_NAMES, **FAMILY_BLOCK_NAMES.get(self.architecture, {})}
         except BaseException:
             self.close()
             raise
@@ -347,7 +358,10 @@ class GGUFIndex(CheckpointReader):
         return self.raw(name).view(t.dtype).reshape(t.shape)  # GGUF data is aligned: zero copy
 
     def block_tensor_name(self, layer: int, short: str) -> str:
-        return f"blk.{layer}.{BLOCK_NAMES[short]}"
+        if short.startswith("experts."):
+            _, e, part = short.split(".")
+            return f"blk.{layer}.{STACKED_EXPERT_NAMES[part]}[{e}]"
+        return f"blk.{layer}.{self._block_names[short]}"
 
     def global_tensor_name(self, short: str) -> str:
         return GLOBAL_NAMES[short]

@@ -27,7 +27,7 @@ from ...errors import CheckpointError
 if TYPE_CHECKING:
     from ...arch import ModelConfig
 
-__all__ = ["CheckpointError", "CheckpointReader", "TensorInfo"]
+__all__ = ["CheckpointError", "CheckpointReader", "TensorInfo", "split_stacked"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,21 @@ class CheckpointReader(ABC):
         for f in self._files.values():
             f.close()
         self._files = {}
+
+
+def split_stacked(entries: dict[str, TensorInfo], suffixes: tuple[str, ...]) -> dict[str, TensorInfo]:
+    """entries with each tensor whose name ends with ".<suffix>" and that stacks experts along its first
+    dimension (GPT-OSS's safetensors, llama.cpp's *_exps tensors) replaced by one entry per expert,
+    "<name>[e]", its byte range the e-th slice (whole rows, so whole GGML blocks too); every other entry as it
+    was. Each expert then streams, and is checked, as a tensor of its own."""
+    dotted = tuple("." + s for s in suffixes)
+    out: dict[str, TensorInfo] = {}
+    for name, info in entries.items():
+        if not name.endswith(dotted) or len(info.shape) < 2:
+            out[name] = info
+            continue
+        experts, step = info.shape[0], info.nbytes // max(1, info.shape[0])
+        for e in range(experts):
+            out[f"{name}[{e}]"] = TensorInfo(f"{name}[{e}]", info.path, info.dtype, info.shape[1:],
+                                             info.start + e * step, info.start + (e + 1) * step, info.quant)
+    return out

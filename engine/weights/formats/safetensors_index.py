@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ...arch import ModelConfig, load_model_config
-from .reader import CheckpointError, CheckpointReader, TensorInfo
+from .reader import CheckpointError, CheckpointReader, TensorInfo, split_stacked
 from .views import close_mapping, typed_view
 
 # The largest header we accept: real checkpoints stay well under a few MB; anything bigger is a
@@ -63,6 +63,8 @@ BLOCK_TENSORS = {
     "wqkv": "self_attn.qkv_proj.weight",
     "bqkv": "self_attn.qkv_proj.bias",
     "w_gate_up": "mlp.gate_up_proj.weight",
+    "sinks": "self_attn.sinks",  # GPT-OSS's attention sinks, one logit per query head
+    "router_bias": "mlp.router.bias",
 }
 EXPERT_TENSORS = {"w_gate": "mlp.experts.{e}.gate_proj.weight", "w_up": "mlp.experts.{e}.up_proj.weight",
                   "w_down": "mlp.experts.{e}.down_proj.weight"}
@@ -70,6 +72,11 @@ MIXTRAL_MOE_TENSORS = {"router": "block_sparse_moe.gate.weight"}
 MIXTRAL_EXPERT_TENSORS = {"w_gate": "block_sparse_moe.experts.{e}.w1.weight",
                           "w_up": "block_sparse_moe.experts.{e}.w3.weight",
                           "w_down": "block_sparse_moe.experts.{e}.w2.weight"}
+# GPT-OSS stores each block's experts stacked, one tensor per kind with the expert first: expert e's slice is one
+# contiguous byte range, indexed here as a tensor of its own named "<stacked name>[e]" (reader.split_stacked),
+# so that every expert is still its own streaming unit.
+STACKED_EXPERT_TENSORS = {"w_gate_up_t": "mlp.experts.gate_up_proj", "b_gate_up": "mlp.experts.gate_up_proj_bias",
+                          "w_down_t": "mlp.experts.down_proj", "b_down": "mlp.experts.down_proj_bias"}
 GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 # Families whose block norms Hugging Face names otherwise: "post_attention_layernorm" is Llama's MLP input
 # norm but Gemma's attention output norm. config.json architecture -> the names that differ from BLOCK_TENSORS.
@@ -82,6 +89,7 @@ FAMILY_TENSORS = {
                          "post_mlp_norm": "post_feedforward_layernorm.weight"},
     "Glm4ForCausalLM": {"post_attn_norm": "post_self_attn_layernorm.weight",
                         "mlp_norm": "post_attention_layernorm.weight", "post_mlp_norm": "post_mlp_layernorm.weight"},
+    "GptOssForCausalLM": {"router": "mlp.router.weight"},
 }
 
 
@@ -237,6 +245,7 @@ class WeightIndex(CheckpointReader):
                 for name, shard in weight_map.items():
                     if name not in self.entries:
                         raise CheckpointError(f"{self.folder / shard}: tensor {name!r} listed in the index is missing")
+            self.entries = split_stacked(self.entries, tuple(STACKED_EXPERT_TENSORS.values()))
         except BaseException:
             self.close()  # shards opened before the bad one: their descriptors and mappings
             raise
@@ -253,6 +262,8 @@ class WeightIndex(CheckpointReader):
         mixtral = self._mixtral_spelling
         if short.startswith("experts."):
             _, e, part = short.split(".")
+            if part in STACKED_EXPERT_TENSORS:
+                return f"{prefix}{STACKED_EXPERT_TENSORS[part]}[{e}]"
             return prefix + (MIXTRAL_EXPERT_TENSORS if mixtral else EXPERT_TENSORS)[part].format(e=e)
         if mixtral and short in MIXTRAL_MOE_TENSORS:
             return prefix + MIXTRAL_MOE_TENSORS[short]

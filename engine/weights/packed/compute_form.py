@@ -29,8 +29,8 @@ from ... import ops
 from ..formats.reader import TensorInfo
 from .dequant import dequantize
 from ..formats.gguf_file import ggml_type
-from .weights import (INT4_TYPES, KQUANT_TYPES, GGUFWeight, Int4Weight, Int8Weight, KQuantWeight, int4_from_gguf,
-                      int4_nbytes, int8_nbytes, kquant_nbytes, vnni_parts)
+from .weights import (INT4_TYPES, INT8_REPACK_TYPES, KQUANT_TYPES, GGUFWeight, Int4Weight, Int8Weight, KQuantWeight,
+                      int4_from_gguf, int4_nbytes, int8_nbytes, kquant_nbytes, vnni_parts)
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,12 @@ def _repack(rows: torch.Tensor, q, shape: tuple[int, int], dtype: torch.dtype):
     """A quantized (out, in) tensor in the CPU kernels' resident form: the C++ repack writing straight
     into the result where it runs (no temporaries), else the torch code, a chunk of rows at a time."""
     out, inner = shape
-    module = ops.gguf_repack() if inner % 32 == 0 else None
+    module = ops.gguf_repack() if inner % 32 == 0 and q in INT4_TYPES + INT8_REPACK_TYPES else None
     layout = kquant_layout(q, shape)
     if layout is not None:
         (code_dtype, code_shape), (scale_dtype, scale_shape) = vnni_parts(layout, shape)
         codes, scales = torch.empty(code_shape, dtype=code_dtype), torch.empty(scale_shape, dtype=scale_dtype)
-        module.repack_kquant(rows.contiguous(), int(q), inner, codes, scales, None)
+        ops.gguf_repack().repack_kquant(rows.contiguous(), int(q), inner, codes, scales, None)
         return KQuantWeight(codes, scales, shape, layout)
     if module is not None:
         int4 = q in INT4_TYPES

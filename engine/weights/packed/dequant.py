@@ -14,6 +14,8 @@ Layouts (ggml-common.h): QK = 32 weights per block for the legacy types, QK_K = 
   Q4_K: d f16 | dmin f16 | 12 B 6-bit (scale, min) x 8 | 128 B nibbles        w = d*sc * q - dmin*m
   Q5_K: as Q4_K plus 32 B of 5th bits
   Q6_K: 128 B low nibbles | 64 B high 2 bits | 16 x int8 scales | d f16       w = d*sc * (q - 32)
+  MXFP4: e u8 (E8M0 exponent) | 16 B nibbles (e2m1 codes)                    w = 2^(e-128) * E2M1_2X[q]
+         (GPT-OSS's experts; OCP microscaling: the e2m1 values are kept doubled, so the scale is halved)
 """
 
 from __future__ import annotations
@@ -128,6 +130,24 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q).reshape(n, QK_K)
 
 
+# e2m1 values doubled, by code (gguf-py's MXFP4.kvalues): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+E2M1_2X = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8) -> float32 2^(e - 127) / 2, built from the bits as ggml_e8m0_to_fp32_half does
+    (e < 2: the subnormals 2^-128 and 2^-127)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    d = e8m0_half(b[:, :1])  # (n, 1)
+    q = _nibbles(b[:, 1:], 16).reshape(b.shape[0], 32).long()  # (n, 32) codes
+    return d * torch.tensor(E2M1_2X, dtype=torch.float32, device=b.device)[q]
+
+
 def _bf16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.bfloat16).float()
 
@@ -143,7 +163,7 @@ def _f32(b: torch.Tensor) -> torch.Tensor:
 BLOCK_DEQUANTIZERS = {
     Q.F32: _f32, Q.F16: _f16_block, Q.BF16: _bf16,
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4,
 }
 SUPPORTED_TYPES = tuple(BLOCK_DEQUANTIZERS)
 

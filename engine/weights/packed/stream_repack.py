@@ -31,7 +31,8 @@ from ... import ops
 from ..formats.reader import TensorInfo
 from .fuse import FUSED, FUSED_BIAS
 from ..formats.gguf_file import ggml_type
-from .weights import INT4_TYPES, KQUANT_BYTES, LANES, Int4Weight, Int8Weight, KQuantWeight, vnni_parts
+from .weights import (INT4_TYPES, INT8_REPACK_TYPES, KQUANT_BYTES, LANES, Int4Weight, Int8Weight, KQuantWeight,
+                      vnni_parts)
 from .compute_form import PackedFormat, kquant_layout
 from ..formats.block_source import BlockSource
 
@@ -197,9 +198,12 @@ class StreamRepacker:
 
 def make_repacker(source: BlockSource, fmt: PackedFormat) -> StreamRepacker | None:
     """The repacker for this packed source's streamed blocks, or None where they stay GGUFWeight views
-    dequantized per use: exact (fp32) mode, a non-CPU device, or no VNNI kernels / repack build
-    (engine.kernels.ggml_repack logs why)."""
+    dequantized per use: exact (fp32) mode, a non-CPU device, a type the C++ repack does not take (MXFP4), or
+    no VNNI kernels / repack build (engine.kernels.ggml_repack logs why)."""
     if not source.packed or fmt.exact or not fmt.on_cpu:
+        return None
+    stored = {ggml_type(t) for b in range(source.num_blocks) for t in source.tensors(b).values() if t.quant}
+    if not stored <= set(INT4_TYPES + INT8_REPACK_TYPES):
         return None
     module = ops.gguf_repack()
     if module is None:

@@ -35,6 +35,8 @@ from .dequant import _f16, _nibbles, dequantize, k_scale_min
 
 GROUP = 32  # weights per (scale, zero) group of the int4 kernel, and of every ggml 4-bit type
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+# what ggml_repack.cpp requantizes to int8 itself; any other type (MXFP4) takes the torch path
+INT8_REPACK_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
 
 
 class GGUFWeight:
