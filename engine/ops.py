@@ -545,8 +545,6 @@ def _decode_block_args(x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: tor
     (engine.weights fuses copies; the streamed blocks' repack does it too) or apart (views of the mapping),
     no per-head norms or clipping, a KV cache in the compute dtype, and every matmul a dense weight of x's
     dtype or a VNNI-layout one."""
-    if step.lora is not None:
-        return None  # the C++ block has no adapter term: served adapters' rows need the products op by op
     qkv_names = _parts(w, "wqkv", ("wq", "wk", "wv"))
     gate_up_names = _parts(w, "w_gate_up", ("w_gate", "w_up"))
     if (qkv_names is None or gate_up_names is None or cfg.qk_norm or cfg.clip_qkv is not None
@@ -578,8 +576,15 @@ def _parts(w: dict, stacked: str, parts: tuple[str, ...]) -> tuple[str, ...] | N
 
 
 def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
-    """(tensor, scales or None, out_features) as decode_block takes a weight, or None when it cannot."""
+    """(tensor, scales or None, out_features, adapter or None) as decode_block takes a weight, or None when it
+    cannot. A served adapters' weight (kind "lora_rows") is its base's with the adapter term (A, B, the rows'
+    mask) that _lora_rows_linear adds."""
+    adapter = None
+    if getattr(w, "kind", None) == "lora_rows":
+        if w.a.dtype != dtype:
+            return None
+        adapter, w = (w.a, w.b, w.rows.mask(w.cols, w.a.dtype)), w.base
     if isinstance(w, torch.Tensor):
-        return (w, None, w.shape[0]) if w.dtype == dtype and w.dim() == 2 else None
-    vnni_args = getattr(w, "vnni_args", None)
-    return vnni_args() if vnni_args is not None else None
+        return (w, None, w.shape[0], adapter) if w.dtype == dtype and w.dim() == 2 else None
+    args = w.vnni_args() if hasattr(w, "vnni_args") else None
+    return (*args, adapter) if args is not None else None

@@ -15,9 +15,9 @@
 //   h, hn2 = x + a, rms_norm(x + a, mlp_norm)
 //   y   = h + (silu(gate) * up) @ w_down.T,  gate | up = hn2 @ w_gate_up.T (stacked or as two parts)
 //
-// A weight is (tensor, scales, out_features): scales None for a dense (out, in) tensor, float16
+// A weight is (tensor, scales, out_features, adapter): scales None for a dense (out, in) tensor, float16
 // scales for Int4Weight's "vnni" layout, float32 for Int8Weight's, uint8 for KQuantWeight's
-// (engine/weights/packed/weights.py).
+// (engine/weights/packed/weights.py); adapter None, or served adapters' term on the step's rows.
 // Built with the VNNI kernels' instruction sets and fused_ops' rounding flags (no FMA contraction:
 // the kernels use explicit intrinsics, so neither side's results change).
 
@@ -28,16 +28,34 @@
 
 namespace {
 
-using Weight = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t>;
+// A served adapter term on a projection (engine/lora_serving/rows.py, RowLoRAWeight): the step's adapters'
+// A stacked (sum R, in), their B side by side (out, sum R), and the mask (tokens, sum R) that keeps each
+// token's own adapter's columns. y += ((x A^T) * mask) B^T, added to y in place in y's dtype, as
+// engine/ops.py's _lora_rows_linear does op by op.
+using Adapter = c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
+// (tensor, scales, out_features, adapter)
+using Weight = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, Adapter>;
 
-at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at::Tensor>& bias, bool few_rows) {
-  const auto& [tensor, scales, out] = w;
+at::Tensor base_product(const at::Tensor& x, const at::Tensor& tensor, const c10::optional<at::Tensor>& scales,
+                        int64_t out, const c10::optional<at::Tensor>& bias, bool few_rows) {
   if (!scales.has_value() || !scales->defined()) {
     return few_rows ? bf16_rows::linear(x, tensor, bias) : at::linear(x, tensor, bias);
   }
   if (scales->scalar_type() == at::kHalf) return int4_linear(x, tensor, *scales, out, bias, true);
   if (scales->scalar_type() == at::kByte) return kquant_linear(x, tensor, *scales, out, bias, true);
   return int8_linear(x, tensor, *scales, out, bias, true);
+}
+
+at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at::Tensor>& bias, bool few_rows) {
+  const auto& [tensor, scales, out, adapter] = w;
+  at::Tensor y = base_product(x, tensor, scales, out, bias, few_rows);
+  if (adapter.has_value()) {
+    const auto& [a, b, mask] = *adapter;
+    const at::Tensor xa = base_product(x.to(a.scalar_type()), a, c10::nullopt, 0, c10::nullopt, few_rows).mul_(mask);
+    const at::Tensor delta = base_product(xa, b, c10::nullopt, 0, c10::nullopt, few_rows);
+    y = y.scalar_type() == delta.scalar_type() ? y.add_(delta) : (y.to(at::kFloat) + delta).to(y.scalar_type());
+  }
+  return y;
 }
 
 // A projection given as parts whose outputs are concatenated: q/k/v (or gate/up) stacked at load, as one

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineArgs
+from engine import EngineArgs, SamplingParams
 from engine.llm import LLM
 from engine.llm_engine import LoRAAdapterBusyError
 from engine.lora_serving import UnknownAdapterError
@@ -86,9 +86,10 @@ def test_a_step_mixing_base_and_two_adapters_gives_each_row_what_it_gets_alone(l
     assert shared  # some step decoded all three together
 
 
-def test_the_fused_decode_block_runs_for_base_steps_and_not_for_adapter_rows(llama_dir, adapters, monkeypatch):
-    """bf16 on the CPU: a decode step of base rows only may take the C++ block; a step with an adapter row
-    must take the op-by-op path, or the adapter would be silently skipped."""
+def test_the_fused_decode_block_adds_the_adapters_as_the_op_by_op_block_does(llama_dir, adapters, monkeypatch):
+    """bf16 on the CPU: decode steps with adapter rows (beside base rows) take the C++ block too, with the
+    adapters' term on each projection (decode_block.cpp), and give the op-by-op block's tokens and
+    log-probabilities bit for bit; the adapter is not skipped (its tokens differ from the base's)."""
     from engine import ops
 
     if ops.decode_block() is None:
@@ -101,17 +102,20 @@ def test_the_fused_decode_block_runs_for_base_steps_and_not_for_adapter_rows(lla
         calls.append((step.lora is not None, out is not None))
         return out
 
-    monkeypatch.setattr(ops, "fused_block", spy)
-    llm = LLM(str(llama_dir), dtype="bfloat16", max_model_len=MAX_LEN, lora_modules={"b": str(adapters["b"])})
-    try:
-        base = llm.generate([PROMPT], greedy(4))[0].outputs[0]
-        assert calls and any(ran for has_lora, ran in calls if not has_lora)  # the fast path kept
-        calls.clear()
-        adapted = llm.generate([PROMPT], greedy(4), lora_name="b")[0].outputs[0]
-        assert calls and all(has_lora and not ran for has_lora, ran in calls)
-    finally:
-        llm.close()
-    assert adapted.token_ids != base.token_ids
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(ops, "fused_block", spy if fused else (lambda *args: None))
+        llm = LLM(str(llama_dir), dtype="bfloat16", max_model_len=MAX_LEN, lora_modules={"b": str(adapters["b"])})
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+            runs[fused] = drive(llm.engine, {0: [("adapted", PROMPT, params, "b"), ("base", PROMPT, params)]})
+        finally:
+            llm.close()
+    assert any(has_lora and ran for has_lora, ran in calls)  # mixed decode steps ran as one C++ call a block
+    for rid in ("adapted", "base"):
+        assert runs[True][rid].tokens == runs[False][rid].tokens
+        assert runs[True][rid].logprobs == runs[False][rid].logprobs
+    assert runs[True]["adapted"].tokens != runs[True]["base"].tokens  # the adapter's row is not the base's
 
 
 def test_unloading_is_refused_while_a_request_uses_the_adapter(llama_dir, adapters):
