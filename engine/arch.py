@@ -48,6 +48,9 @@ class Family:
     fused_gate_up: bool = False
     # RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... (GLM-4) instead of the two halves of the rotated dims.
     rope_interleaved: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3, MLAConfig): q and KV come through low-rank projections and
+    # the KV cache holds each token's compressed latent and its one rotary key, not per-head K and V.
+    mla: bool = False
 
     def __post_init__(self):
         assert self.activation in ACTIVATIONS and self.qk_norm in (None, "head", "whole"), self
@@ -95,6 +98,10 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(qk_norm="head", moe=True),
     # OLMoE normalises the whole q and k projections (not each head) and may clip q, k, v.
     "OlmoeForCausalLM": Family(qk_norm="whole", moe=True, scalars=("clip_qkv",)),
+    # DeepSeek-V2/V3: multi-head latent attention (MLAConfig) and a mixture with shared experts after the first
+    # first_k_dense_replace dense blocks; V2 scores experts by softmax, V3 by sigmoid with a correction bias.
+    "DeepseekV2ForCausalLM": Family(moe=True, mla=True, rope_interleaved=True),
+    "DeepseekV3ForCausalLM": Family(moe=True, mla=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
@@ -140,15 +147,62 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]  # blocks whose MLP is the mixture; the others keep a dense MLP
     # Qwen2-MoE: an always-on expert of this width whose output is scaled by sigmoid(shared_gate . x); 0 = none
     shared_expert_intermediate_size: int = 0
+    # DeepSeek's router (engine.model.router_topk): "softmax" (the others; V2 too) or "sigmoid" (V3) scores;
+    # "greedy" top-k over every expert, "group_limited_greedy" (V2: the topk_group groups of the highest
+    # expert score first) or "noaux_tc" (V3: groups by the sum of their two best scores plus the correction
+    # bias, "router_bias", which steers the choice but not the weights).
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights are multiplied by it
+    router_fp32: bool = False  # the router's product in fp32 whatever the compute dtype (DeepSeek)
+    # DeepSeek: the always-on shared experts are one plain MLP of this width (no gate), beside the routed ones
+    shared_mlp_intermediate_size: int = 0
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok {self.top_k} must be between 1 and the number of experts {self.num_experts}")
+        if self.scoring not in ("softmax", "sigmoid") or self.topk_method not in TOPK_METHODS:
+            raise UnsupportedModelError(f"router scoring {self.scoring!r} / topk_method {self.topk_method!r} is not "
+                                        f"supported; supported: softmax or sigmoid, {', '.join(TOPK_METHODS)}")
+        if self.topk_method != "greedy":
+            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise UnsupportedModelError(f"n_group {self.n_group} / topk_group {self.topk_group} do not divide "
+                                            f"{self.num_experts} experts into groups to choose from")
+            if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
+                raise UnsupportedModelError(f"{self.n_group} groups of {self.num_experts} experts: noaux_tc scores "
+                                            "a group by its two best experts")
+            if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+                raise UnsupportedModelError(f"topk_group {self.topk_group} of {self.n_group} groups holds fewer "
+                                            f"than num_experts_per_tok {self.top_k} experts")
 
     def expert_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         i = self.expert_intermediate_size
         return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i)}
+
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3). Per head, q . k is over qk_nope_head_dim dims
+    from the latent (through kv_b's K rows) and qk_rope_head_dim rotary dims shared by every head; V has
+    v_head_dim dims from the latent. The cache holds per token kv_lora_rank latent values and the
+    qk_rope_head_dim rotary key: one "head" of cache_width values."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: q is one full projection (V2-Lite); else down, norm, up
+    rope_interleaved: bool  # RoPE on adjacent pairs (V2 always, V3 with rope_interleave) rather than halves
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -199,6 +253,7 @@ class ModelConfig:
     # RMSNorm weights are applied as (norm_offset + w); None: the family's convention. A format that stores
     # the offset folded into the weight (llama.cpp's Gemma files hold 1 + w) sets 0.
     norm_offset: float | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention's shapes (Family.mla)
 
     def __post_init__(self):
         if self.family is None:
@@ -212,6 +267,14 @@ class ModelConfig:
         """Whether a sequence of up to max_len tokens may switch RoPE tables as it grows (LongRoPE): K cached
         under one table is then not what the other would compute."""
         return bool(self.rope_long_inv_freq) and max_len > self.rope_long_after
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, K width, V width) of one layer's KV cache per token: (num_kv_heads, head_dim, head_dim), or
+        with latent attention one head holding the latent and the rotary key, and no V (the latent is V)."""
+        if self.mla is not None:
+            return 1, self.mla.cache_width, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -230,12 +293,14 @@ class ModelConfig:
         # in the cache entries built from it.
         norms = self.family.norms
         shapes = {"attn_norm": (h,)} if "attn_norm" in norms else {}
-        if self.family.fused_qkv:
+        if self.mla is not None:
+            shapes.update(self._mla_shapes())
+        elif self.family.fused_qkv:
             shapes.update(wqkv=(q + 2 * kv, h), wo=(h, q))  # rows: q, then k, then v
         else:
             shapes.update(wq=(q, h), wk=(kv, h), wv=(kv, h), wo=(h, q))
         shapes.update({name: (h,) for name in NORMS if name in norms and name != "attn_norm"})
-        if self.qkv_bias:
+        if self.qkv_bias and self.mla is None:
             shapes.update(bqkv=(q + 2 * kv,)) if self.family.fused_qkv else shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
         if self.o_bias:
             shapes.update(bo=(h,))
@@ -250,6 +315,11 @@ class ModelConfig:
             return shapes
         m = self.moe
         shapes["router"] = (m.num_experts, h)
+        if m.topk_method == "noaux_tc":
+            shapes["router_bias"] = (m.num_experts,)
+        if m.shared_mlp_intermediate_size:
+            s = m.shared_mlp_intermediate_size
+            shapes.update({"shared.w_gate": (s, h), "shared.w_up": (s, h), "shared.w_down": (h, s)})
         if m.shared_expert_intermediate_size:
             s = m.shared_expert_intermediate_size
             shapes.update({"shared.w_gate": (s, h), "shared.w_up": (s, h), "shared.w_down": (h, s),
@@ -257,6 +327,23 @@ class ModelConfig:
         for e in range(m.num_experts):
             shapes.update({expert_key(e, k): shape for k, shape in m.expert_shapes(h).items()})
         return shapes
+
+    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Latent attention's tensors: q through a low-rank pair (wq_a, its norm, wq_b) or one wq; the KV
+        latent and rotary key from wkv_a, the latent's norm, wkv_b (each head's K rows, then its V rows)."""
+        a, h, nh = self.mla, self.hidden_size, self.num_heads
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        out = {}
+        if a.q_lora_rank is None:
+            out["wq"] = (nh * qk, h)
+        else:
+            out.update(wq_a=(a.q_lora_rank, h), q_a_norm=(a.q_lora_rank,), wq_b=(nh * qk, a.q_lora_rank))
+        out.update(wkv_a=(a.cache_width, h), kv_a_norm=(a.kv_lora_rank,),
+                   wkv_b=(nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), wo=(h, nh * a.v_head_dim))
+        if self.qkv_bias:  # attention_bias: the down projections and o are biased, the up projections not
+            out.update({"bq_a": (a.q_lora_rank,)} if a.q_lora_rank is not None else {})
+            out["bkv_a"] = (a.cache_width,)
+        return out
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         """Embeddings, final norm and (untied) head. A tied model reads its head from the embedding
@@ -325,6 +412,9 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
             scalars[target] = convert(value)
     if fam.embed_scale_sqrt_hidden:
         scalars["embed_scale"] = hf.hidden_size ** 0.5
+    mla = _mla(hf, arch) if fam.mla else None
+    if mla is not None:
+        scalars["attn_scale"] = _mla_scale(hf, mla)
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
@@ -332,7 +422,8 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         intermediate_size=hf.intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        # latent attention caches one head (kv_cache_dims); DeepSeek's configs keep a meaningless default here
+        num_kv_heads=1 if mla is not None else getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
@@ -346,6 +437,7 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         family=fam,
         layer_windows=_layer_windows(hf, sliding),
         nope_layers=_nope_layers(hf),
+        mla=mla,
         **scalars,
     )
 
@@ -372,6 +464,31 @@ def _layer_windows(hf, sliding: int | None) -> tuple[int | None, ...]:
     return tuple(sliding if t == "sliding_attention" else None for t in types)
 
 
+def _mla(hf, arch: str) -> MLAConfig:
+    """Latent attention's shapes. V2 always rotates adjacent pairs (transformers' complex product); V3 as its
+    rope_interleave says."""
+    interleaved = True if arch == "DeepseekV2ForCausalLM" else bool(getattr(hf, "rope_interleave", True))
+    return MLAConfig(kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+                     qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+                     q_lora_rank=getattr(hf, "q_lora_rank", None) or None, rope_interleaved=interleaved)
+
+
+def _mla_scale(hf, mla: MLAConfig) -> float:
+    """q . k's scale: 1 / sqrt(qk_nope + qk_rope), times YaRN's mscale(factor, mscale_all_dim) squared, which
+    DeepSeek applies to every dim of the score (the rotary table's own attention factor covers only the rotary
+    dims), as transformers' yarn_apply_mscale does."""
+    import math
+
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    all_dim = params.get("mscale_all_dim")
+    if params.get("rope_type", params.get("type", "default")) != "default" and all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
 def _moe(hf, arch: str) -> MoEConfig | None:
     """The mixture's shape from the config; which blocks are sparse follows transformers: Qwen2/3-MoE
     skip `mlp_only_layers` and keep every `decoder_sparse_step`-th block; Mixtral and OLMoE are sparse
@@ -379,6 +496,8 @@ def _moe(hf, arch: str) -> MoEConfig | None:
     if arch not in MOE_ARCHITECTURES:
         return None
     layers = range(hf.num_hidden_layers)
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return _deepseek_moe(hf, arch)
     if arch == "MixtralForCausalLM":
         experts, width, norm_topk = hf.num_local_experts, hf.intermediate_size, True
     else:
@@ -394,6 +513,34 @@ def _moe(hf, arch: str) -> MoEConfig | None:
         raise UnsupportedModelError(f"{arch} with {experts} experts has no mixture to route to")
     return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=width,
                      norm_topk_prob=norm_topk, sparse_layers=sparse, shared_expert_intermediate_size=shared or 0)
+
+
+def _deepseek_moe(hf, arch: str) -> MoEConfig:
+    """DeepSeek's mixture as transformers runs it: blocks from first_k_dense_replace on are sparse; V3 scores
+    by sigmoid and chooses by the corrected scores in its best groups, renormalising when norm_topk_prob; V2
+    scores by softmax, chooses greedily or within its best groups (topk_method), and never renormalises. Both
+    scale the chosen weights by routed_scaling_factor and add n_shared_experts' one shared MLP."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    experts = hf.n_routed_experts
+    if experts is None or experts < 1:
+        raise UnsupportedModelError(f"{arch} with n_routed_experts={experts} has no mixture to route to")
+    norm_topk = bool(getattr(hf, "norm_topk_prob", False))
+    method = "noaux_tc" if v3 else (getattr(hf, "topk_method", None) or "greedy")
+    if not v3 and norm_topk:
+        # DeepSeek's own V2 code renormalises then; transformers' V2 router (the reference here) does not.
+        raise UnsupportedModelError(f"{arch} with norm_topk_prob=True is not supported: transformers and "
+                                    "DeepSeek's V2 code disagree on it")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"{arch} topk_method {method!r} is not supported; supported: greedy, "
+                                    "group_limited_greedy")
+    first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
+    return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=hf.moe_intermediate_size,
+                     norm_topk_prob=norm_topk and v3, sparse_layers=tuple(range(first_dense, hf.num_hidden_layers)),
+                     scoring="sigmoid" if v3 else "softmax", topk_method=method,
+                     n_group=getattr(hf, "n_group", None) or 1, topk_group=getattr(hf, "topk_group", None) or 1,
+                     routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
+                     router_fp32=True,
+                     shared_mlp_intermediate_size=hf.moe_intermediate_size * (getattr(hf, "n_shared_experts", 0) or 0))
 
 
 def _ropes(hf, head_dim: int) -> dict:

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.arch import ModelConfig
+from engine.arch import ModelConfig, load_model_config
 from engine.demo import build_random_model
 from engine.errors import UnsupportedModelError
 from tests.support.families import COMMON, FAMILY_ARCHS, LONGROPE_AFTER, WINDOW, build, sharpen_attention
@@ -57,12 +57,14 @@ LIMITS = dict(max_model_len=128, max_num_seqs=2)
 def _engine_kwargs(folder, mode: str) -> dict:
     if mode == "resident":
         return {}
+    # A mixture's blocks stream whole here, experts inside (tests/weights/test_moe.py streams them one by one).
+    whole = {"expert_streaming": False} if load_model_config(folder).moe is not None else {}
     if mode == "streamed":  # one block resident, the rest streamed through memory
         llm = LLM(str(folder), **LIMITS)
         llm.close()
-        return {"max_device_memory": stream_all_but_one_budget(llm)}
+        return {"max_device_memory": stream_all_but_one_budget(llm), **whole}
     if mode == "disk":  # every streamed block read from the file each step
-        return {"max_device_memory": budget_for(folder, 1, 1, **LIMITS), "transport": "disk"}
+        return {"max_device_memory": budget_for(folder, 1, 1, **LIMITS), "transport": "disk", **whole}
     raise ValueError(mode)
 
 
@@ -283,3 +285,68 @@ def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:
         llm.close()
+
+
+# -- DeepSeek-V2/V3: multi-head latent attention and DeepSeek's router ---------------------------------
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_caches_the_latent_and_reads_its_config(family_dirs, arch):
+    """The plan counts per token and layer the latent and the rotary key (kv_lora_rank + qk_rope_head_dim
+    values, one cached head), not heads x (qk_head_dim + v_head_dim); the softmax scale (YaRN's mscale folded
+    in), the rotary table's attention factor and the router's numbers are transformers'."""
+    folder = family_dirs[arch]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = model.config
+    llm = LLM(str(folder), **LIMITS)
+    try:
+        cfg, plan = llm.engine.model.cfg, llm.plan
+        latent = hf.kv_lora_rank + hf.qk_rope_head_dim
+        assert cfg.kv_cache_dims == (1, latent, 0)
+        ((per_token, window),) = plan.kv_groups
+        assert per_token == hf.num_hidden_layers * latent * 4 and window is None  # fp32
+        full = hf.num_hidden_layers * hf.num_attention_heads * (hf.qk_nope_head_dim + hf.qk_rope_head_dim
+                                                                  + hf.v_head_dim) * 4
+        assert per_token * 3 < full  # 40 values a layer against 4 heads x 36
+        assert plan.kv_cache_bytes == plan.num_kv_blocks * plan.kv_block_size * per_token
+        assert f"{latent} values per layer" in plan.describe()
+        attn = model.model.layers[0].self_attn
+        assert cfg.attn_scale == pytest.approx(attn.scaling, rel=1e-12) and attn.scaling != attn.qk_head_dim ** -0.5
+        assert cfg.rope_attention_scaling == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-6)
+        assert (cfg.mla.q_lora_rank, cfg.mla.v_head_dim) == (hf.q_lora_rank, hf.v_head_dim)
+        m = cfg.moe
+        assert m.sparse_layers == tuple(range(1, hf.num_hidden_layers))  # first_k_dense_replace=1
+        assert (m.num_experts, m.top_k, m.n_group, m.topk_group) == ((8, 2, 4, 2) if arch == "deepseek_v3"
+                                                                     else (8, 3, 2, 1))
+        assert m.routed_scaling_factor == hf.routed_scaling_factor != 1.0
+        assert m.shared_mlp_intermediate_size == hf.moe_intermediate_size * hf.n_shared_experts
+        v3 = arch == "deepseek_v3"
+        assert (m.scoring, m.topk_method, m.norm_topk_prob) == (("sigmoid", "noaux_tc", True) if v3
+                                                                else ("softmax", "group_limited_greedy", False))
+        assert ("router_bias" in cfg.block_shapes(1)) == v3 and "router" not in cfg.block_shapes(0)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_deepseek_quantized_latent_cache_is_a_clear_error(family_dirs, kv_dtype):
+    with pytest.raises(UnsupportedModelError, match=rf"--kv-cache-dtype {kv_dtype} is not supported for multi-head "
+                                                    r"latent attention \(DeepseekV3ForCausalLM.*--kv-cache-dtype auto"):
+        LLM(str(family_dirs["deepseek_v3"]), kv_cache_dtype=kv_dtype, **LIMITS)
+
+
+def test_deepseek_router_settings_it_does_not_implement_name_themselves():
+    from engine.arch import config_from_hf
+    from tests.support.families import deepseek_config
+
+    hf = deepseek_config("deepseek_v2")
+    hf.norm_topk_prob = True  # DeepSeek's V2 code renormalises, transformers' V2 router does not
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob=True"):
+        config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)
+    hf = deepseek_config("deepseek_v2")
+    hf.topk_method = "noaux_tc"
+    with pytest.raises(UnsupportedModelError, match="topk_method 'noaux_tc'"):
+        config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)
+    hf = deepseek_config("deepseek_v2")
+    hf.n_group = 3  # 8 experts do not split into 3 groups
+    with pytest.raises(UnsupportedModelError, match="n_group 3"):
+        config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)

@@ -179,7 +179,7 @@ class ExpertTier:
             for b in self.sparse:
                 views = source.views(b)
                 self.predictor[b] = {k: views[k].to(device=device, dtype=dtype, copy=True)
-                                     for k in ("mlp_norm", "router")}
+                                     for k in ("mlp_norm", "router", "router_bias") if k in views}
             self.cache = ExpertCache(slots.count, slots.fill)
         except BaseException:
             self.close()
