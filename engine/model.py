@@ -398,6 +398,15 @@ def router_topk(h: torch.Tensor, w: dict[str, torch.Tensor], m: MoEConfig) -> tu
     return ids, weights
 
 
+def guess_experts(hidden: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The experts a MoE block's router (w: its "mlp_norm", "router" and any "router_bias") chooses for hidden
+    (tokens, hidden) taken before the block's own attention: (tokens, top_k) int64. The expert tier's guess
+    of the next block's experts from this block's residual stream, made while this block computes."""
+    normed = ops.rms_norm(hidden, w["mlp_norm"], cfg.rms_norm_eps)  # (tokens, hidden)
+    ids, _ = router_topk(normed, w, cfg.moe)
+    return ids
+
+
 def route(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> Routing:
     """The router's choice for every token. counts crosses to the host (one sync per MoE block): which
     experts to fetch is a host decision, and the same sync gives route_experts its split sizes."""

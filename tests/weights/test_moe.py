@@ -176,6 +176,39 @@ def test_expert_cache_smaller_than_a_block_matches_transformers(moe_dirs, refere
         llm.close()
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """DeepSeek-V2/V3's tiny checkpoints (tests/support/families.py: latent attention, shared experts, a dense
+    first block, group-limited routing, V3's correction bias) and transformers' greedy tokens and prompt
+    logits for PROMPTS."""
+    from tests.support.families import build as build_family
+
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {}
+    for arch in ("deepseek_v3", "deepseek_v2"):
+        folder = build_family(root / arch, arch)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        out[arch] = folder, ([greedy_with(model, p, 12) for p in PROMPTS], None)
+    return out
+
+
+@pytest.mark.parametrize("arch,slots", [("deepseek_v3", 4), ("deepseek_v2", 6)])
+def test_deepseek_expert_streaming_matches_transformers(deepseek, arch, slots):
+    """DeepSeek through the expert tier: fewer slots than a block's 8 experts (V2's 3 experts a token need
+    6 at least), so every step evicts; blocks streamed without their experts, the guesser routing with V3's
+    correction bias; the shared experts and the dense first block stream with the blocks."""
+    folder, reference = deepseek[arch]
+    llm = LLM(str(folder), max_model_len=128, max_num_seqs=4, show_progress=False,
+              max_device_memory=expert_budget(folder, slots=slots))
+    try:
+        assert llm.plan.expert_slots == slots and llm.plan.resident_blocks == [], llm.plan.describe()
+        check_against_reference(llm, reference)
+        total = llm.telemetry().total
+        assert total.expert_misses > 4 and total.expert_hits > 0
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("transport", ["disk", "simulated"])
 def test_expert_tiers_match_transformers(moe_dirs, references, transport, monkeypatch):
     """Experts read by byte range off the disk (O_DIRECT), or from the page cache behind the simulated link."""
