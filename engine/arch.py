@@ -534,13 +534,13 @@ def _deepseek_moe(hf, arch: str) -> MoEConfig:
         raise UnsupportedModelError(f"{arch} topk_method {method!r} is not supported; supported: greedy, "
                                     "group_limited_greedy")
     first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
-    return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=hf.moe_intermediate_size,
+    width = hf.moe_intermediate_size
+    return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=width,
                      norm_topk_prob=norm_topk and v3, sparse_layers=tuple(range(first_dense, hf.num_hidden_layers)),
                      scoring="sigmoid" if v3 else "softmax", topk_method=method,
                      n_group=getattr(hf, "n_group", None) or 1, topk_group=getattr(hf, "topk_group", None) or 1,
-                     routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
-                     router_fp32=True,
-                     shared_mlp_intermediate_size=hf.moe_intermediate_size * (getattr(hf, "n_shared_experts", 0) or 0))
+                     routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), router_fp32=True,
+                     shared_mlp_intermediate_size=width * (getattr(hf, "n_shared_experts", 0) or 0))
 
 
 def _ropes(hf, head_dim: int) -> dict:

@@ -226,8 +226,8 @@ def latent_attention(x: torch.Tensor, w: dict[str, torch.Tensor], cache: torch.T
     if step.cos is not None:
         q_rope = rotate(q_rope, step.cos, step.sin, cfg, a.rope_interleaved)  # (tokens, heads, dr)
         k_rope = rotate(k_rope.view(tokens, 1, dr), step.cos, step.sin, cfg, a.rope_interleaved)
-    # index_copy_ into the one cached head: (tokens, 1, r + dr)
-    cache.view(-1, 1, r + dr).index_copy_(0, step.slot_mapping, torch.cat((latent, k_rope.view(tokens, dr)), -1)[:, None])
+    entry = torch.cat((latent, k_rope.view(tokens, dr)), dim=-1)[:, None]  # (tokens, 1, r + dr): the one cached head
+    cache.view(-1, 1, r + dr).index_copy_(0, step.slot_mapping, entry)
     wkv_b = w["wkv_b"].view(nh, dn + dv, r)  # (heads, dn + dv, r): each head's K rows, then its V rows
     w_uk, w_uv = wkv_b[:, :dn], wkv_b[:, dn:]  # (heads, dn, r), (heads, dv, r)
     q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # (tokens, heads, r)
@@ -479,9 +479,9 @@ def _llama_block(cfg: ModelConfig, step: StepInputs) -> bool:
     """The block is Llama's (norms, activation, no scales or caps, RoPE over whole heads as halves): the fused
     paths (the residual add with the next norm in one call, the whole block in one C++ call) compute exactly it."""
     f = cfg.family
-    return (f.norms == _LLAMA.norms and f.activation == "silu" and not cfg.norm_offset and cfg.attn_scale is None
-            and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None
-            and not f.rope_interleaved and step.cos.shape[-1] == cfg.head_dim)
+    return (f.norms == _LLAMA.norms and f.activation == "silu" and not f.mla and not cfg.norm_offset
+            and cfg.attn_scale is None and cfg.attn_softcap is None and cfg.residual_scale == 1.0
+            and step.cos is not None and not f.rope_interleaved and step.cos.shape[-1] == cfg.head_dim)
 
 
 def final_logits(
