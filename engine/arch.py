@@ -100,8 +100,8 @@ FAMILIES: dict[str, Family] = {
     "OlmoeForCausalLM": Family(qk_norm="whole", moe=True, scalars=("clip_qkv",)),
     # DeepSeek-V2/V3: multi-head latent attention (MLAConfig) and a mixture with shared experts after the first
     # first_k_dense_replace dense blocks; V2 scores experts by softmax, V3 by sigmoid with a correction bias.
-    "DeepseekV2ForCausalLM": Family(moe=True, mla=True, rope_interleaved=True),
-    "DeepseekV3ForCausalLM": Family(moe=True, mla=True),
+    "DeepseekV2ForCausalLM": Family(gguf="deepseek2", moe=True, mla=True, rope_interleaved=True),
+    "DeepseekV3ForCausalLM": Family(gguf="deepseek2", moe=True, mla=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
@@ -199,6 +199,9 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None  # None: q is one full projection (V2-Lite); else down, norm, up
     rope_interleaved: bool  # RoPE on adjacent pairs (V2 always, V3 with rope_interleave) rather than halves
+    # llama.cpp's files split kv_b into each head's K rows transposed, "wk_b" (heads, kv_lora_rank, qk_nope), and
+    # its V rows, "wv_b" (heads, v_head_dim, kv_lora_rank): the absorbed form's two factors as they are used.
+    kv_b_split: bool = False
 
     @property
     def cache_width(self) -> int:
@@ -338,8 +341,12 @@ class ModelConfig:
             out["wq"] = (nh * qk, h)
         else:
             out.update(wq_a=(a.q_lora_rank, h), q_a_norm=(a.q_lora_rank,), wq_b=(nh * qk, a.q_lora_rank))
-        out.update(wkv_a=(a.cache_width, h), kv_a_norm=(a.kv_lora_rank,),
-                   wkv_b=(nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), wo=(h, nh * a.v_head_dim))
+        out.update(wkv_a=(a.cache_width, h), kv_a_norm=(a.kv_lora_rank,))
+        if a.kv_b_split:
+            out.update(wk_b=(nh, a.kv_lora_rank, a.qk_nope_head_dim), wv_b=(nh, a.v_head_dim, a.kv_lora_rank))
+        else:
+            out["wkv_b"] = (nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        out["wo"] = (h, nh * a.v_head_dim)
         if self.qkv_bias:  # attention_bias: the down projections and o are biased, the up projections not
             out.update({"bq_a": (a.q_lora_rank,)} if a.q_lora_rank is not None else {})
             out["bkv_a"] = (a.cache_width,)

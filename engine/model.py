@@ -228,8 +228,11 @@ def latent_attention(x: torch.Tensor, w: dict[str, torch.Tensor], cache: torch.T
         k_rope = rotate(k_rope.view(tokens, 1, dr), step.cos, step.sin, cfg, a.rope_interleaved)
     entry = torch.cat((latent, k_rope.view(tokens, dr)), dim=-1)[:, None]  # (tokens, 1, r + dr): the one cached head
     cache.view(-1, 1, r + dr).index_copy_(0, step.slot_mapping, entry)
-    wkv_b = w["wkv_b"].view(nh, dn + dv, r)  # (heads, dn + dv, r): each head's K rows, then its V rows
-    w_uk, w_uv = wkv_b[:, :dn], wkv_b[:, dn:]  # (heads, dn, r), (heads, dv, r)
+    if "wkv_b" in w:
+        wkv_b = w["wkv_b"].view(nh, dn + dv, r)  # (heads, dn + dv, r): each head's K rows, then its V rows
+        w_uk, w_uv = wkv_b[:, :dn], wkv_b[:, dn:]  # (heads, dn, r), (heads, dv, r)
+    else:  # llama.cpp's files store them apart, K's transposed (MLAConfig.kv_b_split)
+        w_uk, w_uv = w["wk_b"].transpose(1, 2), w["wv_b"]  # (heads, dn, r), (heads, dv, r)
     q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # (tokens, heads, r)
     qp = padded_queries(torch.cat((q_latent, q_rope), dim=-1), step)  # (seqs, heads, max_query, r + dr)
     first = step.first_block

@@ -7,6 +7,7 @@ A family joins by a row in tests/support/families.py (docs/usage/adding-a-family
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -251,12 +252,14 @@ def converter_source(folder, arch: str):
     return build_random_model(folder, cfg, seed=11, adjust=sharpen_attention)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4"])
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4", "deepseek_v3",
+                                  "deepseek_v2"])
 def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
     """llama.cpp's convert_hf_to_gguf.py of each tiny family (F32: the same weights), served from the file: its
-    tensor names (Phi-3's stacked qkv and gate/up), Q/K rows it permutes (Granite, SmolLM3), the config from its
-    metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's window and LongRoPE factor tensors, which
-    transformers' GGUF reader does not read or does not know), held to transformers on the original checkpoint."""
+    tensor names (Phi-3's stacked qkv and gate/up, DeepSeek's kv_b split in two and experts stacked), Q/K rows it
+    permutes (Granite, SmolLM3), the config from its metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's
+    window and LongRoPE factor tensors, DeepSeek's latent shapes, router and YaRN mscale, which transformers' GGUF
+    reader does not read or does not know), held to transformers on the original checkpoint."""
     from engine.arch import load_model_config
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
     from tests.support.reference import greedy_with
@@ -279,6 +282,10 @@ def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
         for field in ("rope_inv_freq", "rope_long_inv_freq"):
             torch.testing.assert_close(torch.tensor(getattr(cfg, field)), torch.tensor(getattr(want, field)))
         assert cfg.rope_attention_scaling == pytest.approx(want.rope_attention_scaling, rel=1e-6)
+        if cfg.mla is not None:  # the file's split kv_b, its router and latent shapes
+            assert cfg.mla.kv_b_split and dataclasses.replace(cfg.mla, kv_b_split=False) == want.mla
+            assert dataclasses.replace(cfg.moe, routed_scaling_factor=want.moe.routed_scaling_factor) == want.moe
+            assert cfg.moe.routed_scaling_factor == pytest.approx(want.moe.routed_scaling_factor, rel=1e-6)
         first = LONGROPE_AFTER if cfg.rope_long_inv_freq else 0  # as in test_family_matches_transformers
         torch.testing.assert_close(prompt_logits(llm, PROMPT)[first:], ref_logits[first:], atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -65,7 +65,9 @@ DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_g
 def deepseek_config(arch: str):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
-    common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim")}
+    # num_key_value_heads as the real configs set it (= heads; llama.cpp's converter splits kv_b by it)
+    common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    common["num_key_value_heads"] = common["num_attention_heads"]
     if arch == "deepseek_v3":  # q through its low-rank pair, sigmoid routing with a correction bias, pairs rotated
         return DeepseekV3Config(
             **common, **DEEPSEEK_MOE, q_lora_rank=48, n_shared_experts=1, routed_scaling_factor=2.5,

@@ -24,7 +24,7 @@ import mmap
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,7 +59,17 @@ BLOCK_NAMES = {
     "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
     # stacked q/k/v and gate/up (Phi-3): llama.cpp keeps them stacked, gate/up under ffn_up
     "wqkv": "attn_qkv.weight", "bqkv": "attn_qkv.bias", "w_gate_up": "ffn_up.weight",
+    # DeepSeek's latent attention (deepseek2: kv_b split into attn_k_b / attn_v_b), router and shared experts
+    "wq_a": "attn_q_a.weight", "bq_a": "attn_q_a.bias", "q_a_norm": "attn_q_a_norm.weight", "wq_b": "attn_q_b.weight",
+    "wkv_a": "attn_kv_a_mqa.weight", "bkv_a": "attn_kv_a_mqa.bias", "kv_a_norm": "attn_kv_a_norm.weight",
+    "wk_b": "attn_k_b.weight", "wv_b": "attn_v_b.weight", "router": "ffn_gate_inp.weight",
+    "router_bias": "exp_probs_b.bias", "shared.w_gate": "ffn_gate_shexp.weight", "shared.w_up": "ffn_up_shexp.weight",
+    "shared.w_down": "ffn_down_shexp.weight",
 }
+# A mixture's experts, which llama.cpp stacks into one (experts, rows, cols) tensor per projection: expert e of
+# it is named "<tensor>[e]", a slice of the stack's bytes (each expert's rows are whole GGML rows, in order).
+EXPERT_STACKS = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
+_EXPERT_RE = re.compile(r"^(?P<stack>.*_exps\.weight)\[(?P<e>\d+)\]$")
 # LongRoPE's per-frequency factors, which llama.cpp's converter stores as tensors (Phi-3)
 ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 GLOBAL_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
@@ -347,7 +357,33 @@ class GGUFIndex(CheckpointReader):
         return self.raw(name).view(t.dtype).reshape(t.shape)  # GGUF data is aligned: zero copy
 
     def block_tensor_name(self, layer: int, short: str) -> str:
+        if short.startswith("experts."):
+            _, e, part = short.split(".")
+            return f"blk.{layer}.{EXPERT_STACKS[part]}[{e}]"
         return f"blk.{layer}.{BLOCK_NAMES[short]}"
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries or self._expert_slice(name) is not None
+
+    def tensor(self, name: str) -> TensorInfo:
+        t = self.entries.get(name) or self._expert_slice(name)
+        return t if t is not None else super().tensor(name)
+
+    def advise(self, names: list[str], advice: int) -> None:
+        for name in names:
+            t = self.tensor(name)
+            self._files[t.path].advise(t.start, t.end, advice)
+
+    def _expert_slice(self, name: str) -> TensorInfo | None:
+        """Expert e of a stacked expert tensor ("blk.3.ffn_up_exps.weight[5]"), or None for another name. Not in
+        `entries`: the stack's bytes are counted there once."""
+        m = _EXPERT_RE.match(name)
+        stack = self.entries.get(m.group("stack")) if m else None
+        if stack is None or len(stack.shape) != 3 or not 0 <= int(m.group("e")) < stack.shape[0]:
+            return None
+        e, per = int(m.group("e")), stack.nbytes // stack.shape[0]
+        return replace(stack, name=name, shape=stack.shape[1:], start=stack.start + e * per,
+                                   end=stack.start + (e + 1) * per)
 
     def global_tensor_name(self, short: str) -> str:
         return GLOBAL_NAMES[short]
