@@ -357,3 +357,32 @@ def test_deepseek_router_settings_it_does_not_implement_name_themselves():
     hf.n_group = 3  # 8 experts do not split into 3 groups
     with pytest.raises(UnsupportedModelError, match="n_group 3"):
         config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)
+
+
+def test_deepseek_q8_gguf_streams_as_it_runs_resident(tmp_path):
+    """A Q8_0 deepseek2 file from llama.cpp's converter in bf16: the split kv_b's per-head stacks (attn_v_b is
+    Q8_0) unpacked to the compute dtype, the 2-D weights packed, the stacked experts sliced; streamed (one block
+    resident, blocks read whole) exactly as resident, and near transformers (Q8_0's rounding)."""
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = build(tmp_path / "hf", "deepseek_v3")
+    path = convert(folder, tmp_path / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    _, ref_logits = greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), PROMPT, 0)
+    kwargs = dict(dtype="bfloat16", **LIMITS)
+    resident = LLM(str(path), **kwargs)
+    streamed = LLM(str(path), max_device_memory=budget_for(path, 1, 1, dtype="bfloat16", **LIMITS),
+                   expert_streaming=False, **kwargs)
+    try:
+        assert len(streamed.plan.streamed_blocks) == streamed.engine.model.cfg.num_layers - 1
+        logits = prompt_logits(resident, PROMPT)
+        torch.testing.assert_close(prompt_logits(streamed, PROMPT), logits, atol=0, rtol=0)
+        assert (logits.float() - ref_logits).abs().max() < 0.05
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert (streamed.generate([PROMPT], params)[0].outputs[0].token_ids
+                == resident.generate([PROMPT], params)[0].outputs[0].token_ids)
+    finally:
+        resident.close()
+        streamed.close()
