@@ -2,6 +2,7 @@
 identical greedy tokens, all-resident and streamed; batches whose sequences route differently;
 damaged expert tensors."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -413,3 +414,42 @@ def test_expert_slots_convert_a_bf16_checkpoint(tmp_path):
     finally:
         streamed.close()
         resident.close()
+
+
+@pytest.mark.parametrize("arch,method", [("deepseek_v3", "noaux_tc"), ("deepseek_v2", "greedy"),
+                                         ("deepseek_v2", "group_limited_greedy")])
+def test_deepseek_router_matches_transformers(arch, method):
+    """engine.model.router_topk against transformers' own DeepSeek router modules on random hidden states: the
+    same experts and weights for every token (V3: sigmoid, correction bias, groups by their two best, renormalised
+    and scaled; V2: softmax, greedy or within the best group by its best score, scaled)."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from engine.arch import config_from_hf
+    from engine.model import router_topk
+    from tests.support.families import deepseek_config
+
+    hf = deepseek_config(arch)
+    if arch == "deepseek_v2":
+        hf.topk_method = method
+    router = (DeepseekV3TopkRouter if arch == "deepseek_v3" else DeepseekV2TopkRouter)(hf)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if arch == "deepseek_v3":
+            router.e_score_correction_bias.copy_(torch.randn(hf.n_routed_experts, generator=g) * 0.3)
+    m = config_from_hf(hf, hf.architectures[0], torch.float32).moe
+    assert m.topk_method == method
+    h = torch.randn(64, hf.hidden_size, generator=g)
+    with torch.no_grad():
+        _, want_w, want_ids = router(h)
+    w = {"router": router.weight.detach()}
+    if arch == "deepseek_v3":
+        w["router_bias"] = router.e_score_correction_bias
+    ids, weights = router_topk(h, w, m)
+    order, want_order = ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_w.gather(1, want_order), atol=1e-6, rtol=1e-6)
+    if method != "greedy":  # the group limit or the bias changes some token's choice: the test can tell
+        plain = dataclasses.replace(m, topk_method="greedy")
+        assert not torch.equal(router_topk(h, w, plain)[0].sort(dim=-1).values, ids.sort(dim=-1).values)
