@@ -386,3 +386,27 @@ def test_deepseek_q8_gguf_streams_as_it_runs_resident(tmp_path):
     finally:
         resident.close()
         streamed.close()
+
+
+def test_deepseek_gguf_with_kv_b_whole_matches_transformers(tmp_path):
+    """A deepseek2 file as llama.cpp's converter wrote them before splitting kv_b (attn_kv_b whole, the per-head
+    widths in key_length / value_length) reads as the split one does and matches transformers."""
+    from tests.support.gguf_models import with_kv_b_unsplit
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = build(tmp_path / "hf", "deepseek_v3")
+    path = with_kv_b_unsplit(convert(folder, tmp_path / "split.gguf", "f32"), tmp_path / "tiny-deepseek-kv-b.gguf")
+    ref_tokens, ref_logits = greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+                                         PROMPT, 8)
+    llm = LLM(str(path), dtype="float32", **LIMITS)
+    try:
+        cfg, want = llm.engine.model.cfg, load_model_config(folder)
+        assert not cfg.mla.kv_b_split and dataclasses.replace(cfg.mla, rope_interleaved=True) == want.mla
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()

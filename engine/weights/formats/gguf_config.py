@@ -140,14 +140,24 @@ def _deepseek2(kw: dict, get, tensor_names: set[str] | frozenset[str]) -> str:
     both from yarn_log_multiplier (0.1 * mscale_all_dim), as llama.cpp assumes them equal (the released configs
     have them equal)."""
     v3 = any(n.endswith("exp_probs_b.bias") for n in tensor_names)
+    gating = get("expert_gating_func")  # llama.cpp's: 1 softmax, 2 sigmoid; absent in a transformers-style file
+    if gating is not None and int(gating) != (2 if v3 else 1):
+        raise UnsupportedModelError(f"deepseek2 expert_gating_func {gating} with{'' if v3 else 'out'} a router "
+                                    "correction bias (exp_probs_b) is neither DeepSeek-V2 (softmax, no bias) nor V3 "
+                                    "(sigmoid, bias)")
     rope_dims = int(get("rope.dimension_count"))
     groups, groups_used = get("expert_group_count"), get("expert_group_used_count")
+    # Files converted before kv_b was split give the per-head widths as key_length / value_length, later ones as
+    # key_length_mla / value_length_mla (key_length then being the cached latent's).
+    qk_width = int(get("attention.key_length_mla") or get("attention.key_length"))
+    v_width = int(get("attention.value_length_mla") or get("attention.value_length"))
     kw.update(num_key_value_heads=kw["num_attention_heads"], attention_bias="blk.0.attn_kv_a_mqa.bias" in tensor_names,
               kv_lora_rank=int(get("attention.kv_lora_rank")), q_lora_rank=get("attention.q_lora_rank"),
-              qk_rope_head_dim=rope_dims, qk_nope_head_dim=int(get("attention.key_length_mla")) - rope_dims,
-              v_head_dim=int(get("attention.value_length_mla")), n_routed_experts=int(get("expert_count")),
-              num_experts_per_tok=int(get("expert_used_count")), moe_intermediate_size=int(get("expert_feed_forward_length")),
-              n_shared_experts=int(get("expert_shared_count", 0)), first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+              qk_rope_head_dim=rope_dims, qk_nope_head_dim=qk_width - rope_dims, v_head_dim=v_width,
+              n_routed_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+              moe_intermediate_size=int(get("expert_feed_forward_length")),
+              n_shared_experts=int(get("expert_shared_count", 0)),
+              first_k_dense_replace=int(get("leading_dense_block_count", 0)),
               routed_scaling_factor=float(get("expert_weights_scale", 1.0)), n_group=groups, topk_group=groups_used)
     if v3:
         kw.update(norm_topk_prob=bool(get("expert_weights_norm", False)), rope_interleave=True)
@@ -183,7 +193,7 @@ def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata
             hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
         # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
         cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
-        conventions = _llama_cpp_conventions(cfg, architecture, metadata or {})
+        conventions = _llama_cpp_conventions(cfg, architecture, metadata or {}, tensor_names)
         if architecture == "phi3":
             conventions.update(_phi3_rope(cfg, metadata or {}, rope_factors or {}))
         return dataclasses.replace(cfg, **conventions)
@@ -221,11 +231,15 @@ def _phi3_rope(cfg: ModelConfig, metadata: dict, factors: dict[str, list[float]]
 _GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures
 
 
-def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict) -> dict:
+def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict,
+                           tensor_names: set[str] | frozenset[str] = frozenset()) -> dict:
     """Where llama.cpp's files and runtime differ from transformers' config defaults: ModelConfig fields."""
     out = {}
-    if cfg.mla is not None:  # its converter splits kv_b; llama.cpp rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM)
-        out["mla"] = dataclasses.replace(cfg.mla, kv_b_split=True, rope_interleaved=True)
+    if cfg.mla is not None:
+        # Its converter splits kv_b (attn_k_b / attn_v_b; files converted before that hold attn_kv_b whole), and
+        # llama.cpp rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM).
+        split = "blk.0.attn_kv_b.weight" not in tensor_names
+        out["mla"] = dataclasses.replace(cfg.mla, kv_b_split=split, rope_interleaved=True)
     if cfg.norm_offset:
         out["norm_offset"] = 0.0  # its converter stores Gemma's norms as 1 + w (convert_hf_to_gguf.py)
     if (architecture, cfg.num_layers) in _GEMMA_27B:

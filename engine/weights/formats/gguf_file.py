@@ -62,7 +62,7 @@ BLOCK_NAMES = {
     # DeepSeek's latent attention (deepseek2: kv_b split into attn_k_b / attn_v_b), router and shared experts
     "wq_a": "attn_q_a.weight", "bq_a": "attn_q_a.bias", "q_a_norm": "attn_q_a_norm.weight", "wq_b": "attn_q_b.weight",
     "wkv_a": "attn_kv_a_mqa.weight", "bkv_a": "attn_kv_a_mqa.bias", "kv_a_norm": "attn_kv_a_norm.weight",
-    "wk_b": "attn_k_b.weight", "wv_b": "attn_v_b.weight", "router": "ffn_gate_inp.weight",
+    "wkv_b": "attn_kv_b.weight", "wk_b": "attn_k_b.weight", "wv_b": "attn_v_b.weight", "router": "ffn_gate_inp.weight",
     "router_bias": "exp_probs_b.bias", "shared.w_gate": "ffn_gate_shexp.weight", "shared.w_up": "ffn_up_shexp.weight",
     "shared.w_down": "ffn_down_shexp.weight",
 }
