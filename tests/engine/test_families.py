@@ -410,3 +410,24 @@ def test_deepseek_gguf_with_kv_b_whole_matches_transformers(tmp_path):
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:
         llm.close()
+
+
+def test_deepseek_v3_rotating_halves_matches_transformers(tmp_path):
+    """DeepSeek-V3 with rope_interleave=False: its rotary dims rotate as halves (rotate_half), not pairs."""
+    from tests.support.families import deepseek_config, sharpen_deepseek
+    from tests.support.reference import greedy_with
+
+    cfg = deepseek_config("deepseek_v3")
+    cfg.rope_interleave = False
+    folder = build_random_model(tmp_path / "hf", cfg, seed=5, adjust=sharpen_deepseek)
+    ref_tokens, ref_logits = greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+                                         PROMPT, 8)
+    llm = LLM(str(folder), **LIMITS)
+    try:
+        assert not llm.engine.model.cfg.mla.rope_interleaved
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
