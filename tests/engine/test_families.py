@@ -430,4 +430,3 @@ def test_deepseek_v3_rotating_halves_matches_transformers(tmp_path):
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:
         llm.close()
-
