@@ -60,6 +60,9 @@ class Family:
     # others take the softmax over every expert first ("softmax_topk" vs "topk_softmax").
     router_bias: bool = False
     router: str = "softmax_topk"
+    # Multi-head latent attention (DeepSeek-V2/V3, MLAConfig): q and KV come through low-rank projections and
+    # the KV cache holds each token's compressed latent and its one rotary key, not per-head K and V.
+    mla: bool = False
 
     def __post_init__(self):
         assert self.activation in ACTIVATIONS and self.qk_norm in (None, "head", "whole"), self
@@ -113,6 +116,10 @@ FAMILIES: dict[str, Family] = {
     # clamped-SwiGLU experts with biases behind a biased router; alternating sliding/full layers, YaRN.
     "GptOssForCausalLM": Family(gguf="gpt-oss", moe=True, attn_sinks=True, expert_mlp="clamped_swiglu",
                                 router_bias=True, router="topk_softmax"),
+    # DeepSeek-V2/V3: multi-head latent attention (MLAConfig) and a mixture with shared experts after the first
+    # first_k_dense_replace dense blocks; V2 scores experts by softmax, V3 by sigmoid with a correction bias.
+    "DeepseekV2ForCausalLM": Family(gguf="deepseek2", moe=True, mla=True, rope_interleaved=True),
+    "DeepseekV3ForCausalLM": Family(gguf="deepseek2", moe=True, mla=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MOE_ARCHITECTURES = tuple(a for a, f in FAMILIES.items() if f.moe)
@@ -163,11 +170,36 @@ class MoEConfig:
     # "clamped_swiglu": gate and up interleaved by column in one input-major tensor with one bias (GPT-OSS's
     # safetensors), or (False) apart as (out, in) tensors each with its bias (llama.cpp's GGUF)
     gate_up_interleaved: bool = True
+    # DeepSeek's router (engine.model.router_topk): "softmax" (the others; V2 too) or "sigmoid" (V3) scores;
+    # "greedy" top-k over every expert, "group_limited_greedy" (V2: the topk_group groups of the highest
+    # expert score first) or "noaux_tc" (V3: groups by the sum of their two best scores plus the correction
+    # bias, "router_bias", which steers the choice but not the weights).
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights are multiplied by it
+    router_fp32: bool = False  # the router's product in fp32 whatever the compute dtype (DeepSeek)
+    # DeepSeek: the always-on shared experts are one plain MLP of this width (no gate), beside the routed ones
+    shared_mlp_intermediate_size: int = 0
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok {self.top_k} must be between 1 and the number of experts {self.num_experts}")
+        if self.scoring not in ("softmax", "sigmoid") or self.topk_method not in TOPK_METHODS:
+            raise UnsupportedModelError(f"router scoring {self.scoring!r} / topk_method {self.topk_method!r} is not "
+                                        f"supported; supported: softmax or sigmoid, {', '.join(TOPK_METHODS)}")
+        if self.topk_method != "greedy":
+            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise UnsupportedModelError(f"n_group {self.n_group} / topk_group {self.topk_group} do not divide "
+                                            f"{self.num_experts} experts into groups to choose from")
+            if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
+                raise UnsupportedModelError(f"{self.n_group} groups of {self.num_experts} experts: noaux_tc scores "
+                                            "a group by its two best experts")
+            if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+                raise UnsupportedModelError(f"topk_group {self.topk_group} of {self.n_group} groups holds fewer "
+                                            f"than num_experts_per_tok {self.top_k} experts")
 
     def expert_shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         """One expert's tensors (short names) and shapes."""
@@ -179,6 +211,31 @@ class MoEConfig:
             return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i),
                     "b_gate": (i,), "b_up": (i,), "b_down": (hidden,)}
         return {"w_gate": (i, hidden), "w_up": (i, hidden), "w_down": (hidden, i)}
+
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3). Per head, q . k is over qk_nope_head_dim dims
+    from the latent (through kv_b's K rows) and qk_rope_head_dim rotary dims shared by every head; V has
+    v_head_dim dims from the latent. The cache holds per token kv_lora_rank latent values and the
+    qk_rope_head_dim rotary key: one "head" of cache_width values."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: q is one full projection (V2-Lite); else down, norm, up
+    rope_interleaved: bool  # RoPE on adjacent pairs (V2 always, V3 with rope_interleave) rather than halves
+    # llama.cpp's files split kv_b into each head's K rows transposed, "wk_b" (heads, kv_lora_rank, qk_nope), and
+    # its V rows, "wv_b" (heads, v_head_dim, kv_lora_rank): the absorbed form's two factors as they are used.
+    kv_b_split: bool = False
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -229,6 +286,7 @@ class ModelConfig:
     # RMSNorm weights are applied as (norm_offset + w); None: the family's convention. A format that stores
     # the offset folded into the weight (llama.cpp's Gemma files hold 1 + w) sets 0.
     norm_offset: float | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention's shapes (Family.mla)
 
     def __post_init__(self):
         if self.family is None:
@@ -242,6 +300,14 @@ class ModelConfig:
         """Whether a sequence of up to max_len tokens may switch RoPE tables as it grows (LongRoPE): K cached
         under one table is then not what the other would compute."""
         return bool(self.rope_long_inv_freq) and max_len > self.rope_long_after
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, K width, V width) of one layer's KV cache per token: (num_kv_heads, head_dim, head_dim), or
+        with latent attention one head holding the latent and the rotary key, and no V (the latent is V)."""
+        if self.mla is not None:
+            return 1, self.mla.cache_width, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -260,12 +326,14 @@ class ModelConfig:
         # in the cache entries built from it.
         norms = self.family.norms
         shapes = {"attn_norm": (h,)} if "attn_norm" in norms else {}
-        if self.family.fused_qkv:
+        if self.mla is not None:
+            shapes.update(self._mla_shapes())
+        elif self.family.fused_qkv:
             shapes.update(wqkv=(q + 2 * kv, h), wo=(h, q))  # rows: q, then k, then v
         else:
             shapes.update(wq=(q, h), wk=(kv, h), wv=(kv, h), wo=(h, q))
         shapes.update({name: (h,) for name in NORMS if name in norms and name != "attn_norm"})
-        if self.qkv_bias:
+        if self.qkv_bias and self.mla is None:
             shapes.update(bqkv=(q + 2 * kv,)) if self.family.fused_qkv else shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
         if self.o_bias:
             shapes.update(bo=(h,))
@@ -282,8 +350,11 @@ class ModelConfig:
             return shapes
         m = self.moe
         shapes["router"] = (m.num_experts, h)
-        if self.family.router_bias:
+        if self.family.router_bias or m.topk_method == "noaux_tc":  # GPT-OSS's logit bias; DeepSeek-V3's correction
             shapes["router_bias"] = (m.num_experts,)
+        if m.shared_mlp_intermediate_size:
+            s = m.shared_mlp_intermediate_size
+            shapes.update({"shared.w_gate": (s, h), "shared.w_up": (s, h), "shared.w_down": (h, s)})
         if m.shared_expert_intermediate_size:
             s = m.shared_expert_intermediate_size
             shapes.update({"shared.w_gate": (s, h), "shared.w_up": (s, h), "shared.w_down": (h, s),
@@ -291,6 +362,27 @@ class ModelConfig:
         for e in range(m.num_experts):
             shapes.update({expert_key(e, k): shape for k, shape in m.expert_shapes(h).items()})
         return shapes
+
+    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Latent attention's tensors: q through a low-rank pair (wq_a, its norm, wq_b) or one wq; the KV
+        latent and rotary key from wkv_a, the latent's norm, wkv_b (each head's K rows, then its V rows)."""
+        a, h, nh = self.mla, self.hidden_size, self.num_heads
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        out = {}
+        if a.q_lora_rank is None:
+            out["wq"] = (nh * qk, h)
+        else:
+            out.update(wq_a=(a.q_lora_rank, h), q_a_norm=(a.q_lora_rank,), wq_b=(nh * qk, a.q_lora_rank))
+        out.update(wkv_a=(a.cache_width, h), kv_a_norm=(a.kv_lora_rank,))
+        if a.kv_b_split:
+            out.update(wk_b=(nh, a.kv_lora_rank, a.qk_nope_head_dim), wv_b=(nh, a.v_head_dim, a.kv_lora_rank))
+        else:
+            out["wkv_b"] = (nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        out["wo"] = (h, nh * a.v_head_dim)
+        if self.qkv_bias:  # attention_bias: the down projections and o are biased, the up projections not
+            out.update({"bq_a": (a.q_lora_rank,)} if a.q_lora_rank is not None else {})
+            out["bkv_a"] = (a.cache_width,)
+        return out
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         """Embeddings, final norm and (untied) head. A tied model reads its head from the embedding
@@ -365,6 +457,9 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
             scalars[target] = convert(value)
     if fam.embed_scale_sqrt_hidden:
         scalars["embed_scale"] = hf.hidden_size ** 0.5
+    mla = _mla(hf, arch) if fam.mla else None
+    if mla is not None:
+        scalars["attn_scale"] = _mla_scale(hf, mla)
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
@@ -372,7 +467,8 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         intermediate_size=hf.intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        # latent attention caches one head (kv_cache_dims); DeepSeek's configs keep a meaningless default here
+        num_kv_heads=1 if mla is not None else getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
@@ -386,6 +482,7 @@ def config_from_hf(hf, arch: str, checkpoint_dtype: torch.dtype) -> ModelConfig:
         family=fam,
         layer_windows=_layer_windows(hf, sliding),
         nope_layers=_nope_layers(hf),
+        mla=mla,
         **scalars,
     )
 
@@ -412,6 +509,31 @@ def _layer_windows(hf, sliding: int | None) -> tuple[int | None, ...]:
     return tuple(sliding if t == "sliding_attention" else None for t in types)
 
 
+def _mla(hf, arch: str) -> MLAConfig:
+    """Latent attention's shapes. V2 always rotates adjacent pairs (transformers' complex product); V3 as its
+    rope_interleave says."""
+    interleaved = True if arch == "DeepseekV2ForCausalLM" else bool(getattr(hf, "rope_interleave", True))
+    return MLAConfig(kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+                     qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+                     q_lora_rank=getattr(hf, "q_lora_rank", None) or None, rope_interleaved=interleaved)
+
+
+def _mla_scale(hf, mla: MLAConfig) -> float:
+    """q . k's scale: 1 / sqrt(qk_nope + qk_rope), times YaRN's mscale(factor, mscale_all_dim) squared, which
+    DeepSeek applies to every dim of the score (the rotary table's own attention factor covers only the rotary
+    dims), as transformers' yarn_apply_mscale does."""
+    import math
+
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    all_dim = params.get("mscale_all_dim")
+    if params.get("rope_type", params.get("type", "default")) != "default" and all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
 def _moe(hf, arch: str) -> MoEConfig | None:
     """The mixture's shape from the config; which blocks are sparse follows transformers: Qwen2/3-MoE
     skip `mlp_only_layers` and keep every `decoder_sparse_step`-th block; Mixtral and OLMoE are sparse
@@ -420,6 +542,8 @@ def _moe(hf, arch: str) -> MoEConfig | None:
         return None
     layers = range(hf.num_hidden_layers)
     fam = family(arch)
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return _deepseek_moe(hf, arch)
     if arch == "MixtralForCausalLM":
         experts, width, norm_topk = hf.num_local_experts, hf.intermediate_size, True
     elif arch == "GptOssForCausalLM":  # the softmax over the top k already sums to 1
@@ -441,6 +565,34 @@ def _moe(hf, arch: str) -> MoEConfig | None:
     return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=width,
                      norm_topk_prob=norm_topk, sparse_layers=sparse, shared_expert_intermediate_size=shared or 0,
                      expert_mlp=fam.expert_mlp, **swiglu)
+
+
+def _deepseek_moe(hf, arch: str) -> MoEConfig:
+    """DeepSeek's mixture as transformers runs it: blocks from first_k_dense_replace on are sparse; V3 scores
+    by sigmoid and chooses by the corrected scores in its best groups, renormalising when norm_topk_prob; V2
+    scores by softmax, chooses greedily or within its best groups (topk_method), and never renormalises. Both
+    scale the chosen weights by routed_scaling_factor and add n_shared_experts' one shared MLP."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    experts = hf.n_routed_experts
+    if experts is None or experts < 1:
+        raise UnsupportedModelError(f"{arch} with n_routed_experts={experts} has no mixture to route to")
+    norm_topk = bool(getattr(hf, "norm_topk_prob", False))
+    method = "noaux_tc" if v3 else (getattr(hf, "topk_method", None) or "greedy")
+    if not v3 and norm_topk:
+        # DeepSeek's own V2 code renormalises then; transformers' V2 router (the reference here) does not.
+        raise UnsupportedModelError(f"{arch} with norm_topk_prob=True is not supported: transformers and "
+                                    "DeepSeek's V2 code disagree on it")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"{arch} topk_method {method!r} is not supported; supported: greedy, "
+                                    "group_limited_greedy")
+    first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
+    width = hf.moe_intermediate_size
+    return MoEConfig(num_experts=experts, top_k=hf.num_experts_per_tok, expert_intermediate_size=width,
+                     norm_topk_prob=norm_topk and v3, sparse_layers=tuple(range(first_dense, hf.num_hidden_layers)),
+                     scoring="sigmoid" if v3 else "softmax", topk_method=method,
+                     n_group=getattr(hf, "n_group", None) or 1, topk_group=getattr(hf, "topk_group", None) or 1,
+                     routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0), router_fp32=True,
+                     shared_mlp_intermediate_size=width * (getattr(hf, "n_shared_experts", 0) or 0))
 
 
 def _ropes(hf, head_dim: int) -> dict:

@@ -309,3 +309,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                                   mask[a:a + sp, :, r:r + rp], scale)
     # reshape, not view: memory-efficient attention returns a (seqs, rows, heads, head_dim) layout.
     return out.reshape(seqs, nh, mq, hd)
+
+
+def attend_latent(q: torch.Tensor, latent: torch.Tensor, width: int, mask: torch.Tensor, scale: float | None,
+                  chunk_bytes: int | None = None) -> torch.Tensor:
+    """Multi-head latent attention over one shared cached head: q (seqs, heads, max_query, d) with each head's
+    query already in latent space; latent (seqs, 1, context, d) the keys, whose first `width` dims are also the
+    values; mask (seqs, 1, max_query, context). Returns (seqs, heads, max_query, width) in q's dtype.
+
+    No SDPA kernel takes values narrower than the keys, and none of the C++ kernels a cache of one wide head:
+    the eager math (scores, masked softmax in fp32, the product with the values), every head folded into the
+    query rows of the one KV head, split as the math path is so one call's temporaries stay bounded."""
+    seqs, nh, mq, d = q.shape
+    ctx = latent.shape[2]
+    rows = nh * mq
+    q = q.reshape(seqs, 1, rows, d)  # (seqs, 1, heads * max_query, d): head-major, as mask's expansion below
+    mask = mask[:, :, None].expand(seqs, 1, nh, mq, ctx).reshape(seqs, 1, rows, ctx)
+    scale = d ** -0.5 if scale is None else scale
+    sp, rp = split(seqs, rows, ctx, 1, d, q.element_size(), chunk_bytes)
+    out = q.new_empty(seqs, 1, rows, width)
+    for a in range(0, seqs, sp):
+        kt = latent[a:a + sp].transpose(-1, -2)  # (n, 1, d, context)
+        v = latent[a:a + sp, :, :, :width]  # (n, 1, context, width)
+        for r in range(0, rows, rp):
+            s = torch.matmul(q[a:a + sp, :, r:r + rp], kt).float() * scale  # (n, 1, m, context) fp32
+            s = s.masked_fill(~mask[a:a + sp, :, r:r + rp], float("-inf"))
+            out[a:a + sp, :, r:r + rp] = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+    return out.view(seqs, nh, mq, width)

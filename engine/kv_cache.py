@@ -28,7 +28,12 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int | tuple[int, ...], block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int | tuple[int, ...] = 0,
-                 layer_groups: tuple[int, ...] | None = None, quant: KVQuant | None = None, disk=None):
+                 layer_groups: tuple[int, ...] | None = None, quant: KVQuant | None = None, disk=None,
+                 v_head_dim: int | None = None):
+        # v_head_dim: V's width where it is not K's; 0 for latent attention, whose one cached head (K) holds
+        # the latent that serves as V too: V's pools are then empty and every copy of them a no-op.
+        vd = head_dim if v_head_dim is None else v_head_dim
+        assert quant is None or vd == head_dim, "a quantized KV cache has K and V of one width"
         self.quant = quant
         self.dtype = dtype
         self.layer_groups = layer_groups or (0,) * num_layers
@@ -37,7 +42,7 @@ class KVCache:
         assert len(self.layer_groups) == num_layers and max(self.layer_groups) < len(group_blocks)
         assert disk is None or len(group_blocks) == 1, "the KV disk tier is for models with one KV group"
         self.k = [self._pool(group_blocks[g], block_size, num_kv_heads, head_dim, device) for g in self.layer_groups]
-        self.v = [self._pool(group_blocks[g], block_size, num_kv_heads, head_dim, device) for g in self.layer_groups]
+        self.v = [self._pool(group_blocks[g], block_size, num_kv_heads, vd, device) for g in self.layer_groups]
         self.num_blocks = group_blocks[0]
         self.block_size = block_size
         self.device = torch.device(device)
@@ -45,7 +50,7 @@ class KVCache:
         pin = self.device.type == "cuda" and sum(group_host) > 0
         self.host_k = [self._pool(group_host[g], block_size, num_kv_heads, head_dim, "cpu", pin)
                        for g in self.layer_groups]
-        self.host_v = [self._pool(group_host[g], block_size, num_kv_heads, head_dim, "cpu", pin)
+        self.host_v = [self._pool(group_host[g], block_size, num_kv_heads, vd, "cpu", pin)
                        for g in self.layer_groups]
         self.num_host_blocks = group_host[0]
         self.disk = disk
@@ -60,8 +65,8 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        quant: KVQuant | None = None) -> int:
-        return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, quant)
+                        quant: KVQuant | None = None, v_head_dim: int | None = None) -> int:
+        return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, quant, v_head_dim)
 
     @staticmethod
     def _parts(pool) -> tuple[torch.Tensor, ...]:

@@ -105,8 +105,12 @@ class KVQuant:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       quant: KVQuant | None) -> int:
-    """K and V of one token over every layer, in the compute dtype or quantized."""
+                       quant: KVQuant | None, v_head_dim: int | None = None) -> int:
+    """K and V of one token over every layer, in the compute dtype or quantized. v_head_dim: V's width where it
+    is not K's (latent attention caches no V: 0)."""
+    if v_head_dim is not None and v_head_dim != head_dim:
+        assert quant is None, "a quantized KV cache has K and V of one width"
+        return num_layers * num_kv_heads * (head_dim + v_head_dim) * dtype.itemsize
     per_head = head_dim * dtype.itemsize if quant is None else quant.bytes_per_head
     return 2 * num_layers * num_kv_heads * per_head
 

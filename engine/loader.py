@@ -79,6 +79,10 @@ def kv_quant_for(args: EngineArgs, cfg: ModelConfig) -> KVQuant | None:
     """The KV cache's quantized format (--kv-cache-dtype, --kv-cache-rotation), None for auto; a model whose
     heads the format cannot split, or with sliding-window layers (whose pools the quantized attention path does
     not read yet), is a clear error before anything loads."""
+    if cfg.mla is not None and args.kv_cache_dtype != "auto":
+        raise UnsupportedModelError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported for multi-head latent "
+                                    f"attention ({cfg.architecture}: its cache holds the latent, not K and V); "
+                                    "use --kv-cache-dtype auto")
     try:
         quant = KVQuant.of(args.kv_cache_dtype, cfg.head_dim, args.kv_cache_rotation)
     except ValueError as e:
@@ -91,6 +95,10 @@ def kv_quant_for(args: EngineArgs, cfg: ModelConfig) -> KVQuant | None:
 
 def kv_dtype_options(cfg: ModelConfig, dtype: torch.dtype, rotate: bool) -> tuple[tuple[str, int], ...]:
     """(name, KV bytes per token) of every --kv-cache-dtype this model can use, for the plan's fits table."""
+    heads, k_width, v_width = cfg.kv_cache_dims
+    if cfg.mla is not None:  # the latent is cached in the compute dtype only (kv_quant_for)
+        return ((str(dtype).replace("torch.", ""),
+                 KVCache.bytes_per_token(cfg.num_layers, heads, k_width, dtype, None, v_width)),)
     options = []
     for name in KV_CACHE_DTYPES:
         try:
@@ -252,7 +260,8 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     kv_host = kv_host_bytes(args, device, host_room)
     runtime = anonymous_bytes() if device.type == "cpu" else 0
     # one layer's K and V (codes and scales with a quantized cache)
-    layer_bytes = KVCache.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype, kv_quant_for(args, cfg))
+    kv_heads, k_width, v_width = cfg.kv_cache_dims
+    layer_bytes = KVCache.bytes_per_token(1, kv_heads, k_width, dtype, kv_quant_for(args, cfg), v_width)
     kv_groups = tuple((len(g.layers) * layer_bytes, g.window) for g in kv_layout(args, cfg).groups)
 
     def plan_with(grammar_probe: int) -> MemoryPlan:
@@ -267,8 +276,8 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
                 num_layers=cfg.num_layers,
                 block_bytes=sizes.block_bytes,
                 global_bytes=sizes.global_bytes,
-                kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
-                                                           kv_quant_for(args, cfg)),
+                kv_bytes_per_token=KVCache.bytes_per_token(cfg.num_layers, kv_heads, k_width, dtype,
+                                                           kv_quant_for(args, cfg), v_width),
                 kv_dtype_options=kv_dtype_options(cfg, dtype, args.kv_cache_rotation),
                 workspace_bytes=workspace_bytes(cfg, tokens, args.max_num_seqs, max_len, dtype, logits_rows(args),
                                                 chunk),
@@ -291,6 +300,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
                 **experts,
                 **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
                 attn_chunk_bytes=chunk,
+                kv_latent_width=cfg.mla.cache_width if cfg.mla is not None else 0,
             )
 
         plan = _plan_context(args, cfg, host_room if host_sized else None, limit, inputs)
@@ -327,7 +337,9 @@ def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype:
                 # this block's top_k and the next block's guesses, at the least
                 min_expert_slots=min(2 * moe.top_k, sizes.num_experts_total),
                 experts_per_token=moe.top_k * len(moe.sparse_layers),
-                predictor_bytes=len(moe.sparse_layers) * (moe.num_experts + 1) * cfg.hidden_size * dtype.itemsize)
+                predictor_bytes=len(moe.sparse_layers) * ((moe.num_experts + 1) * cfg.hidden_size
+                                                          + moe.num_experts * (moe.topk_method == "noaux_tc"))
+                * dtype.itemsize)
 
 
 @dataclass
@@ -409,9 +421,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         finally:
             bar.close()
         layout = kv_layout(args, cfg)
-        kv = KVCache(cfg.num_layers, plan.kv_group_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
+        kv_heads, k_width, v_width = cfg.kv_cache_dims
+        kv = KVCache(cfg.num_layers, plan.kv_group_blocks, plan.kv_block_size, kv_heads, k_width,
                      dtype, device, num_host_blocks=plan.kv_group_host_blocks, layer_groups=layout.layer_groups(),
-                     quant=quant)
+                     quant=quant, v_head_dim=v_width)
         disk = None
         if len(layout.groups) == 1 and layout.groups[0].window is None:
             kv.disk = disk = open_kv_disk(args, path, cfg, dtype, quant, kv.bytes_per_block)

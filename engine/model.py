@@ -106,12 +106,14 @@ def rotary_cos_sin(
     return cos[:, None], sin[:, None]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+           interleaved: bool | None = None) -> torch.Tensor:
     """RoPE in the family's form. x: (tokens, heads, head_dim); cos, sin: (tokens, 1, rotary_dim) from
     rotary_cos_sin. Only the first rotary_dim dims of each head rotate (partial rotary: Phi-3/4, GLM-4),
-    as halves (ops.apply_rotary) or as adjacent pairs (GLM-4's interleaved form)."""
+    as halves (ops.apply_rotary) or as adjacent pairs (GLM-4's interleaved form; `interleaved` overrides the
+    family's choice where the config makes it: DeepSeek-V3's rope_interleave)."""
     rot = cos.shape[-1]
-    interleaved = cfg.family.rope_interleaved
+    interleaved = cfg.family.rope_interleaved if interleaved is None else interleaved
     if rot == x.shape[-1] and not interleaved:
         return ops.apply_rotary(x, cos, sin)
     xr = x[..., :rot]  # (tokens, heads, rotary_dim), a view
@@ -143,6 +145,8 @@ def attention(
     cfg: ModelConfig,
 ) -> torch.Tensor:
     """Self-attention of the normed x (tokens, hidden) over the block's KV cache -> (tokens, hidden)."""
+    if cfg.mla is not None:
+        return latent_attention(x, w, k_cache, step, cfg)
     tokens = x.shape[0]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     fused = "wqkv" in w  # resident blocks: q, k, v stacked at load (engine.weights.packed.fuse)
@@ -200,6 +204,46 @@ def attention(
                      scale=cfg.attn_scale, softcap=cfg.attn_softcap, sinks=sinks)
     out = unpadded_outputs(out, step).reshape(-1, nh * hd)  # (tokens, heads*head_dim)
     return ops.linear(out, w["wo"], w.get("bo"))
+
+
+def latent_attention(x: torch.Tensor, w: dict[str, torch.Tensor], cache: torch.Tensor, step: StepInputs,
+                     cfg: ModelConfig) -> torch.Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3) of the normed x (tokens, hidden) -> (tokens, hidden).
+
+    The cache (blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim) holds each token's normed latent c and
+    its rotated key k_r, shared by every head. Head h's key is [W_UK[h] c, k_r] and its value W_UV[h] c (W_UK,
+    W_UV: the K and V rows of wkv_b), so q . k = (q_nope W_UK[h]) . c + q_rope . k_r: each head's q_nope is
+    taken into latent space once (weight absorption), attention runs over [c, k_r] with c as its values,
+    and W_UV takes each head's output out of latent space. The per-head K and V are never formed; the
+    reference forms them, so the two agree to rounding, not bit for bit."""
+    a, tokens, nh = cfg.mla, x.shape[0], cfg.num_heads
+    r, dn, dr, dv = a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+    if a.q_lora_rank is None:
+        q = ops.linear(x, w["wq"])  # (tokens, heads * (dn + dr))
+    else:
+        q = ops.linear(norm(ops.linear(x, w["wq_a"], w.get("bq_a")), w["q_a_norm"], cfg), w["wq_b"])
+    q_nope, q_rope = q.view(tokens, nh, dn + dr).split((dn, dr), dim=-1)  # (tokens, heads, dn | dr) views
+    latent, k_rope = ops.linear(x, w["wkv_a"], w.get("bkv_a")).split((r, dr), dim=-1)  # (tokens, r | dr)
+    latent = norm(latent, w["kv_a_norm"], cfg)  # (tokens, r)
+    if step.cos is not None:
+        q_rope = rotate(q_rope, step.cos, step.sin, cfg, a.rope_interleaved)  # (tokens, heads, dr)
+        k_rope = rotate(k_rope.view(tokens, 1, dr), step.cos, step.sin, cfg, a.rope_interleaved)
+    entry = torch.cat((latent, k_rope.view(tokens, dr)), dim=-1)[:, None]  # (tokens, 1, r + dr): the one cached head
+    cache.view(-1, 1, r + dr).index_copy_(0, step.slot_mapping, entry)
+    if "wkv_b" in w:
+        wkv_b = w["wkv_b"].view(nh, dn + dv, r)  # (heads, dn + dv, r): each head's K rows, then its V rows
+        w_uk, w_uv = wkv_b[:, :dn], wkv_b[:, dn:]  # (heads, dn, r), (heads, dv, r)
+    else:  # llama.cpp's files store them apart, K's transposed (MLAConfig.kv_b_split)
+        w_uk, w_uv = w["wk_b"].transpose(1, 2), w["wv_b"]  # (heads, dn, r), (heads, dv, r)
+    q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # (tokens, heads, r)
+    qp = padded_queries(torch.cat((q_latent, q_rope), dim=-1), step)  # (seqs, heads, max_query, r + dr)
+    first = step.first_block
+    tables, ctx = step.block_tables[:, first:], step.context_len - first * cache.shape[1]
+    keys = gather_blocks(cache, tables, ctx)  # (seqs, 1, context, r + dr)
+    out = ops.attend_latent(qp, keys, r, step.attn_mask, cfg.attn_scale, step.attn_chunk_bytes)  # (seqs, heads, mq, r)
+    out = unpadded_outputs(out, step)  # (tokens, heads, r)
+    out = torch.einsum("thr,hvr->thv", out, w_uv)  # (tokens, heads, dv)
+    return ops.linear(out.reshape(tokens, nh * dv), w["wo"], w.get("bo"))
 
 
 def padded_queries(q: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -322,26 +366,54 @@ class Routing:
 
 
 def router_topk(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """h: (tokens, hidden) normed hidden states; w: the block's "router" (experts, hidden) and, where the
-    family has one, "router_bias" -> ids, weights (tokens, top_k). "softmax_topk" (Family.router): softmax over
-    all experts in fp32 first, then the top k, optionally renormalised over the k chosen; "topk_softmax"
-    (GPT-OSS): the top k logits, then the softmax over those k alone."""
+    """h: (tokens, hidden) normed hidden states; w: the block's "router" (experts, hidden) and, where the family
+    has one, "router_bias" (experts,) -> ids, weights (tokens, top_k). GPT-OSS (Family.router "topk_softmax"):
+    the top k of the biased logits, then the softmax over those k alone. The others score in fp32: a softmax
+    over every expert (Mixtral, Qwen, OLMoE, DeepSeek-V2) or a sigmoid of each (DeepSeek-V3); the top k of
+    them, or of those in the topk_group best groups (group_limited_greedy: a group by its best score;
+    noaux_tc: by its two best with V3's correction bias, which decides the choice only); renormalised over
+    the k chosen when norm_topk_prob; times routed_scaling_factor."""
     m = cfg.moe
-    logits = ops.linear(h, w["router"], w.get("router_bias"))  # (tokens, experts)
     if cfg.family.router == "topk_softmax":
+        logits = ops.linear(h, w["router"], w.get("router_bias"))  # (tokens, experts)
         top, ids = torch.topk(logits, m.top_k, dim=-1)  # (tokens, top_k)
         return ids, torch.softmax(top.float(), dim=-1)
-    probs = torch.softmax(logits.float(), dim=-1)  # (tokens, experts)
-    weights, ids = torch.topk(probs, m.top_k, dim=-1)  # (tokens, top_k)
+    if m.router_fp32:  # DeepSeek's router multiplies in fp32 whatever the compute dtype
+        logits = ops.linear(h.float(), w["router"].float())  # (tokens, experts)
+    else:
+        logits = ops.linear(h, w["router"]).float()
+    scores = torch.sigmoid(logits) if m.scoring == "sigmoid" else torch.softmax(logits, dim=-1)  # (tokens, experts)
+    if m.topk_method == "greedy":
+        weights, ids = torch.topk(scores, m.top_k, dim=-1)  # (tokens, top_k)
+    else:
+        per_group = m.num_experts // m.n_group
+        choice = scores + w["router_bias"].float() if m.topk_method == "noaux_tc" else scores
+        grouped = choice.view(-1, m.n_group, per_group)  # (tokens, groups, per_group)
+        if m.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (tokens, groups)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        best = torch.topk(group_scores, m.topk_group, dim=-1, sorted=False)[1]  # (tokens, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (tokens, groups)
+        keep = keep[:, :, None].expand_as(grouped).reshape(-1, m.num_experts)  # (tokens, experts)
+        if m.topk_method == "noaux_tc":
+            ids = torch.topk(choice.masked_fill(~keep, float("-inf")), m.top_k, dim=-1)[1]  # (tokens, top_k)
+            weights = scores.gather(1, ids)  # the uncorrected scores weigh the chosen experts
+        else:
+            weights, ids = torch.topk(scores.masked_fill(~keep, 0.0), m.top_k, dim=-1)
     if m.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True)
+        # V3 guards its sum of sigmoids as transformers does; a softmax's top k never sum to 0
+        weights = weights / (total + 1e-20 if m.scoring == "sigmoid" else total)
+    if m.routed_scaling_factor != 1.0:
+        weights = weights * m.routed_scaling_factor
     return ids, weights
 
 
 def guess_experts(hidden: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """The experts a MoE block's router (w: its "mlp_norm" and "router") chooses for hidden (tokens, hidden)
-    taken before the block's own attention: (tokens, top_k) int64. The expert tier's guess of the next
-    block's experts from this block's residual stream, made while this block computes."""
+    """The experts a MoE block's router (w: its "mlp_norm", "router" and any "router_bias") chooses for hidden
+    (tokens, hidden) taken before the block's own attention: (tokens, top_k) int64. The expert tier's guess
+    of the next block's experts from this block's residual stream, made while this block computes."""
     normed = ops.rms_norm(hidden, w["mlp_norm"], cfg.rms_norm_eps)  # (tokens, hidden)
     ids, _ = router_topk(normed, w, cfg)
     return ids
@@ -412,7 +484,10 @@ def expert_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], moe: MoEConfig) -> t
 
 
 def shared_expert(h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Qwen2-MoE's always-on expert, scaled per token by sigmoid(shared_gate . h): (tokens, hidden)."""
+    """The always-on expert: Qwen2-MoE's scaled per token by sigmoid(shared_gate . h), DeepSeek's (its shared
+    experts as one MLP) unscaled: (tokens, hidden)."""
+    if "shared_gate" not in w:
+        return mlp(h, w, "shared.")
     return torch.sigmoid(ops.linear(h, w["shared_gate"])) * mlp(h, w, "shared.")
 
 
@@ -442,9 +517,10 @@ def _llama_block(cfg: ModelConfig, step: StepInputs) -> bool:
     """The block is Llama's (norms, activation, no scales or caps, RoPE over whole heads as halves): the fused
     paths (the residual add with the next norm in one call, the whole block in one C++ call) compute exactly it."""
     f = cfg.family
-    return (f.norms == _LLAMA.norms and f.activation == "silu" and not cfg.norm_offset and cfg.attn_scale is None
-            and not f.attn_sinks and cfg.attn_softcap is None and cfg.residual_scale == 1.0 and step.cos is not None
-            and not f.rope_interleaved and step.cos.shape[-1] == cfg.head_dim)
+    return (f.norms == _LLAMA.norms and f.activation == "silu" and not f.mla and not cfg.norm_offset
+            and cfg.attn_scale is None and not f.attn_sinks and cfg.attn_softcap is None
+            and cfg.residual_scale == 1.0 and step.cos is not None and not f.rope_interleaved
+            and step.cos.shape[-1] == cfg.head_dim)
 
 
 def final_logits(

@@ -473,6 +473,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                     matmul=uses_bf16_matmul(q), softmax=attention_ops(), sinks=sinks)
 
 
+def attend_latent(q: torch.Tensor, latent: torch.Tensor, width: int, mask: torch.Tensor, scale: float | None,
+                  chunk_bytes: int | None = None) -> torch.Tensor:
+    """Multi-head latent attention (model.latent_attention) over a padded batch: q (seqs, heads, max_query, d),
+    latent (seqs, 1, context, d), values its first `width` dims -> (seqs, heads, max_query, width). Torch's
+    ops on every device (attention_backend.attend_latent): the C++ kernels take K and V of one head_dim."""
+    return attention_backend.attend_latent(q, latent, width, mask, scale, chunk_bytes)
+
+
 # -- attention over a quantized KV cache ---------------------------------------------------------------
 
 def quantized_kv_tables(step: StepInputs, q: torch.Tensor) -> torch.Tensor | None:

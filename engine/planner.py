@@ -97,6 +97,9 @@ class PlanInputs:
     min_expert_slots: int = 0
     experts_per_token: int = 0  # top_k x sparse blocks: experts one token uses per step
     predictor_bytes: int = 0  # each sparse block's router and norm, kept on the device to guess the next block's experts
+    # Latent attention (DeepSeek): the values each layer caches per token (kv_lora_rank + qk_rope_head_dim), in
+    # place of K and V; 0: K and V. Only for the plan's description of kv_bytes_per_token.
+    kv_latent_width: int = 0
 
     def streaming_needs(self) -> str:
         """min_streaming_bytes in words, for errors."""
@@ -240,6 +243,7 @@ class MemoryPlan:
     max_num_batched_tokens: int = 0  # see PlanInputs: the scheduler forms no larger step
     runtime_bytes: int = 0  # see PlanInputs: outside the budget, printed beside it
     kv_fits: tuple[KVFit, ...] = ()  # see PlanInputs.kv_dtype_options
+    kv_latent_width: int = 0  # see PlanInputs
 
     @property
     def stream_block_bytes(self) -> int:
@@ -273,6 +277,9 @@ class MemoryPlan:
         total = sum(b for b, _ in groups)
         if not groups:
             return ""
+        if self.kv_latent_width and not any(w for _, w in groups):
+            return (f"  KV per token: {format_bytes(total)} (the latent of multi-head latent attention: "
+                    f"{self.kv_latent_width} values per layer, no per-head K or V)")
         if not any(w for _, w in groups):
             return f"  KV per token: {format_bytes(total)} (K and V over every layer)"
         windows = ", ".join(f"window {w}: {format_bytes(b)}" for b, w in groups if w is not None)
@@ -399,7 +406,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             kv_groups=p._kv_groups(), kv_group_blocks=group_blocks, kv_group_host_blocks=host_group_blocks,
             draft_bytes=p.draft_bytes(len(streamed)), draft_name=p.draft_name,
             attn_chunk_bytes=p.attn_chunk_bytes, max_num_batched_tokens=p.max_num_batched_tokens,
-            runtime_bytes=p.runtime_bytes, **experts))
+            runtime_bytes=p.runtime_bytes, kv_latent_width=p.kv_latent_width, **experts))
 
     all_blocks = p.num_layers * p.block_bytes
     if p.budget is None:

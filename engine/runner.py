@@ -237,7 +237,7 @@ class ModelRunner:
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
-        out = M.shared_expert(hn, w) if "shared_gate" in w else torch.zeros_like(hn)  # (tokens, hidden)
+        out = M.shared_expert(hn, w) if "shared.w_down" in w else torch.zeros_like(hn)  # (tokens, hidden)
         for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
             M.moe_experts(hn, routing, group, out, cfg.moe)
         return h + out

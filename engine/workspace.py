@@ -36,15 +36,16 @@ def workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, max_len: int, dtyp
     isz = dtype.itemsize
     act = tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * isz
     logits = (logits_rows or seqs) * cfg.vocab_size * 4 * 3  # rows: k + 1 per sequence when verifying drafts
-    group = cfg.num_heads // cfg.num_kv_heads
+    # Latent attention (kv_cache_dims): every head's query, of the cache's width, over its one cached head.
+    nkv, hd, _ = cfg.kv_cache_dims
+    group = cfg.num_heads // nkv
     attn = 0
     for s in range(1, min(seqs, tokens) + 1):
         mq = min(tokens - s + 1, max_len)
-        padded = s * mq * cfg.num_heads * cfg.head_dim * isz * 4
+        padded = s * mq * cfg.num_heads * hd * isz * 4
         masks = s * mq * max_len * (1 + group)
-        gathered = 2 * s * cfg.num_kv_heads * max_len * cfg.head_dim * isz
-        call = attention_backend.workspace_bytes(s, group * mq, max_len, cfg.num_kv_heads, cfg.head_dim, isz,
-                                                 attn_chunk_bytes)
+        gathered = 2 * s * nkv * max_len * hd * isz
+        call = attention_backend.workspace_bytes(s, group * mq, max_len, nkv, hd, isz, attn_chunk_bytes)
         attn = max(attn, padded + masks + gathered + call)
     dense = ops.dense_product_workspace_bytes(tokens, max(cfg.hidden_size, cfg.intermediate_size))
     return act + attn + logits + dense

@@ -19,8 +19,9 @@ def build_drafter(config: SpeculativeConfig, target, draft_model=None) -> Drafte
     assert draft_model is not None
     # The draft's pool mirrors the target's blocks, so each sequence's block table serves both.
     d, plan = draft_model.cfg, target.plan
-    kv = KVCache(d.num_layers, plan.num_kv_blocks, plan.kv_block_size, d.num_kv_heads, d.head_dim, draft_model.dtype,
-                 target.runner.device)
+    heads, k_width, v_width = d.kv_cache_dims
+    kv = KVCache(d.num_layers, plan.num_kv_blocks, plan.kv_block_size, heads, k_width, draft_model.dtype,
+                 target.runner.device, v_head_dim=v_width)
     return ModelDrafter(ModelRunner(d, draft_model.weights, kv, target.runner.device, draft_model.dtype,
                                     attn_chunk_bytes=draft_model.plan.attn_chunk_bytes),
                         shares_kv=False, owner=draft_model)

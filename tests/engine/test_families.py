@@ -339,13 +339,15 @@ def converter_source(folder, arch: str):
     return build_random_model(folder, cfg, seed=11, adjust=sharpen_attention)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["phi3", "phi4mini", "olmo2", "granite", "smollm3", "glm4", "gpt_oss",
+                                  "deepseek_v3", "deepseek_v2"])
 def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
     """llama.cpp's convert_hf_to_gguf.py of each tiny family (F32: the same weights), served from the file: its
-    tensor names (Phi-3's stacked qkv and gate/up, GPT-OSS's stacked experts with gate and up split), Q/K rows it
-    permutes (Granite, SmolLM3), the config from its metadata (Granite's multipliers, GLM-4's rotary dims, Phi-3's
-    window and LongRoPE factor tensors, GPT-OSS's experts, window and YaRN, which transformers' GGUF reader does
-    not read or does not know), held to transformers on the original checkpoint."""
+    tensor names (Phi-3's stacked qkv and gate/up, GPT-OSS's stacked experts with gate and up split, DeepSeek's kv_b
+    split in two and experts stacked), Q/K rows it permutes (Granite, SmolLM3), the config from its metadata
+    (Granite's multipliers, GLM-4's rotary dims, Phi-3's window and LongRoPE factor tensors, GPT-OSS's experts,
+    window and YaRN, DeepSeek's latent shapes, router and YaRN mscale, which transformers' GGUF reader does not
+    read or does not know), held to transformers on the original checkpoint."""
     from engine.arch import load_model_config
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
     from tests.support.reference import greedy_with
@@ -368,7 +370,11 @@ def test_gguf_from_llama_cpp_converter_matches_transformers(tmp_path, arch):
         for field in ("rope_inv_freq", "rope_long_inv_freq"):
             torch.testing.assert_close(torch.tensor(getattr(cfg, field)), torch.tensor(getattr(want, field)))
         assert cfg.rope_attention_scaling == pytest.approx(want.rope_attention_scaling, rel=1e-6)
-        if want.moe is not None:  # GPT-OSS: the file holds gate and up apart, (out, in)
+        if cfg.mla is not None:  # the file's split kv_b, its router and latent shapes
+            assert cfg.mla.kv_b_split and dataclasses.replace(cfg.mla, kv_b_split=False) == want.mla
+            assert dataclasses.replace(cfg.moe, routed_scaling_factor=want.moe.routed_scaling_factor) == want.moe
+            assert cfg.moe.routed_scaling_factor == pytest.approx(want.moe.routed_scaling_factor, rel=1e-6)
+        elif want.moe is not None:  # GPT-OSS: the file holds gate and up apart, (out, in)
             assert cfg.moe == dataclasses.replace(want.moe, gate_up_interleaved=False), cfg.moe
             assert cfg.layer_windows == want.layer_windows and cfg.family == want.family
         first = LONGROPE_AFTER if cfg.rope_long_inv_freq else 0  # as in test_family_matches_transformers
@@ -514,6 +520,144 @@ def test_gpt_oss_sinks_over_a_quantized_kv_cache(tmp_path_factory, kv_dtype, sha
         err = (prompt_logits(llm, PROMPT) - ref_logits).abs().max()
         assert err < share * (without_sinks - ref_logits).abs().max(), err
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
+
+# -- DeepSeek-V2/V3: multi-head latent attention and DeepSeek's router ---------------------------------
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_caches_the_latent_and_reads_its_config(family_dirs, arch):
+    """The plan counts per token and layer the latent and the rotary key (kv_lora_rank + qk_rope_head_dim
+    values, one cached head), not heads x (qk_head_dim + v_head_dim); the softmax scale (YaRN's mscale folded
+    in), the rotary table's attention factor and the router's numbers are transformers'."""
+    folder = family_dirs[arch]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = model.config
+    llm = LLM(str(folder), **LIMITS)
+    try:
+        cfg, plan = llm.engine.model.cfg, llm.plan
+        latent = hf.kv_lora_rank + hf.qk_rope_head_dim
+        assert cfg.kv_cache_dims == (1, latent, 0)
+        ((per_token, window),) = plan.kv_groups
+        assert per_token == hf.num_hidden_layers * latent * 4 and window is None  # fp32
+        full = hf.num_hidden_layers * hf.num_attention_heads * (hf.qk_nope_head_dim + hf.qk_rope_head_dim
+                                                                  + hf.v_head_dim) * 4
+        assert per_token * 3 < full  # 40 values a layer against 4 heads x 36
+        assert plan.kv_cache_bytes == plan.num_kv_blocks * plan.kv_block_size * per_token
+        assert f"{latent} values per layer" in plan.describe()
+        attn = model.model.layers[0].self_attn
+        assert cfg.attn_scale == pytest.approx(attn.scaling, rel=1e-12) and attn.scaling != attn.qk_head_dim ** -0.5
+        assert cfg.rope_attention_scaling == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-6)
+        assert (cfg.mla.q_lora_rank, cfg.mla.v_head_dim) == (hf.q_lora_rank, hf.v_head_dim)
+        m = cfg.moe
+        assert m.sparse_layers == tuple(range(1, hf.num_hidden_layers))  # first_k_dense_replace=1
+        assert (m.num_experts, m.top_k, m.n_group, m.topk_group) == ((8, 2, 4, 2) if arch == "deepseek_v3"
+                                                                     else (8, 3, 2, 1))
+        assert m.routed_scaling_factor == hf.routed_scaling_factor != 1.0
+        assert m.shared_mlp_intermediate_size == hf.moe_intermediate_size * hf.n_shared_experts
+        v3 = arch == "deepseek_v3"
+        assert (m.scoring, m.topk_method, m.norm_topk_prob) == (("sigmoid", "noaux_tc", True) if v3
+                                                                else ("softmax", "group_limited_greedy", False))
+        assert ("router_bias" in cfg.block_shapes(1)) == v3 and "router" not in cfg.block_shapes(0)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_deepseek_quantized_latent_cache_is_a_clear_error(family_dirs, kv_dtype):
+    with pytest.raises(UnsupportedModelError, match=rf"--kv-cache-dtype {kv_dtype} is not supported for multi-head "
+                                                    r"latent attention \(DeepseekV3ForCausalLM.*--kv-cache-dtype auto"):
+        LLM(str(family_dirs["deepseek_v3"]), kv_cache_dtype=kv_dtype, **LIMITS)
+
+
+def test_deepseek_router_settings_it_does_not_implement_name_themselves():
+    from engine.arch import config_from_hf
+    from tests.support.families import deepseek_config
+
+    hf = deepseek_config("deepseek_v2")
+    hf.norm_topk_prob = True  # DeepSeek's V2 code renormalises, transformers' V2 router does not
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob=True"):
+        config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)
+    hf = deepseek_config("deepseek_v2")
+    hf.topk_method = "noaux_tc"
+    with pytest.raises(UnsupportedModelError, match="topk_method 'noaux_tc'"):
+        config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)
+    hf = deepseek_config("deepseek_v2")
+    hf.n_group = 3  # 8 experts do not split into 3 groups
+    with pytest.raises(UnsupportedModelError, match="n_group 3"):
+        config_from_hf(hf, "DeepseekV2ForCausalLM", torch.float32)
+
+
+def test_deepseek_q8_gguf_streams_as_it_runs_resident(tmp_path):
+    """A Q8_0 deepseek2 file from llama.cpp's converter in bf16: the split kv_b's per-head stacks (attn_v_b is
+    Q8_0) unpacked to the compute dtype, the 2-D weights packed, the stacked experts sliced; streamed (one block
+    resident, blocks read whole) exactly as resident, and near transformers (Q8_0's rounding)."""
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = build(tmp_path / "hf", "deepseek_v3")
+    path = convert(folder, tmp_path / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    _, ref_logits = greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), PROMPT, 0)
+    kwargs = dict(dtype="bfloat16", **LIMITS)
+    resident = LLM(str(path), **kwargs)
+    streamed = LLM(str(path), max_device_memory=budget_for(path, 1, 1, dtype="bfloat16", **LIMITS),
+                   expert_streaming=False, **kwargs)
+    try:
+        assert len(streamed.plan.streamed_blocks) == streamed.engine.model.cfg.num_layers - 1
+        logits = prompt_logits(resident, PROMPT)
+        torch.testing.assert_close(prompt_logits(streamed, PROMPT), logits, atol=0, rtol=0)
+        assert (logits.float() - ref_logits).abs().max() < 0.05
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert (streamed.generate([PROMPT], params)[0].outputs[0].token_ids
+                == resident.generate([PROMPT], params)[0].outputs[0].token_ids)
+    finally:
+        resident.close()
+        streamed.close()
+
+
+def test_deepseek_gguf_with_kv_b_whole_matches_transformers(tmp_path):
+    """A deepseek2 file as llama.cpp's converter wrote them before splitting kv_b (attn_kv_b whole, the per-head
+    widths in key_length / value_length) reads as the split one does and matches transformers."""
+    from tests.support.gguf_models import with_kv_b_unsplit
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.reference import greedy_with
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    folder = build(tmp_path / "hf", "deepseek_v3")
+    path = with_kv_b_unsplit(convert(folder, tmp_path / "split.gguf", "f32"), tmp_path / "tiny-deepseek-kv-b.gguf")
+    ref_tokens, ref_logits = greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+                                         PROMPT, 8)
+    llm = LLM(str(path), dtype="float32", **LIMITS)
+    try:
+        cfg, want = llm.engine.model.cfg, load_model_config(folder)
+        assert not cfg.mla.kv_b_split and dataclasses.replace(cfg.mla, rope_interleaved=True) == want.mla
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
+    finally:
+        llm.close()
+
+
+def test_deepseek_v3_rotating_halves_matches_transformers(tmp_path):
+    """DeepSeek-V3 with rope_interleave=False: its rotary dims rotate as halves (rotate_half), not pairs."""
+    from tests.support.families import deepseek_config, sharpen_deepseek
+    from tests.support.reference import greedy_with
+
+    cfg = deepseek_config("deepseek_v3")
+    cfg.rope_interleave = False
+    folder = build_random_model(tmp_path / "hf", cfg, seed=5, adjust=sharpen_deepseek)
+    ref_tokens, ref_logits = greedy_with(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+                                         PROMPT, 8)
+    llm = LLM(str(folder), **LIMITS)
+    try:
+        assert not llm.engine.model.cfg.mla.rope_interleaved
+        torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == ref_tokens
     finally:
         llm.close()

@@ -52,6 +52,8 @@ def make_config(arch: str):
                           architectures=["Phi3ForCausalLM"])
     if arch == "gpt_oss":
         return GptOssConfig(**gpt_oss_settings(), num_local_experts=4, num_experts_per_tok=2)
+    if arch in ("deepseek_v3", "deepseek_v2"):
+        return deepseek_config(arch)
     raise ValueError(arch)
 
 
@@ -65,7 +67,40 @@ def gpt_oss_settings() -> dict:
                 architectures=["GptOssForCausalLM"])
 
 
-FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3", "phi4mini", "gpt_oss"]
+# DeepSeek's mixture and latent attention, small: 8 experts in 4 groups, the first block dense, V's head
+# narrower than q/k's non-rotary part (a mix-up of the two shows), YaRN with mscale as the real configs set it.
+DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+                    first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                    attention_bias=True)
+
+
+def deepseek_config(arch: str):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    # num_key_value_heads as the real configs set it (= heads; llama.cpp's converter splits kv_b by it)
+    common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    if arch == "deepseek_v3":  # q through its low-rank pair, sigmoid routing with a correction bias, pairs rotated
+        return DeepseekV3Config(
+            **common, **DEEPSEEK_MOE, q_lora_rank=48, n_shared_experts=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                             "beta_slow": 1},
+            architectures=["DeepseekV3ForCausalLM"])
+    # V2: one q projection (V2-Lite's), softmax routing limited to the best group: 3 experts from 1 of 2 groups
+    # (with top_k <= topk_group the limit could never change a choice)
+    return DeepseekV2Config(
+        **{**common, **DEEPSEEK_MOE, "num_experts_per_tok": 3, "n_group": 2, "topk_group": 1}, q_lora_rank=None,
+        n_shared_experts=2, routed_scaling_factor=1.5, topk_method="group_limited_greedy",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1},
+        architectures=["DeepseekV2ForCausalLM"])
+
+
+FAMILY_ARCHS = ["gemma3", "gemma2", "olmo2", "granite", "smollm3", "glm4", "phi3", "phi4mini", "gpt_oss",
+                "deepseek_v3", "deepseek_v2"]
 
 
 def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
@@ -92,8 +127,23 @@ def sharpen_gpt_oss(model: torch.nn.Module) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 2.0)
 
 
+def sharpen_deepseek(model: torch.nn.Module, seed: int = 0) -> None:
+    """Latent attention's q and k sharpened (q's projection, the latent's K rows and the rotary key), routers
+    scaled so that each token's experts win by clear margins, and V3's correction bias (a buffer, which
+    build_random_model does not perturb) moved far enough to change some choices."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "kv_a_proj_with_mqa.weight")):
+            p.mul_(3.0)
+        elif name.endswith("mlp.gate.weight"):
+            p.mul_(10.0)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.add_(torch.randn(b.shape, generator=g) * 0.3)
+
+
 def build(folder, arch: str):
-    adjust = sharpen_gpt_oss if arch == "gpt_oss" else sharpen_attention
+    adjust = {"gpt_oss": sharpen_gpt_oss}.get(arch, sharpen_deepseek if arch.startswith("deepseek") else sharpen_attention)
     return build_random_model(folder, make_config(arch), seed=zlib.crc32(arch.encode()) % 1000, adjust=adjust)
 
 

@@ -250,3 +250,38 @@ def experts_to_mxfp4(src: Path, dst: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def with_kv_b_unsplit(src: Path, dst: Path) -> Path:
+    """A deepseek2 file from llama.cpp's converter rewritten as the converter wrote them before it split kv_b:
+    one attn_kv_b per block (each head's K rows, then its V rows, as Hugging Face's kv_b_proj), the per-head
+    widths as key_length / value_length and no *_mla keys. Plain (F32/F16) tensors only."""
+    from gguf import GGUFReader, GGUFValueType
+
+    r = GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = GGUFWriter(dst, arch)
+    renamed = {f"{arch}.attention.key_length": f"{arch}.attention.key_length_mla",
+               f"{arch}.attention.value_length": f"{arch}.attention.value_length_mla"}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name.endswith("_mla"):
+            continue
+        value = r.fields[renamed[name]].contents() if name in renamed else f.contents()
+        kind = f.types[0]
+        w.add_key_value(name, value, kind, sub_type=f.types[-1] if kind == GGUFValueType.ARRAY else None)
+    tensors = {t.name: t for t in r.tensors}
+    for t in r.tensors:
+        if t.name.endswith("attn_v_b.weight"):
+            continue
+        if t.name.endswith("attn_k_b.weight"):
+            k_b = torch.from_numpy(np.array(t.data))  # (heads, kv_lora_rank, qk_nope)
+            v_b = torch.from_numpy(np.array(tensors[t.name.replace("attn_k_b", "attn_v_b")].data))  # (heads, v, rank)
+            kv_b = torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])  # (heads * (nope + v), rank)
+            w.add_tensor(t.name.replace("attn_k_b", "attn_kv_b"), kv_b.numpy().copy())
+        else:
+            w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

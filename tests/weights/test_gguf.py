@@ -440,3 +440,26 @@ def test_quantization_of_a_gguf_file_is_refused(gguf_root):
     with pytest.raises(ValueError, match=r"llama-Q4_0\.gguf: quantization='int8' applies to bf16/fp16/fp32 "
                                          r"checkpoints; this one is already quantized"):
         LLM(str(path), quantization="int8", max_model_len=64, max_num_seqs=1)
+
+
+def test_deepseek2_gating_function_contradicting_the_router_bias_is_refused(tmp_path):
+    """llama.cpp's expert_gating_func (1 softmax, 2 sigmoid), where a file has it, must agree with the router
+    correction bias the engine tells V3 by."""
+    from engine.errors import UnsupportedModelError
+    from engine.weights.formats.gguf_config import _config_from_metadata
+    from engine.weights.formats.gguf_file import GGUFIndex
+    from tests.support.families import build
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    path = convert(build(tmp_path / "hf", "deepseek_v3"), tmp_path / "tiny.gguf", "f32")
+    index = GGUFIndex(path)
+    try:
+        meta, names = dict(index.metadata), frozenset(index.entries)
+    finally:
+        index.close()
+    assert _config_from_metadata("deepseek2", {**meta, "deepseek2.expert_gating_func": 2}, names).model_type == \
+        "deepseek_v3"
+    with pytest.raises(UnsupportedModelError, match="expert_gating_func 1 with a router correction bias"):
+        _config_from_metadata("deepseek2", {**meta, "deepseek2.expert_gating_func": 1}, names)

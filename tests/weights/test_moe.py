@@ -2,6 +2,7 @@
 identical greedy tokens, all-resident and streamed; batches whose sequences route differently;
 damaged expert tensors."""
 
+import dataclasses
 import math
 import shutil
 
@@ -178,6 +179,39 @@ def test_expert_cache_smaller_than_a_block_matches_transformers(moe_dirs, refere
         one_expert = sum(math.prod(s) for s in cfg.moe.expert_shapes(cfg.hidden_size).values()) * 4  # fp32
         assert t.total.expert_bytes % one_expert == 0 and t.total.expert_bytes >= t.total.expert_misses * one_expert
         assert 0 < t.total.prefetch_accuracy <= 1
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """DeepSeek-V2/V3's tiny checkpoints (tests/support/families.py: latent attention, shared experts, a dense
+    first block, group-limited routing, V3's correction bias) and transformers' greedy tokens and prompt
+    logits for PROMPTS."""
+    from tests.support.families import build as build_family
+
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {}
+    for arch in ("deepseek_v3", "deepseek_v2"):
+        folder = build_family(root / arch, arch)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        out[arch] = folder, ([greedy_with(model, p, 12) for p in PROMPTS], None)
+    return out
+
+
+@pytest.mark.parametrize("arch,slots", [("deepseek_v3", 4), ("deepseek_v2", 6)])
+def test_deepseek_expert_streaming_matches_transformers(deepseek, arch, slots):
+    """DeepSeek through the expert tier: fewer slots than a block's 8 experts (V2's 3 experts a token need
+    6 at least), so every step evicts; blocks streamed without their experts, the guesser routing with V3's
+    correction bias; the shared experts and the dense first block stream with the blocks."""
+    folder, reference = deepseek[arch]
+    llm = LLM(str(folder), max_model_len=128, max_num_seqs=4, show_progress=False,
+              max_device_memory=expert_budget(folder, slots=slots))
+    try:
+        assert llm.plan.expert_slots == slots and llm.plan.resident_blocks == [], llm.plan.describe()
+        check_against_reference(llm, reference)
+        total = llm.telemetry().total
+        assert total.expert_misses > 4 and total.expert_hits > 0
     finally:
         llm.close()
 
@@ -390,3 +424,43 @@ def test_expert_slots_convert_a_bf16_checkpoint(tmp_path):
     finally:
         streamed.close()
         resident.close()
+
+
+@pytest.mark.parametrize("arch,method", [("deepseek_v3", "noaux_tc"), ("deepseek_v2", "greedy"),
+                                         ("deepseek_v2", "group_limited_greedy")])
+def test_deepseek_router_matches_transformers(arch, method):
+    """engine.model.router_topk against transformers' own DeepSeek router modules on random hidden states: the
+    same experts and weights for every token (V3: sigmoid, correction bias, groups by their two best, renormalised
+    and scaled; V2: softmax, greedy or within the best group by its best score, scaled)."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from engine.arch import config_from_hf
+    from engine.model import router_topk
+    from tests.support.families import deepseek_config
+
+    hf = deepseek_config(arch)
+    if arch == "deepseek_v2":
+        hf.topk_method = method
+    router = (DeepseekV3TopkRouter if arch == "deepseek_v3" else DeepseekV2TopkRouter)(hf)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if arch == "deepseek_v3":
+            router.e_score_correction_bias.copy_(torch.randn(hf.n_routed_experts, generator=g) * 0.3)
+    cfg = config_from_hf(hf, hf.architectures[0], torch.float32)
+    m = cfg.moe
+    assert m.topk_method == method
+    h = torch.randn(64, hf.hidden_size, generator=g)
+    with torch.no_grad():
+        _, want_w, want_ids = router(h)
+    w = {"router": router.weight.detach()}
+    if arch == "deepseek_v3":
+        w["router_bias"] = router.e_score_correction_bias
+    ids, weights = router_topk(h, w, cfg)
+    order, want_order = ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_w.gather(1, want_order), atol=1e-6, rtol=1e-6)
+    if method != "greedy":  # the group limit or the bias changes some token's choice: the test can tell
+        plain = dataclasses.replace(cfg, moe=dataclasses.replace(m, topk_method="greedy"))
+        assert not torch.equal(router_topk(h, w, plain)[0].sort(dim=-1).values, ids.sort(dim=-1).values)

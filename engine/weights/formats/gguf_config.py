@@ -38,8 +38,9 @@ DEFAULT_CHAT = {"gemma2": (GEMMA_CHAT_TEMPLATE, "<end_of_turn>"), "gemma3": (GEM
 
 # llama.cpp architectures whose config transformers' GGUF reader does not know: read here (_config_from_metadata),
 # the tokenizer still through transformers (its GGUF tokenizer reader takes any architecture).
-OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm4": "glm4",
-              "gpt-oss": "gpt_oss"}  # -> model_type
+OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm4": "glm4",  # -> model_type
+              "gpt-oss": "gpt_oss",
+              "deepseek2": "deepseek_v2"}  # V3 when the file has V3's router correction bias (_deepseek2)
 
 METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
 
@@ -123,8 +124,14 @@ def _config_from_metadata(architecture: str, meta: dict, tensor_names: set[str] 
         kw.update(_gpt_oss_metadata(get, rope))
     if "partial_rotary_factor" in rope:
         kw["partial_rotary_factor"] = rope["partial_rotary_factor"]
-    config = AutoConfig.for_model(OWN_READER[architecture], **{k: v for k, v in kw.items() if v is not None})
-    config.head_dim = head_dim
+    model_type = OWN_READER[architecture]
+    if architecture == "deepseek2":
+        model_type = _deepseek2(kw, get, tensor_names)
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in kw.items() if v is not None})
+    if architecture != "deepseek2":  # DeepSeek's config derives its own (the rotary dims)
+        config.head_dim = head_dim
+    else:  # None (one q projection, V2-Lite) is dropped above with the unset keys; the class default is a rank
+        config.q_lora_rank = get("attention.q_lora_rank")
     return config
 
 
@@ -143,6 +150,50 @@ def _gpt_oss_metadata(get, rope: dict) -> dict:
                 sliding_window=int(get("attention.sliding_window")), swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
+def _deepseek2(kw: dict, get, tensor_names: set[str] | frozenset[str]) -> str:
+    """DeepSeek-V2/V3's config from deepseek2 metadata (kw: the common keys, updated): "deepseek_v3" when the file
+    holds V3's router correction bias (exp_probs_b; llama.cpp's converter writes no gating function for a
+    transformers-style config, V3's sigmoid included), else "deepseek_v2". The latent's shapes; the MLA head's
+    q/k width (key_length_mla) minus the rotary dims is the non-rotary part; YaRN's mscale and mscale_all_dim
+    both from yarn_log_multiplier (0.1 * mscale_all_dim), as llama.cpp assumes them equal (the released configs
+    have them equal)."""
+    v3 = any(n.endswith("exp_probs_b.bias") for n in tensor_names)
+    gating = get("expert_gating_func")  # llama.cpp's: 1 softmax, 2 sigmoid; absent in a transformers-style file
+    if gating is not None and int(gating) != (2 if v3 else 1):
+        raise UnsupportedModelError(f"deepseek2 expert_gating_func {gating} with{'' if v3 else 'out'} a router "
+                                    "correction bias (exp_probs_b) is neither DeepSeek-V2 (softmax, no bias) nor V3 "
+                                    "(sigmoid, bias)")
+    rope_dims = int(get("rope.dimension_count"))
+    groups, groups_used = get("expert_group_count"), get("expert_group_used_count")
+    # Files converted before kv_b was split give the per-head widths as key_length / value_length, later ones as
+    # key_length_mla / value_length_mla (key_length then being the cached latent's).
+    qk_width = int(get("attention.key_length_mla") or get("attention.key_length"))
+    v_width = int(get("attention.value_length_mla") or get("attention.value_length"))
+    kw.update(num_key_value_heads=kw["num_attention_heads"], attention_bias="blk.0.attn_kv_a_mqa.bias" in tensor_names,
+              kv_lora_rank=int(get("attention.kv_lora_rank")), q_lora_rank=get("attention.q_lora_rank"),
+              qk_rope_head_dim=rope_dims, qk_nope_head_dim=qk_width - rope_dims, v_head_dim=v_width,
+              n_routed_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+              moe_intermediate_size=int(get("expert_feed_forward_length")),
+              n_shared_experts=int(get("expert_shared_count", 0)),
+              first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+              routed_scaling_factor=float(get("expert_weights_scale", 1.0)), n_group=groups, topk_group=groups_used)
+    if v3:
+        kw.update(norm_topk_prob=bool(get("expert_weights_norm", False)), rope_interleave=True)
+    else:
+        kw.update(topk_method="group_limited_greedy" if groups and groups > 1 else "greedy")
+    rope = kw["rope_parameters"]
+    rope.pop("partial_rotary_factor", None)
+    kw.pop("partial_rotary_factor", None)
+    if get("rope.scaling.type") == "yarn":
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope.update(rope_type="yarn", factor=float(get("rope.scaling.factor")),
+                    original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)), mscale=mscale, mscale_all_dim=mscale)
+    kw["architectures"] = ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"]
+    return "deepseek_v3" if v3 else "deepseek_v2"
+
+
 def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata: dict | None = None,
                      rope_factors: dict[str, list[float]] | None = None,
                      tensor_names: set[str] | frozenset[str] = frozenset()) -> ModelConfig:
@@ -156,10 +207,11 @@ def load_gguf_config(path: Path, architecture: str, header_digest: str, metadata
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(metadata_folder(path, header_digest, architecture, metadata, tensor_names))
-        hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
+        if not (architecture in OWN_READER and (hf.architectures or [None])[0] in FAMILIES):  # DeepSeek: V2 or V3
+            hf.architectures = [MODEL_TYPES.get(hf.model_type, MODEL_TYPES[architecture])]
         # GGUF holds packed blocks; the compute dtype is chosen by PackedFormat (bf16 unless float32).
         cfg = config_from_hf(hf, hf.architectures[0], torch.bfloat16)
-        conventions = _llama_cpp_conventions(cfg, architecture, metadata or {})
+        conventions = _llama_cpp_conventions(cfg, architecture, metadata or {}, tensor_names)
         if architecture == "phi3":
             conventions.update(_phi3_rope(cfg, metadata or {}, rope_factors or {}))
         return dataclasses.replace(cfg, **conventions)
@@ -197,9 +249,15 @@ def _phi3_rope(cfg: ModelConfig, metadata: dict, factors: dict[str, list[float]]
 _GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}  # llama.cpp's LLM_TYPE_27B for these architectures
 
 
-def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict) -> dict:
+def _llama_cpp_conventions(cfg: ModelConfig, architecture: str, metadata: dict,
+                           tensor_names: set[str] | frozenset[str] = frozenset()) -> dict:
     """Where llama.cpp's files and runtime differ from transformers' config defaults: ModelConfig fields."""
     out = {}
+    if cfg.mla is not None:
+        # Its converter splits kv_b (attn_k_b / attn_v_b; files converted before that hold attn_kv_b whole), and
+        # llama.cpp rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM).
+        split = "blk.0.attn_kv_b.weight" not in tensor_names
+        out["mla"] = dataclasses.replace(cfg.mla, kv_b_split=split, rope_interleaved=True)
     if cfg.norm_offset:
         out["norm_offset"] = 0.0  # its converter stores Gemma's norms as 1 + w (convert_hf_to_gguf.py)
     if (architecture, cfg.num_layers) in _GEMMA_27B:

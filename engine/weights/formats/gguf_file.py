@@ -61,9 +61,17 @@ BLOCK_NAMES = {
     "wqkv": "attn_qkv.weight", "bqkv": "attn_qkv.bias", "w_gate_up": "ffn_up.weight",
     # GPT-OSS: attention sinks, the biased router
     "sinks": "attn_sinks.weight", "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
+    # DeepSeek's latent attention (deepseek2: kv_b split into attn_k_b / attn_v_b) and shared experts
+    "wq_a": "attn_q_a.weight", "bq_a": "attn_q_a.bias", "q_a_norm": "attn_q_a_norm.weight", "wq_b": "attn_q_b.weight",
+    "wkv_a": "attn_kv_a_mqa.weight", "bkv_a": "attn_kv_a_mqa.bias", "kv_a_norm": "attn_kv_a_norm.weight",
+    "wkv_b": "attn_kv_b.weight", "wk_b": "attn_k_b.weight", "wv_b": "attn_v_b.weight",
+    "shared.w_gate": "ffn_gate_shexp.weight", "shared.w_up": "ffn_up_shexp.weight",
+    "shared.w_down": "ffn_down_shexp.weight",
 }
-# Architectures whose names differ from BLOCK_NAMES: GPT-OSS's MLP input norm is its post_attention_norm.
-FAMILY_BLOCK_NAMES = {"gpt-oss": {"mlp_norm": "post_attention_norm.weight"}}
+# Architectures whose names differ from BLOCK_NAMES: GPT-OSS's MLP input norm is its post_attention_norm;
+# DeepSeek-V3's router bias is its correction bias (exp_probs_b), not a bias of the router's product.
+FAMILY_BLOCK_NAMES = {"gpt-oss": {"mlp_norm": "post_attention_norm.weight"},
+                      "deepseek2": {"router_bias": "exp_probs_b.bias"}}
 # A block's routed experts, stacked by llama.cpp (expert first in torch's order): one expert's short name ->
 # the stacked tensor under blk.{i}; each expert's slice is indexed as "<name>[e]" (reader.split_stacked).
 STACKED_EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight",

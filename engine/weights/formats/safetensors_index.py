@@ -82,6 +82,14 @@ GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weig
 # norm but Gemma's attention output norm. config.json architecture -> the names that differ from BLOCK_TENSORS.
 _SANDWICH_NORMS = {"post_attn_norm": "post_attention_layernorm.weight", "mlp_norm": "pre_feedforward_layernorm.weight",
                    "post_mlp_norm": "post_feedforward_layernorm.weight"}
+# DeepSeek-V2/V3: latent attention's projections, the router's correction bias, the shared experts' MLP.
+_DEEPSEEK = {"wq_a": "self_attn.q_a_proj.weight", "bq_a": "self_attn.q_a_proj.bias",
+             "q_a_norm": "self_attn.q_a_layernorm.weight", "wq_b": "self_attn.q_b_proj.weight",
+             "wkv_a": "self_attn.kv_a_proj_with_mqa.weight", "bkv_a": "self_attn.kv_a_proj_with_mqa.bias",
+             "kv_a_norm": "self_attn.kv_a_layernorm.weight", "wkv_b": "self_attn.kv_b_proj.weight",
+             "router_bias": "mlp.gate.e_score_correction_bias", "shared.w_gate": "mlp.shared_experts.gate_proj.weight",
+             "shared.w_up": "mlp.shared_experts.up_proj.weight",
+             "shared.w_down": "mlp.shared_experts.down_proj.weight"}
 FAMILY_TENSORS = {
     "Gemma2ForCausalLM": _SANDWICH_NORMS,
     "Gemma3ForCausalLM": _SANDWICH_NORMS,
@@ -90,6 +98,8 @@ FAMILY_TENSORS = {
     "Glm4ForCausalLM": {"post_attn_norm": "post_self_attn_layernorm.weight",
                         "mlp_norm": "post_attention_layernorm.weight", "post_mlp_norm": "post_mlp_layernorm.weight"},
     "GptOssForCausalLM": {"router": "mlp.router.weight"},
+    "DeepseekV2ForCausalLM": _DEEPSEEK,
+    "DeepseekV3ForCausalLM": _DEEPSEEK,
 }
 
 

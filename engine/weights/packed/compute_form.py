@@ -50,7 +50,9 @@ class PackedFormat:
         if t.quant is None:
             return rows.view(t.dtype).reshape(t.shape).to(device=self.device, dtype=self.dtype, copy=True)
         q = ggml_type(t)
-        if self.exact or len(t.shape) == 1:
+        # A vector, or a stack of per-head matrices (DeepSeek's split kv_b, multiplied by einsum): unpacked, as
+        # only a 2-D matrix goes to the packed products.
+        if self.exact or len(t.shape) != 2:
             return dequantize(rows, q, t.shape).to(device=self.device, dtype=self.dtype)
         if not self.on_cpu:
             return GGUFWeight(rows.to(self.device, copy=True), q, t.shape, self.dtype)
@@ -58,7 +60,7 @@ class PackedFormat:
 
     def resident_bytes(self, t: TensorInfo) -> int:
         numel = t.numel
-        if t.quant is None or self.exact or len(t.shape) == 1:
+        if t.quant is None or self.exact or len(t.shape) != 2:
             return numel * self.dtype.itemsize
         if not self.on_cpu:
             return t.nbytes
@@ -73,7 +75,7 @@ class PackedFormat:
         if t.quant is None:
             v = rows.view(t.dtype).reshape(t.shape)
             return v if v.dtype == self.dtype else v.to(self.dtype)
-        if len(t.shape) == 1:
+        if len(t.shape) != 2:
             return dequantize(rows, ggml_type(t), t.shape).to(self.dtype)
         return GGUFWeight(rows, ggml_type(t), t.shape, self.dtype)
 
