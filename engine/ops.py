@@ -270,7 +270,9 @@ def _gguf_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 # Packed weights times many bf16 rows on a CPU with AMX: the weight dequantized to bf16, a chunk of its
 # rows at a time, and one oneDNN product per chunk (AMX tiles) outrun the integer kernel from about this many
 # rows (a prompt chunk; decode steps stay on the integer kernel, which reads the fewest bytes). The figures:
-# docs/benchmarks/scale.md. LAYERSTREAM_AMX_PREFILL=off keeps every product on the integer kernel.
+# docs/benchmarks/scale.md. LAYERSTREAM_AMX_PREFILL=off keeps every product on the integer kernel. The weight is
+# split in two bf16 parts (its rounding and the remainder; x meets both in one product of twice the inputs):
+# bf16 alone keeps too few of a dequantized weight's bits (tests/engine/test_kv_accuracy.py noticed).
 DENSE_PRODUCT_ROWS = 128
 DENSE_CHUNK_ELEMENTS = 4 << 20  # one chunk's dequantized weight: 8 MiB of bf16, reused chunk after chunk
 
@@ -300,23 +302,24 @@ def dense_product_workspace_bytes(tokens: int, inner: int) -> int:
     if tokens < DENSE_PRODUCT_ROWS or not amx_prefill():
         return 0
     rows = _chunk_blocks(inner) * 16
-    return (inner * rows + tokens * rows) * 2
+    return (2 * inner * rows + tokens * rows + tokens * 2 * inner) * 2
 
 
 def _dense_product(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) @ W.T for a packed VNNI-layout weight, as bf16 oneDNN products over chunks of W's rows,
-    each chunk dequantized exactly (then rounded to bf16) by int4_vnni.cpp's dequantize_bf16_t."""
+    each chunk dequantized exactly by int4_vnni.cpp's dequantize_bf16_t into two bf16 parts that sum to it."""
     out, inner = w.shape
     rows = _rows(x)  # (tokens, in)
+    doubled = torch.cat([rows, rows], dim=1)  # (tokens, 2 in): meets the weight's two parts
     y = torch.empty(rows.shape[0], out, dtype=x.dtype)  # (tokens, out)
     per = _chunk_blocks(inner)
     blocks = w.codes.shape[0]
-    chunk = torch.empty(inner, min(per, blocks) * 16, dtype=torch.bfloat16)  # (in, chunk rows)
+    chunk = torch.empty(2 * inner, min(per, blocks) * 16, dtype=torch.bfloat16)  # (2 in, chunk rows)
     for b0 in range(0, blocks, per):
         b1 = min(blocks, b0 + per)
         wt = kernels.dequantize_bf16_t(w.codes, w.scales, inner, b0, b1, chunk[:, :(b1 - b0) * 16])
         n0, n1 = b0 * 16, min(out, b1 * 16)
-        y[:, n0:n1] = rows @ wt[:, :n1 - n0]  # (tokens, chunk rows)
+        y[:, n0:n1] = doubled @ wt[:, :n1 - n0]  # (tokens, chunk rows)
     if bias is not None:
         y += bias
     return y.reshape(*x.shape[:-1], out)

@@ -116,7 +116,8 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_
 def dequantize_bf16_t(codes: torch.Tensor, scales: torch.Tensor, inner: int, b0: int, b1: int,
                       out: torch.Tensor) -> torch.Tensor:
     """Row blocks [b0, b1) of 16 rows of an Int4Weight / Int8Weight "vnni" or KQuantWeight, dequantized into
-    out (inner, 16 (b1 - b0)) bf16 transposed (out[k, n] = w[16 b0 + n, k]); returns out."""
+    out (inner, 16 (b1 - b0)) bf16 transposed (out[k, n] = w[16 b0 + n, k]), or, out (2 inner, ...), into the
+    bf16 rounding and its remainder, which sum to the weight; returns out."""
     return _loaded().dequantize_bf16_t(codes, scales, inner, b0, b1, out)
 
 

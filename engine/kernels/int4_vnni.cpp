@@ -449,18 +449,26 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 }
 
 // The weight of any of the formats above, rows [16 b0, 16 b1), dequantized to bf16 transposed: out (K, 16 (b1 - b0)),
-// out[k, n] = w[16 b0 + n, k]. A prompt chunk of many rows is then one dense bf16 product (oneDNN's, on AMX
+// out[k, n] = w[16 b0 + n, k]; or split, out (2 K, 16 (b1 - b0)), the bf16 rounding's remainder in rows K.. 2K, so
+// that [x, x] @ out multiplies x by the weight as stored (bf16 alone keeps 8 bits of a 4-bit code times its
+// fp16 scale: enough to put tests/engine/test_kv_accuracy.py's int4 KV cache past its 3% perplexity bound). A prompt chunk of many rows is then one dense bf16 product (oneDNN's, on AMX
 // tiles where the CPU has them), which outruns the integer kernel once enough rows share the weight. The
 // layouts hold 16 rows side by side, so 16 consecutive outputs of one k are one vector: no transposition.
 inline __m512i byte_lanes(__m512i v, int t) {  // byte t of each 32-bit lane, zero-extended
   return _mm512_and_si512(_mm512_srli_epi32(v, 8 * t), _mm512_set1_epi32(0xFF));
 }
 
-inline void store_bf16(c10::BFloat16* p, __m512 v) { store16(p, v, 0xFFFF); }
+// v rounded to bf16 at p and, where lo (the split form) is not 0, what that rounding left at p + lo: the two
+// bf16 values sum to v within 2^-16 of it, so a product over both rows multiplies the weight as stored.
+inline void store_bf16(c10::BFloat16* p, int64_t lo, __m512 v) {
+  store16(p, v, 0xFFFF);
+  if (lo) store16(p + lo, _mm512_sub_ps(v, load16(p)), 0xFFFF);
+}
 
 void dequantize_t(const at::Tensor& codes, const at::Tensor& scales, Format fmt, int64_t G, int64_t b0, int64_t b1,
                   at::Tensor& out) {
-  const int64_t ld = out.size(1);
+  const int64_t ld = out.stride(0);  // a view of a wider buffer: its rows are that far apart
+  const int64_t lo = out.size(0) == 2 * G * GROUP ? G * GROUP * ld : 0;  // the split form: the rest K rows on
   const uint8_t* w0 = codes.data_ptr<uint8_t>();
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const bool has_min = fmt == Format::Int4 && scales.dim() == 4;
@@ -479,7 +487,7 @@ void dequantize_t(const at::Tensor& codes, const at::Tensor& scales, Format fmt,
           for (int v = 0; v < 8; ++v) {
             const __m512i wv = _mm512_loadu_si512(w + v * 64);
             for (int t = 0; t < 4; ++t)
-              store_bf16(og + (4 * v + t) * ld,
+              store_bf16(og + (4 * v + t) * ld, lo,
                          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(byte_lanes(wv, t), off)), sc));
           }
           continue;
@@ -524,12 +532,13 @@ void dequantize_t(const at::Tensor& codes, const at::Tensor& scales, Format fmt,
               ql = _mm512_or_si512(ql, _mm512_slli_epi32(_mm512_and_si512(ht, _mm512_set1_epi32(3)), 4));
               qh = _mm512_or_si512(qh, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(ht, 2),
                                                                           _mm512_set1_epi32(3)), 4));
-              store_bf16(og + (8 * v + t) * ld, _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(ql), mn), d[v / 2]));
-              store_bf16(og + (8 * v + 4 + t) * ld,
+              store_bf16(og + (8 * v + t) * ld, lo,
+                         _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(ql), mn), d[v / 2]));
+              store_bf16(og + (8 * v + 4 + t) * ld, lo,
                          _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(qh), mn), d[v / 2]));
             } else {
-              store_bf16(og + (8 * v + t) * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d[0], mn));
-              store_bf16(og + (8 * v + 4 + t) * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), d[0], mn));
+              store_bf16(og + (8 * v + t) * ld, lo, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d[0], mn));
+              store_bf16(og + (8 * v + 4 + t) * ld, lo, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), d[0], mn));
             }
           }
         }
@@ -550,9 +559,10 @@ at::Tensor dequantize_bf16_t(const at::Tensor& codes, const at::Tensor& scales, 
               "dequantize_bf16_t: contiguous codes and scales, K a multiple of 32 (256 for Q4_K / Q6_K)");
   TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= codes.size(0), "dequantize_bf16_t: row blocks [", b0, ", ", b1,
               ") out of ", codes.size(0));
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == K &&
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && (out.size(0) == K || out.size(0) == 2 * K) &&
                   out.size(1) == (b1 - b0) * LANES && out.stride(1) == 1,
-              "dequantize_bf16_t: out must be (K, 16 (b1 - b0)) bfloat16 with unit column stride");
+              "dequantize_bf16_t: out must be (K, 16 (b1 - b0)) or, split, (2 K, 16 (b1 - b0)) bfloat16 with unit "
+              "column stride");
   dequantize_t(codes, scales, fmt, K / GROUP, b0, b1, out);
   return out;
 }
