@@ -390,10 +390,8 @@ def test_gpt_oss_gguf_experts_stream_one_by_one(tmp_path_factory, transport):
     """A GPT-OSS GGUF from llama.cpp's converter (F32) under a budget that streams its experts: each expert's slice
     of the stacked *_exps tensors is read by itself (from the page cache, or by byte range off the disk) into a
     cache of a few slots, and the outputs stay transformers'."""
-    from engine.args import EngineArgs
-    from engine.loader import expert_inputs
-    from engine.weights import ModelCheckpoint
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
+    from tests.support.moe_models import expert_budget
     from tests.support.reference import greedy_with
 
     if llama_cpp_root() is None:
@@ -402,19 +400,12 @@ def test_gpt_oss_gguf_experts_stream_one_by_one(tmp_path_factory, transport):
     path = root / "tiny-gpt-oss.gguf"
     if not path.exists():
         convert(build_gpt_oss_for_gguf(root / "hf"), path, "f32")
-    probe = LLM(str(path), dtype="float32", **LIMITS)
-    p, cfg = probe.plan, probe.engine.model.cfg
-    probe.close()
-    checkpoint = ModelCheckpoint(path, cfg)
-    sizes = checkpoint.sizes(torch.float32)
-    checkpoint.close()
-    inputs = expert_inputs(EngineArgs(model=str(path)), cfg, sizes, torch.float32)
-    budget = (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + inputs["predictor_bytes"]
-              + (p.prefetch_depth + 1) * sizes.dense_block_bytes + 5 * sizes.expert_bytes)
+    budget = expert_budget(path, slots=5, max_num_seqs=LIMITS["max_num_seqs"], dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
     ref_tokens, ref_logits = greedy_with(model, PROMPT, 16)
     llm = LLM(str(path), dtype="float32", max_device_memory=budget, transport=transport, **LIMITS)
     try:
+        cfg = llm.engine.model.cfg
         assert llm.plan.expert_streaming and llm.plan.expert_slots < cfg.moe.num_experts * cfg.num_layers
         torch.testing.assert_close(prompt_logits(llm, PROMPT), ref_logits, atol=ATOL, rtol=RTOL)
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -72,3 +72,22 @@ def build(folder: Path, arch: str, dtype: torch.dtype = torch.float32) -> Path:
     adjust = sharpen_gpt_oss if arch == "gpt_oss" else sharpen_routers
     return build_random_model(folder, make_config(arch), dtype=dtype, seed=zlib.crc32(arch.encode()) % 1000,
                               adjust=adjust)
+
+
+def expert_budget(folder, slots: int, max_num_seqs: int = 4, **kw) -> int:
+    """A device budget whose plan streams every block without its experts and caches `slots` experts (and half
+    of one more: the plan may find room for one), for LLM(folder, max_model_len=128, max_num_seqs, **kw)."""
+    from engine import LLM
+    from engine.args import EngineArgs
+    from engine.loader import expert_inputs
+    from engine.weights import ModelCheckpoint
+
+    probe = LLM(str(folder), max_model_len=128, max_num_seqs=max_num_seqs, show_progress=False, **kw)
+    p, cfg = probe.plan, probe.engine.model.cfg
+    probe.close()
+    checkpoint = ModelCheckpoint(folder, cfg)
+    sizes = checkpoint.sizes(torch.float32)
+    checkpoint.close()
+    inputs = expert_inputs(EngineArgs(model=str(folder)), cfg, sizes, torch.float32)
+    return (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + inputs["predictor_bytes"]
+            + (p.prefetch_depth + 1) * sizes.dense_block_bytes + slots * sizes.expert_bytes + sizes.expert_bytes // 2)

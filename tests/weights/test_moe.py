@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.arch import UnsupportedModelError, load_model_config
 from engine.weights import CheckpointError
-from tests.support.moe_models import MOE_ARCHS, NUM_EXPERTS, build
+from tests.support.moe_models import MOE_ARCHS, NUM_EXPERTS, build, expert_budget
 from tests.support.checkpoints import edited_header
 from tests.support.reference import ATOL, RTOL, PROMPT, greedy_with, prompt_logits
 
@@ -142,23 +142,6 @@ def test_quantization_refused_for_moe(moe_dirs):
 
 
 # -- expert-granular streaming ------------------------------------------------------------------------
-
-def expert_budget(folder, slots, **kw):
-    """A device budget whose plan streams every block without its experts and caches `slots` experts."""
-    from engine.args import EngineArgs
-    from engine.loader import expert_inputs
-    from engine.weights import ModelCheckpoint
-
-    probe = LLM(str(folder), max_model_len=128, max_num_seqs=4, show_progress=False, **kw)
-    p, cfg = probe.plan, probe.engine.model.cfg
-    probe.close()
-    checkpoint = ModelCheckpoint(folder, cfg)
-    sizes = checkpoint.sizes(torch.float32)
-    checkpoint.close()
-    inputs = expert_inputs(EngineArgs(model=str(folder)), cfg, sizes, torch.float32)
-    return (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + inputs["predictor_bytes"]
-            + (p.prefetch_depth + 1) * sizes.dense_block_bytes + slots * sizes.expert_bytes + sizes.expert_bytes // 2)
-
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_expert_cache_smaller_than_a_block_matches_transformers(moe_dirs, references, arch):
