@@ -450,10 +450,11 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 
 // The weight of any of the formats above, rows [16 b0, 16 b1), dequantized to bf16 transposed: out (K, 16 (b1 - b0)),
 // out[k, n] = w[16 b0 + n, k]; or split, out (2 K, 16 (b1 - b0)), the bf16 rounding's remainder in rows K.. 2K, so
-// that [x, x] @ out multiplies x by the weight as stored (bf16 alone keeps 8 bits of a 4-bit code times its
-// fp16 scale: enough to put tests/engine/test_kv_accuracy.py's int4 KV cache past its 3% perplexity bound). A prompt chunk of many rows is then one dense bf16 product (oneDNN's, on AMX
-// tiles where the CPU has them), which outruns the integer kernel once enough rows share the weight. The
-// layouts hold 16 rows side by side, so 16 consecutive outputs of one k are one vector: no transposition.
+// that [x, x] @ out multiplies x by the weight as stored (bf16 alone keeps 8 bits of a 4-bit code times its fp16
+// scale: enough to put tests/engine/test_kv_accuracy.py's int4 KV cache past its 3% perplexity bound). A prompt
+// chunk of many rows is then one dense bf16 product (oneDNN's, on AMX tiles where the CPU has them), which
+// outruns the integer kernel once enough rows share the weight. The layouts hold 16 rows side by side, so 16
+// consecutive outputs of one k are one vector: no transposition.
 inline __m512i byte_lanes(__m512i v, int t) {  // byte t of each 32-bit lane, zero-extended
   return _mm512_and_si512(_mm512_srli_epi32(v, 8 * t), _mm512_set1_epi32(0xFF));
 }
