@@ -112,19 +112,12 @@ def sharpen_attention(model: torch.nn.Module, scale: float = 4.0) -> None:
 
 
 def sharpen_gpt_oss(model: torch.nn.Module) -> None:
-    """Attention sharpened; routers scaled so each token's top-k wins by clear margins (rounding must not
-    flip a choice) and embeddings scaled so that tokens differ (else the perturbed v and o biases, the same for
-    every token, dominate the hidden states and every token picks the same experts); attention sinks drawn
-    large enough to take a real share of each softmax (their init is ~0.02, next to nothing)."""
+    """Attention sharpened, then tests/support/moe_models.py's GPT-OSS adjustments (routers with clear margins,
+    so rounding flips no choice; embeddings that tell tokens apart; sinks that take a real share of the softmax)."""
+    from tests.support import moe_models
+
     sharpen_attention(model)
-    g = torch.Generator().manual_seed(5)
-    for name, p in model.named_parameters():
-        if name.endswith("router.weight"):
-            p.mul_(40.0)
-        elif name.endswith("embed_tokens.weight"):
-            p.mul_(10.0)
-        elif name.endswith("sinks"):
-            p.copy_(torch.randn(p.shape, generator=g) * 2.0)
+    moe_models.sharpen_gpt_oss(model, seed=5)
 
 
 def sharpen_deepseek(model: torch.nn.Module, seed: int = 0) -> None:

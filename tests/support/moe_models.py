@@ -55,12 +55,12 @@ def sharpen_routers(model: torch.nn.Module, scale: float = 40.0) -> None:
             p.mul_(scale)
 
 
-def sharpen_gpt_oss(model: torch.nn.Module) -> None:
+def sharpen_gpt_oss(model: torch.nn.Module, seed: int = 3) -> None:
     """Routers sharpened; embeddings scaled up, or the perturbed v and o biases (the same for every token) would
     dominate the hidden states and every token would pick the same experts; attention sinks drawn large enough to
     take a real share of each softmax (their init is ~0.02)."""
     sharpen_routers(model)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("embed_tokens.weight"):
             p.mul_(10.0)
