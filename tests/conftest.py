@@ -21,11 +21,9 @@ def int4_kernel():
     """Build (first run: a minute or two) or load every kernel once, under the real layerstream cache,
     before any test points LAYERSTREAM_CACHE at a folder of its own (which would build them again)."""
     from engine import kernels
-    from engine.kernels.bf16_rows import built
     from engine.kernels.prepare import prepare
 
     prepare()
-    built()  # bf16_rows' kernel, which tests use on AMX CPUs too (where the engine's choice is oneDNN)
     return kernels.int4_backend()
 
 

@@ -38,6 +38,7 @@ log = logging.getLogger("layerstream")
 
 SOURCE = Path(__file__).with_name("int4_vnni.cpp")
 NAME = "layerstream_int4_vnni"
+INCLUDES = (Path(__file__).with_name("stream_prefetch.h"),)  # what int4_vnni.cpp #includes
 BACKENDS = ("vnni", "aten")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _module = None
@@ -83,7 +84,7 @@ def int4_backend() -> str:
     reason = _why_not_vnni()
     if reason is None:
         try:
-            module = compile_extension(NAME, SOURCE)
+            module = compile_extension(NAME, SOURCE, includes=INCLUDES)
             if module.cpu_supported():
                 _module = module
                 return "vnni"

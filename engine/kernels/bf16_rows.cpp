@@ -35,6 +35,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "stream_prefetch.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -47,7 +49,6 @@ constexpr int64_t MAX_ROWS = 16;
 constexpr int64_t SLICE = 32;  // K must be a multiple of this: a k loop step reads one 64-byte line of each weight row
 constexpr int64_t TILE = 16;   // weight rows per tile: 16 accumulators, one per output
 constexpr int64_t MAX_PAIRED_K = 4096;  // the most inputs 2-16 rows take this kernel for (applies)
-constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead one row's product asks for the weight's lines
 
 #define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -182,10 +183,8 @@ LAYERSTREAM_BF16_TARGET inline float dot_row(const uint16_t* x, const uint16_t* 
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 4 * SLICE <= K; k += 4 * SLICE) {
-    // The rows lie one after the other: the lines 2 KiB ahead, as int4_vnni.cpp's kernels ask for theirs
-    // (one core alone keeps too few misses in flight to reach the memory's bandwidth on a server CPU).
-    const char* ahead = reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES;
-    for (int i = 0; i < 4; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+    // The rows lie one after the other: the lines ahead, as int4_vnni.cpp's kernels ask for theirs.
+    layerstream::prefetch_stream<4>(w + k);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
     a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + SLICE), (__m512bh)_mm512_loadu_si512(x + k + SLICE));
     a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 2 * SLICE),

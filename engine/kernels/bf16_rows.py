@@ -10,7 +10,6 @@ Interface:
       (max_rows()).
       decode_block.cpp has the kernel built in and is told per call whether to use it (engine/ops.py
       passes `_few_bf16_rows(x)`, what its linear decides).
-  built() -> module | None   the same (its tests and layerstream/bench/bf16_rows.py compare it with oneDNN).
   max_rows(module) -> int   the most rows engine/ops.py gives it: 1 with AMX, else MAX_ROWS.
   The module: linear(x, w, bias=None) -> x @ w.T + bias, the kernel where applies(x, w) (bf16, 1-16
       contiguous rows, K a multiple of 32), at::linear otherwise; MAX_ROWS (16).
@@ -27,6 +26,7 @@ from .build import CFLAGS, optional_kernel
 
 SOURCE = Path(__file__).with_name("bf16_rows.cpp")
 NAME = "layerstream_bf16_rows"
+INCLUDES = (Path(__file__).with_name("stream_prefetch.h"),)  # what bf16_rows.cpp #includes
 
 
 WHAT = "bf16 products of 1-16 rows: using F.linear, not the AVX512-BF16 kernel"
@@ -41,9 +41,6 @@ def max_rows(module: ModuleType) -> int:
 
 @functools.cache
 def bf16_rows() -> ModuleType | None:
-    return optional_kernel("LAYERSTREAM_BF16_ROWS", "off", WHAT, NAME, SOURCE, CFLAGS,
+    return optional_kernel("LAYERSTREAM_BF16_ROWS", "off", WHAT, NAME, SOURCE, CFLAGS, INCLUDES,
                            cpu_check="the CPU lacks AVX512-BF16")
 
-
-def built() -> ModuleType | None:
-    return bf16_rows()

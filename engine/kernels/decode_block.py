@@ -20,11 +20,12 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
-from . import build, fused_ops, int4_backend
+from . import INCLUDES as INT4_INCLUDES
+from . import build, bf16_rows, fused_ops, int4_backend
 
 SOURCE = Path(__file__).with_name("decode_block.cpp")
-INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), fused_ops.SOURCE, *fused_ops.INCLUDES,  # what it #includes
-            Path(__file__).with_name("bf16_rows.cpp"))
+INCLUDES = (Path(__file__).with_name("int4_vnni.cpp"), *INT4_INCLUDES, fused_ops.SOURCE,  # what it #includes
+            *fused_ops.INCLUDES, bf16_rows.SOURCE, *bf16_rows.INCLUDES)
 NAME = "layerstream_decode_block"
 # The kernels' instruction sets, and fused_ops' rounding flags (which leave the kernels' explicit
 # intrinsics alone).

@@ -26,6 +26,8 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include "stream_prefetch.h"
+
 #include <algorithm>
 #include <type_traits>
 #include <cstdint>
@@ -37,19 +39,7 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t LANES = 16;  // rows per block
 constexpr int64_t MTILE = 8;   // activation rows multiplied per pass over a row block
-#ifndef LAYERSTREAM_PREFETCH_BYTES
-#define LAYERSTREAM_PREFETCH_BYTES 2048
-#endif
-// Codes are read once, in order, and a decode step is bound by how fast one core streams them: a core
-// of a server CPU keeps too few misses in flight for its hardware prefetcher alone to reach the memory's
-// bandwidth, so each group asks for the lines this far ahead (a few groups: past that, the lines
-// arrive too early and are evicted; docs/benchmarks/scale.md).
-constexpr int64_t PREFETCH = LAYERSTREAM_PREFETCH_BYTES;
-template <int LINES>
-inline void prefetch_ahead(const uint8_t* p) {
-  if (PREFETCH > 0)
-    for (int i = 0; i < LINES; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * i), _MM_HINT_T0);
-}
+using layerstream::prefetch_stream;  // each group's code bytes, asked for ahead (stream_prefetch.h)
 
 // Activations of M rows quantized per group of 32: int8 codes in x's order, each group's scale
 // (max|x| / 127) and its exact float sum (for the min term).
@@ -149,7 +139,7 @@ void block_kernel(const uint8_t* codes, const uint16_t* sm, const float* bias, c
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* w = codes + g * 256;
-    prefetch_ahead<4>(w);
+    prefetch_stream<4>(w);
     __m512i isum[MT], rsum[MT];
     for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
     for (int v = 0; v < 4; ++v) {
@@ -199,7 +189,7 @@ void block_kernel_i8(const uint8_t* codes, const float* rowscale, const float* b
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* w = codes + g * 512;
-    prefetch_ahead<8>(w);
+    prefetch_stream<8>(w);
     __m512i isum[MT], rsum[MT];
     for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
     for (int v = 0; v < 8; ++v) {
@@ -246,7 +236,7 @@ void block_kernel_k(const uint8_t* codes, const uint8_t* sb, const float* bias, 
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* w = codes + g * CODE_BYTES;
-    prefetch_ahead<CODE_BYTES / 64>(w);
+    prefetch_stream<CODE_BYTES / 64>(w);
     const uint8_t* s = sb + (g / 8) * SB_BYTES;
     const int64_t sg = (g % 8) * 32;
     __m512i isum[MT][2], rsum[MT][2];

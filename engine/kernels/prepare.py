@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import NAME as INT4_NAME
+from . import INCLUDES as INT4_INCLUDES
 from . import SOURCE as INT4_SOURCE
 from . import attention_ops, bf16_rows, build, decode_block, fused_ops, ggml_repack, int4_backend, kv_attention
 
@@ -67,12 +68,13 @@ class BuildProgress:
 # Two stages: decode_block is made of the first stage's kernels and ggml_repack writes their layouts,
 # so their loaders ask the first stage's choices.
 KERNELS: tuple[tuple[KernelSpec, ...], ...] = (
-    (KernelSpec("int4_vnni", INT4_NAME, INT4_SOURCE, build.CFLAGS, (), lambda: int4_backend() == "vnni"),
+    (KernelSpec("int4_vnni", INT4_NAME, INT4_SOURCE, build.CFLAGS, INT4_INCLUDES, lambda: int4_backend() == "vnni"),
      KernelSpec("fused_ops", fused_ops.NAME, fused_ops.SOURCE, fused_ops.CFLAGS, fused_ops.INCLUDES,
                 fused_ops.fused_ops),
      KernelSpec("attention_ops", attention_ops.NAME, attention_ops.SOURCE, attention_ops.BUILD_FLAGS, (),
                 attention_ops.attention_ops),
-     KernelSpec("bf16_rows", bf16_rows.NAME, bf16_rows.SOURCE, build.CFLAGS, (), bf16_rows.bf16_rows),
+     KernelSpec("bf16_rows", bf16_rows.NAME, bf16_rows.SOURCE, build.CFLAGS, bf16_rows.INCLUDES,
+                bf16_rows.bf16_rows),
      KernelSpec("kv_attention", kv_attention.NAME, kv_attention.SOURCE, kv_attention.CFLAGS, kv_attention.INCLUDES,
                 kv_attention.kv_attention)),
     (KernelSpec("decode_block", decode_block.NAME, decode_block.SOURCE, decode_block.CFLAGS, decode_block.INCLUDES,

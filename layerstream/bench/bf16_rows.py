@@ -30,9 +30,9 @@ def run(ns: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from engine.kernels.bf16_rows import built
+    from engine.kernels.bf16_rows import bf16_rows
 
-    rows_kernel = built()  # measured even where the engine leaves 2-16 rows to oneDNN (AMX)
+    rows_kernel = bf16_rows()  # measured even where the engine leaves 2-16 rows to oneDNN (AMX)
 
     def best_us(ws: list, x: torch.Tensor, onednn: bool, product=F.linear) -> float:
         torch._C._set_mkldnn_enabled(onednn)

@@ -1,4 +1,5 @@
-"""Where a single-stream decode step's time goes on the CPU, by the decoding thread's CPU time, one thread:
+"""Where a single-stream decode step's time goes on the CPU, by the decoding thread's CPU time, one thread
+(or by wall time with --threads above 1, where the other threads' work counts too):
 the whole `engine.step()` (median decode step of a 33-token greedy run), and the model's blocks, the matmuls
 inside them and the LM head each timed alone (one decode row at a short context), in one process, medians of
 --rounds. The whole step is also timed with the blocks op by op (the C++ decode block off) and op by op with
@@ -25,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(BENCH_ROOT / "smollm2" / "SmolLM2-135M-Instruct.Q4_0.gguf"))
     p.add_argument("--rounds", type=int, default=5, help="rounds of every measurement; medians reported")
     p.add_argument("--calls", type=int, default=20, help="calls per round of each timed part")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; above 1 the parts are timed by wall time, not the thread's CPU time")
 
 
 def _median(xs: list[float]) -> float:
@@ -41,7 +44,8 @@ def run(ns: argparse.Namespace) -> int:
 
     if not Path(ns.model).exists():
         sys.exit(f"{ns.model} not found (bench-packed makes it)")
-    torch.set_num_threads(1)
+    torch.set_num_threads(ns.threads)
+    clock = time.thread_time if ns.threads == 1 else time.perf_counter
     llm = LLM(ns.model, max_model_len=512, max_num_seqs=1)
     try:
         engine, runner = llm.engine, llm.engine.model.runner
@@ -69,9 +73,9 @@ def run(ns: argparse.Namespace) -> int:
             engine.add_request(PROMPT, SamplingParams(max_tokens=33, temperature=0, ignore_eos=True), str(time.time()))
             steps = []
             while engine.has_unfinished():
-                t = time.thread_time()
+                t = clock()
                 engine.step()
-                steps.append(time.thread_time() - t)
+                steps.append(clock() - t)
             return _median(steps[1:])  # decode steps only
 
         def blocks_once():
@@ -108,14 +112,15 @@ def run(ns: argparse.Namespace) -> int:
                 finally:
                     ops.decode_block, ops.token_by_token = real_block, real_attention
             for name, fn in parts.items():
-                t = time.thread_time()
+                t = clock()
                 for _ in range(ns.calls):
                     fn()
-                times[name].append((time.thread_time() - t) / ns.calls)
+                times[name].append((clock() - t) / ns.calls)
     finally:
         llm.close()
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    print(f"{Path(ns.model).name}: one decode row at position {POSITION}, 1 thread, thread CPU time, medians of "
+    print(f"{Path(ns.model).name}: one decode row at position {POSITION}, {ns.threads} thread(s), "
+          f"{'thread CPU' if ns.threads == 1 else 'wall'} time, medians of "
           f"{ns.rounds}; load average {load}")
     for name, xs in times.items():
         print(f"{name:<36} {_median(xs) * 1e3:8.2f} ms")

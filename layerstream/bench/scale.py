@@ -10,8 +10,9 @@ Files, made once under $LAYERSTREAM_BENCH_DIR/scale-<shape>/ (the 3B shape needs
 Shapes: 3b (Llama-3.2-3B: hidden 3072, 28 layers, 24 query / 8 KV heads, FFN 8192, tied embeddings),
 8b (Llama-3.1-8B's dims), tiny (a smoke test of the benchmark itself).
 
-Every run is a child process with --threads threads: load (the first one, then --repeats more with
-the page cache warm: the fastest is the second-load figure), one --prompt-tokens prompt (prefill
+Every run is a child process with --threads threads: its libraries' imports (torch, engine and
+transformers' tokenizer classes; llama_cpp), timed apart, then load (the first one, then --repeats more
+with the page cache warm: the fastest is the second-load figure), one --prompt-tokens prompt (prefill
 tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonymous memory
 (sampled; the kernel keeps no peak of it). The fastest of the --repeats runs is reported. Decode is
 set against the memory floor: the weight bytes a token reads divided by this machine's measured
@@ -240,10 +241,15 @@ def memory_gbps(threads: int) -> float:
 
 # -- a run, in its own process ------------------------------------------------------------------------
 def _child_layerstream(ns, ids: list[int]) -> dict:
+    t0 = time.perf_counter()
     import torch
+    import transformers
 
     from engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
+
+    transformers.PreTrainedTokenizerFast  # noqa: B018 - the tokenizer classes load on first use: count them here
+    imports_s = time.perf_counter() - t0
 
     from .disk import read_bytes
 
@@ -263,7 +269,7 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
     end = time.perf_counter()
     stats = engine.telemetry().total
     plan = engine.plan
-    result = dict(load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
+    result = dict(imports_s=imports_s, load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
                   decode_read_bytes=read_bytes() - io0,
                   # where decode's time goes: compute waiting for blocks, the disk tier reading them
                   decode_stall_s=stats.stall_seconds - stats0.stall_seconds,
@@ -275,7 +281,10 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
 
 
 def _child_llama_cpp(ns, ids: list[int]) -> dict:
+    t0 = time.perf_counter()
     from llama_cpp import Llama
+
+    imports_s = time.perf_counter() - t0
 
     from .disk import read_bytes
 
@@ -293,7 +302,7 @@ def _child_llama_cpp(ns, ids: list[int]) -> dict:
             break
     end = time.perf_counter()
     llm.close()
-    return dict(load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
+    return dict(imports_s=imports_s, load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
                 decode_read_bytes=read_bytes() - io0)
 
 
@@ -431,6 +440,7 @@ def run(ns: argparse.Namespace) -> int:
             r["load_s"] = min((x["load_s"] for x in runs if "load_s" in x), default=None)
             r["prefill_s"] = min((x["prefill_s"] for x in runs if "prefill_s" in x), default=None)
             r["first_load_s"] = first.get("load_s")
+            r["imports_s"] = min((x["imports_s"] for x in runs if "imports_s" in x), default=None)
             r["bytes_per_token"] = weight_bytes_per_token(path)
             results.append(r)
             rows.append(r)
@@ -457,14 +467,15 @@ def run(ns: argparse.Namespace) -> int:
         for r, (pre, dec) in zip(rows, speeds):
             floor = mem_gbps * 1e9 / r["bytes_per_token"]
             mine = r["peer"] == "layerstream"
-            table_rows.append([r["peer"], r["file"], _fmt(r.get("first_load_s")), _fmt(r.get("load_s")),
+            table_rows.append([r["peer"], r["file"], _fmt(r.get("imports_s")), _fmt(r.get("first_load_s")),
+                               _fmt(r.get("load_s")),
                                _fmt(pre), ratio(pre, ref[0]) if mine else "", _fmt(dec),
                                ratio(dec, ref[1]) if mine else "",
                                f"{100 * dec / floor:.0f}% of {floor:.1f}" if dec else "-",
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
         print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB")
-        print(table(["peer", "file", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
+        print(table(["peer", "file", "imports s", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
                      "decode tok/s", "vs llama.cpp", "memory floor tok/s", "peak RssAnon", "error"], table_rows))
 
     if ns.capped or ns.capped_only:

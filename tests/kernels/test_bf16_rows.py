@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine import ops
 from engine.kernels import bf16_rows as br
 
-module = br.built()  # the kernel itself, also where the engine prefers oneDNN's AMX path for 2-16 rows
+module = br.bf16_rows()  # the kernel itself, also where the engine prefers oneDNN's AMX path for 2-16 rows
 needs_kernel = pytest.mark.skipif(module is None, reason="the AVX512-BF16 rows kernel is not available here")
 
 # (out, in): the benchmark model's and SmolLM2's shapes, and small ones whose out is not a multiple of

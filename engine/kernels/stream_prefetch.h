@@ -1,0 +1,29 @@
+// Reading a weight once, in address order, from memory: how far ahead a kernel asks for its lines.
+// A core of a server CPU keeps too few misses in flight for its hardware prefetcher alone to reach the
+// memory's bandwidth, and software prefetches into L1 (T0) hold one of its few fill buffers each until
+// the line arrives. So each step of a kernel's loop asks twice for the lines of the bytes it reads: far
+// ahead into L2 (T1), whose queue holds many more misses, and nearer into L1, by when the line is in L2.
+// Both distances were chosen in an A/B of int4_vnni.cpp's kernel over a 3B model's block weights
+// (docs/benchmarks/scale.md); farther than this the lines arrive too early and are evicted.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace layerstream {
+
+constexpr int64_t PREFETCH_L1_BYTES = 1024;
+constexpr int64_t PREFETCH_L2_BYTES = 4096;
+
+// LINES 64-byte lines from p, the stretch a loop step reads, asked for ahead of it.
+template <int LINES>
+inline void prefetch_stream(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (int i = 0; i < LINES; ++i) {
+    _mm_prefetch(c + PREFETCH_L1_BYTES + 64 * i, _MM_HINT_T0);
+    _mm_prefetch(c + PREFETCH_L2_BYTES + 64 * i, _MM_HINT_T1);
+  }
+}
+
+}  // namespace layerstream
