@@ -95,7 +95,7 @@ def test_block_is_bit_identical_to_the_op_by_op_path(monkeypatch, kind, bias, wi
     if not kind.startswith("dense") and kernels.int4_backend() != "vnni":
         pytest.skip("VNNI layouts need the VNNI kernels")
     if kind == "dense":
-        monkeypatch.setattr(ops, "bf16_rows", br.built)
+        monkeypatch.setattr(ops, "bf16_rows", br.bf16_rows)
     if kind == "dense, F.linear":
         monkeypatch.setattr(ops, "bf16_rows", lambda: None)
         kind = "dense"
@@ -128,7 +128,7 @@ def _apart(w: dict) -> dict:
 def test_projections_kept_apart_run_as_the_block_with_the_stacked_bits(monkeypatch, seqs, bias):
     """q/k/v and gate/up kept apart (dense bf16, one sequence on the one-row kernel, three on the rows
     kernel) run as the one C++ block call, bit-identical to op by op and to the same block stacked."""
-    monkeypatch.setattr(ops, "bf16_rows", br.built)
+    monkeypatch.setattr(ops, "bf16_rows", br.bf16_rows)
     cfg = _cfg()
     stacked = _block("dense", bias)
     step = _step([37, 3, 20][:seqs], [[5, 2, 7], [0, 0, 0], [1, 6, 0]][:seqs], cfg)

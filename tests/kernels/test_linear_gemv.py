@@ -44,7 +44,7 @@ def test_one_row_uses_torchs_gemv_and_matches_the_reference(shape, monkeypatch):
 
 @pytest.mark.skipif(br.bf16_rows() is None, reason="the AVX512-BF16 rows kernel is not available here")
 def test_one_row_takes_the_rows_kernel_where_it_is_in_use(monkeypatch):
-    monkeypatch.setattr(ops, "bf16_rows", br.built)
+    monkeypatch.setattr(ops, "bf16_rows", br.bf16_rows)
     w, b = _weights(576, 576)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
     with ops.single_row_products(x):

@@ -105,7 +105,7 @@ def _int4_module():
 
 
 # The kernels that split their work with at::parallel_for (decode_block holds fused_ops' and bf16_rows' code).
-PARALLEL = [("fused_ops", fo.fused_ops), ("attention_ops", ao.attention_ops), ("bf16_rows", br.built),
+PARALLEL = [("fused_ops", fo.fused_ops), ("attention_ops", ao.attention_ops), ("bf16_rows", br.bf16_rows),
             ("decode_block", db.decode_block), ("int4_vnni", _int4_module)]
 
 
