@@ -364,13 +364,19 @@ def _lora_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """Served adapters (engine.lora_serving's RowLoRAWeight): one base product y = x W^T + b over every row
-    of x (tokens, in), then y + (x A^T * mask) B^T for the step's adapters side by side, in their dtype (the
-    compute dtype: fp32 as PEFT computes, bf16 as vLLM does, added to y in place: widening y for the sum
-    cost more than the adapters' products; B holds the scales, a stacked weight's B is block diagonal), the
-    mask keeping each row's own adapter's columns. A row of no adapter adds exact zeros: it keeps y."""
+    of x (tokens, in), then y + (x A^T) B^T with each row through its own adapter's columns, in the adapters'
+    dtype (the compute dtype: fp32 as PEFT computes, bf16 as vLLM does, added to y in place: widening y for
+    the sum cost more than the adapters' products; B holds the scales, a stacked weight's B is block
+    diagonal). On the CPU, up to LORA_ROWS_MAX rows, decode_block.cpp's lora_rows_add_ does that row by row,
+    as the C++ decode block does (the same bits); else the adapters' products run side by side with a mask
+    keeping each row's own columns. A row of no adapter adds nothing: it keeps y."""
     y = linear(x, w.base, bias)  # (tokens, out)
+    block = decode_block() if x.device.type == "cpu" else None
+    if (block is not None and x.dtype == y.dtype == w.a.dtype and x.dim() == 2
+            and x.shape[0] <= block.LORA_ROWS_MAX):
+        return block.lora_rows_add_(y, x.contiguous(), w.a, w.b_t, w.rows.row_cols(w.cols))
     xa = linear(x.to(w.a.dtype), w.a).mul_(w.rows.mask(w.cols, w.a.dtype))  # (tokens, sum of R)
-    delta = linear(xa, w.b)  # (tokens, out)
+    delta = xa @ w.b_t  # (tokens, out)
     return y.add_(delta) if y.dtype == delta.dtype else (y.float() + delta).to(y.dtype)
 
 
@@ -588,13 +594,13 @@ def _parts(w: dict, stacked: str, parts: tuple[str, ...]) -> tuple[str, ...] | N
 
 def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
     """(tensor, scales or None, out_features, adapter or None) as decode_block takes a weight, or None when it
-    cannot. A served adapters' weight (kind "lora_rows") is its base's with the adapter term (A, B, the rows'
-    mask) that _lora_rows_linear adds."""
+    cannot. A served adapters' weight (kind "lora_rows") is its base's with the adapter term (A, B^T, each
+    row's columns) that _lora_rows_linear adds."""
     adapter = None
     if getattr(w, "kind", None) == "lora_rows":
         if w.a.dtype != dtype:
             return None
-        adapter, w = (w.a, w.b, w.rows.mask(w.cols, w.a.dtype)), w.base
+        adapter, w = (w.a, w.b_t, w.rows.row_cols(w.cols)), w.base
     if isinstance(w, torch.Tensor):
         return (w, None, w.shape[0], adapter) if w.dtype == dtype and w.dim() == 2 else None
     args = w.vnni_args() if hasattr(w, "vnni_args") else None

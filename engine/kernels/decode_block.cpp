@@ -29,12 +29,119 @@
 namespace {
 
 // A served adapter term on a projection (engine/lora_serving/rows.py, RowLoRAWeight): the step's adapters'
-// A stacked (sum R, in), their B side by side (out, sum R), and the mask (tokens, sum R) that keeps each
-// token's own adapter's columns. y += ((x A^T) * mask) B^T, added to y in place in y's dtype, as
-// engine/ops.py's _lora_rows_linear does op by op.
+// A stacked (sum R, in), their B transposed and stacked (sum R, out), and each token's run of columns
+// (tokens, 2): [start, count], count 0 for a row of the base. lora_rows_add_ below adds it to y.
 using Adapter = c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>>;
 // (tensor, scales, out_features, adapter)
 using Weight = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, Adapter>;
+
+// v rounded to T and back (T float: v itself), as a product whose result is stored in T rounds it.
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, v, 0xFFFF);
+    return load16(tmp);
+  }
+}
+
+template <typename T>
+inline __m512 load16_masked(const T* p, __mmask16 k) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(k, p);
+  } else {
+    if (k == 0xFFFF) return load16(p);
+    alignas(64) T tmp[16] = {};
+    std::memcpy(tmp, p, sizeof(T) * __builtin_popcount(k));  // k is always a prefix mask here
+    return load16(tmp);
+  }
+}
+
+// Served adapters' term, each row through its own adapter's columns only, as punica's batched LoRA does on
+// a GPU: y[m] += ((x[m] A_c^T) rounded to T) B_c^T rounded to T, c = row m's run of columns. For a decode
+// step's few rows the masked products (every row times every adapter's columns, the others' masked to
+// zero: lora_masked_add_) spent more on their small products' calls than on their arithmetic; from
+// LORA_ROWS_MAX rows on, a prompt chunk's, those dense products are the faster. Both products accumulate
+// in fp32; T is the activations', the adapters' and y's dtype (one dtype: the caller checks).
+constexpr int64_t LORA_ROWS_MAX = 32;
+//   x (M, K), a (R, K), b_t (R, N), row_cols (M, 2) int64 [start, count], y (M, N) updated in place.
+template <typename T>
+void lora_rows_run(T* y, const T* x, const T* a, const T* b_t, const int64_t* rc, int64_t M, int64_t K, int64_t N,
+                   int64_t R) {
+  std::vector<float> t(M * R, 0.f);  // (M, R): row m's own columns only
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t j = rc[2 * m]; j < rc[2 * m] + rc[2 * m + 1]; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(load16(x + m * K + k), load16(a + j * K + k), acc);
+        if (k < K) {
+          const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+          acc = _mm512_fmadd_ps(load16_masked(x + m * K + k, tail), load16_masked(a + j * K + k, tail), acc);
+        }
+        t[m * R + j] = static_cast<float>(T(_mm512_reduce_add_ps(acc)));
+      }
+    }
+  });
+  at::parallel_for(0, (N + 15) / 16, 16, [&](int64_t c0, int64_t c1) {
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t start = rc[2 * m], count = rc[2 * m + 1];
+      if (count == 0) continue;
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t n = 16 * c;
+        const __mmask16 k = static_cast<__mmask16>(N - n >= 16 ? 0xFFFF : (1u << (N - n)) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = start; j < start + count; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(t[m * R + j]), load16_masked(b_t + j * N + n, k), acc);
+        store16(y + m * N + n, _mm512_add_ps(load16_masked(y + m * N + n, k), round_to<T>(acc)), k);
+      }
+    }
+  });
+}
+
+at::Tensor lora_rows_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
+                          const at::Tensor& row_cols) {
+  const auto dtype = y.scalar_type();
+  TORCH_CHECK(x.scalar_type() == dtype && a.scalar_type() == dtype && b_t.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "lora_rows_add_: y, x, a and b_t in one dtype of float32, bfloat16, float16");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 2 && b_t.dim() == 2 && y.is_contiguous() &&
+                  x.is_contiguous() && a.is_contiguous() && b_t.is_contiguous(),
+              "lora_rows_add_: contiguous 2-d y, x, a, b_t");
+  const int64_t M = x.size(0), K = x.size(1), R = a.size(0), N = b_t.size(1);
+  TORCH_CHECK(a.size(1) == K && b_t.size(0) == R && y.size(0) == M && y.size(1) == N,
+              "lora_rows_add_: x ", x.sizes(), ", a ", a.sizes(), ", b_t ", b_t.sizes(), ", y ", y.sizes());
+  TORCH_CHECK(row_cols.scalar_type() == at::kLong && row_cols.is_contiguous() && row_cols.dim() == 2 &&
+                  row_cols.size(0) == M && row_cols.size(1) == 2,
+              "lora_rows_add_: row_cols must be contiguous (M, 2) int64");
+  const int64_t* rc = row_cols.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(rc[2 * m] >= 0 && rc[2 * m + 1] >= 0 && rc[2 * m] + rc[2 * m + 1] <= R,
+                "lora_rows_add_: row ", m, "'s columns [", rc[2 * m], ", +", rc[2 * m + 1], ") out of ", R);
+  if (M == 0 || N == 0) return y;
+  if (dtype == at::kFloat)
+    lora_rows_run(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), b_t.data_ptr<float>(), rc, M, K, N, R);
+  else if (dtype == at::kBFloat16)
+    lora_rows_run(y.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), a.data_ptr<c10::BFloat16>(),
+                  b_t.data_ptr<c10::BFloat16>(), rc, M, K, N, R);
+  else
+    lora_rows_run(y.data_ptr<c10::Half>(), x.data_ptr<c10::Half>(), a.data_ptr<c10::Half>(),
+                  b_t.data_ptr<c10::Half>(), rc, M, K, N, R);
+  return y;
+}
+
+// The masked form, for many rows: ((x A^T) * mask) B^T with mask[m, j] = 1 on row m's own columns, added to
+// y in y's dtype; engine/ops.py's _lora_rows_linear runs the same ops (the same bits) for a mask made from
+// the same columns.
+at::Tensor lora_masked_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
+                            const at::Tensor& row_cols) {
+  const at::Tensor j = at::arange(a.size(0), row_cols.options()).unsqueeze(0);  // (1, R)
+  const at::Tensor start = row_cols.select(1, 0).unsqueeze(1), end = start + row_cols.select(1, 1).unsqueeze(1);
+  const at::Tensor mask = (j >= start).logical_and(j < end).to(a.scalar_type());  // (M, R)
+  return y.add_(at::matmul(at::linear(x, a).mul_(mask), b_t));
+}
 
 at::Tensor base_product(const at::Tensor& x, const at::Tensor& tensor, const c10::optional<at::Tensor>& scales,
                         int64_t out, const c10::optional<at::Tensor>& bias, bool few_rows) {
@@ -50,10 +157,9 @@ at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at:
   const auto& [tensor, scales, out, adapter] = w;
   at::Tensor y = base_product(x, tensor, scales, out, bias, few_rows);
   if (adapter.has_value()) {
-    const auto& [a, b, mask] = *adapter;
-    const at::Tensor xa = base_product(x.to(a.scalar_type()), a, c10::nullopt, 0, c10::nullopt, few_rows).mul_(mask);
-    const at::Tensor delta = base_product(xa, b, c10::nullopt, 0, c10::nullopt, few_rows);
-    y = y.scalar_type() == delta.scalar_type() ? y.add_(delta) : (y.to(at::kFloat) + delta).to(y.scalar_type());
+    const auto& [a, b_t, row_cols] = *adapter;
+    if (x.size(0) <= LORA_ROWS_MAX) lora_rows_add_(y, x.contiguous(), a, b_t, row_cols);
+    else lora_masked_add_(y, x, a, b_t, row_cols);
   }
   return y;
 }
@@ -111,5 +217,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wo"), py::arg("bo"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"), py::arg("positions"),
         py::arg("window"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("few_rows"));
+  m.def("lora_rows_add_", &lora_rows_add_, "y += served adapters' term, each row through its own columns",
+        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b_t"), py::arg("row_cols"));
+  m.attr("LORA_ROWS_MAX") = LORA_ROWS_MAX;
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX512F/BW/VL and AVX512-VNNI");
 }

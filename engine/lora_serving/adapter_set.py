@@ -101,7 +101,7 @@ class AdapterSet:
                 products = [(slot, self._product(slot, layer, name, parts)) for slot in rows.present]
                 products = [(slot, p) for slot, p in products if p is not None]
                 self._stacks[key] = (torch.cat([p[0] for _, p in products]).to(self.dtype),
-                                     torch.cat([p[1] for _, p in products], 1).to(self.dtype),
+                                     torch.cat([p[1] for _, p in products]).to(self.dtype),
                                      tuple((slot, p[0].shape[0]) for slot, p in products)) if products else None
             stack = self._stacks[key]
             if stack is not None:
@@ -118,17 +118,18 @@ class AdapterSet:
 
 
 def _stacked(found: list, sizes: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One weight's adapter as two products: A (R, in) the segments' A stacked, B (out, R) block diagonal,
-    segment s's rows holding its B * scale in its own columns (zeros for an unadapted segment). Folding the
-    scale into B is PEFT's (x A^T B^T) * scale up to rounding."""
+    """One weight's adapter as two products: A (R, in) the segments' A stacked, B^T (R, out) block diagonal,
+    segment s's columns holding its (B * scale)^T in its own rows (zeros for an unadapted segment). Folding
+    the scale into B is PEFT's (x A^T B^T) * scale up to rounding; B transposed, each of its rows is one
+    adapter column's contribution to every output, which the CPU kernel adds row by row."""
     pairs = [f for f in found if f is not None]
     a = torch.cat([p[0] for p in pairs]) if len(pairs) > 1 else pairs[0][0]  # (R, in)
-    b = a.new_zeros(sum(sizes), a.shape[0])  # (out, R)
+    b_t = a.new_zeros(a.shape[0], sum(sizes))  # (R, out)
     row = col = 0
     for f, n in zip(found, sizes):
         if f is not None:
             r = f[0].shape[0]
-            b[row:row + n, col:col + r] = f[1] * scale
-            col += r
-        row += n
-    return a, b
+            b_t[row:row + r, col:col + n] = (f[1] * scale).t()
+            row += r
+        col += n
+    return a, b_t

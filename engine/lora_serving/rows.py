@@ -4,9 +4,10 @@ A step's tokens are packed into one (tokens, hidden) matrix (engine.model); a to
 sequence's. LoRARows records each token's adapter once per step, on the host, so a block's products never
 ask the device which rows are whose (a host sync per projection). RowLoRAWeight is data, as the packed
 weight types are: engine.ops multiplies it as one base product over every row plus the step's adapters'
-low-rank products, stacked into two products whose middle is masked to each row's own adapter: a handful
-of operations per projection whatever the number of adapters (one pair per adapter, each on its rows, was
-dozens of small operations per projection, which cost more than the products).
+low-rank products. On the CPU one kernel takes each row through its own adapter's columns (row_cols); elsewhere
+the adapters are stacked into two products whose middle is masked to each row's own adapter (mask): a
+handful of operations per projection whatever the number of adapters (one pair per adapter, each on its
+rows, was dozens of small operations per projection, which cost more than the products).
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ class LoRARows:
             self._masks[cols] = m
         return m
 
+    def row_cols(self, cols: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """(tokens, 2) int64 on the host: each token's run of columns [start, count] in a stack whose columns
+        are (slot, R) runs in order; count 0 where the token's adapter has no columns there (the base's rows,
+        or an adapter that leaves this weight alone). Made once per step and column layout."""
+        key = ("row_cols", cols)
+        rc = self._masks.get(key)
+        if rc is None:
+            runs, start = {}, 0
+            for slot, r in cols:
+                runs[slot] = (start, r)
+                start += r
+            rc = torch.tensor([runs.get(s, (0, 0)) if s is not None else (0, 0) for s in self.slots],
+                              dtype=torch.long).reshape(-1, 2)
+            self._masks[key] = rc
+        return rc
+
     @staticmethod
     def of(slots: list[int | None], device: torch.device) -> LoRARows | None:
         """None when no token has an adapter: the step is the base model's alone (and keeps every fused path)."""
@@ -50,13 +67,13 @@ class LoRARows:
 @dataclass(frozen=True)
 class RowLoRAWeight:
     """A frozen base weight (out, in), dense or packed, with the step's adapters on their own rows of x: their
-    A stacked (sum of R, in) and their B side by side (out, sum of R) in the compute dtype, each adapter's
-    scale folded into its B (a stacked weight's B block diagonal over q/k/v or gate/up); cols: the (slot, R)
-    run of each adapter's columns, which rows.mask turns into each token's own columns."""
+    A stacked (sum of R, in) and their B transposed and stacked (sum of R, out) in the compute dtype, each
+    adapter's scale folded into its B (a stacked weight's B block diagonal over q/k/v or gate/up); cols: the
+    (slot, R) run of each adapter's columns, which rows.mask and rows.row_cols turn into each token's own."""
 
     base: object
     a: torch.Tensor
-    b: torch.Tensor
+    b_t: torch.Tensor
     cols: tuple[tuple[int, int], ...]
     rows: LoRARows
     kind: str = "lora_rows"
