@@ -14,10 +14,11 @@ Public interface (callers import only this module):
       .served(); .adapt(layer, w, rows) -> block weights with each targeted projection a RowLoRAWeight.
   LoRARows.of(slots per token, device) -> LoRARows | None
       Each token's adapter for a step (None: no row has one); the runner puts it in StepInputs.lora.
-  RowLoRAWeight  the data engine.ops multiplies: one base product for every row, and the step's adapters'
-      low-rank products (x A^T B^T * scale, fp32 as PEFT computes it; a stacked q/k/v or gate/up weight's
-      segments as one stacked A and one block-diagonal B, the scale folded into B) side by side, masked so
-      that each row adds its own adapter's only.
+  RowLoRAWeight  the data engine.ops multiplies: one base product for every row, and each row's own adapter's
+      low-rank product (x A^T B^T * scale, fp32 as PEFT computes it; a stacked q/k/v or gate/up weight's
+      segments as one stacked A and one block-diagonal B, kept transposed, the scale folded into B): row by
+      row through its adapter's columns (LoRARows.row_cols) on the CPU for few rows, else the adapters side by
+      side, masked (LoRARows.mask) so that each row adds its own adapter's only.
 
 The math: a projection y = x W^T over the step's rows gains, on the rows of adapter s only,
 scale_s * (x A_s^T) B_s^T. Rows of the base alone get nothing added. The fused C++ decode block has no
