@@ -367,9 +367,11 @@ def _lora_rows_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     of x (tokens, in), then y + (x A^T) B^T with each row through its own adapter's columns, in the adapters'
     dtype (the compute dtype: fp32 as PEFT computes, bf16 as vLLM does, added to y in place: widening y for
     the sum cost more than the adapters' products; B holds the scales, a stacked weight's B is block
-    diagonal). On the CPU, up to LORA_ROWS_MAX rows, decode_block.cpp's lora_rows_add_ does that row by row,
-    as the C++ decode block does (the same bits); else the adapters' products run side by side with a mask
-    keeping each row's own columns. A row of no adapter adds nothing: it keeps y."""
+    diagonal). On the CPU, up to LORA_ROWS_MAX rows (a decode step's), decode_block.cpp's lora_rows_add_ does
+    that row by row, as the C++ decode block does (the same bits); otherwise (a prompt chunk's many rows,
+    where dense products beat it; a GPU) the adapters' products run side by side with a mask keeping each
+    row's own columns (on this CPU that beat a pair of products per adapter on its own rows, whose gathers
+    and small calls cost more than the masked columns). A row of no adapter adds nothing."""
     y = linear(x, w.base, bias)  # (tokens, out)
     block = decode_block() if x.device.type == "cpu" else None
     if (block is not None and x.dtype == y.dtype == w.a.dtype and x.dim() == 2
@@ -598,7 +600,8 @@ def _kernel_weight(w, dtype: torch.dtype) -> tuple | None:
     row's columns) that _lora_rows_linear adds."""
     adapter = None
     if getattr(w, "kind", None) == "lora_rows":
-        if w.a.dtype != dtype:
+        block = decode_block()
+        if w.a.dtype != dtype or block is None or len(w.rows.slots) > block.LORA_ROWS_MAX:
             return None
         adapter, w = (w.a, w.b_t, w.rows.row_cols(w.cols)), w.base
     if isinstance(w, torch.Tensor):

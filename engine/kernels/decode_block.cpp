@@ -61,10 +61,11 @@ inline __m512 load16_masked(const T* p, __mmask16 k) {
 
 // Served adapters' term, each row through its own adapter's columns only, as punica's batched LoRA does on
 // a GPU: y[m] += ((x[m] A_c^T) rounded to T) B_c^T rounded to T, c = row m's run of columns. For a decode
-// step's few rows the masked products (every row times every adapter's columns, the others' masked to
-// zero: lora_masked_add_) spent more on their small products' calls than on their arithmetic; from
-// LORA_ROWS_MAX rows on, a prompt chunk's, those dense products are the faster. Both products accumulate
-// in fp32; T is the activations', the adapters' and y's dtype (one dtype: the caller checks).
+// step's few rows the masked products it replaced (every row times every adapter's columns, the others'
+// masked to zero) spent more on their small products' calls than on their arithmetic; past LORA_ROWS_MAX
+// rows, a prompt chunk's, dense products per adapter are the faster (engine/ops.py's _lora_rows_linear, and
+// a block with that many adapter rows runs op by op). Both products accumulate in fp32; T is the
+// activations', the adapters' and y's dtype (one dtype: the caller checks).
 constexpr int64_t LORA_ROWS_MAX = 32;
 //   x (M, K), a (R, K), b_t (R, N), row_cols (M, 2) int64 [start, count], y (M, N) updated in place.
 template <typename T>
@@ -132,17 +133,6 @@ at::Tensor lora_rows_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a
   return y;
 }
 
-// The masked form, for many rows: ((x A^T) * mask) B^T with mask[m, j] = 1 on row m's own columns, added to
-// y in y's dtype; engine/ops.py's _lora_rows_linear runs the same ops (the same bits) for a mask made from
-// the same columns.
-at::Tensor lora_masked_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
-                            const at::Tensor& row_cols) {
-  const at::Tensor j = at::arange(a.size(0), row_cols.options()).unsqueeze(0);  // (1, R)
-  const at::Tensor start = row_cols.select(1, 0).unsqueeze(1), end = start + row_cols.select(1, 1).unsqueeze(1);
-  const at::Tensor mask = (j >= start).logical_and(j < end).to(a.scalar_type());  // (M, R)
-  return y.add_(at::matmul(at::linear(x, a).mul_(mask), b_t));
-}
-
 at::Tensor base_product(const at::Tensor& x, const at::Tensor& tensor, const c10::optional<at::Tensor>& scales,
                         int64_t out, const c10::optional<at::Tensor>& bias, bool few_rows) {
   if (!scales.has_value() || !scales->defined()) {
@@ -158,8 +148,9 @@ at::Tensor project(const at::Tensor& x, const Weight& w, const c10::optional<at:
   at::Tensor y = base_product(x, tensor, scales, out, bias, few_rows);
   if (adapter.has_value()) {
     const auto& [a, b_t, row_cols] = *adapter;
-    if (x.size(0) <= LORA_ROWS_MAX) lora_rows_add_(y, x.contiguous(), a, b_t, row_cols);
-    else lora_masked_add_(y, x, a, b_t, row_cols);
+    TORCH_CHECK(x.size(0) <= LORA_ROWS_MAX, "decode block: served adapters on ", x.size(0), " rows, at most ",
+                LORA_ROWS_MAX, " (engine/ops.py runs more op by op)");
+    lora_rows_add_(y, x.contiguous(), a, b_t, row_cols);
   }
   return y;
 }
