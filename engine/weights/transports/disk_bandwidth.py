@@ -118,9 +118,10 @@ def measure(path: str | os.PathLike, max_bytes: int = MEASURE_BYTES, max_seconds
 
 
 def disk_bandwidth(paths, use_cache: bool = True, max_bytes: int = MEASURE_BYTES,
-                   max_seconds: float = MEASURE_SECONDS) -> DiskBandwidth:
+                   max_seconds: float = MEASURE_SECONDS, passes: int = MEASURE_PASSES) -> DiskBandwidth:
     """Bandwidth of the file system holding `paths` (measured on the largest), cached per file system;
-    use_cache=False measures again (and caches the new figure)."""
+    use_cache=False measures again (and caches the new figure). passes=1 times one sustained read of
+    max_bytes (what reading a whole model each step can keep up) rather than the fastest of parts."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("no files to measure the disk bandwidth on")
@@ -133,7 +134,7 @@ def disk_bandwidth(paths, use_cache: bool = True, max_bytes: int = MEASURE_BYTES
                 return DiskBandwidth(**rec, cached=True)
             except TypeError:
                 pass  # a record from another version: measure again
-    bw = measure(largest, max_bytes, max_seconds)
+    bw = measure(largest, max_bytes, max_seconds, passes=passes)
     log.info("disk bandwidth of %s: %s", key, bw.describe())
     if bw.bytes_read >= MIN_CACHED_BYTES:
         _store(key, bw)
