@@ -28,6 +28,7 @@ from .kv_disk import KVDiskTier
 from .kv_groups import KVLayout
 from .kv_quant import KV_CACHE_DTYPES, KVQuant
 from .ops import KernelChoices
+from .placement import TensorGroup, block_groups
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
 from .workspace import attention_chunk_bytes, workspace_bytes
@@ -323,6 +324,15 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     return replace(plan, notes=plan.notes + (
         f"grammar probe off: host memory cannot hold its {format_bytes(probe)} besides the model; a new "
         "grammar compiles in this process and its cost is checked after the fact",))
+
+
+def tensor_groups(cfg: ModelConfig, dtype: torch.dtype) -> tuple[TensorGroup, ...]:
+    """Every block's tensor groups in the compute dtype (PlanInputs.tensor_groups): the planner's input for
+    per-group placement, and the units the --cpu-offload-policy decides on each step."""
+    top_k = cfg.moe.top_k if cfg.moe is not None else 0
+    return tuple(g for layer in range(cfg.num_layers)
+                 for g in block_groups(layer, cfg.block_shapes(layer), dtype.itemsize, cfg.hidden_size,
+                                       top_k if cfg.is_moe_layer(layer) else 0))
 
 
 def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:
