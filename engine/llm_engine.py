@@ -22,6 +22,7 @@ from .failures import EngineUnhealthyError, raise_if_fatal
 from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
 from .lora_serving import AdapterSet, AdapterWeights, LoRAAdapterError, ServedAdapter, read_adapter
 from .model_source import resolve_model
+from .placement import MeasuredSpeeds
 from .request import RequestOutput, RequestState, emit
 from .runner import check_token_ids
 from .sampler import make_generator, sample_one, score_tokens
@@ -481,6 +482,11 @@ class LLMEngine:
         return self._emit(chunk.seq, tokens, infos,
                           commit=lambda emitted: self.scheduler.commit(chunk, 1 + min(accepted, emitted)))
 
+    def set_measured_speeds(self, speeds: MeasuredSpeeds) -> None:
+        """New measured speeds for --cpu-offload-policy auto (engine.placement): from the next step on, off-device
+        groups take the path the cost model gives for them. Start-up measures once; callers refresh."""
+        self.model.runner.set_measured_speeds(speeds)
+
     def telemetry(self) -> EngineTelemetry:
         """A snapshot of what the engine is doing: the plan, bytes streamed (last step and in total,
         by tier), time compute waited for weights, achieved GB/s and % of the measured floor, the paged
@@ -506,6 +512,7 @@ class LLMEngine:
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
             lora_adapters=self.adapters.served(),
+            offload=self.model.runner.path_stats if self.model.runner.off_device_mlps else None,
         )
 
     def prompt_logits(self, prompt_ids: list[int], lora_name: str | None = None) -> torch.Tensor:

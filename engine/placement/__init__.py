@@ -24,6 +24,8 @@ tests run in milliseconds):
   .with_speeds(speeds)
       The per-step decision: --cpu-offload-policy (POLICIES: auto | stream | cpu; check_policy is its one
       validation) over the cost model's threshold. Frozen: refreshed measurements make a new one.
+  PathStats
+      Counters by path (steps, tokens, groups, bytes across the link) for telemetry and /metrics.
 
 What it owns: the decisions, as pure functions of byte counts, shapes and measured speeds. What it does
 not: measuring (the weights package measures links; start-up and telemetry feed MeasuredSpeeds), moving
@@ -33,10 +35,10 @@ weights (engine.weights), the math (engine.model computes a group wherever its w
 from .cost import PATHS, MeasuredSpeeds, StepShape, cpu_seconds, row_threshold, stream_seconds, token_threshold
 from .groups import (GROUP_KINDS, OFF_DEVICE_KINDS, GroupPlacement, TensorGroup, block_groups, group_kind,
                      place_groups)
-from .policy import POLICIES, PathPolicy, check_policy
+from .policy import POLICIES, PathPolicy, PathStats, check_policy
 
 __all__ = [
-    "GROUP_KINDS", "GroupPlacement", "MeasuredSpeeds", "OFF_DEVICE_KINDS", "PATHS", "POLICIES", "PathPolicy",
+    "GROUP_KINDS", "GroupPlacement", "MeasuredSpeeds", "OFF_DEVICE_KINDS", "PATHS", "POLICIES", "PathPolicy", "PathStats",
     "StepShape", "TensorGroup", "block_groups", "check_policy", "cpu_seconds", "group_kind", "place_groups",
     "row_threshold", "stream_seconds", "token_threshold",
 ]

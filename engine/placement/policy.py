@@ -70,3 +70,28 @@ class PathPolicy:
             # tokens x active / total >= rows, in whole numbers: the average is a fraction
             return "stream" if step.tokens * group.experts_active >= rows * group.experts_total else "cpu"
         return "stream" if step.rows(group) >= rows else "cpu"
+
+
+@dataclass(frozen=True)
+class PathStats:
+    """Off-device groups computed since load, by path: steps that took the path for at least one group and
+    their tokens, groups computed, and bytes across the link (cpu: the activations, both ways; stream: the
+    weights). Immutable: the runner swaps in a new one per step, telemetry reads it from any thread."""
+
+    steps_cpu: int = 0
+    steps_stream: int = 0
+    tokens_cpu: int = 0
+    tokens_stream: int = 0
+    groups_cpu: int = 0
+    groups_stream: int = 0
+    bytes_cpu: int = 0
+    bytes_stream: int = 0
+
+    def plus_step(self, tokens: int, groups: dict[str, int], nbytes: dict[str, int]) -> PathStats:
+        """These counters after one step of `tokens` tokens that computed groups[path] groups moving
+        nbytes[path] bytes (paths not taken: absent or 0)."""
+        cpu, stream = groups.get("cpu", 0), groups.get("stream", 0)
+        return PathStats(self.steps_cpu + (cpu > 0), self.steps_stream + (stream > 0),
+                         self.tokens_cpu + tokens * (cpu > 0), self.tokens_stream + tokens * (stream > 0),
+                         self.groups_cpu + cpu, self.groups_stream + stream,
+                         self.bytes_cpu + nbytes.get("cpu", 0), self.bytes_stream + nbytes.get("stream", 0))
