@@ -472,7 +472,10 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
             log.info("KV disk tier: not used for a model with sliding-window layers (--kv-disk-bytes ignored)")
         runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes,
                              placement=plan.group_placement, offload_policy=PathPolicy(args.cpu_offload_policy))
-        if runner.off_device_mlps and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps:
+        # The simulated device computes on this CPU: its speeds are the CPU's. A GPU's own throughput is not
+        # measured yet, so there "auto" streams (PathPolicy without speeds) until it is (issue #38's GPU step).
+        if (runner.off_device_mlps and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps
+                and device.type == "cpu"):
             speeds = runner.measure_offload_speeds(weights.links.h2d_gbps)
             runner.set_measured_speeds(speeds)
             group = next(iter(runner.off_device_mlps.values()))

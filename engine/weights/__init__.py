@@ -36,11 +36,11 @@ tests/test_import_rules.py enforces both):
       model's router, passed by the runner: this package holds weights, not math) lets the tier guess block i+1's
       experts from `hidden` and prefetch them. Otherwise they come out of block i's own weights.
   weights.off_device(i) -> bool; weights.offloaded(i, path) -> {short name: tensor};
-  weights.release_offloaded(i); weights.offload_stats -> OffloadStats | None
+  weights.release_offloaded(i)
       A plan with tensor groups off the device (plan.group_placement, engine.placement): acquire(i) hands
       over block i's groups on the device, offloaded(i, path) the rest (its MLP) for this step's path:
       "cpu", host tensors the CPU computes from (only activations cross the link), or "stream", moved to
-      the device through the transport as a streamed block is (offload.py).
+      the device through the transport as a streamed block is (offload.py), counted in stream_stats.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:

@@ -27,7 +27,7 @@ from .packed.compute_form import PackedFormat
 from .packed.prepacked import MARKER as PREPACKED_MARKER
 from .packed.prepacked import PrepackedLayout, prepack_layout
 from .transports.tiers import host_tiering, make_expert_tier, make_transport, resolve
-from .offload import OffloadStats, OffloadTier
+from .offload import OffloadTier
 from .transports.base import Transport, to_compute
 
 if TYPE_CHECKING:
@@ -369,11 +369,6 @@ class ModelWeights:
     def release_offloaded(self, block: int) -> None:
         self._offload.release(block)
 
-    @property
-    def offload_stats(self) -> OffloadStats | None:
-        """Off-device groups served by path since load; None without any off the device."""
-        return self._offload.stats if self._offload is not None else None
-
     def set_visit_order(self, blocks: list[int]) -> None:
         """The cyclic order acquire() visits blocks in from now on (default: 0..n-1 every step). Training
         passes 0..n-1 then n-1..0 so that the backward pass's blocks are prefetched in reverse. Drops
@@ -423,6 +418,8 @@ class ModelWeights:
     def stream_stats(self) -> StreamStats:
         """Cumulative counters (an immutable record: subtract two with since()), the expert tier's included."""
         stats = self._streamer.stats
+        if self._offload is not None:  # off-device groups streamed for a step
+            stats = stats.plus(self._offload.stats)
         return stats if self._experts is None else stats.plus(self._experts.stats)
 
     def telemetry(self) -> WeightsTelemetry:

@@ -17,7 +17,7 @@ The runner asks per step and block (engine.placement.PathPolicy decides); this t
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+import time
 
 import torch
 
@@ -25,16 +25,7 @@ from ..planner import MemoryPlan
 from .formats.block_source import BlockSource
 from .transports.base import Ticket, Transport
 from .transports.cpu import CpuTransport
-
-
-@dataclass(frozen=True)
-class OffloadStats:
-    """Off-device groups served since load, by path: how many (a block's groups at a time) and the weight
-    bytes streamed for them (the CPU path streams none)."""
-
-    served_cpu: int = 0
-    served_stream: int = 0
-    bytes_streamed: int = 0
+from .transports.streamer import StreamStats
 
 
 class OffloadTier:
@@ -50,7 +41,7 @@ class OffloadTier:
         self._host = {b: host.resident(b) for b in self._blocks}
         self._tickets: dict[int, Ticket] = {}
         self._lock = threading.Lock()  # the compute thread counts; telemetry reads from any thread
-        self._stats = OffloadStats()
+        self._stats = StreamStats()
 
     @property
     def blocks(self) -> list[int]:
@@ -60,15 +51,16 @@ class OffloadTier:
         """Block `block`'s off-device tensors for `path`: host tensors ("cpu"), or on the device ("stream",
         valid until release)."""
         if path == "cpu":
-            with self._lock:
-                self._stats = replace(self._stats, served_cpu=self._stats.served_cpu + 1)
             return self._host[block]
+        # Prepared on demand, on the compute thread: the step's path is known only once its tokens are, so
+        # nothing is prefetched yet, and the whole copy counts as stall.
+        t0 = time.perf_counter()
         ticket = self._link.prepare(block)
         self._tickets[block] = ticket
+        weights = self._link.activate(ticket)
         with self._lock:
-            self._stats = replace(self._stats, served_stream=self._stats.served_stream + 1,
-                                  bytes_streamed=self._stats.bytes_streamed + ticket.nbytes)
-        return self._link.activate(ticket)
+            self._stats = self._stats.add(ticket, stall_seconds=time.perf_counter() - t0)
+        return weights
 
     def release(self, block: int) -> None:
         """The block's off-device kernels were issued: a streamed group's buffer is given back."""
@@ -81,7 +73,8 @@ class OffloadTier:
             self.release(block)
 
     @property
-    def stats(self) -> OffloadStats:
+    def stats(self) -> StreamStats:
+        """What streamed groups moved (counted like streamed blocks: bytes by tier, stall)."""
         with self._lock:
             return self._stats
 

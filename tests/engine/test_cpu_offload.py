@@ -66,6 +66,8 @@ def test_tokens_are_the_resident_model_s_for_every_policy(llama_dir, resident, g
         stats = llm.telemetry().offload
         assert stats.groups_cpu == off * stats.steps_cpu and stats.groups_stream == off * stats.steps_stream
         assert stats.bytes_stream == stats.groups_stream * MLP_BYTES  # streamed: the weights cross the link
+        # Every block's on-device groups stay resident: what streamed is the MLPs, counted like streamed blocks.
+        assert llm.telemetry().total.bytes_streamed == stats.bytes_stream
         assert stats.bytes_cpu == 2 * off * stats.tokens_cpu * HIDDEN_BYTES  # on the CPU: activations, both ways
         if policy == "cpu":
             assert stats.steps_stream == 0 and stats.tokens_cpu == sum(map(len, PROMPTS)) + 3 * 11
