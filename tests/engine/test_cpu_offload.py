@@ -130,3 +130,14 @@ def test_streamed_mlps_overlap_their_copies_with_compute(llama_dir, resident, mo
     assert step >= overlapped  # the sleeps are lower bounds
     # Seen: 133 ms against 120 overlapped, 180 serial. The bound leaves room for a busy machine's thread handoffs.
     assert step < base + 0.9 * serial, (step, base)
+
+
+def test_fine_tuning_refuses_mlps_off_the_device(llama_dir, groups):
+    from engine.errors import UnsupportedModelError
+    from engine.finetune.base import open_base
+
+    whole = open_base(str(llama_dir), 128, 128, transport="simulated")  # no budget: nothing off the device
+    fits = whole.plan.device_bytes
+    whole.close()
+    with pytest.raises(UnsupportedModelError, match="fine-tuning with tensor groups off the device"):
+        open_base(str(llama_dir), 128, 128, transport="simulated", max_device_memory=fits - MLP_BYTES // 2)
