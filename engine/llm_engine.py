@@ -228,6 +228,10 @@ class LLMEngine:
         if self.speculative is not None:
             raise LoRAAdapterError("LoRA adapters are not served with speculative decoding yet (this engine "
                                    "drafts): restart without a speculative method to serve them")
+        if self.model.plan.group_placement is not None:
+            # An MLP off the device computes outside adapt()'s reach: its targeted projections would go unadapted.
+            raise LoRAAdapterError("LoRA adapters are not served with tensor groups off the device yet "
+                                   "(LAYERSTREAM_PLACEMENT=groups)")
         served = self.adapters.add(name, weights)
         log.info("LoRA adapter %r loaded from %s (r=%d, %s)", name, weights.path, weights.r,
                  ", ".join(served.target_modules))

@@ -141,3 +141,16 @@ def test_fine_tuning_refuses_mlps_off_the_device(llama_dir, groups):
     whole.close()
     with pytest.raises(UnsupportedModelError, match="fine-tuning with tensor groups off the device"):
         open_base(str(llama_dir), 128, 128, transport="simulated", max_device_memory=fits - MLP_BYTES // 2)
+
+
+def test_lora_adapters_are_refused_with_mlps_off_the_device(llama_dir, resident, groups, tmp_path):
+    from engine.lora_serving import LoRAAdapterError
+    from tests.support.lora import make_adapter
+
+    adapter = make_adapter(tmp_path / "adapter", llama_dir)
+    llm = LLM(str(llama_dir), transport="simulated", **kwargs(resident[1] - MLP_BYTES // 2))
+    try:
+        with pytest.raises(LoRAAdapterError, match="not served with tensor groups off the device"):
+            llm.engine.load_lora("a", str(adapter))
+    finally:
+        llm.close()
