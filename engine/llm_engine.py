@@ -487,8 +487,9 @@ class LLMEngine:
                           commit=lambda emitted: self.scheduler.commit(chunk, 1 + min(accepted, emitted)))
 
     def set_measured_speeds(self, speeds: MeasuredSpeeds) -> None:
-        """New measured speeds for --cpu-offload-policy auto (engine.placement): from the next step on, off-device
-        groups take the path the cost model gives for them. Start-up measures once; callers refresh."""
+        """Measured speeds for --cpu-offload-policy auto (engine.placement): from the next step on, off-device
+        groups take the path the cost model gives for them. Speeds given here are kept as given until given
+        again; those start-up measured are refreshed from each step's own CPU computations."""
         self.model.runner.set_measured_speeds(speeds)
 
     def telemetry(self) -> EngineTelemetry:

@@ -477,11 +477,12 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         if (runner.off_device_mlps and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps
                 and device.type == "cpu"):
             speeds = runner.measure_offload_speeds(weights.links.h2d_gbps)
-            runner.set_measured_speeds(speeds)
+            runner.set_measured_speeds(speeds, live=True)
             group = next(iter(runner.off_device_mlps.values()))
             log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s: an off-device "
-                     "MLP streams from %s tokens per step, else the CPU computes it", speeds.link_gbps,
-                     speeds.cpu_gbps, speeds.cpu_flops / 1e9, runner.offload_policy.threshold(group) or "no number of")
+                     "MLP streams from %s tokens per step, else the CPU computes it (refreshed as steps run)",
+                     speeds.link_gbps, speeds.cpu_gbps, speeds.cpu_flops / 1e9,
+                     runner.offload_policy.threshold(group) or "no number of")
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
         if weights is not None:

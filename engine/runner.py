@@ -20,7 +20,7 @@ from .attention_backend import AttentionScratch
 from .block_manager import NULL_BLOCK, BlockCopy
 from .kv_cache import KVCache
 from .lora_serving import AdapterSet, LoRARows
-from .placement import GroupPlacement, MeasuredSpeeds, PathPolicy, PathStats, StepShape, TensorGroup
+from .placement import GroupPlacement, MeasuredSpeeds, PathPolicy, PathStats, StepShape, TensorGroup, refreshed
 from .scheduler import ScheduledChunk
 from .weights import ModelWeights, StreamStats
 
@@ -119,10 +119,15 @@ class ModelRunner:
             g.layer: g for g in placement.off_device_groups if g.kind == "mlp" and not cfg.is_moe_layer(g.layer)}
         self.offload_policy = offload_policy or PathPolicy()
         self.path_stats = PathStats()
+        # Speeds this runner measured itself are refreshed from each step's CPU computations; speeds a caller
+        # set are kept until it sets others (a caller that pins them means them).
+        self._live_speeds = False
+        self._cpu_seen: list[tuple[TensorGroup, int, float]] = []
 
-    def set_measured_speeds(self, speeds: MeasuredSpeeds) -> None:
-        """New measurements (start-up, live telemetry) for the offload policy, from the next step on."""
+    def set_measured_speeds(self, speeds: MeasuredSpeeds, live: bool = False) -> None:
+        """Speeds for the offload policy from the next step on; live: refresh them from what steps observe."""
         self.offload_policy = self.offload_policy.with_speeds(speeds)
+        self._live_speeds = live
 
     @torch.inference_mode()
     def measure_offload_speeds(self, link_gbps: float, rows: int = 64, repeats: int = 3) -> MeasuredSpeeds:
@@ -292,7 +297,11 @@ class ModelRunner:
         mw = self.weights.offloaded(block, path)
         try:
             if path == "cpu":
-                m = M.mlp(hn.to("cpu"), mw, activation=cfg.family.activation).to(hn.device)  # (tokens, hidden)
+                x_host = hn.to("cpu")  # (tokens, hidden)
+                t0 = time.perf_counter()
+                m = M.mlp(x_host, mw, activation=cfg.family.activation)  # (tokens, hidden), on the host
+                self._cpu_seen.append((group, shape.tokens, time.perf_counter() - t0))
+                m = m.to(hn.device)
                 crossed = 2 * hn.numel() * hn.element_size()
             else:
                 m = M.mlp(hn, mw, activation=cfg.family.activation)
@@ -330,6 +339,7 @@ class ModelRunner:
         step = steps[0]
         shape = StepShape(sum(c.count for c in chunks))
         paths: dict[str, list[int]] = {}  # path -> [groups, bytes across the link] this step
+        self._cpu_seen: list[tuple[TensorGroup, int, float]] = []  # (group, rows, seconds) computed on the CPU
         assert step.lora is None or adapters is not None, "a sequence names an adapter but none are served"
         x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
         with ops.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
@@ -351,6 +361,11 @@ class ModelRunner:
                 self.weights.reset()
                 raise
             logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg)
+        if self._live_speeds and self._cpu_seen:
+            speeds = self.offload_policy.speeds
+            for group, rows, seconds in self._cpu_seen:
+                speeds = refreshed(speeds, group, rows, seconds)
+            self.offload_policy = self.offload_policy.with_speeds(speeds)
         if paths:
             self.path_stats = self.path_stats.plus_step(shape.tokens, {p: n for p, (n, _) in paths.items()},
                                                         {p: b for p, (_, b) in paths.items()})

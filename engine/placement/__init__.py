@@ -20,6 +20,8 @@ tests run in milliseconds):
   cpu_seconds / stream_seconds(group, rows, speeds); row_threshold / token_threshold(group, speeds)
       The cost model (cost.py's docstring derives it): from how many rows, and tokens, streaming a group
       beats computing it on the CPU. Experts: the per-expert threshold scaled by total / active experts.
+  refreshed(speeds, group, rows, seconds) -> MeasuredSpeeds
+      Live telemetry folded in: one observed CPU computation nudges the CPU term that bounded it.
   PathPolicy(policy="auto", speeds=None).path(group, step) -> "cpu" | "stream"; .threshold(group);
   .with_speeds(speeds)
       The per-step decision: --cpu-offload-policy (POLICIES: auto | stream | cpu; check_policy is its one
@@ -32,13 +34,14 @@ not: measuring (the weights package measures links; start-up and telemetry feed 
 weights (engine.weights), the math (engine.model computes a group wherever its weights are handed to it).
 """
 
-from .cost import PATHS, MeasuredSpeeds, StepShape, cpu_seconds, row_threshold, stream_seconds, token_threshold
+from .cost import (PATHS, MeasuredSpeeds, StepShape, cpu_seconds, refreshed, row_threshold, stream_seconds,
+                   token_threshold)
 from .groups import (GROUP_KINDS, OFF_DEVICE_KINDS, GroupPlacement, TensorGroup, block_groups, group_kind,
                      place_groups)
 from .policy import POLICIES, PathPolicy, PathStats, check_policy
 
 __all__ = [
-    "GROUP_KINDS", "GroupPlacement", "MeasuredSpeeds", "OFF_DEVICE_KINDS", "PATHS", "POLICIES", "PathPolicy", "PathStats",
-    "StepShape", "TensorGroup", "block_groups", "check_policy", "cpu_seconds", "group_kind", "place_groups",
-    "row_threshold", "stream_seconds", "token_threshold",
+    "GROUP_KINDS", "GroupPlacement", "MeasuredSpeeds", "OFF_DEVICE_KINDS", "PATHS", "POLICIES", "PathPolicy",
+    "PathStats", "StepShape", "TensorGroup", "block_groups", "check_policy", "cpu_seconds", "group_kind",
+    "place_groups", "refreshed", "row_threshold", "stream_seconds", "token_threshold",
 ]

@@ -27,7 +27,7 @@ batch threshold for MoE products).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .groups import TensorGroup
 
@@ -148,3 +148,21 @@ def token_threshold(group: TensorGroup, speeds: MeasuredSpeeds) -> int | None:
     if rows is None or group.kind != "experts":
         return rows
     return math.ceil(rows * group.experts_total / group.experts_active)
+
+
+def refreshed(speeds: MeasuredSpeeds, group: TensorGroup, rows: float, seconds: float,
+              weight: float = 0.25) -> MeasuredSpeeds:
+    """`speeds` after one CPU computation of `group` over `rows` rows (per expert for experts) was seen to
+    take `seconds` (its compute only, not the activations' link time): the roofline term that bounds it at
+    these speeds (weights read below the knee, FLOP/s above it) moves `weight` of the way to what was seen,
+    so one noisy step nudges the threshold rather than sets it."""
+    if not 0 < weight <= 1:
+        raise ValueError(f"weight must be in (0, 1], got {weight}")
+    nbytes, params = _unit(group)
+    if seconds <= 0 or rows <= 0 or params <= 0:
+        return speeds
+    if nbytes / (speeds.cpu_gbps * GB) >= 2 * params * rows / speeds.cpu_flops:
+        seen = nbytes / seconds / GB
+        return replace(speeds, cpu_gbps=(1 - weight) * speeds.cpu_gbps + weight * seen)
+    seen = 2 * params * rows / seconds
+    return replace(speeds, cpu_flops=(1 - weight) * speeds.cpu_flops + weight * seen)

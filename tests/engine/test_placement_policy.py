@@ -11,7 +11,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.cli import add_engine_arguments, engine_args_from
-from engine.placement import (MeasuredSpeeds, PathPolicy, StepShape, TensorGroup, check_policy, cpu_seconds,
+from engine.placement import (MeasuredSpeeds, PathPolicy, StepShape, TensorGroup, check_policy, cpu_seconds, refreshed,
                               row_threshold, stream_seconds, token_threshold)
 
 # Round numbers, so the thresholds below can be worked out by hand. A Llama-3-8B-shaped MLP in bf16:
@@ -136,3 +136,18 @@ def test_measured_speeds_are_validated(field, value):
         MeasuredSpeeds(**kw)
     with pytest.raises(ValueError, match="tokens must be >= 0"):
         StepShape(-1)
+
+
+def test_live_observations_nudge_the_bounding_cpu_term():
+    """One row is memory-bound at these speeds: an observed time updates cpu_gbps; 1000 rows are compute-bound:
+    it updates cpu_flops. A quarter of the way each time, so one noisy step moves the threshold only a little."""
+    seen_gbps = 50e9  # half the measured 100 GB/s
+    one_row = refreshed(SPEEDS, MLP, 1, 2 * PARAMS / seen_gbps)
+    assert one_row.cpu_gbps == pytest.approx(0.75 * 100 + 0.25 * 50) and one_row.cpu_flops == SPEEDS.cpu_flops
+    many = refreshed(SPEEDS, MLP, 1000, 2 * PARAMS * 1000 / 1e12)  # seen at 1 TFLOP/s, half the measured
+    assert many.cpu_flops == pytest.approx(0.75 * 2e12 + 0.25 * 1e12) and many.cpu_gbps == SPEEDS.cpu_gbps
+    # A slower CPU than measured lowers the threshold: the device takes over sooner.
+    assert PathPolicy("auto", many).threshold(MLP) < PathPolicy("auto", SPEEDS).threshold(MLP)
+    assert refreshed(SPEEDS, MLP, 1, 0.0) == SPEEDS  # nothing seen, nothing learnt
+    with pytest.raises(ValueError, match="weight must be in"):
+        refreshed(SPEEDS, MLP, 1, 1.0, weight=0)
