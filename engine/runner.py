@@ -339,7 +339,7 @@ class ModelRunner:
         step = steps[0]
         shape = StepShape(sum(c.count for c in chunks))
         paths: dict[str, list[int]] = {}  # path -> [groups, bytes across the link] this step
-        self._cpu_seen: list[tuple[TensorGroup, int, float]] = []  # (group, rows, seconds) computed on the CPU
+        self._cpu_seen = []  # (group, rows, seconds) of each MLP the CPU computes this step
         assert step.lora is None or adapters is not None, "a sequence names an adapter but none are served"
         x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
         with ops.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)

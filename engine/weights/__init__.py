@@ -35,8 +35,7 @@ tests/test_import_rules.py enforces both):
       expert cache (experts/); `router(hidden, {"mlp_norm", "router"[, "router_bias"]})` -> expert ids (the
       model's router, passed by the runner: this package holds weights, not math) lets the tier guess block i+1's
       experts from `hidden` and prefetch them. Otherwise they come out of block i's own weights.
-  weights.off_device(i) -> bool; weights.offloaded(i, path) -> {short name: tensor};
-  weights.release_offloaded(i)
+  weights.offloaded(i, path) -> {short name: tensor}; weights.release_offloaded(i)
       A plan with tensor groups off the device (plan.group_placement, engine.placement): acquire(i) hands
       over block i's groups on the device, offloaded(i, path) the rest (its MLP) for this step's path:
       "cpu", host tensors the CPU computes from (only activations cross the link), or "stream", moved to

@@ -355,15 +355,10 @@ class ModelWeights:
         self._acquired.pop(block, None)
         self._streamer.release(block)
 
-    def off_device(self, block: int) -> bool:
-        """Whether block `block` has tensor groups off the device (plan.group_placement): acquire() hands over
-        the rest, offloaded() those."""
-        return self._offload is not None and block in self._offload.blocks
-
     def offloaded(self, block: int, path: str) -> dict[str, torch.Tensor]:
-        """Block `block`'s off-device tensors for this step's path (engine.placement.PathPolicy): "cpu", host
-        tensors for the CPU to compute; "stream", moved to the device over the transport's link. Valid until
-        release_offloaded(block)."""
+        """Block `block`'s tensor groups off the device (plan.group_placement; acquire() hands over the rest) for
+        this step's path (engine.placement.PathPolicy): "cpu", host tensors for the CPU to compute; "stream",
+        moved to the device over the transport's link. Valid until release_offloaded(block)."""
         return self._offload.acquire(block, path)
 
     def release_offloaded(self, block: int) -> None:

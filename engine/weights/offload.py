@@ -50,10 +50,6 @@ class OffloadTier:
         self._lock = threading.Lock()  # the compute thread counts; telemetry reads from any thread
         self._stats = StreamStats()
 
-    @property
-    def blocks(self) -> list[int]:
-        return self._blocks
-
     def acquire(self, block: int, path: str) -> dict[str, torch.Tensor]:
         """Block `block`'s off-device tensors for `path`: host tensors ("cpu"), or on the device ("stream",
         valid until release)."""
