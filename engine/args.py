@@ -16,6 +16,7 @@ import torch
 
 from .kv_quant import KV_CACHE_DTYPES
 from .lora_serving import parse_lora_modules
+from .placement import check_policy
 from .planner import parse_bytes
 from .weights import check_transport
 
@@ -65,6 +66,10 @@ class EngineArgs:
     # Mixtures of experts that do not fit: stream each chosen expert by itself through a device expert
     # cache (engine.weights.experts.tier); False streams MoE blocks whole, experts inside (the baseline).
     expert_streaming: bool = True
+    # Tensor groups placed off the device (a block's MLP or experts, engine.placement), each step: auto (the
+    # cost model over measured speeds: the CPU computes them for few tokens, the device for many), stream
+    # (always streamed to the device) or cpu (always computed on the CPU, only activations cross the link).
+    cpu_offload_policy: str = "auto"
     # Speculative decoding (engine.speculative), as vLLM's speculative_config: a dict or its JSON, keys
     # method (ngram | draft_model | self), model, num_speculative_tokens, prompt_lookup_min/max, adaptive_k;
     # None: off. The fields below are the same settings one by one (aliases of those keys). Once built,
@@ -119,6 +124,7 @@ class EngineArgs:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step")
         check_transport(self.transport, self.device)
+        check_policy(self.cpu_offload_policy)
         if self.quantization is not None:
             if self.quantization not in ("int8", "int4"):
                 raise ValueError(f"quantization must be 'int8' or 'int4', got {self.quantization!r}")

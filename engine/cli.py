@@ -51,6 +51,7 @@ def add_placement_arguments(p, device_budget_help: str = "device memory budget, 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model; defaults are EngineArgs' own."""
     from .args import EngineArgs
+    from .placement import POLICIES
 
     d = EngineArgs.default
     add_model_argument(p, default="demo", help=f"{MODEL_HELP}, or demo (the default: a built-in small model)")
@@ -89,6 +90,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the KV disk tier's folder (default: kv/ in the layerstream cache)")
     p.add_argument("--no-expert-streaming", dest="expert_streaming", action="store_false",
                    help="mixtures of experts: stream blocks whole, experts inside, instead of each chosen expert")
+    p.add_argument("--cpu-offload-policy", default=d("cpu_offload_policy"), choices=list(POLICIES),
+                   help="where a tensor group placed off the device (a block's MLP or experts) computes each step: "
+                        "auto (measured speeds decide: the CPU for few tokens, such as decoding a small batch, "
+                        "the device for many, such as a prompt chunk), stream (always streamed to the device) or "
+                        "cpu (always on the CPU, only activations cross the link)")
     so = p.add_argument_group("structured output (docs/usage/structured-output.md)")
     so.add_argument("--max-grammar-ms", type=float, default=d("max_grammar_ms"),
                     help="CPU time one request's grammar may spend compiling, and on each token mask; over it, "
@@ -133,7 +139,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
-    for name in ("kv_cache_dtype", "kv_cache_rotation", "kv_disk_bytes", "kv_disk_dir"):
+    for name in ("kv_cache_dtype", "kv_cache_rotation", "kv_disk_bytes", "kv_disk_dir", "cpu_offload_policy"):
         if hasattr(ns, name):
             fields[name] = getattr(ns, name)
     for name in ("speculative_config", "speculative_method", "num_speculative_tokens", "speculative_model",

@@ -22,6 +22,7 @@ from .failures import EngineUnhealthyError, raise_if_fatal
 from .loader import DraftReservation, LoadedModel, kv_layout, load_draft_model, load_model
 from .lora_serving import AdapterSet, AdapterWeights, LoRAAdapterError, ServedAdapter, read_adapter
 from .model_source import resolve_model
+from .placement import MeasuredSpeeds
 from .request import RequestOutput, RequestState, emit
 from .runner import check_token_ids
 from .sampler import make_generator, sample_one, score_tokens
@@ -227,6 +228,10 @@ class LLMEngine:
         if self.speculative is not None:
             raise LoRAAdapterError("LoRA adapters are not served with speculative decoding yet (this engine "
                                    "drafts): restart without a speculative method to serve them")
+        if self.model.plan.group_placement is not None:
+            # An MLP off the device computes outside adapt()'s reach: its targeted projections would go unadapted.
+            raise LoRAAdapterError("LoRA adapters are not served with tensor groups off the device yet "
+                                   "(LAYERSTREAM_PLACEMENT=groups)")
         served = self.adapters.add(name, weights)
         log.info("LoRA adapter %r loaded from %s (r=%d, %s)", name, weights.path, weights.r,
                  ", ".join(served.target_modules))
@@ -481,6 +486,12 @@ class LLMEngine:
         return self._emit(chunk.seq, tokens, infos,
                           commit=lambda emitted: self.scheduler.commit(chunk, 1 + min(accepted, emitted)))
 
+    def set_measured_speeds(self, speeds: MeasuredSpeeds) -> None:
+        """Measured speeds for --cpu-offload-policy auto (engine.placement): from the next step on, off-device
+        groups take the path the cost model gives for them. Speeds given here are kept as given until given
+        again; those start-up measured are refreshed from each step's own CPU computations."""
+        self.model.runner.set_measured_speeds(speeds)
+
     def telemetry(self) -> EngineTelemetry:
         """A snapshot of what the engine is doing: the plan, bytes streamed (last step and in total,
         by tier), time compute waited for weights, achieved GB/s and % of the measured floor, the paged
@@ -506,6 +517,7 @@ class LLMEngine:
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
             lora_adapters=self.adapters.served(),
+            offload=self.model.runner.path_stats if self.model.runner.off_device_mlps else None,
         )
 
     def prompt_logits(self, prompt_ids: list[int], lora_name: str | None = None) -> torch.Tensor:

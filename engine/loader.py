@@ -28,6 +28,7 @@ from .kv_disk import KVDiskTier
 from .kv_groups import KVLayout
 from .kv_quant import KV_CACHE_DTYPES, KVQuant
 from .ops import KernelChoices
+from .placement import PathPolicy, TensorGroup, block_groups
 from .planner import MemoryPlan, PlanError, PlanInputs, format_bytes, plan_largest_context, plan_memory
 from .runner import ModelRunner
 from .workspace import attention_chunk_bytes, workspace_bytes
@@ -263,6 +264,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     kv_heads, k_width, v_width = cfg.kv_cache_dims
     layer_bytes = KVCache.bytes_per_token(1, kv_heads, k_width, dtype, kv_quant_for(args, cfg), v_width)
     kv_groups = tuple((len(g.layers) * layer_bytes, g.window) for g in kv_layout(args, cfg).groups)
+    groups = tensor_groups(cfg, dtype) if places_groups(args, cfg, checkpoint) else ()
 
     def plan_with(grammar_probe: int) -> MemoryPlan:
         # The device is the host: the plan fits the room the host has (its memory cgroup, MemAvailable or
@@ -301,6 +303,8 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
                 **_draft_inputs(args, cfg, checkpoint, dtype, sizes.block_bytes, draft),
                 attn_chunk_bytes=chunk,
                 kv_latent_width=cfg.mla.cache_width if cfg.mla is not None else 0,
+                tensor_groups=groups,
+                offload_streams=args.cpu_offload_policy != "cpu",
             )
 
         plan = _plan_context(args, cfg, host_room if host_sized else None, limit, inputs)
@@ -323,6 +327,42 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     return replace(plan, notes=plan.notes + (
         f"grammar probe off: host memory cannot hold its {format_bytes(probe)} besides the model; a new "
         "grammar compiles in this process and its cost is checked after the fact",))
+
+
+PLACEMENT = "LAYERSTREAM_PLACEMENT"
+
+
+def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint) -> bool:
+    """Whether the plan places tensor groups (attention on the device, MLPs off it when the budget is short,
+    issue #38) rather than whole blocks: with LAYERSTREAM_PLACEMENT=groups, for a device behind a link (the
+    simulated transport, or the CUDA one). Whole blocks stay the default until a GPU run has measured groups."""
+    mode = os.environ.get(PLACEMENT, "blocks").strip().lower() or "blocks"
+    if mode not in ("blocks", "groups"):
+        raise ValueError(f"{PLACEMENT} must be blocks or groups, got {mode!r}")
+    if mode == "blocks":
+        return False
+    device = torch.device(args.device)
+    linked = args.transport == "simulated" or device.type == "cuda" or args.transport == "cuda"
+    why = ("a device without a link to the host (the CPU itself: use the simulated or the CUDA transport)"
+           if not linked
+           else "a mixture of experts (routed experts off the device come later)" if cfg.moe is not None
+           else "a GGUF checkpoint" if checkpoint.packed
+           else f"--quantization {args.quantization}" if args.quantization
+           else "LoRA adapters" if args.lora_modules
+           else "the self-draft" if args.speculative_method == "self" else None)
+    if why is not None:
+        raise ValueError(f"{PLACEMENT}=groups places dense MLPs of plain checkpoints off the device for now, "
+                         f"not with {why}")
+    return True
+
+
+def tensor_groups(cfg: ModelConfig, dtype: torch.dtype) -> tuple[TensorGroup, ...]:
+    """Every block's tensor groups in the compute dtype (PlanInputs.tensor_groups): the planner's input for
+    per-group placement, and the units the --cpu-offload-policy decides on each step."""
+    top_k = cfg.moe.top_k if cfg.moe is not None else 0
+    return tuple(g for layer in range(cfg.num_layers)
+                 for g in block_groups(layer, cfg.block_shapes(layer), dtype.itemsize, cfg.hidden_size,
+                                       top_k if cfg.is_moe_layer(layer) else 0))
 
 
 def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:
@@ -430,7 +470,19 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
             kv.disk = disk = open_kv_disk(args, path, cfg, dtype, quant, kv.bytes_per_block)
         elif args.kv_disk_bytes:
             log.info("KV disk tier: not used for a model with sliding-window layers (--kv-disk-bytes ignored)")
-        runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes)
+        runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes,
+                             placement=plan.group_placement, offload_policy=PathPolicy(args.cpu_offload_policy))
+        # The simulated device computes on this CPU: its speeds are the CPU's. A GPU's own throughput is not
+        # measured yet, so there "auto" streams (PathPolicy without speeds) until it is (issue #38's GPU step).
+        if (runner.off_device_mlps and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps
+                and device.type == "cpu"):
+            speeds = runner.measure_offload_speeds(weights.links.h2d_gbps)
+            runner.set_measured_speeds(speeds, live=True)
+            group = next(iter(runner.off_device_mlps.values()))
+            log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s: an off-device "
+                     "MLP streams from %s tokens per step, else the CPU computes it (refreshed as steps run)",
+                     speeds.link_gbps, speeds.cpu_gbps, speeds.cpu_flops / 1e9,
+                     runner.offload_policy.threshold(group) or "no number of")
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
         if weights is not None:

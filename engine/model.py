@@ -340,9 +340,19 @@ def attention_residual(
 
 def mlp_residual(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The second half of a dense block: h + mlp(norm(h)), with the family's norms and activation."""
-    norms = cfg.family.norms
-    m = mlp(norm(h, w["mlp_norm"], cfg) if "mlp_norm" in norms else h, w, activation=cfg.family.activation)
-    if "post_mlp_norm" in norms:
+    return mlp_output(h, mlp(mlp_input(h, w, cfg), w, activation=cfg.family.activation), w, cfg)
+
+
+def mlp_input(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """What a dense block's MLP reads: norm(h), or h in families without that norm. (tokens, hidden)"""
+    return norm(h, w["mlp_norm"], cfg) if "mlp_norm" in cfg.family.norms else h
+
+
+def mlp_output(h: torch.Tensor, m: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The block's output from its MLP's, m = mlp(mlp_input(h)): h + m, with the family's post-norm and
+    residual scale. Split from mlp_residual so the MLP itself may compute where its weights lie (the CPU)
+    while the norms around it stay with the block. (tokens, hidden)"""
+    if "post_mlp_norm" in cfg.family.norms:
         m = norm(m, w["post_mlp_norm"], cfg)
     return h + _residual_scaled(m, cfg)
 

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .kv_groups import blocks_per_seq
+from .placement import GROUP_KINDS, GroupPlacement, TensorGroup, place_groups
 
 _UNITS = {
     "": 1, "b": 1,
@@ -100,22 +101,45 @@ class PlanInputs:
     # Latent attention (DeepSeek): the values each layer caches per token (kv_lora_rank + qk_rope_head_dim), in
     # place of K and V; 0: K and V. Only for the plan's description of kv_bytes_per_token.
     kv_latent_width: int = 0
+    # Per-tensor-group placement (engine.placement, --cpu-offload-policy): every block's tensor groups
+    # (block_groups); when the blocks do not all fit, attention, norms and router stay on the device in every
+    # layer and MLPs / experts go off it (computed on the CPU or streamed, per step), instead of whole blocks
+    # streaming. () = whole blocks. offload_streams: the policy may stream them (False for "cpu": no buffers).
+    tensor_groups: tuple[TensorGroup, ...] = ()
+    offload_streams: bool = True
 
     def streaming_needs(self) -> str:
         """min_streaming_bytes in words, for errors."""
         buffers = f"{self.prefetch_depth + 1} stream buffers of "
+        groups = self.min_group_bytes()
+        if groups is not None and groups == self.min_streaming_bytes():
+            stay = sum(g.nbytes for g in self.tensor_groups if not g.off_device_capable)
+            return (f"the attention, norms and router of every layer ({format_bytes(stay)})"
+                    + (f" and {buffers}{format_bytes(groups - stay)} in all (the largest MLP or experts)"
+                       if groups > stay else ""))
         if self.expert_bytes and self.min_streaming_bytes() < (self.prefetch_depth + 1) * self.block_bytes:
             return (buffers + f"{format_bytes(self.dense_block_bytes)} (blocks without experts) and an expert "
                     f"cache of {self.min_expert_slots} experts ({format_bytes(self.min_expert_slots * self.expert_bytes)})")
         return buffers + format_bytes(self.block_bytes)
 
     def min_streaming_bytes(self) -> int:
-        """What streaming needs on the device at least: stream buffers (and the smallest expert cache)."""
+        """What streaming needs on the device at least: stream buffers (and the smallest expert cache), or
+        with tensor groups, what must stay of every layer and the buffers of the largest group off it."""
         whole = min((self.prefetch_depth + 1) * self.block_bytes, self.num_layers * self.block_bytes)
-        if not self.expert_bytes:
-            return whole
-        return min(whole, (self.prefetch_depth + 1) * self.dense_block_bytes
-                   + self.min_expert_slots * self.expert_bytes + self.predictor_bytes)
+        if self.expert_bytes:
+            whole = min(whole, (self.prefetch_depth + 1) * self.dense_block_bytes
+                        + self.min_expert_slots * self.expert_bytes + self.predictor_bytes)
+        groups = self.min_group_bytes()
+        return whole if groups is None else min(whole, groups)
+
+    def min_group_bytes(self) -> int | None:
+        """The device bytes of per-group placement with every MLP and expert group off the device (None:
+        no tensor groups)."""
+        if not self.tensor_groups:
+            return None
+        stay = sum(g.nbytes for g in self.tensor_groups if not g.off_device_capable)
+        movable = [g.nbytes for g in self.tensor_groups if g.off_device_capable]
+        return stay + ((self.prefetch_depth + 1) * max(movable) if movable and self.offload_streams else 0)
     # Speculative decoding's draft, budgeted with the target: a separate draft model's bytes
     # (weights and KV), and the self-draft's resident copy of each streamed block (of every block
     # when none streams).
@@ -244,6 +268,9 @@ class MemoryPlan:
     runtime_bytes: int = 0  # see PlanInputs: outside the budget, printed beside it
     kv_fits: tuple[KVFit, ...] = ()  # see PlanInputs.kv_dtype_options
     kv_latent_width: int = 0  # see PlanInputs
+    # Per-tensor-group placement (PlanInputs.tensor_groups), None: whole blocks. With it, resident_blocks are
+    # the layers wholly on the device and streamed_blocks those with a group off it (only that group moves).
+    group_placement: GroupPlacement | None = None
 
     @property
     def stream_block_bytes(self) -> int:
@@ -251,10 +278,16 @@ class MemoryPlan:
 
     @property
     def streamed_bytes_per_step(self) -> int:
+        """The most weight bytes one step streams (with groups off the device: every one of them streamed)."""
+        if self.group_placement is not None:
+            return self.group_placement.off_device_bytes
         return len(self.streamed_blocks) * self.stream_block_bytes
 
     @property
     def device_bytes(self) -> int:
+        if self.group_placement is not None:  # resident groups and their stream buffers, in place of blocks
+            return (self.global_bytes + self.kv_cache_bytes + self.workspace_bytes + self.group_placement.device_bytes
+                    + self.draft_bytes)
         return (
             self.global_bytes + self.kv_cache_bytes + self.workspace_bytes + self.stream_buffer_bytes
             + len(self.resident_blocks) * self.block_bytes + self.expert_cache_bytes + self.predictor_bytes
@@ -270,6 +303,21 @@ class MemoryPlan:
                           for n, (_, w) in zip(self.kv_group_blocks, self.kv_groups))
         return (f"  KV pool: {format_bytes(self.kv_cache_bytes)} = {pools} (blocks of {self.kv_block_size} tokens, "
                 f"shared by up to {self.max_num_seqs} seqs; max_model_len {self.max_model_len} per request)")
+
+    def _describe_groups(self) -> str:
+        """Per-tensor-group placement in two lines: what stays on the device, what does not and its bytes."""
+        g = self.group_placement
+        on = sorted({x.kind for x in g.groups if not x.off_device_capable}, key=GROUP_KINDS.index)
+        off = g.off_device_groups
+        kinds = sorted({x.kind for x in off}, key=GROUP_KINDS.index)
+        counts = ", ".join(f"{sum(x.kind == k for x in off)} {k}" for k in kinds)
+        line = (f"  tensor groups: {', '.join(on)} of all {self.num_layers} layers on the device; off it "
+                f"(computed on the CPU or streamed each step, --cpu-offload-policy): {counts or 'none'} "
+                f"({format_bytes(g.off_device_bytes)}, largest first)")
+        if len(off) <= 16:
+            line += "\n  off-device groups: " + ", ".join(f"{x.layer}:{x.kind}" for x in off)
+        return line + (f"\n  blocks wholly on the device: {len(self.resident_blocks)}/{self.num_layers}"
+                       f"  with a group off it: {len(self.streamed_blocks)}/{self.num_layers}")
 
     def _describe_kv_per_token(self) -> str:
         """K and V bytes per token: over every layer, and what sliding-window layers stop adding."""
@@ -307,12 +355,14 @@ class MemoryPlan:
         budget = "unlimited" if self.budget is None else format_bytes(self.budget)
         lines = [
             f"memory plan (budget {budget}, planned {format_bytes(self.device_bytes)}):",
+            self._describe_groups() if self.group_placement is not None else
             f"  blocks resident: {len(self.resident_blocks)}/{self.num_layers}"
             f"  streamed: {len(self.streamed_blocks)}/{self.num_layers}"
             f"  ({format_bytes(self.block_bytes)} per block"
             + (f", {format_bytes(self.stream_block_bytes)} streamed" if self.streamed_block_bytes is not None else "")
             + ")",
-            f"  bytes streamed per step: {format_bytes(self.streamed_bytes_per_step)}"
+            f"  bytes streamed per step: {'at most ' if self.group_placement else ''}"
+            f"{format_bytes(self.streamed_bytes_per_step)}"
             f"  (prefetch depth {self.prefetch_depth}, stream buffers {format_bytes(self.stream_buffer_bytes)})",
             f"  embeddings/norm/head: {format_bytes(self.global_bytes)}"
             f"  workspace: {format_bytes(self.workspace_bytes)}"
@@ -343,7 +393,7 @@ class MemoryPlan:
                 f"per token at random routing (the worst case): {format_bytes(self.expert_bytes_per_token_random())}")
         if self.draft_name:
             lines.append(f"  speculative draft: {format_bytes(self.draft_bytes)} ({self.draft_name})")
-        if self.streamed_blocks and len(self.streamed_blocks) <= 16:
+        if self.streamed_blocks and len(self.streamed_blocks) <= 16 and self.group_placement is None:
             lines.append(f"  streamed blocks: {self.streamed_blocks}")
         if self.host_budget is not None and self.streamed_blocks:
             lines.append(f"  host tier (host budget {format_bytes(self.host_budget)}): streamed blocks kept in RAM: "
@@ -434,6 +484,15 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     room -= p.kv_pool_bytes(blocks)
     if room >= all_blocks:
         return plan(list(range(p.num_layers)), 0, blocks)
+    if p.tensor_groups:
+        placed = place_groups(p.tensor_groups, room, p.prefetch_depth, p.offload_streams)
+        if placed is not None:
+            partly = set(placed.layers_off_device)
+            return plan([i for i in range(p.num_layers) if i not in partly], placed.stream_buffer_bytes, blocks,
+                        group_placement=placed)
+        stay = sum(g.nbytes for g in p.tensor_groups if not g.off_device_capable)
+        notes.append(f"attention, norms and router of every layer ({format_bytes(stay)}) do not fit the "
+                     f"{format_bytes(room)} left after globals, workspace and the KV pool: blocks stream whole")
     if p.expert_bytes:
         resident, buffers, slots = _plan_experts(p, room, notes)
         return plan(resident, buffers, blocks, p.dense_block_bytes, expert_slots=slots, expert_bytes=p.expert_bytes,

@@ -20,6 +20,7 @@ from .attention_backend import AttentionScratch
 from .block_manager import NULL_BLOCK, BlockCopy
 from .kv_cache import KVCache
 from .lora_serving import AdapterSet, LoRARows
+from .placement import GroupPlacement, MeasuredSpeeds, PathPolicy, PathStats, StepShape, TensorGroup, refreshed
 from .scheduler import ScheduledChunk
 from .weights import ModelWeights, StreamStats
 
@@ -88,7 +89,8 @@ def _table(seq, group: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, kv: KVCache, device: torch.device,
-                 dtype: torch.dtype, attn_chunk_bytes: int | None = None):
+                 dtype: torch.dtype, attn_chunk_bytes: int | None = None,
+                 placement: GroupPlacement | None = None, offload_policy: PathPolicy | None = None):
         self.cfg = cfg
         self.attn_chunk_bytes = attn_chunk_bytes  # the plan's, which its workspace estimate assumed
         self.device = device
@@ -111,6 +113,46 @@ class ModelRunner:
         self.long_inv_freq = M.rotary_inv_freq(cfg, "long")[0].to(device) if cfg.rope_long_inv_freq else None
         self.last_step: StepTiming | None = None
         self.attn_scratch = AttentionScratch()
+        # Dense blocks whose MLP the plan placed off the device (engine.placement): each step computes it on
+        # the CPU or streams it, as offload_policy decides from the step's tokens.
+        self.off_device_mlps: dict[int, TensorGroup] = {} if placement is None else {
+            g.layer: g for g in placement.off_device_groups if g.kind == "mlp" and not cfg.is_moe_layer(g.layer)}
+        self.offload_policy = offload_policy or PathPolicy()
+        self.path_stats = PathStats()
+        # Speeds this runner measured itself are refreshed from each step's CPU computations; speeds a caller
+        # set are kept until it sets others (a caller that pins them means them).
+        self._live_speeds = False
+        self._cpu_seen: list[tuple[TensorGroup, int, float]] = []
+
+    def set_measured_speeds(self, speeds: MeasuredSpeeds, live: bool = False) -> None:
+        """Speeds for the offload policy from the next step on; live: refresh them from what steps observe."""
+        self.offload_policy = self.offload_policy.with_speeds(speeds)
+        self._live_speeds = live
+
+    @torch.inference_mode()
+    def measure_offload_speeds(self, link_gbps: float, rows: int = 64, repeats: int = 3) -> MeasuredSpeeds:
+        """The cost model's CPU inputs, measured on the first off-device MLP's own host weights: GB/s of weights
+        read at one row and FLOP/s at `rows` rows (best of `repeats`). The simulated device computes on this
+        same CPU, so its FLOP/s are the CPU's; a GPU's come with its transport (issue #38's GPU step)."""
+        block, group = next(iter(self.off_device_mlps.items()))
+        w = self.weights.offloaded(block, "cpu")
+        try:
+            def best(n: int) -> float:
+                x = torch.zeros(n, self.cfg.hidden_size, dtype=self.dtype)  # (n, hidden)
+                M.mlp(x, w, activation=self.cfg.family.activation)  # warm-up: first-touch pages, kernel choice
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    M.mlp(x, w, activation=self.cfg.family.activation)
+                    times.append(time.perf_counter() - t0)
+                return max(min(times), 1e-9)
+
+            one, many = best(1), best(rows)
+        finally:
+            self.weights.release_offloaded(block)
+        flops = 2 * group.params * rows / many
+        return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=group.nbytes / one / 1e9, cpu_flops=flops,
+                              device_flops=flops)
 
     def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
         """The step's inputs as block 0 sees them (as every block does, unless the model mixes layer kinds)."""
@@ -242,6 +284,35 @@ class ModelRunner:
             M.moe_experts(hn, routing, group, out, cfg.moe)
         return h + out
 
+    def _off_device_mlp_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, step: M.StepInputs, shape: StepShape,
+                              paths: dict[str, list[int]]) -> torch.Tensor:
+        """A dense block whose MLP lies off the device: attention and the norms around the MLP on the device,
+        the MLP where the policy says. On the CPU only its input and output cross the link (the same math,
+        on host tensors); streamed, its weights cross instead."""
+        cfg, group = self.cfg, self.off_device_mlps[block]
+        h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
+        hn = M.mlp_input(h, w, cfg)  # (tokens, hidden)
+        path = self.offload_policy.path(group, shape)
+        mw = self.weights.offloaded(block, path)
+        try:
+            if path == "cpu":
+                x_host = hn.to("cpu")  # (tokens, hidden)
+                t0 = time.perf_counter()
+                m = M.mlp(x_host, mw, activation=cfg.family.activation)  # (tokens, hidden), on the host
+                self._cpu_seen.append((group, shape.tokens, time.perf_counter() - t0))
+                m = m.to(hn.device)
+                crossed = 2 * hn.numel() * hn.element_size()
+            else:
+                m = M.mlp(hn, mw, activation=cfg.family.activation)
+                crossed = group.nbytes
+        finally:
+            self.weights.release_offloaded(block)
+        count = paths.setdefault(path, [0, 0])
+        count[0] += 1
+        count[1] += crossed
+        return M.mlp_output(h, m, w, cfg)
+
     def _guess_experts(self, hidden: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """The router the expert tier guesses the next MoE block's experts with: (tokens, top_k) ids."""
         return M.guess_experts(hidden, w, self.cfg)
@@ -266,6 +337,9 @@ class ModelRunner:
         before = self.weights.stream_stats
         steps = self._layer_step_inputs(chunks)
         step = steps[0]
+        shape = StepShape(sum(c.count for c in chunks))
+        paths: dict[str, list[int]] = {}  # path -> [groups, bytes across the link] this step
+        self._cpu_seen = []  # (group, rows, seconds) of each MLP the CPU computes this step
         assert step.lora is None or adapters is not None, "a sequence names an adapter but none are served"
         x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
         with ops.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
@@ -277,6 +351,8 @@ class ModelRunner:
                     k_cache, v_cache = self.kv.layer(block)
                     if self.cfg.is_moe_layer(block):
                         x = self._moe_block(block, x, w, k_cache, v_cache, steps[block])
+                    elif block in self.off_device_mlps:
+                        x = self._off_device_mlp_block(block, x, w, k_cache, v_cache, steps[block], shape, paths)
                     else:
                         x = M.block_forward(x, w, k_cache, v_cache, steps[block], self.cfg)
                     self.weights.release(block)
@@ -285,6 +361,14 @@ class ModelRunner:
                 self.weights.reset()
                 raise
             logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg)
+        if self._live_speeds and self._cpu_seen:
+            speeds = self.offload_policy.speeds
+            for group, rows, seconds in self._cpu_seen:
+                speeds = refreshed(speeds, group, rows, seconds)
+            self.offload_policy = self.offload_policy.with_speeds(speeds)
+        if paths:
+            self.path_stats = self.path_stats.plus_step(shape.tokens, {p: n for p, (n, _) in paths.items()},
+                                                        {p: b for p, (_, b) in paths.items()})
         if logits.device.type == "cuda":
             # The step's device: the thread's current device defaults to cuda:0 whatever the model's.
             torch.cuda.current_stream(logits.device).synchronize()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .block_manager import KVTelemetry
 from .lora_serving import ServedAdapter
 from .ops import KernelChoices
+from .placement import PathStats
 from .planner import MemoryPlan
 from .speculative import SpecTelemetry
 from .structured_output import MaskStats
@@ -77,3 +78,6 @@ class EngineTelemetry:
     speculative: SpecTelemetry | None = None  # speculative decoding's counters; None when it is off
     kernels: KernelChoices | None = None  # which kernel each operation runs on (engine.ops), chosen at load
     lora_adapters: tuple[ServedAdapter, ...] = ()  # the LoRA adapters served, in the order they were loaded
+    # Tensor groups off the device (engine.placement): steps, tokens, groups and link bytes by path ("cpu":
+    # computed where the weights lie, activations crossing; "stream": weights crossing); None: none off it.
+    offload: PathStats | None = None

@@ -117,6 +117,15 @@ class ServerMetrics:
                                    labels, registry=r)
         self._kv_seen = None  # the last KVTelemetry, to turn its totals into counter increments
         self.spec = _SpecMetrics(r, labels)
+        # Tensor groups off the device (--cpu-offload-policy): totals since start by path (cpu: computed where the
+        # weights lie, activations cross the link; stream: the weights cross it); absent when none is off.
+        g = lambda name, doc: Gauge(name, doc, labels + ["path"], registry=r)  # noqa: E731
+        self.offload_steps = g("layerstream_offload_steps", "steps that computed at least one off-device "
+                               "tensor group on this path since start")
+        self.offload_tokens = g("layerstream_offload_tokens", "tokens of those steps")
+        self.offload_groups = g("layerstream_offload_groups", "off-device tensor groups computed on this path")
+        self.offload_bytes = g("layerstream_offload_link_bytes", "bytes across the host-device link for them: "
+                               "activations both ways (cpu) or weights (stream)")
         self.ready = Gauge("layerstream_engine_ready", "1 while the engine serves; 0 while loading, after a "
                            "failed load, or after a step failure left it unhealthy (see "
                            "layerstream_engine_not_ready)", labels, registry=r)
@@ -174,6 +183,13 @@ class ServerMetrics:
         self.observe_kv(telemetry.kv)
         if telemetry.speculative is not None:
             self.spec.update(m, telemetry.speculative)
+        if telemetry.offload is not None:
+            o = telemetry.offload
+            for path in ("cpu", "stream"):
+                self.offload_steps.labels(m, path).set(getattr(o, f"steps_{path}"))
+                self.offload_tokens.labels(m, path).set(getattr(o, f"tokens_{path}"))
+                self.offload_groups.labels(m, path).set(getattr(o, f"groups_{path}"))
+                self.offload_bytes.labels(m, path).set(getattr(o, f"bytes_{path}"))
 
     def observe_kv(self, t) -> None:
         """Publish the paged KV cache's snapshot (EngineTelemetry.kv)."""

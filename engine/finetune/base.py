@@ -36,6 +36,10 @@ def open_base(model: str, max_length: int, batch_tokens: int, **engine_args) -> 
     loaded = load_model(args, resolve_model(model))
     try:
         check_trainable(loaded.cfg)
+        if loaded.plan.group_placement is not None:
+            # The training step computes whole blocks from acquire(): an MLP off the device is not there.
+            raise UnsupportedModelError("fine-tuning with tensor groups off the device (LAYERSTREAM_PLACEMENT=groups) "
+                                        "is not supported yet")
     except BaseException:
         loaded.close()
         raise

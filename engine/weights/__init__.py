@@ -35,6 +35,11 @@ tests/test_import_rules.py enforces both):
       expert cache (experts/); `router(hidden, {"mlp_norm", "router"[, "router_bias"]})` -> expert ids (the
       model's router, passed by the runner: this package holds weights, not math) lets the tier guess block i+1's
       experts from `hidden` and prefetch them. Otherwise they come out of block i's own weights.
+  weights.offloaded(i, path) -> {short name: tensor}; weights.release_offloaded(i)
+      A plan with tensor groups off the device (plan.group_placement, engine.placement): acquire(i) hands
+      over block i's groups on the device, offloaded(i, path) the rest (its MLP) for this step's path:
+      "cpu", host tensors the CPU computes from (only activations cross the link), or "stream", moved to
+      the device through the transport as a streamed block is (offload.py), counted in stream_stats.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:
@@ -78,6 +83,7 @@ Inside (may change freely), one job per sub-package:
                transport), streamer.py (the prefetch thread), buffers.py, bandwidth.py, exit_stop.py.
   experts/     the expert-granular tier: tier.py (readers, host slots, the guess of the next block's
                experts), cache.py (slots, LRU, the fetch thread), cuda_slots.py (slots on a GPU).
+  offload.py   tensor groups off the device: host tensors for the CPU path, the transport for the stream path.
 The unit a transport moves is a block's set of named tensors (BlockSource.tensors(i)), plain or packed:
 packed (GGUF) blocks move their stored bytes on every tier (page cache, disk, CUDA); a routed expert is a
 finer unit of the same source (BlockSource.expert_tensors(i, e)), moved by the expert tier.

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ModelConfig, expert_key
+from ..placement import group_kind
 from ..planner import HostTiering, MemoryPlan
 from .transports.bandwidth import LinkSpeeds
 from .formats.reader import CheckpointReader
@@ -26,6 +27,7 @@ from .packed.compute_form import PackedFormat
 from .packed.prepacked import MARKER as PREPACKED_MARKER
 from .packed.prepacked import PrepackedLayout, prepack_layout
 from .transports.tiers import host_tiering, make_expert_tier, make_transport, resolve
+from .offload import OffloadTier
 from .transports.base import Transport, to_compute
 
 if TYPE_CHECKING:
@@ -283,6 +285,17 @@ class ModelWeights:
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
             experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan)
             source = source.without_experts()
+        offload_source = None
+        device_plan = plan  # what the block streamer serves: with groups off the device, every block's rest
+        if plan.group_placement is not None:
+            if self._packed or quantization or experts is not None:
+                raise ValueError("tensor groups off the device are served from plain (safetensors) weights, "
+                                 "unquantized, without expert streaming, for now")
+            off = plan.group_placement.off_device
+            offload_source = source.select(lambda b, short: (b, group_kind(short)) in off)
+            source = source.select(lambda b, short: (b, group_kind(short)) not in off)
+            device_plan = dataclasses.replace(plan, resident_blocks=list(range(plan.num_layers)),
+                                              streamed_blocks=[], host_blocks=[], disk_blocks=[])
         quantized = prepacked = head = None
         try:
             if quantization:
@@ -294,8 +307,8 @@ class ModelWeights:
             elif self._packed and experts is None and resolve(transport, device) != "cuda":
                 prepacked = _open_prepacked(checkpoint, source, dtype, device, on_progress)
                 head = prepacked.head() if prepacked is not None else None
-            t = make_transport(transport, source, dtype, device, plan, pin_host_memory, host_budget, disk_gbps,
-                               quantized=quantized, prepacked=prepacked)
+            t = make_transport(transport, source, dtype, device, device_plan, pin_host_memory, host_budget,
+                               disk_gbps, quantized=quantized, prepacked=prepacked)
         except BaseException:
             if quantized is not None:
                 quantized.close()
@@ -309,13 +322,19 @@ class ModelWeights:
         self._experts = experts
         self._transport: Transport = t
         self._streamer: BlockStreamer | None = None
+        self._offload: OffloadTier | None = None
         try:
             self.globals = _place_globals(source, dtype, device, quantized, head)
             if on_progress:
                 on_progress(-1)
+            if offload_source is not None:
+                groups_plan = dataclasses.replace(plan, resident_blocks=[],
+                                                  streamed_blocks=plan.group_placement.layers_off_device)
+                self._offload = OffloadTier(offload_source, plan, make_transport(
+                    transport, offload_source, dtype, device, groups_plan, pin_host_memory, host_budget, disk_gbps))
             # On a CUDA device stacking would briefly hold a block's projections twice in device memory,
             # which the plan does not budget: CPU only for now.
-            self._streamer = BlockStreamer(self._transport, plan.resident_blocks, plan.streamed_blocks,
+            self._streamer = BlockStreamer(self._transport, device_plan.resident_blocks, device_plan.streamed_blocks,
                                            plan.prefetch_depth, on_progress=on_progress,
                                            fuse=device.type == "cpu")
         except BaseException:
@@ -335,6 +354,15 @@ class ModelWeights:
         """The block's kernels were issued: its buffer may take the next streamed block."""
         self._acquired.pop(block, None)
         self._streamer.release(block)
+
+    def offloaded(self, block: int, path: str) -> dict[str, torch.Tensor]:
+        """Block `block`'s tensor groups off the device (plan.group_placement; acquire() hands over the rest) for
+        this step's path (engine.placement.PathPolicy): "cpu", host tensors for the CPU to compute; "stream",
+        moved to the device over the transport's link. Valid until release_offloaded(block)."""
+        return self._offload.acquire(block, path)
+
+    def release_offloaded(self, block: int) -> None:
+        self._offload.release(block)
 
     def set_visit_order(self, blocks: list[int]) -> None:
         """The cyclic order acquire() visits blocks in from now on (default: 0..n-1 every step). Training
@@ -361,6 +389,8 @@ class ModelWeights:
         self._acquired.clear()
         if self._experts is not None:
             self._experts.reset()
+        if self._offload is not None:
+            self._offload.reset()
         self._streamer.reset()
 
     def self_draft(self, on_progress: Callable[[int], None] | None = None) -> "SelfDraftWeights":
@@ -383,6 +413,8 @@ class ModelWeights:
     def stream_stats(self) -> StreamStats:
         """Cumulative counters (an immutable record: subtract two with since()), the expert tier's included."""
         stats = self._streamer.stats
+        if self._offload is not None:  # off-device groups streamed for a step
+            stats = stats.plus(self._offload.stats)
         return stats if self._experts is None else stats.plus(self._experts.stats)
 
     def telemetry(self) -> WeightsTelemetry:
@@ -398,6 +430,9 @@ class ModelWeights:
         if getattr(self, "_experts", None) is not None:
             self._experts.close()
             self._experts = None
+        if getattr(self, "_offload", None) is not None:
+            self._offload.close()
+            self._offload = None
         if self._streamer is not None:
             self._streamer.close()  # closes the transport too
             self._streamer = None

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.placement import PathStats
 from engine.planner import PlanInputs, plan_memory
 from engine.structured_output import MaskStats
 from engine.telemetry import EngineTelemetry, KVTelemetry, PlanSummary, StepTelemetry
@@ -126,3 +127,21 @@ def test_expert_cache_counters():
     assert 'layerstream_expert_bytes_total{model_name="x"} 3000.0' in text
     assert 'layerstream_expert_guesses_total{model_name="x",result="right"} 4.0' in text
     assert 'layerstream_expert_guesses_total{model_name="x",result="wrong"} 5.0' in text
+
+
+def test_offload_counters_by_path():
+    """Tensor groups off the device (issue #38): totals by path; absent while none is off the device."""
+    m = ServerMetrics("x")
+    t = snapshot(link_gbps=None)
+    m.on_step(t)
+    assert "layerstream_offload_steps{" not in m.render().decode()
+    stats = PathStats().plus_step(1, {"cpu": 3}, {"cpu": 1536}).plus_step(40, {"stream": 3}, {"stream": 294912})
+    m.on_step(EngineTelemetry(**{**t.__dict__, "offload": stats}))
+    text = m.render().decode()
+    for line in ('layerstream_offload_steps{model_name="x",path="cpu"} 1.0',
+                 'layerstream_offload_steps{model_name="x",path="stream"} 1.0',
+                 'layerstream_offload_tokens{model_name="x",path="stream"} 40.0',
+                 'layerstream_offload_groups{model_name="x",path="cpu"} 3.0',
+                 'layerstream_offload_link_bytes{model_name="x",path="cpu"} 1536.0',
+                 'layerstream_offload_link_bytes{model_name="x",path="stream"} 294912.0'):
+        assert line in text, line

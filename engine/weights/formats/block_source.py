@@ -9,6 +9,7 @@ through this class, never through the reader or the model config.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,14 @@ class BlockSource:
         dense._names = [{s: n for s, n in names.items() if not s.startswith("experts.")} for names in self._names]
         dense._tensors = [{s: t for s, t in ts.items() if not s.startswith("experts.")} for ts in self._tensors]
         return dense
+
+    def select(self, keep: Callable[[int, str], bool]) -> "BlockSource":
+        """The same source whose blocks hold only the tensors keep(block, short name) accepts: a block's
+        tensor groups on the device apart from those placed off it (engine.placement), each its own source."""
+        part = copy.copy(self)
+        part._names = [{s: n for s, n in names.items() if keep(b, s)} for b, names in enumerate(self._names)]
+        part._tensors = [{s: t for s, t in ts.items() if keep(b, s)} for b, ts in enumerate(self._tensors)]
+        return part
 
     def expert_blocks(self) -> list[int]:
         return [b for b in range(self.num_blocks) if self._experts[b]]

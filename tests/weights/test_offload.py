@@ -1,0 +1,61 @@
+"""The off-device tier (engine/weights/offload.py, issue #38) over the CUDA transport, replayed on CPU by the
+recording runtime: MLPs streamed to the device on demand keep the copy-stream / event protocol that streamed
+blocks keep (check_protocol), and greedy tokens stay the resident model's (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.placement import MeasuredSpeeds
+from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol
+from tests.support.reference import PROMPT
+
+MLP_BYTES = 4 * 3 * 64 * 128  # the tiny Llama's MLP in fp32
+KW = dict(max_model_len=128, max_num_seqs=3)
+PROMPTS = [list(PROMPT), list(PROMPT[:5]), [7, 300, 12, 45, 2, 99, 101]]
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# The tiny MLP streams from 4 tokens a step on (tests/engine/test_cpu_offload.py checks the threshold).
+SPEEDS = MeasuredSpeeds(link_gbps=1, cpu_gbps=100, cpu_flops=1.75e9, device_flops=1e12)
+
+
+@pytest.fixture
+def recording_cuda(monkeypatch):
+    import engine.weights.transports.cuda as ct
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    return capture_cuda_transports(monkeypatch)
+
+
+@pytest.mark.parametrize("policy, depth", [("stream", 1), ("stream", 2), ("auto", 1)])
+def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recording_cuda, monkeypatch, policy, depth):
+    """The next off-device MLPs of a step are copied while one computes (up to the prefetch depth): the replayed
+    protocol proves no copy lands in a buffer a kernel may still read, nor a kernel reads one before its copy."""
+    monkeypatch.delenv("LAYERSTREAM_PLACEMENT")
+    ref = LLM(str(llama_dir), **KW)
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
+        budget = ref.plan.device_bytes - MLP_BYTES // 2
+    finally:
+        ref.close()
+    llm = LLM(str(llama_dir), device="cpu", transport="cuda", max_device_memory=budget, max_host_memory="8GiB",
+              cpu_offload_policy=policy, prefetch_depth=depth, **KW)
+    try:
+        # depth + 1 MLP buffers come out of the budget too: 3 MLPs off at depth 1, 4 at depth 2.
+        assert len(llm.plan.group_placement.off_device) == depth + 2, llm.plan.describe()
+        # Two transports: the blocks' on-device groups (all resident, nothing streamed) and the off-device MLPs.
+        main, link = recording_cuda
+        if policy == "auto":
+            llm.engine.set_measured_speeds(SPEEDS)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == expected
+        stats = llm.telemetry().offload
+        copies = check_protocol(link, link.rt.log)
+        assert copies >= stats.groups_stream > 0  # every streamed MLP went through the copy stream
+        assert check_protocol(main, main.rt.log) == 0
+        if policy == "auto":
+            assert stats.groups_cpu > 0
+    finally:
+        llm.close()
