@@ -40,6 +40,10 @@ tests/test_import_rules.py enforces both):
       over block i's groups on the device, offloaded(i, path) the rest (its MLP) for this step's path:
       "cpu", host tensors the CPU computes from (only activations cross the link), or "stream", moved to
       the device through the transport as a streamed block is (offload.py), counted in stream_stats.
+  weights.offloaded_experts(i, chosen, path) -> iterator of {expert: tensors} groups
+      A MoE block whose routed experts the plan put off the device: the chosen ones for this step's path,
+      "cpu" (host tensors, one group) or "stream" (only these experts, read into the device expert cache,
+      LRU over every block, grouped as weights.experts groups them; counted in stream_stats as expert bytes).
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:

@@ -328,10 +328,8 @@ class ModelWeights:
             if on_progress:
                 on_progress(-1)
             if offload_source is not None:
-                groups_plan = dataclasses.replace(plan, resident_blocks=[],
-                                                  streamed_blocks=plan.group_placement.layers_off_device)
-                self._offload = OffloadTier(offload_source, plan, make_transport(
-                    transport, offload_source, dtype, device, groups_plan, pin_host_memory, host_budget, disk_gbps))
+                self._offload = _offload_tier(checkpoint.cfg, offload_source, plan, dtype, device, transport,
+                                              pin_host_memory, host_budget, disk_gbps)
             # On a CUDA device stacking would briefly hold a block's projections twice in device memory,
             # which the plan does not budget: CPU only for now.
             self._streamer = BlockStreamer(self._transport, device_plan.resident_blocks, device_plan.streamed_blocks,
@@ -363,6 +361,13 @@ class ModelWeights:
 
     def release_offloaded(self, block: int) -> None:
         self._offload.release(block)
+
+    def offloaded_experts(self, block: int, chosen: list[int], path: str
+                          ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+        """MoE block `block`'s chosen routed experts when the plan put them off the device, for this step's
+        path: "cpu", host tensors (one group); "stream", only these experts, read into the device expert cache,
+        in groups as weights.experts gives them (each valid until the next is asked for)."""
+        return self._offload.experts(block, chosen, path)
 
     def set_visit_order(self, blocks: list[int]) -> None:
         """The cyclic order acquire() visits blocks in from now on (default: 0..n-1 every step). Training
@@ -439,6 +444,39 @@ class ModelWeights:
         elif self._transport is not None:
             self._transport.close()
         self._transport = None
+
+
+def _offload_tier(cfg: ModelConfig, source: BlockSource, plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
+                  transport: str, pin_host_memory: bool, host_budget: int | None,
+                  disk_gbps: float | None) -> OffloadTier:
+    """The tier serving the plan's off-device groups (`source`: their tensors): MLPs (and shared experts) stream
+    through a transport of their own, routed experts through an expert tier whose cache takes what the plan's
+    stream buffers leave after the MLPs' (placement.place_groups sized them for the largest group off)."""
+    placed = plan.group_placement
+    off = placed.off_device_groups
+    mlps = sorted({g.layer for g in off if g.kind == "mlp"})
+    routed = [g for g in off if g.kind == "experts"]
+    link = experts = None
+    try:
+        mlp_buffers = 0
+        if mlps:
+            groups_plan = dataclasses.replace(plan, resident_blocks=[], streamed_blocks=mlps)
+            link = make_transport(transport, source.without_experts(), dtype, device, groups_plan, pin_host_memory,
+                                  host_budget, disk_gbps)
+            if placed.stream_buffer_bytes:
+                mlp_buffers = (plan.prefetch_depth + 1) * max(g.nbytes for g in off if g.kind == "mlp")
+        if routed and placed.stream_buffer_bytes:
+            expert_bytes = max(g.nbytes // g.experts_total for g in routed)
+            slots = max(1, (placed.stream_buffer_bytes - mlp_buffers) // expert_bytes)
+            experts = make_expert_tier(transport, cfg, source, dtype, device,
+                                       dataclasses.replace(plan, expert_slots=slots), guess=False)
+        return OffloadTier(source, plan, dtype, link, experts)
+    except BaseException:
+        if experts is not None:
+            experts.close()
+        if link is not None:
+            link.close()
+        raise
 
 
 def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: torch.dtype, device: torch.device,

@@ -12,6 +12,15 @@ which ModelWeights keeps resident like any resident block, and the groups off it
                  compute them; the step's next off-device groups are prepared on a thread while one computes
                  (up to the prefetch depth), never past the step's last one: the next step may not stream.
 
+Routed experts off the device (a MoE block's "experts" group) take the same two paths, expert by expert:
+  path "cpu":    the chosen experts' host tensors (made once at load, as the MLPs' are); the CPU computes them
+                 from the hidden states and the routing, which alone cross the link;
+  path "stream": only the experts the step's tokens chose, each read by byte range into a slot of the
+                 expert tier's cache on the device (experts/: LRU over every block, so hot experts cost no
+                 copy), as many slots as the plan's stream buffers hold. No guess of the next block's
+                 experts: the next block may compute on the CPU, and a guessed fill would move its bytes
+                 for nothing.
+
 The runner asks per step and block (engine.placement.PathPolicy decides); this tier only moves weights.
 """
 
@@ -20,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -29,18 +39,36 @@ from .transports.base import Ticket, Transport
 from .transports.cpu import CpuTransport
 from .transports.streamer import StreamStats
 
+if TYPE_CHECKING:
+    from .experts.tier import ExpertTier
+
 
 class OffloadTier:
-    """The off-device groups of every block: host tensors for the CPU, the transport for the device."""
+    """The off-device groups of every block: host tensors for the CPU, the transport (MLPs) or the expert
+    tier (routed experts) for the device."""
 
-    def __init__(self, source: BlockSource, plan: MemoryPlan, link: Transport):
-        """source: only the off-device groups' tensors (BlockSource.select); link: a transport over that
-        source to the compute device (owned from here on)."""
-        self._blocks = sorted({layer for layer, _ in plan.group_placement.off_device})
+    def __init__(self, source: BlockSource, plan: MemoryPlan, dtype: torch.dtype, link: Transport | None,
+                 experts: ExpertTier | None = None):
+        """source: only the off-device groups' tensors (BlockSource.select), routed experts included; link: a
+        transport over its MLP groups (source.without_experts()) to the compute device, None when no MLP is off
+        it; experts: the expert tier over its routed experts, None when no expert may stream (no experts off
+        the device, or a policy that never streams). Both owned from here on."""
+        off = plan.group_placement.off_device
+        self._blocks = sorted({layer for layer, kind in off if kind == "mlp"})  # the MLPs' stream order
         self._link = link
-        host = CpuTransport(source, link.dtype)
+        self._experts = experts
+        host = CpuTransport(source, dtype)
+        self._host: dict[int, dict[str, torch.Tensor]] = {}
+        self._host_experts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         # Host tensors in the compute dtype, once: the CPU computes from them every step that takes its path.
-        self._host = {b: host.resident(b) for b in self._blocks}
+        for b in sorted({layer for layer, _ in off}):
+            self._host[b], self._host_experts[b] = {}, {}
+            for short, t in host.resident(b).items():
+                if short.startswith("experts."):  # "experts.3.w_up": expert 3's "w_up"
+                    _, e, name = short.split(".", 2)
+                    self._host_experts[b].setdefault(int(e), {})[name] = t
+                else:
+                    self._host[b][short] = t
         self._tickets: dict[int, Ticket] = {}  # activated, until release
         # Prepared ahead on a thread of their own, within a step: the path is the step's, so once block i streams,
         # the next off-device blocks (up to the prefetch depth: the transport's buffers) are copied while it computes.
@@ -49,6 +77,19 @@ class OffloadTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="layerstream-offload")
         self._lock = threading.Lock()  # the compute thread counts; telemetry reads from any thread
         self._stats = StreamStats()
+
+    def experts(self, block: int, chosen: list[int], path: str) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+        """Block `block`'s chosen routed experts for `path`, in groups {expert: its tensors} each valid until the
+        next is asked for: "cpu", one group of host tensors; "stream", on the device through the expert tier's
+        cache, as many per group as its slots hold."""
+        if path == "cpu":
+            host = self._host_experts[block]
+            yield {e: host[e] for e in chosen}
+            return
+        if self._experts is None:
+            raise ValueError("routed experts off the device stream only with stream buffers in the plan (a "
+                             "--cpu-offload-policy other than cpu)")
+        yield from self._experts.groups(block, chosen, None, None)
 
     def acquire(self, block: int, path: str) -> dict[str, torch.Tensor]:
         """Block `block`'s off-device tensors for `path`: host tensors ("cpu"), or on the device ("stream",
@@ -86,6 +127,8 @@ class OffloadTier:
 
     def reset(self) -> None:
         """After a step failed half-way (or at close): what is prefetched or activated is given back."""
+        if self._experts is not None:
+            self._experts.reset()
         for block in list(self._pending):
             try:
                 self._drop(block)
@@ -96,12 +139,19 @@ class OffloadTier:
 
     @property
     def stats(self) -> StreamStats:
-        """What streamed groups moved (counted like streamed blocks: bytes by tier, stall)."""
+        """What streamed groups moved (counted like streamed blocks: bytes by tier, stall; experts as the expert
+        tier counts them)."""
         with self._lock:
-            return self._stats
+            stats = self._stats
+        return stats if self._experts is None else stats.plus(self._experts.stats)
 
     def close(self) -> None:
         self.reset()
         self._pool.shutdown(wait=True)
         self._host.clear()
-        self._link.close()
+        self._host_experts.clear()
+        if self._experts is not None:
+            self._experts.close()
+            self._experts = None
+        if self._link is not None:
+            self._link.close()

@@ -166,11 +166,13 @@ class HostExpertSlots:
 
 class ExpertTier:
     def __init__(self, cfg: ModelConfig, source: BlockSource, dtype: torch.dtype, device: torch.device,
-                 slots: "HostExpertSlots | CudaExpertSlots"):
-        """`slots` (built for the cache's slot count, owning the reader) is owned by the tier from here on."""
+                 slots: "HostExpertSlots | CudaExpertSlots", guess: bool = True):
+        """`slots` (built for the cache's slot count, owning the reader) is owned by the tier from here on.
+        guess=False: no guess of the next block's experts (no predictor weights either): the offload tier's
+        experts, whose next block may compute on the CPU, where a guessed fill would move bytes for nothing."""
         m = cfg.moe
         self.cfg, self.dtype, self.slots, self.reader = cfg, dtype, slots, slots.reader
-        self.sparse = list(m.sparse_layers)
+        self.sparse = list(m.sparse_layers) if guess else []
         self.next_sparse = {b: n for b, n in zip(self.sparse, self.sparse[1:])}
         self.cache = None
         try:

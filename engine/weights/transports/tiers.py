@@ -128,7 +128,7 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
 
 
 def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: torch.dtype, device: torch.device,
-                     plan: MemoryPlan) -> "ExpertTier":
+                     plan: MemoryPlan, guess: bool = True) -> "ExpertTier":
     """The expert tier for the same transport names. Where experts are read from: the disk (disk, or
     auto / cuda with a disk tier), the page cache (cpu, auto, cuda), or the page cache behind the
     simulated link. Where the cache's slots live: device memory behind pinned staging, a copy stream
@@ -157,4 +157,4 @@ def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: 
     except BaseException:
         reader.close()
         raise
-    return ExpertTier(cfg, source, dtype, device, slots)
+    return ExpertTier(cfg, source, dtype, device, slots, guess)
