@@ -517,7 +517,7 @@ class LLMEngine:
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
             lora_adapters=self.adapters.served(),
-            offload=self.model.runner.path_stats if self.model.runner.off_device_mlps else None,
+            offload=self.model.runner.path_stats if self.model.runner.off_device else None,
         )
 
     def prompt_logits(self, prompt_ids: list[int], lora_name: str | None = None) -> torch.Tensor:

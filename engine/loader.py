@@ -333,9 +333,10 @@ PLACEMENT = "LAYERSTREAM_PLACEMENT"
 
 
 def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint) -> bool:
-    """Whether the plan places tensor groups (attention on the device, MLPs off it when the budget is short,
-    issue #38) rather than whole blocks: with LAYERSTREAM_PLACEMENT=groups, for a device behind a link (the
-    simulated transport, or the CUDA one). Whole blocks stay the default until a GPU run has measured groups."""
+    """Whether the plan places tensor groups (attention on the device, MLPs and routed experts off it when the
+    budget is short, issue #38) rather than whole blocks: with LAYERSTREAM_PLACEMENT=groups, for a device behind a
+    link (the simulated transport, or the CUDA one). Whole blocks stay the default until a GPU run has measured
+    groups."""
     mode = os.environ.get(PLACEMENT, "blocks").strip().lower() or "blocks"
     if mode not in ("blocks", "groups"):
         raise ValueError(f"{PLACEMENT} must be blocks or groups, got {mode!r}")
@@ -345,14 +346,13 @@ def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoin
     linked = args.transport == "simulated" or device.type == "cuda" or args.transport == "cuda"
     why = ("a device without a link to the host (the CPU itself: use the simulated or the CUDA transport)"
            if not linked
-           else "a mixture of experts (routed experts off the device come later)" if cfg.moe is not None
            else "a GGUF checkpoint" if checkpoint.packed
            else f"--quantization {args.quantization}" if args.quantization
            else "LoRA adapters" if args.lora_modules
            else "the self-draft" if args.speculative_method == "self" else None)
     if why is not None:
-        raise ValueError(f"{PLACEMENT}=groups places dense MLPs of plain checkpoints off the device for now, "
-                         f"not with {why}")
+        raise ValueError(f"{PLACEMENT}=groups places MLPs and routed experts of plain checkpoints off the device "
+                         f"for now, not with {why}")
     return True
 
 
@@ -474,15 +474,16 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
                              placement=plan.group_placement, offload_policy=PathPolicy(args.cpu_offload_policy))
         # The simulated device computes on this CPU: its speeds are the CPU's. A GPU's own throughput is not
         # measured yet, so there "auto" streams (PathPolicy without speeds) until it is (issue #38's GPU step).
-        if (runner.off_device_mlps and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps
+        if (runner.off_device and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps
                 and device.type == "cpu"):
             speeds = runner.measure_offload_speeds(weights.links.h2d_gbps)
             runner.set_measured_speeds(speeds, live=True)
-            group = next(iter(runner.off_device_mlps.values()))
-            log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s: an off-device "
-                     "MLP streams from %s tokens per step, else the CPU computes it (refreshed as steps run)",
+            thresholds = {"MLP" if g.kind == "mlp" else "routed experts' group":
+                          runner.offload_policy.threshold(g) or "no number of" for g in runner.off_device.values()}
+            log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s: %s per step, "
+                     "else the CPU computes it (refreshed as steps run)",
                      speeds.link_gbps, speeds.cpu_gbps, speeds.cpu_flops / 1e9,
-                     runner.offload_policy.threshold(group) or "no number of")
+                     "; ".join(f"an off-device {k} streams from {v} tokens" for k, v in thresholds.items()))
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
         if weights is not None:

@@ -7,6 +7,7 @@ router's softmax is nearly uniform and rounding (ours vs the reference's op orde
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
@@ -91,3 +92,22 @@ def expert_budget(folder, slots: int, max_num_seqs: int = 4, **kw) -> int:
     inputs = expert_inputs(EngineArgs(model=str(folder)), cfg, sizes, torch.float32)
     return (p.global_bytes + p.kv_cache_bytes + p.workspace_bytes + inputs["predictor_bytes"]
             + (p.prefetch_depth + 1) * sizes.dense_block_bytes + slots * sizes.expert_bytes + sizes.expert_bytes // 2)
+
+
+def group_budget(folder, off_bytes: int, max_num_seqs: int = 3, **kw) -> int:
+    """A device budget `off_bytes` short of what per-group placement needs to keep every tensor group on the device
+    (LAYERSTREAM_PLACEMENT=groups: blocks counted by their groups' own bytes, not as many largest blocks), for
+    LLM(folder, max_model_len=128, max_num_seqs, **kw)."""
+    from engine import LLM
+    from engine.loader import tensor_groups
+
+    placement = os.environ.pop("LAYERSTREAM_PLACEMENT", None)  # the probe places whole blocks, on the CPU itself
+    try:
+        probe = LLM(str(folder), max_model_len=128, max_num_seqs=max_num_seqs, show_progress=False, **kw)
+    finally:
+        if placement is not None:
+            os.environ["LAYERSTREAM_PLACEMENT"] = placement
+    p, cfg = probe.plan, probe.engine.model.cfg
+    probe.close()
+    groups = sum(g.nbytes for g in tensor_groups(cfg, torch.float32))
+    return p.device_bytes - p.num_layers * p.block_bytes + groups - off_bytes
