@@ -59,3 +59,63 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
             assert stats.groups_cpu > 0
     finally:
         llm.close()
+
+
+@pytest.fixture
+def recording_cuda_experts(monkeypatch):
+    """The CUDA transport and the CUDA expert slots on the recording runtime: (expert slots made, transports made)."""
+    import engine.weights.experts.cuda_slots as ce
+    import engine.weights.transports.cuda as ct
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    monkeypatch.setattr(ce, "CudaRuntime", RecordingRuntime)
+    made = []
+
+    class Captured(ce.CudaExpertSlots):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(ce, "CudaExpertSlots", Captured)
+    return made, capture_cuda_transports(monkeypatch)
+
+
+@pytest.mark.parametrize("policy", ["stream", "auto"])
+def test_streamed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, recording_cuda_experts, monkeypatch, policy):
+    """A Qwen2-MoE with every MLP, shared expert and routed expert off the device: MLPs stream through the offload
+    transport, the chosen routed experts into the expert cache's device slots; both protocols hold for every copy,
+    and greedy tokens stay the resident model's (fp32)."""
+    from tests.support import moe_models
+
+    folder = moe_models.build(tmp_path / "qwen2_moe", "qwen2_moe")
+    ref = LLM(str(folder), show_progress=False, **KW)
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
+    finally:
+        ref.close()
+    budget = moe_models.group_budget(folder, 200_000)
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    llm = LLM(str(folder), device="cpu", transport="cuda", max_device_memory=budget, max_host_memory="8GiB",
+              cpu_offload_policy=policy, show_progress=False, **KW)
+    try:
+        off = llm.plan.group_placement.off_device
+        assert {(1, "mlp"), (1, "experts"), (3, "mlp"), (3, "experts")} <= off, llm.plan.describe()
+        made, (main, link) = recording_cuda_experts
+        (slots,) = made
+        if policy == "auto":
+            llm.engine.set_measured_speeds(SPEEDS)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == expected
+        t = llm.telemetry()
+        stats, total = t.offload, t.total
+        assert check_protocol(main, main.rt.log) == 0
+        mlp_copies = check_protocol(link, link.rt.log)
+        if policy == "stream":  # every step streamed every group: its MLPs through the link
+            assert mlp_copies >= stats.groups_stream - sum(1 for _, k in off if k == "experts") * stats.steps_stream > 0
+        assert mlp_copies > 0
+        copies = check_protocol(slots, slots.rt.log)
+        assert copies * slots.nbytes == total.expert_bytes > 0  # every expert fill is one copy into a slot
+        if policy == "auto":
+            assert stats.groups_cpu > 0
+    finally:
+        llm.close()
