@@ -69,9 +69,9 @@ SWITCHES: tuple[EnvSwitch, ...] = (
               "Extra compute time per block on the simulated transport (overlap tests)."),
     EnvSwitch("LAYERSTREAM_PLACEMENT", "blocks", "blocks, groups", ENGINE, "engine/loader.py",
               "What a plan places when the model does not fit a device behind a link (the simulated or the CUDA "
-              "transport): whole blocks, streamed; or tensor groups (issue #38): attention and norms on the "
-              "device in every layer, dense MLPs off it, computed on the CPU or streamed each step as "
-              "--cpu-offload-policy decides."),
+              "transport): whole blocks, streamed; or tensor groups (issue #38): attention, norms and routers on "
+              "the device in every layer, MLPs and routed experts off it, computed on the CPU or streamed each "
+              "step as --cpu-offload-policy decides."),
     EnvSwitch("LAYERSTREAM_BENCH_DIR", "/var/tmp/layerstream-bench", "a folder", BENCH, "layerstream/bench/common.py",
               "Where the benchmarks build their checkpoints and files, once."),
     EnvSwitch("LAYERSTREAM_TORCH_VERSION", "2.13.0", "a torch version", SETUP,
