@@ -17,7 +17,7 @@ from tests.support.reference import PROMPT
 HIDDEN_BYTES = 64 * 4  # the tiny MoEs' hidden state in fp32
 TOP_K = 2
 EXPERT_PARAMS = 3 * 64 * 32  # one routed expert: gate, up (32 x 64) and down (64 x 32)
-EXPERT_BYTES = 4 * EXPERT_PARAMS
+EXPERT_BYTES = 4 * EXPERT_PARAMS  # (GPT-OSS's adds its biases)
 PROMPTS = [list(PROMPT), list(PROMPT[:5]), [7, 300, 12, 45, 2, 99, 101]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 TOKENS = sum(map(len, PROMPTS)) + 3 * 11  # every token a step computes: the prompts, then 11 decode steps of 3
@@ -26,9 +26,9 @@ TOKENS = sum(map(len, PROMPTS)) + 3 * 11  # every token a step computes: the pro
 SPEEDS = MeasuredSpeeds(link_gbps=1, cpu_gbps=100, cpu_flops=1.75e9, device_flops=1e12)
 # arch -> bytes the budget falls short of keeping every group on the device: Mixtral's experts leave (one block's
 # under "cpu", three with the stream buffers); Qwen2-MoE's every MLP, shared expert and routed experts leave under
-# the policies that stream (two blocks' routed experts under "cpu").
-SHORT = {"mixtral": 100_000, "qwen2_moe": 200_000}
-SHARED = {"mixtral": False, "qwen2_moe": True}
+# the policies that stream (two blocks' routed experts under "cpu"). GPT-OSS: its biased experts, clamped SwiGLU.
+SHORT = {"mixtral": 100_000, "qwen2_moe": 200_000, "gpt_oss": 150_000}
+SHARED = {"mixtral": False, "qwen2_moe": True, "gpt_oss": False}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,9 @@ def test_tokens_are_the_resident_model_s_for_every_policy(models, groups, arch, 
         # What streamed is the off-device groups (every block's on-device groups stay resident): the MLPs whole,
         # of the routed experts only the cache's misses.
         assert total.bytes_streamed == stats.bytes_stream
-        assert total.expert_bytes == total.expert_misses * EXPERT_BYTES
+        expert_bytes = {g.nbytes // g.experts_total for g in placed.off_device_groups if g.kind == "experts"}
+        assert expert_bytes == {EXPERT_BYTES + (4 * (64 + 2 * 32) if arch == "gpt_oss" else 0)}
+        assert total.expert_bytes == total.expert_misses * expert_bytes.pop()
         if policy == "cpu":
             assert stats.steps_stream == 0 and stats.tokens_cpu == TOKENS and total.expert_bytes == 0
             assert stats.bytes_cpu == TOKENS * link_bytes_per_token(off, SHARED[arch])
