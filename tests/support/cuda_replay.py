@@ -137,3 +137,22 @@ def capture_cuda_transports(monkeypatch) -> list:
 
     monkeypatch.setattr(ct, "CudaTransport", Captured)
     return made
+
+
+def record_cuda_experts(monkeypatch) -> tuple[list, list]:
+    """The CUDA transport and the CUDA expert slots on the recording runtime (copies happen at once, stream
+    and event calls are logged for check_protocol): (the expert slots made, the block transports made)."""
+    import engine.weights.experts.cuda_slots as ce
+    import engine.weights.transports.cuda as ct
+
+    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
+    monkeypatch.setattr(ce, "CudaRuntime", RecordingRuntime)
+    made = []
+
+    class Captured(ce.CudaExpertSlots):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(ce, "CudaExpertSlots", Captured)
+    return made, capture_cuda_transports(monkeypatch)

@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.arch import UnsupportedModelError, load_model_config
 from engine.weights import CheckpointError
 from tests.support.moe_models import MOE_ARCHS, NUM_EXPERTS, build, expert_budget
+from tests.support.cuda_replay import record_cuda_experts
 from tests.support.checkpoints import edited_header
 from tests.support.reference import ATOL, RTOL, PROMPT, greedy_with, prompt_logits
 
@@ -244,24 +245,8 @@ def test_expert_streaming_moves_fewer_bytes_than_whole_blocks(moe_dirs):
 
 @pytest.fixture
 def recording_cuda_experts(monkeypatch):
-    """The CUDA transport and the CUDA expert slots run on CPU with test_overlap's recording runtime:
-    copies happen at once, stream and event calls are logged for check_protocol. Returns the expert
-    slots and the block transports built meanwhile."""
-    import engine.weights.experts.cuda_slots as ce
-    import engine.weights.transports.cuda as ct
-    from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports
-
-    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
-    monkeypatch.setattr(ce, "CudaRuntime", RecordingRuntime)
-    made = []
-
-    class Captured(ce.CudaExpertSlots):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(ce, "CudaExpertSlots", Captured)
-    return made, capture_cuda_transports(monkeypatch)
+    """(expert slots made, block transports made) on the recording runtime: cuda_replay.record_cuda_experts."""
+    return record_cuda_experts(monkeypatch)
 
 
 def _protocol_counts(slots) -> tuple[int, int]:

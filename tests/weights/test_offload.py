@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.placement import MeasuredSpeeds
-from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol
+from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol, record_cuda_experts
 from tests.support.reference import PROMPT
 
 MLP_BYTES = 4 * 3 * 64 * 128  # the tiny Llama's MLP in fp32
@@ -63,21 +63,8 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
 
 @pytest.fixture
 def recording_cuda_experts(monkeypatch):
-    """The CUDA transport and the CUDA expert slots on the recording runtime: (expert slots made, transports made)."""
-    import engine.weights.experts.cuda_slots as ce
-    import engine.weights.transports.cuda as ct
-
-    monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
-    monkeypatch.setattr(ce, "CudaRuntime", RecordingRuntime)
-    made = []
-
-    class Captured(ce.CudaExpertSlots):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(ce, "CudaExpertSlots", Captured)
-    return made, capture_cuda_transports(monkeypatch)
+    """(expert slots made, block transports made) on the recording runtime: cuda_replay.record_cuda_experts."""
+    return record_cuda_experts(monkeypatch)
 
 
 @pytest.mark.parametrize("policy", ["stream", "auto"])
