@@ -490,7 +490,7 @@ class LLMEngine:
         """Measured speeds for --cpu-offload-policy auto (engine.placement): from the next step on, off-device
         groups take the path the cost model gives for them. Speeds given here are kept as given until given
         again; those start-up measured are refreshed from each step's own CPU computations."""
-        self.model.runner.set_measured_speeds(speeds)
+        self.model.runner.offload.set_speeds(speeds)
 
     def telemetry(self) -> EngineTelemetry:
         """A snapshot of what the engine is doing: the plan, bytes streamed (last step and in total,
@@ -517,7 +517,7 @@ class LLMEngine:
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
             lora_adapters=self.adapters.served(),
-            offload=self.model.runner.path_stats if self.model.runner.off_device else None,
+            offload=self.model.runner.offload.stats if self.model.runner.offload.groups else None,
         )
 
     def prompt_logits(self, prompt_ids: list[int], lora_name: str | None = None) -> torch.Tensor:

@@ -474,12 +474,12 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
                              placement=plan.group_placement, offload_policy=PathPolicy(args.cpu_offload_policy))
         # The simulated device computes on this CPU: its speeds are the CPU's. A GPU's own throughput is not
         # measured yet, so there "auto" streams (PathPolicy without speeds) until it is (issue #38's GPU step).
-        if (runner.off_device and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps
-                and device.type == "cpu"):
-            speeds = runner.measure_offload_speeds(weights.links.h2d_gbps)
-            runner.set_measured_speeds(speeds, live=True)
+        offload = runner.offload
+        if offload.groups and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps and device.type == "cpu":
+            speeds = offload.measure_speeds(weights.links.h2d_gbps)
+            offload.set_speeds(speeds, live=True)
             thresholds = {"MLP" if g.kind == "mlp" else "routed experts' group":
-                          runner.offload_policy.threshold(g) or "no number of" for g in runner.off_device.values()}
+                          offload.policy.threshold(g) or "no number of" for g in offload.groups.values()}
             log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s: %s per step, "
                      "else the CPU computes it (refreshed as steps run)",
                      speeds.link_gbps, speeds.cpu_gbps, speeds.cpu_flops / 1e9,

@@ -20,7 +20,8 @@ from .attention_backend import AttentionScratch
 from .block_manager import NULL_BLOCK, BlockCopy
 from .kv_cache import KVCache
 from .lora_serving import AdapterSet, LoRARows
-from .placement import GroupPlacement, MeasuredSpeeds, PathPolicy, PathStats, StepShape, TensorGroup, refreshed
+from .offload_compute import OffDeviceCompute
+from .placement import GroupPlacement, PathPolicy, StepShape, TensorGroup
 from .scheduler import ScheduledChunk
 from .weights import ModelWeights, StreamStats
 
@@ -113,66 +114,8 @@ class ModelRunner:
         self.long_inv_freq = M.rotary_inv_freq(cfg, "long")[0].to(device) if cfg.rope_long_inv_freq else None
         self.last_step: StepTiming | None = None
         self.attn_scratch = AttentionScratch()
-        # Tensor groups the plan placed off the device (engine.placement), by (layer, kind): each step computes
-        # each on the CPU or streams it, as offload_policy decides from the step's tokens (per expert for routed
-        # experts). A dense block's MLP; a MoE block's routed experts and its shared expert ("mlp").
-        self.off_device: dict[tuple[int, str], TensorGroup] = {} if placement is None else {
-            (g.layer, g.kind): g for g in placement.off_device_groups}
-        self.off_device_mlps: dict[int, TensorGroup] = {
-            layer: g for (layer, kind), g in self.off_device.items() if kind == "mlp" and not cfg.is_moe_layer(layer)}
-        self.offload_policy = offload_policy or PathPolicy()
-        self.path_stats = PathStats()
-        # Speeds this runner measured itself are refreshed from each step's CPU computations; speeds a caller
-        # set are kept until it sets others (a caller that pins them means them).
-        self._live_speeds = False
-        self._cpu_seen: list[tuple[TensorGroup, int, float]] = []
-
-    def set_measured_speeds(self, speeds: MeasuredSpeeds, live: bool = False) -> None:
-        """Speeds for the offload policy from the next step on; live: refresh them from what steps observe."""
-        self.offload_policy = self.offload_policy.with_speeds(speeds)
-        self._live_speeds = live
-
-    @torch.inference_mode()
-    def measure_offload_speeds(self, link_gbps: float, rows: int = 64, repeats: int = 3) -> MeasuredSpeeds:
-        """The cost model's CPU inputs, measured on the first off-device group's own host weights (an MLP, or one
-        routed expert: the unit the cost model prices): GB/s of weights read at one row and FLOP/s at `rows` rows
-        (best of `repeats`). The simulated device computes on this same CPU, so its FLOP/s are the CPU's; a GPU's
-        come with its transport (issue #38's GPU step)."""
-        (block, kind), group = next(iter(self.off_device.items()))
-        cfg = self.cfg
-        if kind == "experts":
-            (w,) = list(self.weights.offloaded_experts(block, [0], "cpu"))
-
-            def compute(x: torch.Tensor) -> torch.Tensor:
-                return M.expert_mlp(x, w[0], cfg.moe)
-
-            nbytes, params = group.nbytes / group.experts_total, group.params / group.experts_total
-        else:
-            w = self.weights.offloaded(block, "cpu")
-
-            def compute(x: torch.Tensor) -> torch.Tensor:
-                if cfg.is_moe_layer(block):  # a MoE block's shared expert
-                    return M.shared_expert(x, w)
-                return M.mlp(x, w, activation=cfg.family.activation)
-
-            nbytes, params = group.nbytes, group.params
-        try:
-            def best(n: int) -> float:
-                x = torch.zeros(n, cfg.hidden_size, dtype=self.dtype)  # (n, hidden)
-                compute(x)  # warm-up: first-touch pages, kernel choice
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    compute(x)
-                    times.append(time.perf_counter() - t0)
-                return max(min(times), 1e-9)
-
-            one, many = best(1), best(rows)
-        finally:
-            if kind != "experts":
-                self.weights.release_offloaded(block)
-        flops = 2 * params * rows / many
-        return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=nbytes / one / 1e9, cpu_flops=flops, device_flops=flops)
+        # Tensor groups the plan placed off the device (issue #38): computed where each step's path says.
+        self.offload = OffDeviceCompute(cfg, weights, dtype, placement, offload_policy)
 
     def _step_inputs(self, chunks: list[ScheduledChunk]) -> M.StepInputs:
         """The step's inputs as block 0 sees them (as every block does, unless the model mixes layer kinds)."""
@@ -291,102 +234,39 @@ class ModelRunner:
         return M.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.dtype)
 
     def _moe_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, step: M.StepInputs, shape: StepShape,
-                   paths: dict[str, list[int]]) -> torch.Tensor:
+                   v_cache: torch.Tensor, step: M.StepInputs, shape: StepShape) -> torch.Tensor:
         """A mixture-of-experts block. The routing reaches the host (M.route), then the weights package
         hands over the union of the experts the step's tokens chose, in groups its expert cache can
         hold; each group's outputs are added as it arrives. Routed experts (or a shared expert) the plan put
-        off the device compute where the policy says (_off_device_experts, _off_device_mlp); attention, norms
-        and the router stay on the device."""
+        off the device compute where the step's path says (engine.offload_compute); attention, norms and the
+        router stay on the device."""
         cfg = self.cfg
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
-        shared = self.off_device.get((block, "mlp"))
+        shared = self.offload.group(block, "mlp")
         if shared is not None:
-            out = self._off_device_mlp(block, shared, hn, shape, paths, M.shared_expert)  # (tokens, hidden)
+            out = self.offload.mlp(block, shared, hn, shape, M.shared_expert)  # (tokens, hidden)
         else:
             out = M.shared_expert(hn, w) if "shared.w_down" in w else torch.zeros_like(hn)  # (tokens, hidden)
-        routed = self.off_device.get((block, "experts"))
+        routed = self.offload.group(block, "experts")
         if routed is not None:
-            out = self._off_device_experts(block, routed, hn, routing, out, shared is not None or "shared.w_down" in w,
-                                           paths)
+            out = self.offload.experts(block, routed, hn, routing, out, shared is not None or "shared.w_down" in w)
         else:
             for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
                 M.moe_experts(hn, routing, group, out, cfg.moe)
         return h + out
 
-    def _off_device_experts(self, block: int, group: TensorGroup, hn: torch.Tensor, routing: M.Routing,
-                            out: torch.Tensor, shared: bool, paths: dict[str, list[int]]) -> torch.Tensor:
-        """A MoE block's routed experts off the device, added into out (tokens, hidden: the shared expert's output,
-        or zeros) where the policy says for this step's tokens per expert (the router's count: the most rows any
-        chosen expert gets). On the CPU only the normed hidden states, the routing (and the shared expert's
-        output, so that the sum keeps the resident order) cross the link, and the sum comes back; streamed,
-        only the chosen experts' weights cross, and those the device expert cache holds do not."""
-        cfg = self.cfg
-        chosen = routing.chosen
-        shape = StepShape(hn.shape[0], tokens_per_expert=max(routing.counts))
-        path = self.offload_policy.path(group, shape)
-        if path == "cpu":
-            x_host = hn.to("cpu")  # (tokens, hidden)
-            ids, gates = routing.expert_ids.to("cpu"), routing.weights.to("cpu")  # (tokens, top_k) each
-            o = out.to("cpu") if shared else torch.zeros_like(x_host)  # (tokens, hidden), the host's sum
-            t0 = time.perf_counter()
-            for experts in self.weights.offloaded_experts(block, chosen, "cpu"):
-                M.moe_experts(x_host, M.Routing(ids, gates, routing.counts), experts, o, cfg.moe)
-            if chosen:  # the cost model prices one expert: the mean expert's rows and seconds
-                self._cpu_seen.append((group, sum(routing.counts) / len(chosen),
-                                       (time.perf_counter() - t0) / len(chosen)))
-            # There: the hidden states and the routing (and the shared expert's output); back: the sum.
-            crossed = (sum(t.numel() * t.element_size() for t in (x_host, ids, gates))
-                       + (1 + shared) * o.numel() * o.element_size())
-            out = o.to(hn.device)
-        else:
-            before = self.weights.stream_stats.expert_bytes
-            for experts in self.weights.offloaded_experts(block, chosen, "stream"):
-                M.moe_experts(hn, routing, experts, out, cfg.moe)
-            crossed = self.weights.stream_stats.expert_bytes - before  # the cache's misses: hits cross nothing
-        count = paths.setdefault(path, [0, 0])
-        count[0] += 1
-        count[1] += crossed
-        return out
-
-    def _off_device_mlp(self, block: int, group: TensorGroup, hn: torch.Tensor, shape: StepShape,
-                        paths: dict[str, list[int]], compute) -> torch.Tensor:
-        """An MLP off the device (a dense block's, or a MoE block's shared expert) applied to hn (tokens, hidden)
-        where the policy says: compute(x, weights) on the CPU from host tensors, only its input and output
-        crossing the link; or streamed, its weights crossing instead. (tokens, hidden) on hn's device."""
-        path = self.offload_policy.path(group, shape)
-        mw = self.weights.offloaded(block, path)
-        try:
-            if path == "cpu":
-                x_host = hn.to("cpu")  # (tokens, hidden)
-                t0 = time.perf_counter()
-                m = compute(x_host, mw)  # (tokens, hidden), on the host
-                self._cpu_seen.append((group, shape.tokens, time.perf_counter() - t0))
-                m = m.to(hn.device)
-                crossed = 2 * hn.numel() * hn.element_size()
-            else:
-                m = compute(hn, mw)
-                crossed = group.nbytes
-        finally:
-            self.weights.release_offloaded(block)
-        count = paths.setdefault(path, [0, 0])
-        count[0] += 1
-        count[1] += crossed
-        return m
-
-    def _off_device_mlp_block(self, block: int, x: torch.Tensor, w: dict[str, torch.Tensor], k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, step: M.StepInputs, shape: StepShape,
-                              paths: dict[str, list[int]]) -> torch.Tensor:
+    def _off_device_mlp_block(self, block: int, mlp: TensorGroup, x: torch.Tensor, w: dict[str, torch.Tensor],
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, step: M.StepInputs,
+                              shape: StepShape) -> torch.Tensor:
         """A dense block whose MLP lies off the device: attention and the norms around the MLP on the device,
         the MLP where the policy says. On the CPU only its input and output cross the link (the same math,
         on host tensors); streamed, its weights cross instead."""
         cfg = self.cfg
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
         hn = M.mlp_input(h, w, cfg)  # (tokens, hidden)
-        m = self._off_device_mlp(block, self.off_device_mlps[block], hn, shape, paths,
-                                 lambda x, mw: M.mlp(x, mw, activation=cfg.family.activation))
+        m = self.offload.mlp(block, mlp, hn, shape, lambda x, mw: M.mlp(x, mw, activation=cfg.family.activation))
         return M.mlp_output(h, m, w, cfg)
 
     def _guess_experts(self, hidden: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -414,8 +294,7 @@ class ModelRunner:
         steps = self._layer_step_inputs(chunks)
         step = steps[0]
         shape = StepShape(sum(c.count for c in chunks))
-        paths: dict[str, list[int]] = {}  # path -> [groups, bytes across the link] this step
-        self._cpu_seen = []  # (group, rows, seconds) of each MLP (each expert, on average) the CPU computes this step
+        self.offload.begin_step()
         assert step.lora is None or adapters is not None, "a sequence names an adapter but none are served"
         x = M.scale_embeddings(self.globals.embed(step.input_ids), self.cfg)  # (tokens, hidden)
         with ops.single_row_products(x):  # one bf16 row: torch's matrix-vector kernel, not oneDNN's (but with AMX)
@@ -425,10 +304,11 @@ class ModelRunner:
                     if step.lora is not None:
                         w = adapters.adapt(block, w, step.lora)
                     k_cache, v_cache = self.kv.layer(block)
+                    mlp = self.offload.dense_mlp(block)
                     if self.cfg.is_moe_layer(block):
-                        x = self._moe_block(block, x, w, k_cache, v_cache, steps[block], shape, paths)
-                    elif block in self.off_device_mlps:
-                        x = self._off_device_mlp_block(block, x, w, k_cache, v_cache, steps[block], shape, paths)
+                        x = self._moe_block(block, x, w, k_cache, v_cache, steps[block], shape)
+                    elif mlp is not None:
+                        x = self._off_device_mlp_block(block, mlp, x, w, k_cache, v_cache, steps[block], shape)
                     else:
                         x = M.block_forward(x, w, k_cache, v_cache, steps[block], self.cfg)
                     self.weights.release(block)
@@ -437,14 +317,7 @@ class ModelRunner:
                 self.weights.reset()
                 raise
             logits = M.final_logits(x, self.globals.norm, self.globals.head, step, self.cfg)
-        if self._live_speeds and self._cpu_seen:
-            speeds = self.offload_policy.speeds
-            for group, rows, seconds in self._cpu_seen:
-                speeds = refreshed(speeds, group, rows, seconds)
-            self.offload_policy = self.offload_policy.with_speeds(speeds)
-        if paths:
-            self.path_stats = self.path_stats.plus_step(shape.tokens, {p: n for p, (n, _) in paths.items()},
-                                                        {p: b for p, (_, b) in paths.items()})
+        self.offload.end_step(shape.tokens)
         if logits.device.type == "cuda":
             # The step's device: the thread's current device defaults to cuda:0 whatever the model's.
             torch.cuda.current_stream(logits.device).synchronize()
