@@ -133,7 +133,10 @@ def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int
     Largest first: a step reads an off-device group over the link or on the CPU whatever its size, so each
     byte taken off in large groups costs the fewest groups per step; equal groups leave the device spread over
     the layers. When the policy may stream (stream_buffers), prefetch_depth + 1 buffers of the largest
-    off-device group come out of the room too. None: the groups that must stay do not fit.
+    off-device group come out of the room too, or, where experts may leave the device, enough for
+    prefetch_depth + 1 of the largest MLP and of the largest expert if that is more: streamed MLPs and the
+    device's expert cache share the buffers (engine.weights' offload tier), and the cache needs its slots
+    whatever group sized them. None: the groups that must stay do not fit.
     """
     must_stay = sum(g.nbytes for g in groups if not g.off_device_capable)
     movable = [g for g in groups if g.off_device_capable]
@@ -143,7 +146,9 @@ def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int
     if not movable:
         return None
     largest = max(g.nbytes for g in movable)
-    buffers = (prefetch_depth + 1) * largest if stream_buffers else 0
+    expert = max((g.nbytes // g.experts_total for g in movable if g.kind == "experts"), default=0)
+    mlp = max((g.nbytes for g in movable if g.kind == "mlp"), default=0)
+    buffers = (prefetch_depth + 1) * max(largest, mlp + expert) if stream_buffers else 0
     need = total + buffers - room  # bytes to take off the device
     off: set[tuple[int, str]] = set()
     for size in sorted({g.nbytes for g in movable}, reverse=True):

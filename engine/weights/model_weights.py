@@ -451,7 +451,8 @@ def _offload_tier(cfg: ModelConfig, source: BlockSource, plan: MemoryPlan, dtype
                   disk_gbps: float | None) -> OffloadTier:
     """The tier serving the plan's off-device groups (`source`: their tensors): MLPs (and shared experts) stream
     through a transport of their own, routed experts through an expert tier whose cache takes what the plan's
-    stream buffers leave after the MLPs' (placement.place_groups sized them for the largest group off)."""
+    stream buffers leave after the MLPs' (placement.place_groups sized them so that prefetch depth + 1 experts
+    fit beside the MLPs' buffers: the cache has those slots at least, within the budget)."""
     placed = plan.group_placement
     off = placed.off_device_groups
     mlps = sorted({g.layer for g in off if g.kind == "mlp"})
@@ -467,7 +468,8 @@ def _offload_tier(cfg: ModelConfig, source: BlockSource, plan: MemoryPlan, dtype
                 mlp_buffers = (plan.prefetch_depth + 1) * max(g.nbytes for g in off if g.kind == "mlp")
         if routed and placed.stream_buffer_bytes:
             expert_bytes = max(g.nbytes // g.experts_total for g in routed)
-            slots = max(1, (placed.stream_buffer_bytes - mlp_buffers) // expert_bytes)
+            slots = (placed.stream_buffer_bytes - mlp_buffers) // expert_bytes
+            assert slots >= 1, "place_groups reserves expert slots beside the MLPs' buffers"
             experts = make_expert_tier(transport, cfg, source, dtype, device,
                                        dataclasses.replace(plan, expert_slots=slots), guess=False)
         return OffloadTier(source, plan, dtype, link, experts)

@@ -160,3 +160,20 @@ def test_the_smallest_budget_is_what_must_stay_with_everything_else_off():
     assert len(plan.group_placement.off_device) == 4 and plan.device_bytes <= smallest
     with pytest.raises(PlanError, match=r"the attention, norms and router of every layer \(\d+\.\d+ KiB\)"):
         plan_memory(inputs(cfg, smallest - 1, offload_streams=False))
+
+
+def test_stream_buffers_leave_the_expert_cache_its_slots_beside_the_largest_mlp():
+    """Streamed MLPs and the device's expert cache share the stream buffers: when an MLP is the largest group
+    that may leave the device, the buffers still hold prefetch depth + 1 experts beside that MLP's buffers."""
+    from engine.placement import TensorGroup
+
+    must = tuple(TensorGroup(i, "attention", 40, 10) for i in range(5))
+    mlps = tuple(TensorGroup(i, "mlp", 1000, 250) for i in range(4))  # dense blocks' MLPs, the largest groups
+    experts = TensorGroup(4, "experts", 800, 200, experts_total=8, experts_active=2)  # 100 bytes an expert
+    budget = 200 + 2 * (1000 + 100) + 1000  # the must-stay groups, the buffers, and one MLP
+    placed = place_groups((*must, *mlps, experts), budget, prefetch_depth=1, stream_buffers=True)
+    assert placed is not None and placed.device_bytes <= budget
+    assert placed.stream_buffer_bytes == 2 * (1000 + 100)  # two MLP buffers and two expert slots
+    assert placed.off_device == {(i, "mlp") for i in range(4)}  # the largest first: the experts stay
+    dense = place_groups((*must, *mlps), budget, prefetch_depth=1, stream_buffers=True)
+    assert dense is not None and dense.stream_buffer_bytes == 2 * 1000  # no experts: no slots for them
