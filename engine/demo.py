@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from .cache import build_once, cache_root
+from .tokenizer_files import save_tokenizer
 
 log = logging.getLogger("layerstream")
 
@@ -53,7 +54,7 @@ def train_tokenizer(folder: str | os.PathLike, vocab_size: int = 512, model_max_
         pad_token="<|endoftext|>", model_max_length=model_max_length,
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
+    save_tokenizer(fast, folder)
     return fast
 
 

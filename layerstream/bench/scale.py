@@ -115,6 +115,7 @@ def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
 
     from engine.cache import build_once
     from engine.demo import demo_gguf_path
+    from engine.tokenizer_files import save_tokenizer
     from engine.weights import config_folder
 
     gguf = demo_gguf_path()
@@ -125,7 +126,7 @@ def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
     def build(tmp: Path) -> None:
         tmp.mkdir(parents=True)
         tokenizer = AutoTokenizer.from_pretrained(config_folder(gguf))
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.dtype = torch.bfloat16  # as a released checkpoint's config says (else it reads as fp32)
         config.save_pretrained(tmp)

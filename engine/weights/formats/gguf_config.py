@@ -14,6 +14,7 @@ import torch
 from ...arch import FAMILIES, ModelConfig, UnsupportedModelError, config_from_hf
 from ...cache import build_once, cache_root
 from ...config_cache import cached_model_config
+from ...tokenizer_files import save_tokenizer
 
 log = logging.getLogger("layerstream")
 
@@ -42,7 +43,7 @@ OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm
               "gpt-oss": "gpt_oss",
               "deepseek2": "deepseek_v2"}  # V3 when the file has V3's router correction bias (_deepseek2)
 
-METADATA_VERSION = 2  # bump when what is saved changes: older folders are then left alone
+METADATA_VERSION = 3  # bump when what is saved changes: older folders are then left alone
 
 
 def metadata_folder(path: Path, header_digest: str, architecture: str | None = None, metadata: dict | None = None,
@@ -81,7 +82,7 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
                 config.eos_token_id = [e for e in eos if e is not None] + [end]
             log.info("%s: no chat template in the metadata; using %s's", path, architecture)
         config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_tokenizer(tok, tmp)
 
     return build_once(folder, "layerstream-gguf-metadata.json", {"file": str(path), "header_sha256": header_digest},
                       build)
