@@ -63,7 +63,7 @@ inline __m512 load16_masked(const T* p, __mmask16 k) {
 // a GPU: y[m] += ((x[m] A_c^T) rounded to T) B_c^T rounded to T, c = row m's run of columns. For a decode
 // step's few rows the masked products it replaced (every row times every adapter's columns, the others'
 // masked to zero) spent more on their small products' calls than on their arithmetic; past LORA_ROWS_MAX
-// rows, a prompt chunk's, dense products per adapter are the faster (engine/ops.py's _lora_rows_linear, and
+// rows, a prompt chunk's, those masked dense products are the faster (engine/ops.py's _lora_rows_linear;
 // a block with that many adapter rows runs op by op). Both products accumulate in fp32; T is the
 // activations', the adapters' and y's dtype (one dtype: the caller checks).
 constexpr int64_t LORA_ROWS_MAX = 32;

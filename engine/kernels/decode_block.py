@@ -8,10 +8,14 @@ Interface:
       build failure likewise. The reason is logged once. Tests reset it with `decode_block.cache_clear()`.
   module.block(x, attn_norm, mlp_norm, eps, wqkv, bqkv, wo, bo, w_gate_up, w_down, cos, sin, k_cache,
                v_cache, slots, block_tables, positions, window, heads, kv_heads, head_dim, few_rows) -> (seqs, hidden)
-      a weight being (tensor, scales or None, out_features): see decode_block.cpp; wqkv and w_gate_up are
+      a weight being (tensor, scales or None, out_features, adapter or None): see decode_block.cpp; wqkv and w_gate_up are
       lists of parts (one stacked weight, or q, k, v and gate, up apart), bqkv a list of their biases (or
       empty); few_rows: dense bf16 products of 1-16 rows take bf16_rows.cpp's kernel (as engine/ops.py's
-      linear does when it is loaded).
+      linear does when it is loaded). A weight's fourth item, the served adapters' term or None, is
+      (A (sum R, in), B^T (sum R, out), each row's columns (rows, 2) int64), for at most LORA_ROWS_MAX rows.
+  module.lora_rows_add_(y, x, a, b_t, row_cols) -> y   y += each row's own adapter's low-rank product, in
+      place (one dtype for all; engine/ops.py's _lora_rows_linear calls it too, so both paths agree bit for
+      bit); module.LORA_ROWS_MAX (32): the most rows it is given.
 """
 
 from __future__ import annotations
