@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .kv_groups import blocks_per_seq
-from .placement import GROUP_KINDS, GroupPlacement, TensorGroup, place_groups
+from .placement import GROUP_KINDS, GroupPlacement, TensorGroup, place_groups, stream_buffer_bytes
 
 _UNITS = {
     "": 1, "b": 1,
@@ -138,8 +138,7 @@ class PlanInputs:
         if not self.tensor_groups:
             return None
         stay = sum(g.nbytes for g in self.tensor_groups if not g.off_device_capable)
-        movable = [g.nbytes for g in self.tensor_groups if g.off_device_capable]
-        return stay + ((self.prefetch_depth + 1) * max(movable) if movable and self.offload_streams else 0)
+        return stay + (stream_buffer_bytes(self.tensor_groups, self.prefetch_depth) if self.offload_streams else 0)
     # Speculative decoding's draft, budgeted with the target: a separate draft model's bytes
     # (weights and KV), and the self-draft's resident copy of each streamed block (of every block
     # when none streams).

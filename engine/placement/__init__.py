@@ -13,6 +13,9 @@ tests run in milliseconds):
       router of every layer stay on the device; MLPs and experts go off it, the largest first, until the
       rest (and, when the policy may stream, prefetch_depth + 1 buffers of the largest) fits `room`.
       GroupPlacement (frozen) says which (layer, kind) are off the device and the device bytes it takes.
+  stream_buffer_bytes(groups, prefetch_depth) -> int
+      The stream buffers that placement reserves when the policy may stream (shared by streamed MLPs and
+      the device's expert cache).
   MeasuredSpeeds(link_gbps, cpu_gbps, cpu_flops, device_flops, device_gbps=None); StepShape(tokens,
   tokens_per_expert=None)
       The cost model's inputs: measured throughputs (their own record, never in the plan) and what a step
@@ -37,11 +40,11 @@ weights (engine.weights), the math (engine.model computes a group wherever its w
 from .cost import (PATHS, MeasuredSpeeds, StepShape, cpu_seconds, refreshed, row_threshold, stream_seconds,
                    token_threshold)
 from .groups import (GROUP_KINDS, OFF_DEVICE_KINDS, GroupPlacement, TensorGroup, block_groups, group_kind,
-                     place_groups)
+                     place_groups, stream_buffer_bytes)
 from .policy import POLICIES, PathPolicy, PathStats, check_policy
 
 __all__ = [
     "GROUP_KINDS", "GroupPlacement", "MeasuredSpeeds", "OFF_DEVICE_KINDS", "PATHS", "POLICIES", "PathPolicy",
     "PathStats", "StepShape", "TensorGroup", "block_groups", "check_policy", "cpu_seconds", "group_kind",
-    "place_groups", "refreshed", "row_threshold", "stream_seconds", "token_threshold",
+    "place_groups", "refreshed", "row_threshold", "stream_buffer_bytes", "stream_seconds", "token_threshold",
 ]

@@ -125,6 +125,20 @@ def _spread(count: int, total: int) -> list[int]:
     return sorted({int(i * total / count) for i in range(count)})
 
 
+def stream_buffer_bytes(groups: tuple[TensorGroup, ...], prefetch_depth: int) -> int:
+    """The device bytes per-group placement reserves to stream the groups that may leave the device:
+    prefetch_depth + 1 buffers of the largest, or, where experts may leave too, of the largest MLP and the
+    largest expert if that is more (streamed MLPs and the device's expert cache share the buffers, and the
+    cache needs its slots whatever group sized them)."""
+    movable = [g for g in groups if g.off_device_capable]
+    if not movable:
+        return 0
+    largest = max(g.nbytes for g in movable)
+    expert = max((g.nbytes // g.experts_total for g in movable if g.kind == "experts"), default=0)
+    mlp = max((g.nbytes for g in movable if g.kind == "mlp"), default=0)
+    return (prefetch_depth + 1) * max(largest, mlp + expert)
+
+
 def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int,
                  stream_buffers: bool) -> GroupPlacement | None:
     """Groups placed within `room` device bytes: every group that must stay (attention, norms, router) in
@@ -132,11 +146,8 @@ def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int
 
     Largest first: a step reads an off-device group over the link or on the CPU whatever its size, so each
     byte taken off in large groups costs the fewest groups per step; equal groups leave the device spread over
-    the layers. When the policy may stream (stream_buffers), prefetch_depth + 1 buffers of the largest
-    off-device group come out of the room too, or, where experts may leave the device, enough for
-    prefetch_depth + 1 of the largest MLP and of the largest expert if that is more: streamed MLPs and the
-    device's expert cache share the buffers (engine.weights' offload tier), and the cache needs its slots
-    whatever group sized them. None: the groups that must stay do not fit.
+    the layers. When the policy may stream (stream_buffers), the stream buffers (stream_buffer_bytes) come out
+    of the room too. None: the groups that must stay do not fit.
     """
     must_stay = sum(g.nbytes for g in groups if not g.off_device_capable)
     movable = [g for g in groups if g.off_device_capable]
@@ -145,10 +156,7 @@ def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int
         return GroupPlacement(groups, frozenset(), 0)
     if not movable:
         return None
-    largest = max(g.nbytes for g in movable)
-    expert = max((g.nbytes // g.experts_total for g in movable if g.kind == "experts"), default=0)
-    mlp = max((g.nbytes for g in movable if g.kind == "mlp"), default=0)
-    buffers = (prefetch_depth + 1) * max(largest, mlp + expert) if stream_buffers else 0
+    buffers = stream_buffer_bytes(groups, prefetch_depth) if stream_buffers else 0
     need = total + buffers - room  # bytes to take off the device
     off: set[tuple[int, str]] = set()
     for size in sorted({g.nbytes for g in movable}, reverse=True):
