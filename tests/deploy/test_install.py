@@ -98,7 +98,8 @@ def test_the_dockerfile_builds_its_wheel_from_the_whole_context():
 
 def test_wheel_from_the_docker_context(tmp_path):
     """The wheel built from the files the Docker context holds has every package setuptools finds
-    (engine.speculative was once missing), the kernels' sources, and no top-level `bench`; installed
+    (engine.speculative was once missing), the kernels' sources and the headers they include, and no
+    top-level `bench`; installed
     non-editable and used from outside the repository, it imports and runs `layerstream --help`."""
     context = tmp_path / "context"
     for path in docker_context(ROOT):
@@ -117,8 +118,9 @@ def test_wheel_from_the_docker_context(tmp_path):
     assert not missing, f"packages not in the wheel: {missing}"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"engine", "server", "layerstream"}, tops
-    sources = {Path(n).name for n in names if n.startswith("engine/kernels/") and n.endswith(".cpp")}
-    assert sources == {p.name for p in (ROOT / "engine" / "kernels").glob("*.cpp")}
+    sources = {Path(n).name for n in names if n.startswith("engine/kernels/") and n.endswith((".cpp", ".h"))}
+    kernels = ROOT / "engine" / "kernels"
+    assert sources == {p.name for p in [*kernels.glob("*.cpp"), *kernels.glob("*.h")]}  # headers: what they include
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
