@@ -244,14 +244,15 @@ class ModelRunner:
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
-        shared = self.offload.group(block, "mlp")
+        shared = self.offload.group(block, "mlp")  # the shared expert, where the plan put it off the device
+        has_shared = shared is not None or "shared.w_down" in w
         if shared is not None:
             out = self.offload.mlp(block, shared, hn, shape, M.shared_expert)  # (tokens, hidden)
         else:
-            out = M.shared_expert(hn, w) if "shared.w_down" in w else torch.zeros_like(hn)  # (tokens, hidden)
+            out = M.shared_expert(hn, w) if has_shared else torch.zeros_like(hn)  # (tokens, hidden)
         routed = self.offload.group(block, "experts")
         if routed is not None:
-            out = self.offload.experts(block, routed, hn, routing, out, shared is not None or "shared.w_down" in w)
+            out = self.offload.experts(block, routed, hn, routing, out, has_shared)
         else:
             for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
                 M.moe_experts(hn, routing, group, out, cfg.moe)

@@ -26,16 +26,16 @@ class LoRARows:
     slots: tuple[int | None, ...]
     present: tuple[int, ...]
     row_slots: torch.Tensor  # (tokens,) int64
-    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def mask(self, cols: tuple[tuple[int, int], ...], dtype: torch.dtype) -> torch.Tensor:
         """(tokens, sum of R): 1 where a token's adapter owns the column, for a stack whose columns are
         (slot, R) runs in order. Made once per step and column layout (most weights share one)."""
-        m = self._masks.get(cols)
+        m = self._cache.get(cols)
         if m is None:
             col_slots = torch.tensor([s for s, r in cols for _ in range(r)], dtype=torch.long)
             m = (self.row_slots[:, None] == col_slots.to(self.row_slots.device)[None, :]).to(dtype)
-            self._masks[cols] = m
+            self._cache[cols] = m
         return m
 
     def row_cols(self, cols: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -43,15 +43,14 @@ class LoRARows:
         are (slot, R) runs in order; count 0 where the token's adapter has no columns there (the base's rows,
         or an adapter that leaves this weight alone). Made once per step and column layout."""
         key = ("row_cols", cols)
-        rc = self._masks.get(key)
+        rc = self._cache.get(key)
         if rc is None:
             runs, start = {}, 0
             for slot, r in cols:
                 runs[slot] = (start, r)
                 start += r
-            rc = torch.tensor([runs.get(s, (0, 0)) if s is not None else (0, 0) for s in self.slots],
-                              dtype=torch.long).reshape(-1, 2)
-            self._masks[key] = rc
+            rc = torch.tensor([runs.get(s, (0, 0)) for s in self.slots], dtype=torch.long).reshape(-1, 2)
+            self._cache[key] = rc
         return rc
 
     @staticmethod
