@@ -264,7 +264,8 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     kv_heads, k_width, v_width = cfg.kv_cache_dims
     layer_bytes = KVCache.bytes_per_token(1, kv_heads, k_width, dtype, kv_quant_for(args, cfg), v_width)
     kv_groups = tuple((len(g.layers) * layer_bytes, g.window) for g in kv_layout(args, cfg).groups)
-    groups = tensor_groups(cfg, dtype) if places_groups(args, cfg, checkpoint) else ()
+    groups = (tensor_groups(cfg, dtype, checkpoint.group_bytes(dtype, device))
+              if places_groups(args, cfg, checkpoint) else ())
 
     def plan_with(grammar_probe: int) -> MemoryPlan:
         # The device is the host: the plan fits the room the host has (its memory cgroup, MemAvailable or
@@ -335,8 +336,9 @@ PLACEMENT = "LAYERSTREAM_PLACEMENT"
 def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint) -> bool:
     """Whether the plan places tensor groups (attention on the device, MLPs and routed experts off it when the
     budget is short, issue #38) rather than whole blocks: with LAYERSTREAM_PLACEMENT=groups, for a device behind a
-    link (the simulated transport, or the CUDA one). Whole blocks stay the default until a GPU run has measured
-    groups."""
+    link (the simulated transport, or the CUDA one), safetensors or GGUF (a GGUF file's MLPs computed on the CPU
+    by the packed kernels, or streamed as its blocks stream). Whole blocks stay the default until a GPU run has
+    measured groups."""
     mode = os.environ.get(PLACEMENT, "blocks").strip().lower() or "blocks"
     if mode not in ("blocks", "groups"):
         raise ValueError(f"{PLACEMENT} must be blocks or groups, got {mode!r}")
@@ -346,23 +348,27 @@ def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoin
     linked = args.transport == "simulated" or device.type == "cuda" or args.transport == "cuda"
     why = ("a device without a link to the host (the CPU itself: use the simulated or the CUDA transport)"
            if not linked
-           else "a GGUF checkpoint" if checkpoint.packed
+           else "a mixture-of-experts GGUF checkpoint" if checkpoint.packed and cfg.moe is not None
            else f"--quantization {args.quantization}" if args.quantization
            else "LoRA adapters" if args.lora_modules
            else "the self-draft" if args.speculative_method == "self" else None)
     if why is not None:
-        raise ValueError(f"{PLACEMENT}=groups places MLPs and routed experts of plain checkpoints off the device "
+        raise ValueError(f"{PLACEMENT}=groups places MLPs (and a safetensors MoE's routed experts) off the device "
                          f"for now, not with {why}")
     return True
 
 
-def tensor_groups(cfg: ModelConfig, dtype: torch.dtype) -> tuple[TensorGroup, ...]:
-    """Every block's tensor groups in the compute dtype (PlanInputs.tensor_groups): the planner's input for
-    per-group placement, and the units the --cpu-offload-policy decides on each step."""
+def tensor_groups(cfg: ModelConfig, dtype: torch.dtype,
+                  packed: list[dict[str, tuple[int, int]]] | None = None) -> tuple[TensorGroup, ...]:
+    """Every block's tensor groups (PlanInputs.tensor_groups): the planner's input for per-group placement, and
+    the units the --cpu-offload-policy decides on each step. Their bytes are the compute dtype's, or a packed
+    checkpoint's (ModelCheckpoint.group_bytes, per block): what the CPU reads and the link moves of a Q4 MLP is
+    its ~4.5 bits a weight, and the cost model prices bytes."""
     top_k = cfg.moe.top_k if cfg.moe is not None else 0
     return tuple(g for layer in range(cfg.num_layers)
                  for g in block_groups(layer, cfg.block_shapes(layer), dtype.itemsize, cfg.hidden_size,
-                                       top_k if cfg.is_moe_layer(layer) else 0))
+                                       top_k if cfg.is_moe_layer(layer) else 0,
+                                       packed[layer] if packed is not None else None))
 
 
 def expert_inputs(args: EngineArgs, cfg: ModelConfig, sizes: WeightSizes, dtype: torch.dtype) -> dict:

@@ -113,7 +113,7 @@ class PlanInputs:
         buffers = f"{self.prefetch_depth + 1} stream buffers of "
         groups = self.min_group_bytes()
         if groups is not None and groups == self.min_streaming_bytes():
-            stay = sum(g.nbytes for g in self.tensor_groups if not g.off_device_capable)
+            stay = sum(g.device_bytes for g in self.tensor_groups if not g.off_device_capable)
             return (f"the attention, norms and router of every layer ({format_bytes(stay)})"
                     + (f" and {buffers}{format_bytes(groups - stay)} in all (the largest MLP or experts)"
                        if groups > stay else ""))
@@ -137,7 +137,7 @@ class PlanInputs:
         no tensor groups)."""
         if not self.tensor_groups:
             return None
-        stay = sum(g.nbytes for g in self.tensor_groups if not g.off_device_capable)
+        stay = sum(g.device_bytes for g in self.tensor_groups if not g.off_device_capable)
         return stay + (stream_buffer_bytes(self.tensor_groups, self.prefetch_depth) if self.offload_streams else 0)
     # Speculative decoding's draft, budgeted with the target: a separate draft model's bytes
     # (weights and KV), and the self-draft's resident copy of each streamed block (of every block
@@ -489,7 +489,7 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             partly = set(placed.layers_off_device)
             return plan([i for i in range(p.num_layers) if i not in partly], placed.stream_buffer_bytes, blocks,
                         group_placement=placed)
-        stay = sum(g.nbytes for g in p.tensor_groups if not g.off_device_capable)
+        stay = sum(g.device_bytes for g in p.tensor_groups if not g.off_device_capable)
         notes.append(f"attention, norms and router of every layer ({format_bytes(stay)}) do not fit the "
                      f"{format_bytes(room)} left after globals, workspace and the KV pool: blocks stream whole")
     if p.expert_bytes:

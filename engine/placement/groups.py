@@ -37,8 +37,9 @@ def group_kind(short: str) -> str:
 
 @dataclass(frozen=True)
 class TensorGroup:
-    """One group of one block: its bytes (in the form both the CPU reads and the link moves) and its
-    parameters (a weight read once per row multiplies and adds: 2 FLOPs per parameter per row)."""
+    """One group of one block: its bytes (in the form both the CPU reads and the link moves: a packed
+    checkpoint's packed bytes) and its parameters (a weight read once per row multiplies and adds: 2 FLOPs per
+    parameter per row)."""
 
     layer: int
     kind: str
@@ -47,6 +48,9 @@ class TensorGroup:
     activation_bytes: int = 0  # one row's hidden state, which crosses the link each way when the CPU computes it
     experts_total: int = 0  # "experts": how many the group holds ...
     experts_active: int = 0  # ... and how many each token uses (top_k)
+    # What it takes on the device while it stays there, where that form is not the one that moves (a GGUF
+    # file's in exact fp32 mode: dequantized when resident, packed bytes when streamed); None: nbytes.
+    resident_nbytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -59,11 +63,19 @@ class TensorGroup:
     def off_device_capable(self) -> bool:
         return self.kind in OFF_DEVICE_KINDS
 
+    @property
+    def device_bytes(self) -> int:
+        """Its bytes on the device while it stays there."""
+        return self.nbytes if self.resident_nbytes is None else self.resident_nbytes
+
 
 def block_groups(layer: int, shapes: dict[str, tuple[int, ...]], itemsize: int, hidden: int,
-                 experts_active: int = 0) -> tuple[TensorGroup, ...]:
+                 experts_active: int = 0, nbytes: dict[str, tuple[int, int]] | None = None
+                 ) -> tuple[TensorGroup, ...]:
     """Block `layer`'s tensors (ModelConfig.block_shapes(layer)) in groups, GROUP_KINDS' order, each in a
-    compute dtype of `itemsize` bytes; `experts_active`: the MoE's top_k (sparse layers)."""
+    compute dtype of `itemsize` bytes; `experts_active`: the MoE's top_k (sparse layers). nbytes: by kind,
+    (bytes read and moved, bytes resident on the device) where the weights are not in the compute dtype (a
+    packed checkpoint: ModelCheckpoint.group_bytes)."""
     params: dict[str, int] = {}
     experts: set[str] = set()
     for short, shape in shapes.items():
@@ -76,8 +88,10 @@ def block_groups(layer: int, shapes: dict[str, tuple[int, ...]], itemsize: int, 
         if kind not in params:
             continue
         n = len(experts) if kind == "experts" else 0
-        out.append(TensorGroup(layer, kind, params[kind] * itemsize, params[kind], hidden * itemsize,
-                               experts_total=n, experts_active=experts_active if n else 0))
+        moved, resident = (nbytes or {}).get(kind, (params[kind] * itemsize,) * 2)
+        out.append(TensorGroup(layer, kind, moved, params[kind], hidden * itemsize, experts_total=n,
+                               experts_active=experts_active if n else 0,
+                               resident_nbytes=None if resident == moved else resident))
     return tuple(out)
 
 
@@ -103,7 +117,7 @@ class GroupPlacement:
 
     @property
     def resident_group_bytes(self) -> int:
-        return sum(g.nbytes for g in self.groups if (g.layer, g.kind) not in self.off_device)
+        return sum(g.device_bytes for g in self.groups if (g.layer, g.kind) not in self.off_device)
 
     @property
     def device_bytes(self) -> int:
@@ -149,9 +163,9 @@ def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int
     the layers. When the policy may stream (stream_buffers), the stream buffers (stream_buffer_bytes) come out
     of the room too. None: the groups that must stay do not fit.
     """
-    must_stay = sum(g.nbytes for g in groups if not g.off_device_capable)
+    must_stay = sum(g.device_bytes for g in groups if not g.off_device_capable)
     movable = [g for g in groups if g.off_device_capable]
-    total = must_stay + sum(g.nbytes for g in movable)
+    total = must_stay + sum(g.device_bytes for g in movable)
     if total <= room:
         return GroupPlacement(groups, frozenset(), 0)
     if not movable:
@@ -159,8 +173,8 @@ def place_groups(groups: tuple[TensorGroup, ...], room: int, prefetch_depth: int
     buffers = stream_buffer_bytes(groups, prefetch_depth) if stream_buffers else 0
     need = total + buffers - room  # bytes to take off the device
     off: set[tuple[int, str]] = set()
-    for size in sorted({g.nbytes for g in movable}, reverse=True):
-        same = sorted((g for g in movable if g.nbytes == size), key=lambda g: (g.layer, g.kind))
+    for size in sorted({g.device_bytes for g in movable}, reverse=True):
+        same = sorted((g for g in movable if g.device_bytes == size), key=lambda g: (g.layer, g.kind))
         take = min(len(same), -(-need // size)) if size else 0
         keep = set(_spread(len(same) - take, len(same)))
         off.update((g.layer, g.kind) for i, g in enumerate(same) if i not in keep)

@@ -29,6 +29,7 @@ from .packed.prepacked import PrepackedLayout, prepack_layout
 from .transports.tiers import host_tiering, make_expert_tier, make_transport, resolve
 from .offload import OffloadTier
 from .transports.base import Transport, to_compute
+from .transports.cpu import CpuTransport
 
 if TYPE_CHECKING:
     from .experts.tier import Router
@@ -100,6 +101,33 @@ class ModelCheckpoint:
         return dataclasses.replace(
             sizes, streamed_block_bytes=layout.max_block_bytes, checkpoint_block_bytes=layout.max_block_bytes,
             checkpoint_bytes=layout.file_bytes + sum(t.nbytes for t in glob.values()))
+
+    def group_bytes(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")
+                    ) -> list[dict[str, tuple[int, int]]] | None:
+        """Per block, each tensor group's (bytes read and moved, bytes on the device while it stays there) by
+        kind (engine.placement.group_kind), for a packed checkpoint, whose groups are not in the compute dtype;
+        None for a plain one. Read and moved: from the prepacked entry, the group's weights' parts there (the CPU
+        computes from them where they lie, the simulated link moves them), else what a streamed block's tensors
+        move (GGML bytes). On the device: the resident compute form, as sizes() counts a resident block
+        (PackedFormat.resident_bytes: GGML bytes on a GPU, fp32 in exact mode)."""
+        if not self.packed:
+            return None
+        layout = self.prepacked_layout(dtype, device)
+        fmt = PackedFormat(dtype, device)
+        out = []
+        for b in range(self.source.num_blocks):
+            moved: dict[str, int] = {}
+            resident: dict[str, int] = {}
+            for short, t in self.source.tensors(b).items():
+                kind = group_kind(short)
+                resident[kind] = resident.get(kind, 0) + fmt.resident_bytes(t)
+                if layout is None:
+                    moved[kind] = moved.get(kind, 0) + (t.nbytes if t.quant is not None else t.numel * dtype.itemsize)
+            if layout is not None:
+                for w in layout.blocks[b].weights:  # stacked weights ("wqkv", "w_gate_up") stay in one group
+                    moved[group_kind(w.name)] = moved.get(group_kind(w.name), 0) + sum(p.nbytes for p in w.parts)
+            out.append({kind: (moved[kind], resident[kind]) for kind in resident})
+        return out
 
     def prepacked_layout(self, dtype: torch.dtype,
                          device: torch.device = torch.device("cpu")) -> PrepackedLayout | None:
@@ -285,15 +313,19 @@ class ModelWeights:
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
             experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan)
             source = source.without_experts()
-        offload_source = None
+        offload_source = on_device = None
         device_plan = plan  # what the block streamer serves: with groups off the device, every block's rest
         if plan.group_placement is not None:
-            if self._packed or quantization or experts is not None:
-                raise ValueError("tensor groups off the device are served from plain (safetensors) weights, "
-                                 "unquantized, without expert streaming, for now")
+            if quantization or experts is not None or (self._packed and moe is not None):
+                raise ValueError("tensor groups off the device are served from unquantized safetensors weights or "
+                                 "a dense GGUF file, without expert streaming, for now")
             off = plan.group_placement.off_device
-            offload_source = source.select(lambda b, short: (b, group_kind(short)) in off)
-            source = source.select(lambda b, short: (b, group_kind(short)) not in off)
+
+            def on_device(b: int, name: str) -> bool:  # a stored tensor's short name, or a prepacked weight's
+                return (b, group_kind(name)) not in off
+
+            offload_source = source.select(lambda b, short: not on_device(b, short))
+            source = source.select(on_device)
             device_plan = dataclasses.replace(plan, resident_blocks=list(range(plan.num_layers)),
                                               streamed_blocks=[], host_blocks=[], disk_blocks=[])
         quantized = prepacked = head = None
@@ -305,7 +337,7 @@ class ModelWeights:
 
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
             elif self._packed and experts is None and resolve(transport, device) != "cuda":
-                prepacked = _open_prepacked(checkpoint, source, dtype, device, on_progress)
+                prepacked = _open_prepacked(checkpoint, dtype, device, on_progress, on_device)
                 head = prepacked.head() if prepacked is not None else None
             t = make_transport(transport, source, dtype, device, device_plan, pin_host_memory, host_budget,
                                disk_gbps, quantized=quantized, prepacked=prepacked)
@@ -328,7 +360,7 @@ class ModelWeights:
             if on_progress:
                 on_progress(-1)
             if offload_source is not None:
-                self._offload = _offload_tier(checkpoint.cfg, offload_source, plan, dtype, device, transport,
+                self._offload = _offload_tier(checkpoint, offload_source, plan, dtype, device, transport,
                                               pin_host_memory, host_budget, disk_gbps)
             # On a CUDA device stacking would briefly hold a block's projections twice in device memory,
             # which the plan does not budget: CPU only for now.
@@ -446,24 +478,35 @@ class ModelWeights:
         self._transport = None
 
 
-def _offload_tier(cfg: ModelConfig, source: BlockSource, plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
-                  transport: str, pin_host_memory: bool, host_budget: int | None,
+def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: MemoryPlan, dtype: torch.dtype,
+                  device: torch.device, transport: str, pin_host_memory: bool, host_budget: int | None,
                   disk_gbps: float | None) -> OffloadTier:
     """The tier serving the plan's off-device groups (`source`: their tensors): MLPs (and shared experts) stream
     through a transport of their own, routed experts through an expert tier whose cache takes what the plan's
     stream buffers leave after the MLPs' (placement.place_groups sized them so that prefetch depth + 1 experts
-    fit beside the MLPs' buffers: the cache has those slots at least, within the budget)."""
+    fit beside the MLPs' buffers: the cache has those slots at least, within the budget). A GGUF file's MLPs
+    stream as its blocks do (the prepacked entry's bytes to a CPU device, GGML bytes to a GPU) and the CPU
+    computes them in the packed kernels' form (_host_transport)."""
+    cfg = checkpoint.cfg
     placed = plan.group_placement
     off = placed.off_device_groups
     mlps = sorted({g.layer for g in off if g.kind == "mlp"})
     routed = [g for g in off if g.kind == "experts"]
-    link = experts = None
+    link = experts = host = prepacked = None
+
+    def off_device(b: int, name: str) -> bool:
+        return placed.is_off_device(b, group_kind(name))
+
     try:
+        host = _host_transport(checkpoint, source, dtype, off_device)
         mlp_buffers = 0
         if mlps:
             groups_plan = dataclasses.replace(plan, resident_blocks=[], streamed_blocks=mlps)
+            if checkpoint.packed and resolve(transport, device) != "cuda":
+                prepacked = _open_prepacked(checkpoint, dtype, device, None, off_device)
             link = make_transport(transport, source.without_experts(), dtype, device, groups_plan, pin_host_memory,
-                                  host_budget, disk_gbps)
+                                  host_budget, disk_gbps, prepacked=prepacked)
+            prepacked = None  # the transport's now
             if placed.stream_buffer_bytes:
                 mlp_buffers = (plan.prefetch_depth + 1) * max(g.nbytes for g in off if g.kind == "mlp")
         if routed and placed.stream_buffer_bytes:
@@ -472,27 +515,49 @@ def _offload_tier(cfg: ModelConfig, source: BlockSource, plan: MemoryPlan, dtype
             assert slots >= 1, "place_groups reserves expert slots beside the MLPs' buffers"
             experts = make_expert_tier(transport, cfg, source, dtype, device,
                                        dataclasses.replace(plan, expert_slots=slots), guess=False)
-        return OffloadTier(source, plan, dtype, link, experts)
+        return OffloadTier(source, plan, dtype, link, experts, host)
     except BaseException:
-        if experts is not None:
-            experts.close()
-        if link is not None:
-            link.close()
+        for owned in (experts, link, prepacked, host):
+            if owned is not None:
+                owned.close()
         raise
 
 
-def _open_prepacked(checkpoint: ModelCheckpoint, source: BlockSource, dtype: torch.dtype, device: torch.device,
-                    on_progress: Callable[[int], None] | None):
+def _host_transport(checkpoint: ModelCheckpoint, source: BlockSource, dtype: torch.dtype,
+                    keep: Callable[[int, str], bool]) -> Transport:
+    """The transport whose resident() blocks are the CPU's tensors of the off-device groups (`source`; `keep`
+    selects the same by block and name): a plain checkpoint's, views of its mapping (converted copies where the
+    dtype differs); a GGUF file's, the packed bytes the CPU kernels read where they lie: views of the prepacked
+    entry's mapping (built now if missing, whatever the compute device: it is the CPU that reads them). Where
+    there is no entry: exact fp32 mode, GGUFWeight views of the file dequantized per use (the values a resident
+    block holds); otherwise (no VNNI kernels, LAYERSTREAM_PREPACK=off, a cache that cannot take it) the resident
+    compute form, packed, made once at load."""
+    if not checkpoint.packed:
+        return CpuTransport(source, dtype)
+    cpu = torch.device("cpu")
+    store = _open_prepacked(checkpoint, dtype, cpu, None, keep)
+    if store is not None:
+        from .transports.prepacked import PrepackedTransport
+
+        return PrepackedTransport(store)
+    from .transports.gguf import PackedCpuTransport
+
+    fmt = PackedFormat(dtype, cpu)
+    return PackedCpuTransport(source, fmt, resident_views=fmt.exact)
+
+
+def _open_prepacked(checkpoint: ModelCheckpoint, dtype: torch.dtype, device: torch.device,
+                    on_progress: Callable[[int], None] | None, keep: Callable[[int, str], bool] | None = None):
     """The GGUF blocks' prepacked cache entry (built now if it is missing), or None where there is
     none: the mode has no such form, or the cache cannot take it (then blocks are repacked at load
-    and per step, as without the entry)."""
+    and per step, as without the entry). keep(block, name): only those weights (PrepackedBlocks)."""
     layout = checkpoint.prepacked_layout(dtype, device)
     if layout is None:
         return None
     from .packed.prepacked import PrepackedBlocks
 
     try:
-        store = PrepackedBlocks(source, layout, on_progress)
+        store = PrepackedBlocks(checkpoint.source, layout, on_progress, keep)
         log.info("GGUF blocks in the CPU kernels' layout from %s%s", store.path, " (built now)" if store.built else "")
         return store
     except OSError as e:

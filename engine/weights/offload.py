@@ -5,7 +5,8 @@ A block whose MLP is off the device has two sources: the groups on the device (a
 which ModelWeights keeps resident like any resident block, and the groups off it, which this tier serves:
 
   path "cpu":    the host's own tensors (views of the mapping where the checkpoint holds the compute dtype,
-                 converted copies otherwise), made once at load; the CPU computes them, only activations
+                 converted copies otherwise; a GGUF file's in the CPU kernels' packed form: views of the
+                 prepacked entry's mapping), made once at load; the CPU computes them, only activations
                  cross the link;
   path "stream": the same tensors moved through the transport as a streamed block is (prepare, activate,
                  retire: the simulated link's time, a CUDA copy stream and its events), for the device to
@@ -48,16 +49,17 @@ class OffloadTier:
     tier (routed experts) for the device."""
 
     def __init__(self, source: BlockSource, plan: MemoryPlan, dtype: torch.dtype, link: Transport | None,
-                 experts: ExpertTier | None = None):
+                 experts: ExpertTier | None = None, host: Transport | None = None):
         """source: only the off-device groups' tensors (BlockSource.select), routed experts included; link: a
         transport over its MLP groups (source.without_experts()) to the compute device, None when no MLP is off
         it; experts: the expert tier over its routed experts, None when no expert may stream (no experts off
-        the device, or a policy that never streams). Both owned from here on."""
+        the device, or a policy that never streams); host: the transport whose resident() blocks are the CPU's
+        tensors (default: CpuTransport over source; a GGUF file's: ModelWeights picks). All owned from here on."""
         off = plan.group_placement.off_device
         self._blocks = sorted({layer for layer, kind in off if kind == "mlp"})  # the MLPs' stream order
         self._link = link
         self._experts = experts
-        host = CpuTransport(source, dtype)
+        self._host_transport = host = host if host is not None else CpuTransport(source, dtype)
         self._host: dict[int, dict[str, torch.Tensor]] = {}
         self._host_experts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         # Host tensors in the compute dtype, once: the CPU computes from them every step that takes its path.
@@ -155,3 +157,4 @@ class OffloadTier:
             self._experts = None
         if self._link is not None:
             self._link.close()
+        self._host_transport.close()  # after the tensors it made are dropped: a mapping can then be unmapped

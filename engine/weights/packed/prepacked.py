@@ -35,6 +35,7 @@ file), LAYERSTREAM_PREPACK=off, or a cache that cannot be written (ModelWeights 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -264,10 +265,17 @@ class PrepackedBlocks:
     the entry is missing and cannot be built (the cache is read-only or its disk full)."""
 
     def __init__(self, source: BlockSource, layout: PrepackedLayout,
-                 on_progress: Callable[[int], None] | None = None):
+                 on_progress: Callable[[int], None] | None = None, keep: Callable[[int, str], bool] | None = None):
+        """source: the whole checkpoint's (the entry holds every block whole). keep(block, weight name): only the
+        weights it accepts are handed out (a block's tensor groups on the device, or those off it: placement
+        below the block), and a block moves only their bytes."""
         self.source, self.layout = source, layout
         self.folder, self.path = layout.folder, layout.folder / DATA
         self.built = False
+        self._blocks = layout.blocks if keep is None else tuple(
+            dataclasses.replace(b, weights=tuple(w for w in b.weights if keep(i, w.name)))
+            for i, b in enumerate(layout.blocks))
+        self._selected = keep is not None
         self._fd, self._map, self._base = -1, None, None
         self._open(on_progress)
 
@@ -366,7 +374,9 @@ class PrepackedBlocks:
         return start, start + b.nbytes
 
     def nbytes(self, block: int) -> int:
-        """What mapping or reading block `block` moves (whole pages)."""
+        """What mapping or reading block `block` moves: whole pages, or a selection's (keep) weights' bytes."""
+        if self._selected:
+            return sum(p.nbytes for w in self._blocks[block].weights for p in w.parts)
         return self.layout.blocks[block].nbytes
 
     def raw(self, block: int) -> torch.Tensor:
@@ -377,7 +387,7 @@ class PrepackedBlocks:
     def weights(self, block: int, raw: torch.Tensor) -> dict[str, object]:
         """Block `block`'s weights in their compute form over `raw`, its bytes ((nbytes,) uint8: the
         mapping's, or a disk read's staging buffer), zero-copy."""
-        return _weights(self.layout.blocks[block], raw)
+        return _weights(self._blocks[block], raw)
 
     def head(self):
         """The head in its compute form as zero-copy views of the mapped entry (faulted in now), or None

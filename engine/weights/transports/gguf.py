@@ -25,12 +25,16 @@ from .base import Ticket, Transport
 
 class PackedCpuTransport(Transport):
     def __init__(self, source: BlockSource, fmt: PackedFormat, release_pages: bool = False,
-                 repacker: StreamRepacker | None = None):
+                 repacker: StreamRepacker | None = None, resident_views: bool = False):
         """`repacker` (stream_repack.make_repacker): streamed blocks are repacked by it, else handed out
-        as GGUFWeight views (shared with the disk tier, whose tiers then share its slots)."""
+        as GGUFWeight views (shared with the disk tier, whose tiers then share its slots). resident_views:
+        resident() hands out those views too, not a copy in the compute form (exact mode's host tensors of a
+        group off the device: the file's bytes, dequantized per use as a streamed block's are, to the same
+        values the resident form holds)."""
         self.source = source
         self.repacker = repacker
         self.fmt = fmt
+        self.resident_views = resident_views
         self.dtype = fmt.dtype
         self.device = torch.device("cpu")
         self.release_pages = release_pages
@@ -40,6 +44,9 @@ class PackedCpuTransport(Transport):
         return {short: make(t, self.source.rows(block, short)) for short, t in self.source.tensors(block).items()}
 
     def resident(self, block: int) -> dict[str, object]:
+        if self.resident_views:
+            self.source.advise(block, MADV_POPULATE_READ)
+            return self._weights(block, self.fmt.streamed)
         return self._weights(block, self.fmt.resident)
 
     def prepare(self, block: int) -> Ticket:

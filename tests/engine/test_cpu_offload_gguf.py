@@ -1,0 +1,164 @@
+"""Issue #38 on the file users bring: a tiny random Q4_0 Llama as GGUF under LAYERSTREAM_PLACEMENT=groups on the
+simulated device. Its MLPs leave the device priced at their packed bytes (4.5 bits a weight); on the CPU path they
+are computed by the packed kernels from views of the prepacked entry's mapping (fast mode) or of the GGUF file's
+(exact fp32 mode), streamed they move as a streamed GGUF block does. Greedy tokens are the all-resident GGUF run's
+in the same mode for every policy. (The CUDA transport, replayed: tests/weights/test_offload.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q, GGUFReader
+
+from engine import LLM, kernels
+from engine.kernels import ggml_repack
+from engine.placement import MeasuredSpeeds, PathPolicy, StepShape
+from engine.weights.packed.weights import GGUFWeight, Int4Weight
+from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
+from tests.support.reference import PROMPT
+
+MLP_PARAMS = 3 * 64 * 128  # the tiny Llama's MLP: gate, up (128 x 64) and down (64 x 128)
+# Under these speeds the tiny Q4_0 MLP (13.5 KiB) streams from 4 tokens on: prompt chunks stream, decode steps of
+# one or two sequences compute on the CPU (checked below, not assumed).
+SPEEDS = MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=3.5e9, device_flops=1e12)
+MODES = {"auto": "fast", "float32": "exact"}
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.mktemp("gguf-groups"), "llama", Q.Q4_0)
+
+
+@pytest.fixture(scope="module")
+def mlp_bytes(gguf_path) -> dict[int, int]:
+    """Each block's MLP as the file stores it (gguf-py's count, independent of our reader)."""
+    out: dict[int, int] = {}
+    for t in GGUFReader(gguf_path).tensors:
+        if t.name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            layer = int(t.name.split(".")[1])
+            out[layer] = out.get(layer, 0) + int(t.n_bytes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident(gguf_path):
+    """dtype -> (the all-resident GGUF run's greedy tokens, its plan's device bytes)."""
+    out = {}
+    for dtype in MODES:
+        llm = LLM(str(gguf_path), dtype=dtype, **SHORT)
+        try:
+            out[dtype] = (greedy_tokens(llm), llm.plan.device_bytes)
+        finally:
+            llm.close()
+    return out
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "50")  # fast enough that the test does not wait on it
+
+
+def _fast_mode_runs_here() -> bool:
+    return kernels.int4_backend() == "vnni" and ggml_repack.ggml_repack() is not None
+
+
+def _mappings_of(name: str) -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of files named `name`."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith("/" + name):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def _parts(w) -> list[torch.Tensor]:
+    return [w.data] if isinstance(w, GGUFWeight) else [w.codes, w.scales] if hasattr(w, "codes") else [w]
+
+
+@pytest.mark.parametrize("dtype", list(MODES), ids=list(MODES.values()))
+@pytest.mark.parametrize("policy", ["cpu", "stream", "auto", "auto-live"])
+def test_gguf_mlps_off_the_device_give_the_resident_tokens(gguf_path, mlp_bytes, resident, groups, dtype, policy):
+    """auto: speeds pinned (the paths are known); auto-live: measured at start-up, refreshed as steps run. The
+    planner prices each MLP at its packed bytes; the link moves those (fast mode: the prepacked entry's parts,
+    byte for byte the file's for Q4_0; exact mode: the file's GGML bytes, while a resident MLP would be fp32)."""
+    if dtype == "auto" and not _fast_mode_runs_here():
+        pytest.skip("no VNNI kernels or repack here: fast mode has no prepacked entry")
+    ref_tokens, fits = resident[dtype]
+    packed = mlp_bytes[0]
+    assert packed * 8 == 4.5 * MLP_PARAMS  # Q4_0: 18 bytes a block of 32 weights
+    llm = LLM(str(gguf_path), dtype=dtype, transport="simulated", cpu_offload_policy=policy.removesuffix("-live"),
+              max_device_memory=fits - packed // 2, **SHORT)
+    try:
+        placed = llm.plan.group_placement
+        # fast mode: the MLPs that leave pay for their stream buffers too (none under "cpu"); exact mode: an MLP
+        # resident in fp32 frees 7x what it streams as, so one off is enough.
+        off = 1 if policy == "cpu" or dtype == "float32" else 3
+        assert placed is not None and len(placed.off_device) == off and llm.plan.device_bytes <= fits - packed // 2
+        assert {k for _, k in placed.off_device} == {"mlp"}
+        assert all(g.nbytes == mlp_bytes[g.layer] for g in placed.groups if g.kind == "mlp")
+        # Resident, an MLP counts as the planner counts a resident block: fp32 in exact mode; in fast mode the int4
+        # form with its mins (at most an eighth more than the prepacked entry's Q4_0 weights, which drop them).
+        for g in placed.groups:
+            if g.kind == "mlp":
+                assert (g.device_bytes == 4 * MLP_PARAMS if dtype == "float32"
+                        else g.nbytes <= g.device_bytes <= g.nbytes * 9 / 8), g
+        assert llm.plan.streamed_bytes_per_step == off * packed
+        assert "tensor groups: norms, attention" in llm.plan.describe()
+        if policy == "auto":
+            mlp = next(g for g in placed.groups if g.kind == "mlp")
+            if dtype == "auto":
+                assert PathPolicy("auto", SPEEDS).threshold(mlp) == 4
+                assert PathPolicy("auto", SPEEDS).path(mlp, StepShape(2)) == "cpu"
+            llm.engine.set_measured_speeds(SPEEDS)
+        assert greedy_tokens(llm) == ref_tokens
+        stats = llm.telemetry().offload
+        assert stats.groups_cpu == off * stats.steps_cpu and stats.groups_stream == off * stats.steps_stream
+        assert stats.bytes_stream == stats.groups_stream * packed  # streamed: the packed weights cross the link
+        assert llm.telemetry().total.bytes_streamed == stats.bytes_stream
+        tokens = len(PROMPT) + len(PROMPT[3:]) + 2 * 11
+        if policy == "cpu":
+            assert stats.steps_stream == 0 and stats.tokens_cpu == tokens
+        elif policy == "stream":
+            assert stats.steps_cpu == 0 and stats.tokens_stream == tokens
+        elif policy == "auto":  # prompt chunks streamed, decode steps on the CPU
+            assert stats.steps_cpu > 0 and stats.steps_stream > 0
+        else:
+            assert stats.tokens_stream + stats.tokens_cpu == tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("dtype", list(MODES), ids=list(MODES.values()))
+def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes, resident, groups, dtype):
+    """Every tensor the CPU computes an off-device MLP from lies inside a mapping of the prepacked entry (fast mode:
+    the int4 kernels' layout) or of the GGUF file itself (exact mode: GGML blocks dequantized per use), its
+    storage the mapping's: no copy, dequantized or not. The device keeps no MLP tensor of that block."""
+    if dtype == "auto" and not _fast_mode_runs_here():
+        pytest.skip("no VNNI kernels or repack here: fast mode has no prepacked entry")
+    fits = resident[dtype][1]
+    llm = LLM(str(gguf_path), dtype=dtype, transport="simulated", cpu_offload_policy="cpu",
+              max_device_memory=fits - mlp_bytes[0] // 2, **SHORT)
+    try:
+        weights = llm.engine.model.weights
+        ((block, _),) = llm.plan.group_placement.off_device
+        mapped = _mappings_of("blocks.bin" if dtype == "auto" else gguf_path.name)
+        assert mapped
+        host = weights.offloaded(block, "cpu")
+        weights.release_offloaded(block)
+        assert set(host) == ({"w_gate_up", "w_down"} if dtype == "auto" else {"w_gate", "w_up", "w_down"})
+        kind = Int4Weight if dtype == "auto" else GGUFWeight
+        assert all(type(w) is kind for w in host.values())
+        tensors = [t for w in host.values() for t in _parts(w)]
+        assert sum(t.nbytes for t in tensors) == mlp_bytes[block]  # the packed bytes, nothing dequantized
+        for t in tensors:
+            base = t.untyped_storage().data_ptr()
+            assert any(lo <= base and t.data_ptr() + t.nbytes <= hi for lo, hi in mapped), (hex(base), mapped)
+        on_device = weights.acquire(block)
+        weights.release(block)
+        assert not {"w_gate", "w_up", "w_down", "w_gate_up"} & set(on_device)
+    finally:
+        llm.close()
