@@ -46,7 +46,7 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
         # depth + 1 MLP buffers come out of the budget too: 3 MLPs off at depth 1, 4 at depth 2.
         assert len(llm.plan.group_placement.off_device) == depth + 2, llm.plan.describe()
         # Two transports: the blocks' on-device groups (all resident, nothing streamed) and the off-device MLPs.
-        main, link = recording_cuda
+        main, link = recording_cuda[-2:]  # the all-resident run built one before them
         if policy == "auto":
             llm.engine.set_measured_speeds(SPEEDS)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -104,5 +104,56 @@ def test_streamed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, record
         assert copies * slots.nbytes == total.expert_bytes > 0  # every expert fill is one copy into a slot
         if policy == "auto":
             assert stats.groups_cpu > 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("dtype, policy", [("float32", "stream"), ("float32", "auto"), ("auto", "cpu")])
+def test_a_gguf_file_s_mlps_keep_the_cuda_protocol_and_the_tokens(tmp_path, recording_cuda, monkeypatch, dtype,
+                                                                  policy):
+    """A Q4_0 GGUF with MLPs off the device of the CUDA transport (replayed): streamed, they cross as a streamed
+    GGUF block does (its GGML bytes into the device ring, GGUFWeight there) under the same protocol; on the CPU the
+    packed kernels compute them (fast mode: from the prepacked entry; exact: the file's blocks). Greedy tokens
+    are the all-resident run's in the same mode (streamed GGUFWeight products match it in exact mode only)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from engine import kernels
+    from engine.weights.packed.weights import Int4Weight
+    from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
+
+    if dtype == "auto" and kernels.int4_backend() != "vnni":
+        pytest.skip("no VNNI kernels here: fast mode has no prepacked entry")
+    path = tiny_gguf(tmp_path, "llama", Q.Q4_0)
+    monkeypatch.delenv("LAYERSTREAM_PLACEMENT")
+    kw = dict(dtype=dtype, device="cpu", transport="cuda", max_host_memory="8GiB", **SHORT)
+    ref = LLM(str(path), **kw)
+    try:
+        expected, fits = greedy_tokens(ref), ref.plan.device_bytes
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    llm = LLM(str(path), max_device_memory=fits - 6912, cpu_offload_policy=policy, **kw)
+    try:
+        off = llm.plan.group_placement.off_device_groups
+        assert off and {g.kind for g in off} == {"mlp"}, llm.plan.describe()
+        packed = off[0].nbytes
+        assert packed * 8 == 4.5 * 3 * 64 * 128  # the MLP's GGML bytes: what it streams as
+        if policy == "auto":
+            llm.engine.set_measured_speeds(MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=3.5e9,
+                                                          device_flops=1e12))
+        if dtype == "auto":
+            host = llm.engine.model.weights.offloaded(off[0].layer, "cpu")
+            assert {type(w) for w in host.values()} == {Int4Weight}
+        assert greedy_tokens(llm) == expected
+        stats, total = llm.telemetry().offload, llm.telemetry().total
+        main, link = recording_cuda[-2:]  # the all-resident run built one before them
+        assert check_protocol(main, main.rt.log) == 0
+        if policy != "cpu":
+            assert check_protocol(link, link.rt.log) >= stats.groups_stream > 0
+            assert total.bytes_streamed == stats.bytes_stream == stats.groups_stream * packed
+        if policy == "auto":
+            assert stats.groups_cpu > 0
+        if policy == "cpu":
+            assert stats.groups_stream == 0 and stats.groups_cpu > 0
     finally:
         llm.close()
