@@ -31,6 +31,10 @@ stale or damaged entry is removed and built again.
 Where it does not apply, the paths before it stay: fp32 exact mode and the aten fallback (no
 repack: stream_repack.make_repacker is None), mixtures of experts (experts stream from the GGUF
 file), LAYERSTREAM_PREPACK=off, or a cache that cannot be written (ModelWeights then warns).
+
+With tensor groups placed below the block (engine.placement), the same entry serves both sides of each block:
+PrepackedBlocks(keep=...) hands out only the weights on the device, or only those off it (whose views the CPU
+computes from, or the simulated link moves: their parts' bytes, not the block's pages).
 """
 
 from __future__ import annotations
