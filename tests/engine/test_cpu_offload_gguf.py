@@ -20,7 +20,9 @@ MLP_PARAMS = 3 * 64 * 128  # the tiny Llama's MLP: gate, up (128 x 64) and down 
 # Under these speeds the tiny Q4_0 MLP (13.5 KiB) streams from 4 tokens on: prompt chunks stream, decode steps of
 # one or two sequences compute on the CPU (checked below, not assumed).
 SPEEDS = MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=3.5e9, device_flops=1e12)
-MODES = {"auto": "fast", "float32": "exact"}
+# name -> (dtype, LAYERSTREAM_PREPACK): fast mode from the prepacked entry; fast mode without it (blocks repacked at
+# load and, streamed, per step; the CPU path's MLPs repacked once at load); exact fp32 mode (GGML blocks dequantized).
+MODES = {"fast": ("auto", "auto"), "fast-repacked": ("auto", "off"), "exact": ("float32", "auto")}
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +43,28 @@ def mlp_bytes(gguf_path) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def resident(gguf_path):
-    """dtype -> (the all-resident GGUF run's greedy tokens, its plan's device bytes)."""
+    """mode -> (the all-resident GGUF run's greedy tokens, its plan's device bytes)."""
     out = {}
-    for dtype in MODES:
-        llm = LLM(str(gguf_path), dtype=dtype, **SHORT)
-        try:
-            out[dtype] = (greedy_tokens(llm), llm.plan.device_bytes)
-        finally:
-            llm.close()
+    with pytest.MonkeyPatch.context() as env:
+        for mode, (dtype, prepack) in MODES.items():
+            env.setenv("LAYERSTREAM_PREPACK", prepack)
+            llm = LLM(str(gguf_path), dtype=dtype, **SHORT)
+            try:
+                out[mode] = (greedy_tokens(llm), llm.plan.device_bytes)
+            finally:
+                llm.close()
     return out
 
 
-@pytest.fixture
-def groups(monkeypatch):
+@pytest.fixture(params=list(MODES))
+def mode(request, monkeypatch):
+    """The mode's name; its switches set, with LAYERSTREAM_PLACEMENT=groups."""
+    if MODES[request.param][0] == "auto" and not _fast_mode_runs_here():
+        pytest.skip("no VNNI kernels or repack here: fast mode computes GGUF blocks another way")
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", MODES[request.param][1])
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
     monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "50")  # fast enough that the test does not wait on it
+    return request.param
 
 
 def _fast_mode_runs_here() -> bool:
@@ -80,15 +89,13 @@ def _parts(w) -> list[torch.Tensor]:
     return [w.data] if kind == "GGUFWeight" else [w.codes, w.scales] if kind == "Int4Weight" else [w]
 
 
-@pytest.mark.parametrize("dtype", list(MODES), ids=list(MODES.values()))
 @pytest.mark.parametrize("policy", ["cpu", "stream", "auto", "auto-live"])
-def test_gguf_mlps_off_the_device_give_the_resident_tokens(gguf_path, mlp_bytes, resident, groups, dtype, policy):
+def test_gguf_mlps_off_the_device_give_the_resident_tokens(gguf_path, mlp_bytes, resident, mode, policy):
     """auto: speeds pinned (the paths are known); auto-live: measured at start-up, refreshed as steps run. The
-    planner prices each MLP at its packed bytes; the link moves those (fast mode: the prepacked entry's parts,
-    byte for byte the file's for Q4_0; exact mode: the file's GGML bytes, while a resident MLP would be fp32)."""
-    if dtype == "auto" and not _fast_mode_runs_here():
-        pytest.skip("no VNNI kernels or repack here: fast mode has no prepacked entry")
-    ref_tokens, fits = resident[dtype]
+    planner prices each MLP at its packed bytes; the link moves those (from the prepacked entry, its parts, byte for
+    byte the file's for Q4_0; otherwise the file's GGML bytes, while a resident MLP would be fp32 in exact mode)."""
+    dtype = MODES[mode][0]
+    ref_tokens, fits = resident[mode]
     packed = mlp_bytes[0]
     assert packed * 8 == 4.5 * MLP_PARAMS  # Q4_0: 18 bytes a block of 32 weights
     llm = LLM(str(gguf_path), dtype=dtype, transport="simulated", cpu_offload_policy=policy.removesuffix("-live"),
@@ -133,28 +140,30 @@ def test_gguf_mlps_off_the_device_give_the_resident_tokens(gguf_path, mlp_bytes,
         llm.close()
 
 
-@pytest.mark.parametrize("dtype", list(MODES), ids=list(MODES.values()))
-def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes, resident, groups, dtype):
+def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes, resident, mode):
     """Every tensor the CPU computes an off-device MLP from lies inside a mapping of the prepacked entry (fast mode:
     the int4 kernels' layout) or of the GGUF file itself (exact mode: GGML blocks dequantized per use), its
-    storage the mapping's: no copy, dequantized or not. The device keeps no MLP tensor of that block."""
-    if dtype == "auto" and not _fast_mode_runs_here():
-        pytest.skip("no VNNI kernels or repack here: fast mode has no prepacked entry")
-    fits = resident[dtype][1]
+    storage the mapping's: no copy, dequantized or not. Without the entry, fast mode's are the int4 form repacked
+    once at load, of the file's size. The device keeps no MLP tensor of that block."""
+    dtype = MODES[mode][0]
+    fits = resident[mode][1]
     llm = LLM(str(gguf_path), dtype=dtype, transport="simulated", cpu_offload_policy="cpu",
               max_device_memory=fits - mlp_bytes[0] // 2, **SHORT)
     try:
         weights = llm.engine.model.weights
         ((block, _),) = llm.plan.group_placement.off_device
-        mapped = _mappings_of("blocks.bin" if dtype == "auto" else gguf_path.name)
-        assert mapped
         host = weights.offloaded(block, "cpu")
         weights.release_offloaded(block)
-        assert set(host) == ({"w_gate_up", "w_down"} if dtype == "auto" else {"w_gate", "w_up", "w_down"})
-        kind = "Int4Weight" if dtype == "auto" else "GGUFWeight"  # (engine.weights' packed types, by name here)
+        assert set(host) == ({"w_gate_up", "w_down"} if mode == "fast" else {"w_gate", "w_up", "w_down"})
+        kind = "GGUFWeight" if mode == "exact" else "Int4Weight"  # (engine.weights' packed types, by name here)
         assert all(type(w).__name__ == kind for w in host.values())
         tensors = [t for w in host.values() for t in _parts(w)]
+        if mode == "fast-repacked":  # Q4_0's int4 form with its mins: 2 bytes a block of 32 weights beyond the file's
+            assert sum(t.nbytes for t in tensors) == mlp_bytes[block] + MLP_PARAMS // 32 * 2
+            return
         assert sum(t.nbytes for t in tensors) == mlp_bytes[block]  # the packed bytes, nothing dequantized
+        mapped = _mappings_of("blocks.bin" if mode == "fast" else gguf_path.name)
+        assert mapped
         for t in tensors:
             base = t.untyped_storage().data_ptr()
             assert any(lo <= base and t.data_ptr() + t.nbytes <= hi for lo, hi in mapped), (hex(base), mapped)
@@ -163,3 +172,17 @@ def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes
         assert not {"w_gate", "w_up", "w_down", "w_gate_up"} & set(on_device)
     finally:
         llm.close()
+
+
+def test_a_mixture_of_experts_gguf_is_refused_with_groups(tmp_path, monkeypatch):
+    """Its routed experts would stream through the expert cache, which moves plain tensors only: a clear error
+    before anything loads (whole blocks serve it)."""
+    from tests.support.families import build
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    path = convert(build(tmp_path / "hf", "deepseek_v3"), tmp_path / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    with pytest.raises(ValueError, match="off the device for now, not with a mixture-of-experts GGUF checkpoint"):
+        LLM(str(path), transport="simulated", max_device_memory=1 << 20, **SHORT)
