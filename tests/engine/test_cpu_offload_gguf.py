@@ -186,3 +186,29 @@ def test_a_mixture_of_experts_gguf_is_refused_with_groups(tmp_path, monkeypatch)
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
     with pytest.raises(ValueError, match="off the device for now, not with a mixture-of-experts GGUF checkpoint"):
         LLM(str(path), transport="simulated", max_device_memory=1 << 20, **SHORT)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["cpu", "stream", "auto"])
+def test_gguf_mlps_off_a_gpu_give_its_resident_tokens(gguf_path, mlp_bytes, monkeypatch, policy):
+    """On a real GPU in exact fp32 mode: an MLP off the device computed on the CPU from the file's blocks, or
+    streamed as the file's GGML bytes into the device ring; greedy tokens are the GPU's all-resident run's."""
+    ref = LLM(str(gguf_path), dtype="float32", device="cuda", **SHORT)
+    try:
+        expected, fits = greedy_tokens(ref), ref.plan.device_bytes
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    llm = LLM(str(gguf_path), dtype="float32", device="cuda", cpu_offload_policy=policy,
+              max_device_memory=fits - mlp_bytes[0] // 2, **SHORT)
+    try:
+        off = llm.plan.group_placement.off_device
+        assert off and {k for _, k in off} == {"mlp"}, llm.plan.describe()
+        if policy == "auto":
+            llm.engine.set_measured_speeds(SPEEDS)
+        assert greedy_tokens(llm) == expected
+        stats = llm.telemetry().offload
+        assert stats.bytes_stream == stats.groups_stream * mlp_bytes[0]
+        assert (stats.groups_cpu > 0) == (policy != "stream") and (stats.groups_stream > 0) == (policy != "cpu")
+    finally:
+        llm.close()
