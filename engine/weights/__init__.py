@@ -10,6 +10,9 @@ tests/test_import_rules.py enforces both):
       expected shape). CheckpointError names the file and tensor otherwise. checkpoint.packed: GGUF.
   checkpoint.sizes(dtype) -> WeightSizes
       Bytes of a block and of the globals in the compute dtype, and as stored: the planner's inputs.
+  checkpoint.group_bytes(dtype, device) -> [{group kind: (bytes read and moved, bytes resident)}] | None
+      A GGUF file's tensor groups per block at their packed bytes (placement below the block prices those);
+      None for a plain checkpoint, whose groups are their parameters in the compute dtype.
   checkpoint.host_tiering(transport, device, dtype, depth) -> HostTiering | None
       How planning may split streamed blocks between host memory and disk for that transport.
   checkpoint.measure_disk() -> (GB/s | None, note | None)
@@ -39,7 +42,8 @@ tests/test_import_rules.py enforces both):
       A plan with tensor groups off the device (plan.group_placement, engine.placement): acquire(i) hands
       over block i's groups on the device, offloaded(i, path) the rest (its MLP) for this step's path:
       "cpu", host tensors the CPU computes from (only activations cross the link), or "stream", moved to
-      the device through the transport as a streamed block is (offload.py), counted in stream_stats.
+      the device through the transport as a streamed block is (offload.py), counted in stream_stats. A
+      GGUF file's host tensors are packed: views of the prepacked entry (exact mode: of the file).
   weights.offloaded_experts(i, chosen, path) -> iterator of {expert: tensors} groups
       A MoE block whose routed experts the plan put off the device: the chosen ones for this step's path,
       "cpu" (host tensors, one group) or "stream" (only these experts, read into the device expert cache,
