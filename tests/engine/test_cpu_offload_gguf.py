@@ -143,8 +143,9 @@ def test_gguf_mlps_off_the_device_give_the_resident_tokens(gguf_path, mlp_bytes,
 def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes, resident, mode):
     """Every tensor the CPU computes an off-device MLP from lies inside a mapping of the prepacked entry (fast mode:
     the int4 kernels' layout) or of the GGUF file itself (exact mode: GGML blocks dequantized per use), its
-    storage the mapping's: no copy, dequantized or not. Without the entry, fast mode's are the int4 form repacked
-    once at load, of the file's size. The device keeps no MLP tensor of that block."""
+    storage the mapping's: no copy, dequantized or not. Without the entry, fast mode's are the int4 form a resident
+    block has (repacked once at load, its mins beside the file's bytes). The device keeps no MLP tensor of the
+    block."""
     dtype = MODES[mode][0]
     fits = resident[mode][1]
     llm = LLM(str(gguf_path), dtype=dtype, transport="simulated", cpu_offload_policy="cpu",
