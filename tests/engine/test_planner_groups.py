@@ -177,3 +177,22 @@ def test_stream_buffers_leave_the_expert_cache_its_slots_beside_the_largest_mlp(
     assert placed.off_device == {(i, "mlp") for i in range(4)}  # the largest first: the experts stay
     dense = place_groups((*must, *mlps), budget, prefetch_depth=1, stream_buffers=True)
     assert dense is not None and dense.stream_buffer_bytes == 2 * 1000  # no experts: no slots for them
+
+
+def test_a_group_resident_in_another_form_than_it_moves_counts_each_where_it_applies():
+    """A GGUF file's MLP in exact fp32 mode: resident it is dequantized (device_bytes), off the device it moves as
+    its packed bytes (nbytes). Fitting the device counts the former; the stream buffers and the bytes a step
+    streams, the latter. Without resident_nbytes a group is one size (block_groups from compute-dtype shapes)."""
+    from engine.placement import TensorGroup
+
+    must = tuple(TensorGroup(i, "attention", 40, 10) for i in range(3))
+    mlps = tuple(TensorGroup(i, "mlp", 100, 800, resident_nbytes=3200) for i in range(3))  # Q4 vs fp32
+    assert [g.device_bytes for g in mlps] == [3200] * 3 and must[0].device_bytes == 40
+    budget = 120 + 2 * 100 + 2 * 3200  # the must-stay groups, two stream buffers of a packed MLP, two MLPs resident
+    placed = place_groups((*must, *mlps), budget, prefetch_depth=1, stream_buffers=True)
+    assert placed is not None and len(placed.off_device) == 1 and placed.device_bytes == budget
+    assert placed.stream_buffer_bytes == 2 * 100 and placed.off_device_bytes == 100
+    assert place_groups((*must, *mlps), budget - 1, prefetch_depth=1, stream_buffers=True).off_device_bytes == 200
+    groups = block_groups(0, {"wq": (64, 64), "w_up": (128, 64)}, 4, 64, nbytes={"mlp": (4608, 32768)})
+    assert [(g.kind, g.nbytes, g.device_bytes) for g in groups] == [("attention", 16384, 16384),
+                                                                    ("mlp", 4608, 32768)]
