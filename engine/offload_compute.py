@@ -43,6 +43,10 @@ class OffDeviceCompute:
         """A dense block's MLP when it lies off the device."""
         return None if self.cfg.is_moe_layer(layer) else self.groups.get((layer, "mlp"))
 
+    def on_cpu(self, group: TensorGroup, shape: StepShape) -> bool:
+        """Whether this step computes the group on the CPU (its activations cross the link), as mlp() will."""
+        return self.policy.path(group, shape) == "cpu"
+
     def set_speeds(self, speeds: MeasuredSpeeds, live: bool = False) -> None:
         """Speeds for the policy from the next step on; live: refresh them from what steps observe."""
         self.policy = self.policy.with_speeds(speeds)

@@ -240,20 +240,24 @@ class ModelRunner:
         hold; each group's outputs are added as it arrives, into zeros, and the shared expert's output after
         them (transformers' order). Routed experts (or a shared expert) the plan put off the device compute
         where the step's path says (engine.offload_compute); attention, norms and the router stay on the device.
-        Routed experts on the CPU overlap a resident shared expert: its kernels are enqueued while the
-        activations cross and before the host computes."""
+        Routed experts on the CPU overlap a shared expert the device computes (resident, or streamed): its kernels
+        are enqueued while the activations cross and before the host computes."""
         cfg = self.cfg
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
         off_shared = self.offload.group(block, "mlp")  # the shared expert, where the plan put it off the device
         s = None  # (tokens, hidden) the shared expert's output
-        if off_shared is not None:  # first: the link carries one crossing at a time
+        if off_shared is not None and self.offload.on_cpu(off_shared, shape):
+            # First: the link carries one crossing at a time.
             s = self.offload.mlp(block, off_shared, hn, shape, M.shared_expert)
         routed = self.offload.group(block, "experts")
         if routed is not None:
             routed_sum = self.offload.experts(block, routed, hn, routing)
-        if s is None and "shared.w_down" in w:
+        # The device's shared expert (resident, or streamed) is enqueued before the CPU computes routed experts.
+        if off_shared is not None and s is None:
+            s = self.offload.mlp(block, off_shared, hn, shape, M.shared_expert)
+        elif s is None and "shared.w_down" in w:
             s = M.shared_expert(hn, w)
         if routed is not None:
             out = routed_sum()

@@ -116,13 +116,17 @@ def test_streamed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, record
         llm.close()
 
 
-def test_routed_experts_on_the_cpu_overlap_a_resident_shared_expert(tmp_path, recording_cuda_experts, monkeypatch):
-    """Qwen2-MoE under --cpu-offload-policy cpu, its routed experts off the device and its shared experts on it: each
-    crossing's inputs (hidden states, ids, gates) go device -> host on the copy stream, the shared expert's kernels
-    are enqueued after that copy and before the host waits for it (the device computes them while the CPU computes
-    the routed experts), and the sum comes back in pinned staging; greedy tokens stay the resident model's (fp32),
-    whose sum (routed experts, then the shared expert: transformers' order) is the same."""
+@pytest.mark.parametrize("shared", ["resident", "streamed"])
+def test_routed_experts_on_the_cpu_overlap_the_device_s_shared_expert(tmp_path, recording_cuda_experts, monkeypatch,
+                                                                      shared):
+    """Qwen2-MoE, its routed experts computed on the CPU and its shared experts on the device (resident under
+    --cpu-offload-policy cpu; or off it and streamed, the policy choosing so per group): each crossing's inputs
+    (hidden states, ids, gates) go device -> host on the copy stream, the shared expert's kernels are enqueued after
+    that copy and before the host waits for it (the device computes them while the CPU computes the routed experts),
+    and the sum comes back in pinned staging; greedy tokens stay the resident model's (fp32), whose sum (routed
+    experts, then the shared expert: transformers' order) is the same."""
     from engine import model as M
+    from engine.placement import PathPolicy
     from tests.support import moe_models
 
     folder = moe_models.build(tmp_path / "qwen2_moe", "qwen2_moe")
@@ -132,11 +136,18 @@ def test_routed_experts_on_the_cpu_overlap_a_resident_shared_expert(tmp_path, re
     finally:
         ref.close()
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    if shared == "streamed":  # what auto chooses for a step whose tokens are many but spread thin over the experts
+        monkeypatch.setattr(PathPolicy, "path", lambda self, group, step: "cpu" if group.kind == "experts" else "stream")
     llm = LLM(str(folder), device="cpu", transport="cuda", max_device_memory=moe_models.group_budget(folder, 200_000),
-              max_host_memory="8GiB", cpu_offload_policy="cpu", show_progress=False, **KW)
+              max_host_memory="8GiB", cpu_offload_policy="cpu" if shared == "resident" else "auto",
+              show_progress=False, **KW)
     try:
-        assert llm.plan.group_placement.off_device == {(1, "experts"), (3, "experts")}, llm.plan.describe()
-        _, _, (activations,) = recording_cuda_experts
+        off = llm.plan.group_placement.off_device
+        if shared == "resident":
+            assert off == {(1, "experts"), (3, "experts")}, llm.plan.describe()
+        else:  # the dense blocks' MLPs too: they stream with the shared experts
+            assert {(1, "mlp"), (3, "mlp"), (1, "experts"), (3, "experts")} <= off, llm.plan.describe()
+        _, transports, (activations,) = recording_cuda_experts  # the blocks' transport, then the shared experts'
         log = activations.rt.log
         shared_expert = M.shared_expert
 
@@ -148,7 +159,11 @@ def test_routed_experts_on_the_cpu_overlap_a_resident_shared_expert(tmp_path, re
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         assert got == expected
         stats = llm.telemetry().offload
-        assert stats.groups_stream == 0 and stats.groups_cpu == 2 * stats.steps_cpu > 0
+        assert stats.groups_cpu == 2 * stats.steps_cpu > 0
+        assert stats.groups_stream == (len(off) - 2) * stats.steps_stream
+        if shared == "streamed":
+            main, link = transports
+            assert check_protocol(link, link.rt.log) == stats.groups_stream
         assert sum(1 for e in log if e[0] == "shared_expert") == stats.groups_cpu
         calls = [e for e in log if e[0] != "shared_expert"]
         assert check_activations(activations, calls) == (3 * stats.groups_cpu, stats.groups_cpu)
