@@ -84,3 +84,33 @@ def test_the_simulated_link_charges_the_activations_bytes():
     out = link.to_device(back * 3, x)
     assert time.perf_counter() - t0 >= 2 * x.numel() * 4 / 1e9
     assert back is x and torch.equal(out, x * 3)  # the host's memory is compute's: nothing is copied there
+
+
+@pytest.mark.cuda
+def test_crossings_on_a_gpu_keep_their_values_while_the_compute_stream_is_busy():
+    """Real streams and events: each crossing's inputs are made by kernels still queued when it starts, the compute
+    stream is kept busy while the host waits, and the result is used by a kernel right after it comes back; the
+    staging is reused every time. Values are exact."""
+    from engine.weights.transports.activations import CudaActivationLink
+
+    dev = torch.device("cuda")
+    link = CudaActivationLink(dev, 64 * (HIDDEN * 4 + TOP_K * 12) + 3 * 256)
+    a = torch.randn(2048, 2048, device=dev)  # (2048, 2048): a busy stream's work
+    try:
+        for step in range(20):
+            tokens = 1 + step % 64
+            base = torch.randn(tokens, HIDDEN, device=dev)
+            hn = (a @ a)[:tokens, :HIDDEN] * 0 + base  # (tokens, hidden), behind a large product
+            ids = torch.randint(0, 8, (tokens, TOP_K), device=dev)  # (tokens, top_k) int64
+            gates = torch.rand(tokens, TOP_K, device=dev)  # (tokens, top_k) fp32
+            crossing = link.to_host(hn, ids, gates)
+            busy = a @ a  # the device works while the copy and the host's wait run
+            x, i, w = crossing.wait()
+            assert torch.equal(x, base.cpu()) and torch.equal(i, ids.cpu()) and torch.equal(w, gates.cpu())
+            host = x * 2 + w.sum(-1, keepdim=True)  # (tokens, hidden), the host's result
+            out = link.to_device(host, hn) + 1  # used by a kernel at once
+            assert torch.equal(out.cpu(), host + 1)
+            del busy
+        assert link.host_bytes == 2 * link.capacity  # pinned once
+    finally:
+        link.close()
