@@ -5,7 +5,9 @@ and gives its output back to it; only these activations cross, never weights.
   to_device(host, like) -> tensor          the output on like's device, ordered before the next kernel there
 
 One crossing at a time, from the compute thread: to_host, wait, the CPU's computation, to_device (device work
-the caller enqueues between to_host and wait overlaps the copy and the CPU's computation).
+the caller enqueues between to_host and wait overlaps the copy and the CPU's computation). The copy reads the
+inputs until wait() returns: the caller keeps them alive and unchanged until then (the device may only read them
+meanwhile), or memory the allocator hands on could be overwritten under the copy.
 
 On a GPU (CudaActivationLink), two pinned staging buffers, sized once for the step's most tokens, one each way:
   to_host():   record computed on the compute stream      (the kernels producing the inputs were enqueued)
@@ -30,12 +32,13 @@ as their bytes take at the link's rate, as a streamed block's copy does.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
 import torch
 
 from .cuda_layout import Layout
 from .cuda_runtime import CudaRuntime
-from .simulated import _sleep_until
+from .simulated import sleep_until
 
 
 class HostActivations:
@@ -48,16 +51,16 @@ class HostActivations:
         return self._wait()
 
 
-class ActivationLink:
+class ActivationLink(ABC):
     """See the module docstring: what the compute side calls."""
 
     host_bytes: int = 0  # pinned host memory held
 
-    def to_host(self, *tensors: torch.Tensor) -> HostActivations:
-        raise NotImplementedError
+    @abstractmethod
+    def to_host(self, *tensors: torch.Tensor) -> HostActivations: ...
 
-    def to_device(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def to_device(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor: ...
 
     def close(self) -> None:
         pass
@@ -74,13 +77,13 @@ class HostLink(ActivationLink):
         host = tuple(t.to("cpu") for t in tensors)
 
         def wait() -> tuple[torch.Tensor, ...]:
-            _sleep_until(landed)  # work the caller did meanwhile overlapped the simulated copy
+            sleep_until(landed)  # work the caller did meanwhile overlapped the simulated copy
             return host
 
         return HostActivations(wait)
 
     def to_device(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        _sleep_until(time.perf_counter() + self.seconds_per_byte * _nbytes((host,)))
+        sleep_until(time.perf_counter() + self.seconds_per_byte * _nbytes((host,)))
         return host.to(like.device)
 
 
