@@ -1,5 +1,6 @@
 """The CUDA transport replayed on CPU: a runtime that records stream and event calls instead of running them,
-the check that the recorded order is race-free, and the transports a load builds, captured."""
+the checks that the recorded order is race-free (check_protocol: streamed weights; check_activations: the CPU
+path's activations), and the transports and activation links a load builds, captured."""
 
 from __future__ import annotations
 
