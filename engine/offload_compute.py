@@ -3,7 +3,8 @@ engine.weights moves the weights, engine.model does the math): the part of a ste
 a block whose MLP, routed experts or shared expert the plan placed off the device.
 
 Per step and group, PathPolicy picks "cpu" (the CPU computes from the host's tensors: only activations cross
-the link, there and back) or "stream" (the weights cross, the device computes). Each CPU computation is
+the link, there and back, through weights.activations, which orders the copies against the device's work) or
+"stream" (the weights cross, the device computes). Each CPU computation is
 timed: where the speeds were measured here (at start-up), they are refreshed from those timings after the
 step; speeds a caller set are kept (a caller that pins them means them). PathStats counts steps, tokens,
 groups and link bytes per path.
@@ -41,6 +42,10 @@ class OffDeviceCompute:
     def dense_mlp(self, layer: int) -> TensorGroup | None:
         """A dense block's MLP when it lies off the device."""
         return None if self.cfg.is_moe_layer(layer) else self.groups.get((layer, "mlp"))
+
+    def on_cpu(self, group: TensorGroup, shape: StepShape) -> bool:
+        """Whether this step computes the group on the CPU (its activations cross the link), as mlp() will."""
+        return self.policy.path(group, shape) == "cpu"
 
     def set_speeds(self, speeds: MeasuredSpeeds, live: bool = False) -> None:
         """Speeds for the policy from the next step on; live: refresh them from what steps observe."""
@@ -117,11 +122,12 @@ class OffDeviceCompute:
         mw = self.weights.offloaded(block, path)
         try:
             if path == "cpu":
-                x_host = hn.to("cpu")  # (tokens, hidden)
+                link = self.weights.activations
+                (x_host,) = link.to_host(hn).wait()  # (tokens, hidden)
                 t0 = time.perf_counter()
                 m = compute(x_host, mw)  # (tokens, hidden), on the host
                 self._cpu_seen.append((group, shape.tokens, time.perf_counter() - t0))
-                m = m.to(hn.device)
+                m = link.to_device(m, hn)
                 crossed = 2 * hn.numel() * hn.element_size()
             else:
                 m = compute(hn, mw)
@@ -131,35 +137,41 @@ class OffDeviceCompute:
         self._count(path, crossed)
         return m
 
-    def experts(self, block: int, group: TensorGroup, hn: torch.Tensor, routing: M.Routing, out: torch.Tensor,
-                shared: bool) -> torch.Tensor:
-        """A MoE block's routed experts off the device, added into out (tokens, hidden: the shared expert's output,
-        or zeros) where the policy says for this step's tokens per expert (the router's count: the most rows any
-        chosen expert gets). On the CPU only the normed hidden states, the routing (and the shared expert's
-        output, so that the sum keeps the resident order) cross the link, and the sum comes back; streamed,
-        only the chosen experts' weights cross, and those the device expert cache holds do not."""
+    def experts(self, block: int, group: TensorGroup, hn: torch.Tensor,
+                routing: M.Routing) -> Callable[[], torch.Tensor]:
+        """A MoE block's routed experts off the device, where the policy says for this step's tokens per expert
+        (the router's count: the most rows any chosen expert gets): a call that returns their weighted sum
+        (tokens, hidden) on hn's device, summed into zeros in expert order as the resident path sums them.
+
+        On the CPU the normed hidden states and the routing start crossing the link here and the host computes
+        in the call, so device work enqueued in between (a resident shared expert) runs while the CPU computes;
+        the sum comes back. Streamed, only the chosen experts' weights cross, and those the device expert cache
+        holds do not; the device computes here."""
         cfg = self.cfg
         chosen = routing.chosen
-        shape = StepShape(hn.shape[0], tokens_per_expert=max(routing.counts))
-        path = self.policy.path(group, shape)
-        if path == "cpu":
-            x_host = hn.to("cpu")  # (tokens, hidden)
-            ids, gates = routing.expert_ids.to("cpu"), routing.weights.to("cpu")  # (tokens, top_k) each
-            o = out.to("cpu") if shared else torch.zeros_like(x_host)  # (tokens, hidden), the host's sum
+        path = self.policy.path(group, StepShape(hn.shape[0], tokens_per_expert=max(routing.counts)))
+        if path == "stream":
+            out = torch.zeros_like(hn)  # (tokens, hidden)
+            before = self.weights.stream_stats.expert_bytes
+            for experts in self.weights.offloaded_experts(block, chosen, "stream"):
+                M.moe_experts(hn, routing, experts, out, cfg.moe)
+            self._count(path, self.weights.stream_stats.expert_bytes - before)  # the misses: hits cross nothing
+            return lambda: out
+        link = self.weights.activations
+        crossing = link.to_host(hn, routing.expert_ids, routing.weights)
+
+        def on_the_cpu() -> torch.Tensor:
+            # (tokens, hidden); (tokens, top_k) ids and gates: views of what landed, valid until the next crossing
+            x_host, ids, gates = crossing.wait()
+            o = torch.zeros_like(x_host)  # (tokens, hidden), the host's sum
             t0 = time.perf_counter()
             for experts in self.weights.offloaded_experts(block, chosen, "cpu"):
                 M.moe_experts(x_host, M.Routing(ids, gates, routing.counts), experts, o, cfg.moe)
             if chosen:  # the cost model prices one expert: the mean expert's rows and seconds
                 self._cpu_seen.append((group, sum(routing.counts) / len(chosen),
                                        (time.perf_counter() - t0) / len(chosen)))
-            # There: the hidden states and the routing (and the shared expert's output); back: the sum.
-            crossed = (sum(t.numel() * t.element_size() for t in (x_host, ids, gates))
-                       + (1 + shared) * o.numel() * o.element_size())
-            out = o.to(hn.device)
-        else:
-            before = self.weights.stream_stats.expert_bytes
-            for experts in self.weights.offloaded_experts(block, chosen, "stream"):
-                M.moe_experts(hn, routing, experts, out, cfg.moe)
-            crossed = self.weights.stream_stats.expert_bytes - before  # the cache's misses: hits cross nothing
-        self._count(path, crossed)
-        return out
+            # There: the hidden states and the routing; back: the sum.
+            self._count(path, sum(t.numel() * t.element_size() for t in (x_host, ids, gates, o)))
+            return link.to_device(o, hn)
+
+        return on_the_cpu

@@ -237,26 +237,35 @@ class ModelRunner:
                    v_cache: torch.Tensor, step: M.StepInputs, shape: StepShape) -> torch.Tensor:
         """A mixture-of-experts block. The routing reaches the host (M.route), then the weights package
         hands over the union of the experts the step's tokens chose, in groups its expert cache can
-        hold; each group's outputs are added as it arrives. Routed experts (or a shared expert) the plan put
-        off the device compute where the step's path says (engine.offload_compute); attention, norms and the
-        router stay on the device."""
+        hold; each group's outputs are added as it arrives, into zeros, and the shared expert's output after
+        them (transformers' order). Routed experts (or a shared expert) the plan put off the device compute
+        where the step's path says (engine.offload_compute); attention, norms and the router stay on the device.
+        Routed experts on the CPU overlap a shared expert the device computes (resident, or streamed): its kernels
+        are enqueued while the activations cross and before the host computes."""
         cfg = self.cfg
         h = M.attention_residual(x, w, k_cache, v_cache, step, cfg)  # (tokens, hidden)
         hn = M.norm(h, w["mlp_norm"], cfg)
         routing = M.route(hn, w, cfg)
-        shared = self.offload.group(block, "mlp")  # the shared expert, where the plan put it off the device
-        has_shared = shared is not None or "shared.w_down" in w
-        if shared is not None:
-            out = self.offload.mlp(block, shared, hn, shape, M.shared_expert)  # (tokens, hidden)
-        else:
-            out = M.shared_expert(hn, w) if has_shared else torch.zeros_like(hn)  # (tokens, hidden)
+        off_shared = self.offload.group(block, "mlp")  # the shared expert, where the plan put it off the device
+        s = None  # (tokens, hidden) the shared expert's output
+        if off_shared is not None and self.offload.on_cpu(off_shared, shape):
+            # First: the link carries one crossing at a time.
+            s = self.offload.mlp(block, off_shared, hn, shape, M.shared_expert)
         routed = self.offload.group(block, "experts")
         if routed is not None:
-            out = self.offload.experts(block, routed, hn, routing, out, has_shared)
+            routed_sum = self.offload.experts(block, routed, hn, routing)
+        # The device's shared expert (resident, or streamed) is enqueued before the CPU computes routed experts.
+        if off_shared is not None and s is None:
+            s = self.offload.mlp(block, off_shared, hn, shape, M.shared_expert)
+        elif s is None and "shared.w_down" in w:
+            s = M.shared_expert(hn, w)
+        if routed is not None:
+            out = routed_sum()
         else:
+            out = torch.zeros_like(hn)  # (tokens, hidden)
             for group in self.weights.experts(block, routing.chosen, h, self._guess_experts):
                 M.moe_experts(hn, routing, group, out, cfg.moe)
-        return h + out
+        return h + (out if s is None else out + s)
 
     def _off_device_mlp_block(self, block: int, mlp: TensorGroup, x: torch.Tensor, w: dict[str, torch.Tensor],
                               k_cache: torch.Tensor, v_cache: torch.Tensor, step: M.StepInputs,

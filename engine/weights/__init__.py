@@ -48,6 +48,12 @@ tests/test_import_rules.py enforces both):
       A MoE block whose routed experts the plan put off the device: the chosen ones for this step's path,
       "cpu" (host tensors, one group) or "stream" (only these experts, read into the device expert cache,
       LRU over every block, grouped as weights.experts groups them; counted in stream_stats as expert bytes).
+  weights.activations -> ActivationLink (None without groups off the device)
+      How the CPU path's activations cross (transports/activations.py): link.to_host(*tensors).wait() -> host
+      tensors (their copy ordered after the kernels that made them), link.to_device(host, like) -> on like's
+      device (the next kernel there ordered after its copy). One crossing at a time, from the compute thread;
+      device work enqueued between to_host and wait overlaps the copy and the host's computation. On a GPU:
+      pinned staging sized once for the step's most tokens, a copy stream and events.
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:
@@ -88,7 +94,8 @@ Inside (may change freely), one job per sub-package:
   transports/  how a streamed block reaches compute: base.py (Transport, Ticket), cpu.py, gguf.py,
                prepacked.py, quantized.py, disk.py (with disk_reader.py, read_ahead.py, disk_bandwidth.py),
                cuda.py (with cuda_runtime.py, cuda_layout.py, cuda_trace.py), simulated.py; tiers.py (which
-               transport), streamer.py (the prefetch thread), buffers.py, bandwidth.py, exit_stop.py.
+               transport), streamer.py (the prefetch thread), buffers.py, bandwidth.py, exit_stop.py;
+               activations.py (the CPU path's activations, both ways).
   experts/     the expert-granular tier: tier.py (readers, host slots, the guess of the next block's
                experts), cache.py (slots, LRU, the fetch thread), cuda_slots.py (slots on a GPU).
   offload.py   tensor groups off the device: host tensors for the CPU path, the transport for the stream path.

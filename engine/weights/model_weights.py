@@ -26,7 +26,8 @@ from .transports.streamer import BlockStreamer, StreamStats
 from .packed.compute_form import PackedFormat
 from .packed.prepacked import MARKER as PREPACKED_MARKER
 from .packed.prepacked import PrepackedLayout, prepack_layout
-from .transports.tiers import host_tiering, make_expert_tier, make_transport, resolve
+from .transports.activations import ActivationLink
+from .transports.tiers import host_tiering, make_activation_link, make_expert_tier, make_transport, resolve
 from .offload import OffloadTier
 from .transports.base import Transport, to_compute
 from .transports.cpu import CpuTransport
@@ -355,6 +356,8 @@ class ModelWeights:
         self._transport: Transport = t
         self._streamer: BlockStreamer | None = None
         self._offload: OffloadTier | None = None
+        # The link a CPU-computed group's activations cross (transports/activations.py), with groups off the device.
+        self.activations: ActivationLink | None = None
         try:
             self.globals = _place_globals(source, dtype, device, quantized, head)
             if on_progress:
@@ -362,6 +365,7 @@ class ModelWeights:
             if offload_source is not None:
                 self._offload = _offload_tier(checkpoint, offload_source, plan, dtype, device, transport,
                                               pin_host_memory, host_budget, disk_gbps)
+                self.activations = make_activation_link(transport, checkpoint.cfg, plan, dtype, device)
             # On a CUDA device stacking would briefly hold a block's projections twice in device memory,
             # which the plan does not budget: CPU only for now.
             self._streamer = BlockStreamer(self._transport, device_plan.resident_blocks, device_plan.streamed_blocks,
@@ -458,7 +462,7 @@ class ModelWeights:
         t = self._transport
         # Host buffer sets: dtype conversion (BufferPool) or, for packed blocks, the repack's slots.
         pool = t.pool if t.pool is not None else getattr(t, "repacker", None)
-        pinned = t.host_bytes + (self._experts.host_bytes if self._experts is not None else 0)
+        pinned = t.host_bytes + sum(x.host_bytes for x in (self._experts, self.activations) if x is not None)
         return WeightsTelemetry(type(t).__name__, self.stream_stats, self.links, pinned,
                                 pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache)
 
@@ -470,6 +474,9 @@ class ModelWeights:
         if getattr(self, "_offload", None) is not None:
             self._offload.close()
             self._offload = None
+        if getattr(self, "activations", None) is not None:
+            self.activations.close()
+            self.activations = None
         if self._streamer is not None:
             self._streamer.close()  # closes the transport too
             self._streamer = None

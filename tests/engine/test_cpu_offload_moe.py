@@ -28,7 +28,6 @@ SPEEDS = MeasuredSpeeds(link_gbps=1, cpu_gbps=100, cpu_flops=1.75e9, device_flop
 # under "cpu", three with the stream buffers); Qwen2-MoE's every MLP, shared expert and routed experts leave under
 # the policies that stream (two blocks' routed experts under "cpu"). GPT-OSS: its biased experts, clamped SwiGLU.
 SHORT = {"mixtral": 100_000, "qwen2_moe": 200_000, "gpt_oss": 150_000}
-SHARED = {"mixtral": False, "qwen2_moe": True, "gpt_oss": False}
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +64,11 @@ def test_the_pinned_speeds_decide_by_tokens_per_expert():
     assert policy.path(experts, StepShape(15)) == "cpu" and policy.path(experts, StepShape(16)) == "stream"
 
 
-def link_bytes_per_token(off: frozenset, shared: bool) -> int:
+def link_bytes_per_token(off: frozenset) -> int:
     """Bytes one token moves across the link for the off-device groups the CPU computes: an MLP (or shared expert)
     its hidden state both ways; routed experts the normed hidden state, its top-k ids (int64) and weights (fp32)
-    and the shared expert's output (where the family has one) there, the sum back."""
-    return sum(2 * HIDDEN_BYTES if kind == "mlp" else (2 + shared) * HIDDEN_BYTES + TOP_K * (8 + 4)
-               for _, kind in off)
+    there, their sum back (the shared expert's output stays on the device: it is added there, after them)."""
+    return sum(2 * HIDDEN_BYTES if kind == "mlp" else 2 * HIDDEN_BYTES + TOP_K * (8 + 4) for _, kind in off)
 
 
 @pytest.mark.parametrize("policy", ["cpu", "stream", "auto", "auto-live"])
@@ -102,7 +100,7 @@ def test_tokens_are_the_resident_model_s_for_every_policy(models, groups, arch, 
         assert total.expert_bytes == total.expert_misses * expert_bytes.pop()
         if policy == "cpu":
             assert stats.steps_stream == 0 and stats.tokens_cpu == TOKENS and total.expert_bytes == 0
-            assert stats.bytes_cpu == TOKENS * link_bytes_per_token(off, SHARED[arch])
+            assert stats.bytes_cpu == TOKENS * link_bytes_per_token(off)
         elif policy == "stream":
             assert stats.steps_cpu == 0 and stats.tokens_stream == TOKENS
             # Only the experts the tokens chose moved, and the device cache served the hot ones without a copy.

@@ -1,5 +1,6 @@
 """The CUDA transport replayed on CPU: a runtime that records stream and event calls instead of running them,
-the check that the recorded order is race-free, and the transports a load builds, captured."""
+the checks that the recorded order is race-free (check_protocol: streamed weights; check_activations: the CPU
+path's activations), and the transports and activation links a load builds, captured."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class RecordingRuntime:
         self.compute = _Stream("compute")
         self.log: list[tuple] = []
         self.skip_record = None  # set by a test to break the protocol on purpose
+        self.skip_host_wait = None  # the same, for the host's waits
         self._lock = threading.Lock()
 
     def stream(self):
@@ -61,6 +63,8 @@ class RecordingRuntime:
             self.log.append(("record", stream.name, event, event.version))
 
     def host_wait(self, event):
+        if self.skip_host_wait is not None and self.skip_host_wait(event):
+            return
         with self._lock:
             self.log.append(("host_wait", "host", event, event.version))
 
@@ -121,6 +125,92 @@ def check_protocol(t, log) -> int:
         elif kind == "host_wait" and id(obj) in staged:
             host_saw_staged[staged[id(obj)]] = arg
     return copies
+
+
+def check_activations(link, log) -> tuple[int, int]:
+    """Replay an activation link's log (engine/weights/transports/activations.py) and prove each crossing ordered:
+    a device -> host copy reads its inputs only after the compute stream's kernels that made them (the copy stream
+    waited on `computed` as last recorded there), and lands in staging the host took the last crossing out of;
+    the host reaches for what landed (its next call: the result going back) only after waiting on `down_landed`;
+    the host refills the "up" staging only after the last copy out of it finished (its wait on `up_landed`), a
+    host -> device copy writes only after the compute stream's earlier kernels (memory the allocator handed out),
+    and the compute stream waits for it to land before the next crossing starts. Every copy is on the copy stream,
+    from or into the pinned staging. Returns (device -> host copies, host -> device copies)."""
+    down = (link._down.data_ptr(), link._down.data_ptr() + link.capacity)
+    up = (link._up.data_ptr(), link._up.data_ptr() + link.capacity)
+    computed, down_landed, up_landed = id(link._computed), id(link._down_landed), id(link._up_landed)
+    version = {computed: 0, down_landed: 0, up_landed: 0}  # the latest record of each event
+    copy_saw_computed = 0
+    used_computed = 0  # the record of `computed` the last crossing's copies were ordered behind
+    host_saw = {down_landed: 0, up_landed: 0}
+    down_pending = False  # copies into "down" since its last down_landed record
+    up_pending = False  # a copy out of "up" whose up_landed record the compute stream has not waited on
+    up_landed_after_copy = True
+    d2h = h2d = 0
+    for kind, stream, obj, arg in log:
+        if kind == "copy":
+            assert stream == "copy", "activations cross on the copy stream"
+            dst, src = obj, arg
+            if down[0] <= dst < down[1]:
+                assert copy_saw_computed == version[computed], "device -> host copy before the inputs' kernels"
+                if not down_pending:  # the crossing's first copy
+                    assert host_saw[down_landed] == version[down_landed], \
+                        "pinned 'down' staging refilled before the host took the last crossing out of it"
+                    assert version[computed] > used_computed, "device -> host copy behind a stale `computed`"
+                    used_computed = version[computed]
+                down_pending = True
+                d2h += 1
+            else:
+                assert up[0] <= src < up[1], "a crossing's copy neither into nor out of the pinned staging"
+                assert copy_saw_computed == version[computed] > used_computed, \
+                    "host -> device copy into memory kernels may use"
+                used_computed = version[computed]
+                assert host_saw[up_landed] == version[up_landed], \
+                    "pinned 'up' staging refilled before its last host -> device copy finished"
+                up_pending, up_landed_after_copy = True, False
+                h2d += 1
+        elif kind == "record":
+            key = id(obj)
+            if key == computed:
+                assert stream == "compute", "`computed` marks the compute stream's kernels"
+                assert not up_pending, "a crossing started before the compute stream waited for the last result"
+            elif key == down_landed:
+                assert stream == "copy" and down_pending, "down_landed belongs behind the copies into 'down'"
+                down_pending = False
+            elif key == up_landed:
+                assert stream == "copy"
+                up_landed_after_copy = True
+            if key in version:
+                version[key] = arg
+        elif kind == "wait" and id(obj) == computed:
+            assert stream == "copy"
+            copy_saw_computed = arg
+        elif kind == "wait" and id(obj) == up_landed:
+            assert stream == "compute" and up_landed_after_copy, "compute uses the result before it landed"
+            up_pending = False
+        elif kind == "host_wait" and id(obj) in host_saw:
+            if id(obj) == up_landed:  # to_device's first call: the host is done computing from what landed
+                assert host_saw[down_landed] == version[down_landed], \
+                    "the host used the crossing's inputs before they landed"
+            host_saw[id(obj)] = arg
+    assert not up_pending and not down_pending, "a crossing left unfinished"
+    return d2h, h2d
+
+
+def record_activation_links(monkeypatch) -> list:
+    """Every CUDA activation link the engine builds from now on, on the recording runtime (check_activations)."""
+    import engine.weights.transports.activations as act
+
+    monkeypatch.setattr(act, "CudaRuntime", RecordingRuntime)
+    made = []
+
+    class Captured(act.CudaActivationLink):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(act, "CudaActivationLink", Captured)
+    return made
 
 
 def capture_cuda_transports(monkeypatch) -> list:

@@ -8,7 +8,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.placement import MeasuredSpeeds
-from tests.support.cuda_replay import RecordingRuntime, capture_cuda_transports, check_protocol, record_cuda_experts
+from tests.support.cuda_replay import (RecordingRuntime, capture_cuda_transports, check_activations, check_protocol,
+                                       record_activation_links, record_cuda_experts)
 from tests.support.reference import PROMPT
 
 MLP_BYTES = 4 * 3 * 64 * 128  # the tiny Llama's MLP in fp32
@@ -25,7 +26,7 @@ def recording_cuda(monkeypatch):
 
     monkeypatch.setattr(ct, "CudaRuntime", RecordingRuntime)
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
-    return capture_cuda_transports(monkeypatch)
+    return capture_cuda_transports(monkeypatch), record_activation_links(monkeypatch)
 
 
 @pytest.mark.parametrize("policy, depth", [("stream", 1), ("stream", 2), ("auto", 1)])
@@ -46,7 +47,8 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
         # depth + 1 MLP buffers come out of the budget too: 3 MLPs off at depth 1, 4 at depth 2.
         assert len(llm.plan.group_placement.off_device) == depth + 2, llm.plan.describe()
         # Two transports: the blocks' on-device groups (all resident, nothing streamed) and the off-device MLPs.
-        main, link = recording_cuda[-2:]  # the all-resident run built one before them
+        transports, (activations,) = recording_cuda
+        main, link = transports[-2:]
         if policy == "auto":
             llm.engine.set_measured_speeds(SPEEDS)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -55,6 +57,8 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
         copies = check_protocol(link, link.rt.log)
         assert copies >= stats.groups_stream > 0  # every streamed MLP went through the copy stream
         assert check_protocol(main, main.rt.log) == 0
+        # The MLPs the CPU computed: their input and output crossed in pinned staging, ordered by events.
+        assert check_activations(activations, activations.rt.log) == (stats.groups_cpu, stats.groups_cpu)
         if policy == "auto":
             assert stats.groups_cpu > 0
     finally:
@@ -63,8 +67,8 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
 
 @pytest.fixture
 def recording_cuda_experts(monkeypatch):
-    """(expert slots made, block transports made) on the recording runtime: cuda_replay.record_cuda_experts."""
-    return record_cuda_experts(monkeypatch)
+    """(expert slots made, block transports made, activation links made) on the recording runtime (cuda_replay)."""
+    return (*record_cuda_experts(monkeypatch), record_activation_links(monkeypatch))
 
 
 @pytest.mark.parametrize("policy", ["stream", "auto"])
@@ -87,7 +91,7 @@ def test_streamed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, record
     try:
         off = llm.plan.group_placement.off_device
         assert {(1, "mlp"), (1, "experts"), (3, "mlp"), (3, "experts")} <= off, llm.plan.describe()
-        made, (main, link) = recording_cuda_experts
+        made, (main, link), (activations,) = recording_cuda_experts
         (slots,) = made
         if policy == "auto":
             llm.engine.set_measured_speeds(SPEEDS)
@@ -102,8 +106,74 @@ def test_streamed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, record
         assert mlp_copies > 0
         copies = check_protocol(slots, slots.rt.log)
         assert copies * slots.nbytes == total.expert_bytes > 0  # every expert fill is one copy into a slot
+        # What the CPU computed (shared experts: one tensor there; routed experts: three) crossed in pinned staging.
+        d2h, h2d = check_activations(activations, activations.rt.log)
+        assert h2d == stats.groups_cpu
         if policy == "auto":
-            assert stats.groups_cpu > 0
+            assert stats.groups_cpu > 0 and d2h > h2d
+        else:
+            assert d2h == 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("shared", ["resident", "streamed"])
+def test_routed_experts_on_the_cpu_overlap_the_device_s_shared_expert(tmp_path, recording_cuda_experts, monkeypatch,
+                                                                      shared):
+    """Qwen2-MoE, its routed experts computed on the CPU and its shared experts on the device (resident under
+    --cpu-offload-policy cpu; or off it and streamed, the policy choosing so per group): each crossing's inputs
+    (hidden states, ids, gates) go device -> host on the copy stream, the shared expert's kernels are enqueued after
+    that copy and before the host waits for it (the device computes them while the CPU computes the routed experts),
+    and the sum comes back in pinned staging; greedy tokens stay the resident model's (fp32), whose sum (routed
+    experts, then the shared expert: transformers' order) is the same."""
+    from engine import model as M
+    from engine.placement import PathPolicy
+    from tests.support import moe_models
+
+    folder = moe_models.build(tmp_path / "qwen2_moe", "qwen2_moe")
+    ref = LLM(str(folder), show_progress=False, **KW)
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    if shared == "streamed":  # what auto chooses for a step whose tokens are many but spread thin over the experts
+        monkeypatch.setattr(PathPolicy, "path", lambda self, group, step: "cpu" if group.kind == "experts" else "stream")
+    llm = LLM(str(folder), device="cpu", transport="cuda", max_device_memory=moe_models.group_budget(folder, 200_000),
+              max_host_memory="8GiB", cpu_offload_policy="cpu" if shared == "resident" else "auto",
+              show_progress=False, **KW)
+    try:
+        off = llm.plan.group_placement.off_device
+        if shared == "resident":
+            assert off == {(1, "experts"), (3, "experts")}, llm.plan.describe()
+        else:  # the dense blocks' MLPs too: they stream with the shared experts
+            assert {(1, "mlp"), (3, "mlp"), (1, "experts"), (3, "experts")} <= off, llm.plan.describe()
+        _, transports, (activations,) = recording_cuda_experts  # the blocks' transport, then the shared experts'
+        log = activations.rt.log
+        shared_expert = M.shared_expert
+
+        def marked(h, w):  # where, among the link's calls, the device's shared expert was enqueued
+            log.append(("shared_expert", "compute", None, None))
+            return shared_expert(h, w)
+
+        monkeypatch.setattr(M, "shared_expert", marked)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == expected
+        stats = llm.telemetry().offload
+        assert stats.groups_cpu == 2 * stats.steps_cpu > 0
+        assert stats.groups_stream == (len(off) - 2) * stats.steps_stream
+        if shared == "streamed":
+            main, link = transports
+            assert check_protocol(link, link.rt.log) == stats.groups_stream
+        assert sum(1 for e in log if e[0] == "shared_expert") == stats.groups_cpu
+        calls = [e for e in log if e[0] != "shared_expert"]
+        assert check_activations(activations, calls) == (3 * stats.groups_cpu, stats.groups_cpu)
+        landed = activations._down_landed
+        for i, e in enumerate(log):
+            if e[0] == "shared_expert":  # after the inputs' copy was issued, before the host waits for it
+                before = [x[0] for x in log[:i] if x[2] is landed]
+                after = [x[0] for x in log[i:] if x[2] is landed]
+                assert before[-1] == "record" and after[0] == "host_wait", log[max(0, i - 6):i + 6]
     finally:
         llm.close()
 
@@ -146,7 +216,7 @@ def test_a_gguf_file_s_mlps_keep_the_cuda_protocol_and_the_tokens(tmp_path, reco
             assert {type(w) for w in host.values()} == {Int4Weight}
         assert greedy_tokens(llm) == expected
         stats, total = llm.telemetry().offload, llm.telemetry().total
-        main, link = recording_cuda[-2:]  # the all-resident run built one before them
+        main, link = recording_cuda[0][-2:]  # the all-resident run built one before them
         assert check_protocol(main, main.rt.log) == 0
         if policy != "cpu":
             assert check_protocol(link, link.rt.log) >= stats.groups_stream > 0

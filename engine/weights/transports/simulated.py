@@ -77,7 +77,7 @@ class SimulatedTransport(Transport):
         ticket = self.inner.prepare(block)
         # Sleep out the rest, so the inner transport's own work counts towards the simulated copy
         # instead of adding to it.
-        _sleep_until(t0 + self.copy_seconds(ticket.nbytes))
+        sleep_until(t0 + self.copy_seconds(ticket.nbytes))
         return ticket
 
     def activate(self, ticket: Ticket):
@@ -85,14 +85,14 @@ class SimulatedTransport(Transport):
 
     def retire(self, ticket: Ticket) -> None:
         if self.compute_seconds_per_block:
-            _sleep_until(time.perf_counter() + self.compute_seconds_per_block)
+            sleep_until(time.perf_counter() + self.compute_seconds_per_block)
         self.inner.retire(ticket)
 
     def close(self) -> None:
         self.inner.close()
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
     # time.sleep may wake early on some platforms; loop so the simulated time is a lower bound.
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)

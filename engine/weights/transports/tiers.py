@@ -20,6 +20,7 @@ from ...planner import HostTiering, MemoryPlan
 from ..formats.block_source import BlockSource, WeightSizes
 from .base import Transport
 from .cpu import CpuTransport
+from .cuda_layout import ALIGN
 
 if TYPE_CHECKING:
     from ...arch import ModelConfig
@@ -158,3 +159,23 @@ def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: 
         reader.close()
         raise
     return ExpertTier(cfg, source, dtype, device, slots, guess)
+
+
+def make_activation_link(kind: str, cfg: "ModelConfig", plan: MemoryPlan, dtype: torch.dtype, device: torch.device):
+    """The link a step's activations cross for the tensor groups the CPU computes (activations.py), for the same
+    transport names: pinned staging on a copy stream where blocks would stream over CUDA (cuda, and auto on a
+    GPU), sized once for the step's most tokens; the simulated link's rate behind "simulated"; else plain .to()."""
+    from .activations import CudaActivationLink, HostLink
+
+    kind = resolve(kind, device)
+    if kind == "cuda":
+        tokens = plan.max_num_batched_tokens or plan.max_model_len
+        # A token's normed hidden state, and for routed experts its top-k ids (int64) and gates (fp32); each
+        # tensor of a crossing starts aligned (cuda_layout.ALIGN), three at most.
+        row = cfg.hidden_size * dtype.itemsize + (cfg.moe.top_k * (8 + 4) if cfg.moe is not None else 0)
+        return CudaActivationLink(device, tokens * row + 3 * ALIGN)
+    if kind == "simulated":
+        from .simulated import env_seconds_per_byte
+
+        return HostLink(env_seconds_per_byte())
+    return HostLink()
