@@ -393,7 +393,8 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& c, const torch
 // (tests/kernels/test_fused_ops.py).
 //
 // Per (sequence, KV head): the `group` query heads that share the KV head are done together, so
-// each cached key and value row is read once. Built for AVX-512, AVX2 and plain x86-64 like SiLU.
+// each cached key and value row is read once. bf16 caches on AVX-512 take decode_attention_chunked
+// instead: the same arithmetic per chunk of keys, in the cache's order. Built for AVX-512, AVX2 and plain x86-64 like SiLU.
 template <typename T>
 struct DecodeArgs {
   const T* q; int64_t q_seq, q_head;           // (seqs, heads, hd), last dim contiguous
@@ -534,47 +535,50 @@ LAYERSTREAM_BF16_AVX512 void scores_bf16_avx512(const float* qf, const uint16_t*
   }
 }
 
-LAYERSTREAM_BF16_AVX512 void accumulate_bf16_avx512(const float* p, int64_t stride, const uint16_t* const* rows,
-                                                    int64_t n, int64_t group, int64_t hd, float* acc) {
-  const int64_t C = hd / 16;
-  __m512 vz[AVX512_MAX_HD / 16];
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t c = 0; c < C; ++c) vz[c] = load_bf16x16(rows[j] + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * stride + j]);
-      float* a = acc + g * hd;
-      for (int64_t c = 0; c < C; ++c)
-        _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(pg, vz[c], _mm512_loadu_ps(a + 16 * c)));
-    }
-  }
-}
-
-// acc[g][0..16 C) += p[g][j] * v_j for C 16-lane columns: the heads' accumulators stay in registers over
-// all keys, HG heads at a time (HG * C <= 16), each key's row widened once per pass. The same fused
-// multiply-adds in the same order as a load-add-store per key, so the same results; kept in memory, each
-// key's update waited on the last one's store, and this loop was a large part of a 16-sequence layer (perf).
-template <int C>
-LAYERSTREAM_BF16_AVX512 void accumulate_bf16_regs(const float* p, int64_t stride, const uint16_t* const* rows,
-                                                  int64_t n, int64_t group, float* acc) {
-  constexpr int HG = C >= 16 ? 1 : 16 / C;
-  constexpr int64_t hd = 16 * C;
+// acc[g][16 c0 .. 16 (c0 + CB)) += p[g][j] * v_j[same columns] over the keys j: CB 16-lane columns of
+// every head's accumulator in registers (HG heads at a time, HG * CB <= 24), each key's slice widened
+// once and used by all of them. The caller picks CB so that every head of the group fits one pass: a
+// value row is then read from memory once, however many query heads share it (in passes over heads,
+// each pass read the rows again). Each accumulator gets the same fused multiply-adds in the same key
+// order whichever way the loops are cut, so the results are the same bits. In registers rather than in
+// memory: there each key's update waited on the last one's store (perf of a 16-sequence layer).
+template <int CB>
+LAYERSTREAM_BF16_AVX512 void accumulate_bf16_cols(const float* p, int64_t stride, const uint16_t* const* rows,
+                                                  int64_t n, int64_t group, int64_t hd, int64_t c0, float* acc) {
+  constexpr int HG = 24 / CB;
   for (int64_t g0 = 0; g0 < group; g0 += HG) {
     const int64_t hg = std::min<int64_t>(HG, group - g0);
-    __m512 a[HG][C];
+    __m512 a[HG][CB];
     for (int h = 0; h < HG; ++h)
-      for (int c = 0; c < C; ++c) a[h][c] = h < hg ? _mm512_loadu_ps(acc + (g0 + h) * hd + 16 * c) : _mm512_setzero_ps();
+      for (int c = 0; c < CB; ++c)
+        a[h][c] = h < hg ? _mm512_loadu_ps(acc + (g0 + h) * hd + 16 * (c0 + c)) : _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      __m512 vz[C];
-      for (int c = 0; c < C; ++c) vz[c] = load_bf16x16(rows[j] + 16 * c);
-      for (int h = 0; h < HG; ++h) {
-        if (h < hg) {
-          const __m512 pg = _mm512_set1_ps(p[(g0 + h) * stride + j]);
-          for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(pg, vz[c], a[h][c]);
-        }
+      const uint16_t* v = rows[j] + 16 * c0;
+      for (int c = 0; c < CB; ++c) {
+        const __m512 vz = load_bf16x16(v + 16 * c);
+        for (int h = 0; h < HG; ++h)
+          if (h < hg) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(g0 + h) * stride + j]), vz, a[h][c]);
       }
     }
     for (int h = 0; h < hg; ++h)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g0 + h) * hd + 16 * c, a[h][c]);
+      for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + (g0 + h) * hd + 16 * (c0 + c), a[h][c]);
+  }
+}
+
+// The widest column slice (a power of two of 16-lane columns dividing hd / 16) whose accumulators for
+// every head of the group fit the registers, and the passes over hd it takes.
+LAYERSTREAM_BF16_AVX512 void accumulate_bf16_regs(const float* p, int64_t stride, const uint16_t* const* rows,
+                                                  int64_t n, int64_t group, int64_t hd, float* acc) {
+  const int64_t C = hd / 16;
+  int64_t cb = 8;
+  while (cb > 1 && (C % cb != 0 || group * cb > 24)) cb /= 2;
+  for (int64_t c0 = 0; c0 < C; c0 += cb) {
+    switch (cb) {
+      case 8: accumulate_bf16_cols<8>(p, stride, rows, n, group, hd, c0, acc); break;
+      case 4: accumulate_bf16_cols<4>(p, stride, rows, n, group, hd, c0, acc); break;
+      case 2: accumulate_bf16_cols<2>(p, stride, rows, n, group, hd, c0, acc); break;
+      default: accumulate_bf16_cols<1>(p, stride, rows, n, group, hd, c0, acc);
+    }
   }
 }
 
@@ -600,12 +604,8 @@ void accumulate(const float* p, int64_t stride, const std::vector<const void*>& 
   const int64_t n = static_cast<int64_t>(rows.size());
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const auto* r = reinterpret_cast<const uint16_t* const*>(rows.data());
-    if (attention_avx512(hd) && hd == 64) {
-      accumulate_bf16_regs<4>(p, stride, r, n, group, acc);
-    } else if (attention_avx512(hd) && hd == 128) {
-      accumulate_bf16_regs<8>(p, stride, r, n, group, acc);
-    } else if (attention_avx512(hd)) {
-      accumulate_bf16_avx512(p, stride, r, n, group, hd, acc);
+    if (attention_avx512(hd)) {
+      accumulate_bf16_regs(p, stride, r, n, group, hd, acc);
     } else {
       accumulate_bf16(p, stride, r, n, group, hd, acc);
     }
@@ -650,6 +650,185 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
     for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = static_cast<T>(acc[g * hd + d] * r);
   }
 }
+
+// bf16 caches on AVX-512 (attention_avx512): the same arithmetic as decode_attend_one, read in the cache's
+// order. A cache block holds block_size keys x every KV head, contiguous; reading one KV head's rows for
+// the whole context (decode_attend_one) touches a few hundred bytes of each key's row of heads and
+// leaves the memory's prefetchers nothing to follow, which kept long contexts far below the memory's
+// speed. Here a task takes a chunk of a sequence's keys and a slice of its KV heads and walks the
+// chunk block by block, every head of the slice in each block before the next.
+//
+// Chunks of DECODE_CHUNK keys are softmaxed apart (against their own max, p rounded to bf16 there) and
+// merged as flash-decoding merges them: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c. Up to one
+// chunk that is decode_attend_one's result bit for bit; past it, p is rounded against each chunk's max,
+// as flash's tiles round it against their running max (so the two agree to the dtype's rounding). The
+// chunking depends on the context alone, never on the threads, so results do not either.
+constexpr int64_t DECODE_CHUNK = 512;
+constexpr int64_t MERGE_SCRATCH_FLOATS = 1 << 20;  // a wave of sequences' chunk partials (4 MiB)
+
+struct ChunkedDecode {
+  const DecodeArgs<c10::BFloat16>& A;
+  int64_t heads;
+  // Keys [k0, k1) of sequence seq, KV heads [h0, h1): each head's max score m, sum of p l and p . V acc
+  // (heads x hd, fp32) into m, l, acc (indexed by head), or, where `out` is set (the sequence's only
+  // chunk), its output rounded to bf16.
+  void run(int64_t seq, int64_t k0, int64_t k1, int64_t h0, int64_t h1, float* m, float* l, float* acc,
+           c10::BFloat16* out) const {
+    const int64_t hd = A.hd, G = A.group, nkv = A.nkv, bs = A.block_size, n = k1 - k0, hs = (h1 - h0) * G;
+    thread_local std::vector<float> qf, s, a;
+    thread_local std::vector<const uint16_t*> rows;
+    qf.resize(hs * hd); s.resize(hs * n); a.assign(hs * hd, 0.0f); rows.resize(bs);
+    for (int64_t h = 0; h < hs; ++h) {
+      const c10::BFloat16* qh = A.q + seq * A.q_seq + (h0 * G + h) * A.q_head;
+      for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = static_cast<float>(qh[d]);
+    }
+    const int64_t* table = A.tables + seq * A.table_stride;
+    // f(j, take, base): the keys k0 + j .. + take of one cache block, `base` their first row of head 0.
+    const auto runs = [&](const c10::BFloat16* cache, auto&& f) {
+      for (int64_t j = 0, key = k0; j < n;) {
+        const int64_t b = key / bs, off = key - b * bs, take = std::min(bs - off, n - j);
+        f(j, take, reinterpret_cast<const uint16_t*>(cache + (table[b] * bs + off) * nkv * hd));
+        j += take;
+        key += take;
+      }
+    };
+    // The chunk's rows of this slice of heads asked for at once, before they are read (as decode_attend_one
+    // asks for its head's): a chunk is short enough that they are still in cache when the loop gets there.
+    const int64_t slice_bytes = (h1 - h0) * hd * static_cast<int64_t>(sizeof(uint16_t));
+    const auto ask = [&](int64_t, int64_t take, const uint16_t* base) {
+      for (int64_t i = 0; i < take; ++i) prefetch_row(base + (i * nkv + h0) * hd, slice_bytes);
+    };
+    const auto head_rows = [&](const uint16_t* base, int64_t take, int64_t kvh) {
+      for (int64_t i = 0; i < take; ++i) rows[i] = base + (i * nkv + kvh) * hd;
+    };
+    runs(A.kc, ask);
+    runs(A.kc, [&](int64_t j, int64_t take, const uint16_t* base) {
+      for (int64_t kvh = h0; kvh < h1; ++kvh) {
+        head_rows(base, take, kvh);
+        scores_bf16_avx512(qf.data() + (kvh - h0) * G * hd, rows.data(), take, G, hd, A.scale,
+                           s.data() + (kvh - h0) * G * n + j, n);
+      }
+    });
+    thread_local std::vector<float> mx, sums;
+    mx.resize(hs); sums.resize(hs);
+    for (int64_t h = 0; h < hs; ++h) {  // flash multiplies V by p in the dtype
+      float* sh = s.data() + h * n;
+      float top = -INFINITY;
+      for (int64_t k = 0; k < n; ++k) top = sh[k] > top ? sh[k] : top;
+      mx[h] = top;
+      sums[h] = softmax_row(sh, n, true, false);
+    }
+    runs(A.vc, ask);
+    runs(A.vc, [&](int64_t j, int64_t take, const uint16_t* base) {
+      for (int64_t kvh = h0; kvh < h1; ++kvh) {
+        head_rows(base, take, kvh);
+        accumulate_bf16_regs(s.data() + (kvh - h0) * G * n + j, n, rows.data(), take, G, hd,
+                             a.data() + (kvh - h0) * G * hd);
+      }
+    });
+    for (int64_t h = 0; h < hs; ++h) {
+      if (out != nullptr) {
+        const float r = 1.0f / sums[h];
+        c10::BFloat16* o = out + seq * (heads * hd) + (h0 * G + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<c10::BFloat16>(a[h * hd + d] * r);
+      } else {
+        m[h0 * G + h] = mx[h];
+        l[h0 * G + h] = sums[h];
+        std::memcpy(acc + (h0 * G + h) * hd, a.data() + h * hd, hd * sizeof(float));
+      }
+    }
+  }
+};
+
+// Every sequence's context [lo, pos] in chunks, each chunk's KV heads in as many slices as keep the
+// threads busy (a short context of one sequence is one chunk: its heads are then split).
+void decode_attention_chunked(const DecodeArgs<c10::BFloat16>& A, int64_t seqs) {
+  const int64_t heads = A.nkv * A.group, hd = A.hd;
+  const ChunkedDecode D{A, heads};
+  const auto window_start = [&](int64_t i) {
+    return A.window > 0 ? std::max<int64_t>(0, A.positions[i] - A.window + 1) : int64_t{0};
+  };
+  const auto keys = [&](int64_t i) { return A.positions[i] + 1 - window_start(i); };
+  const auto chunks = [&](int64_t i) { return (keys(i) + DECODE_CHUNK - 1) / DECODE_CHUNK; };
+  // Chunks of equal length (at most DECODE_CHUNK): the tasks' work is even.
+  const auto chunk_keys = [&](int64_t i) { return (keys(i) + chunks(i) - 1) / chunks(i); };
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> scratch;
+  for (int64_t first = 0; first < seqs;) {
+    // A wave of sequences whose chunk partials fit the scratch (at least one sequence).
+    int64_t last = first, parts = 0;
+    std::vector<int64_t> part_start{0};
+    for (; last < seqs; ++last) {
+      const int64_t c = chunks(last), p = c > 1 ? c : 0;
+      if (last > first && (parts + p) * heads * (hd + 2) > MERGE_SCRATCH_FLOATS) break;
+      parts += p;
+      part_start.push_back(parts);
+    }
+    int64_t total = 0;
+    for (int64_t i = first; i < last; ++i) total += chunks(i);
+    // KV heads in slices (a divisor of their number, so slices are even) until there are a few tasks a thread.
+    int64_t slices = 1;
+    while (total * slices < 2 * threads) {
+      int64_t next = slices + 1;
+      while (next <= A.nkv && A.nkv % next != 0) ++next;
+      if (next > A.nkv) break;
+      slices = next;
+    }
+    const int64_t per_slice = A.nkv / slices;
+    scratch.resize(parts * heads * (hd + 2));
+    float* ms = scratch.data();
+    float* ls = ms + parts * heads;
+    float* accs = ls + parts * heads;
+    std::vector<std::pair<int64_t, int64_t>> tasks;  // (sequence, chunk)
+    for (int64_t i = first; i < last; ++i)
+      for (int64_t c = 0; c < chunks(i); ++c) tasks.emplace_back(i, c);
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()) * slices, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const auto [i, c] = tasks[t / slices];
+        const int64_t h0 = (t % slices) * per_slice, h1 = h0 + per_slice;
+        const int64_t k0 = window_start(i) + c * chunk_keys(i), k1 = std::min(A.positions[i] + 1, k0 + chunk_keys(i));
+        if (chunks(i) == 1) {
+          D.run(i, k0, k1, h0, h1, nullptr, nullptr, nullptr, A.out);
+        } else {
+          const int64_t part = part_start[i - first] + c;
+          D.run(i, k0, k1, h0, h1, ms + part * heads, ls + part * heads, accs + part * heads * hd, nullptr);
+        }
+      }
+    });
+    // Merge the chunks of each (sequence, head), in chunk order.
+    if (parts > 0) at::parallel_for(0, (last - first) * heads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = first + t / heads, h = t % heads, nc = chunks(i);
+        if (nc == 1) continue;
+        const int64_t p0 = part_start[i - first];
+        float top = -INFINITY;
+        for (int64_t c = 0; c < nc; ++c) top = std::max(top, ms[(p0 + c) * heads + h]);
+        float sum = 0.0f;
+        thread_local std::vector<float> o;
+        o.assign(hd, 0.0f);
+        for (int64_t c = 0; c < nc; ++c) {
+          const float w = exp_approx(ms[(p0 + c) * heads + h] - top);
+          sum += w * ls[(p0 + c) * heads + h];
+          const float* a = accs + ((p0 + c) * heads + h) * hd;
+          for (int64_t d = 0; d < hd; ++d) o[d] += w * a[d];
+        }
+        const float r = 1.0f / sum;
+        c10::BFloat16* out = A.out + i * (heads * hd) + h * hd;
+        for (int64_t d = 0; d < hd; ++d) out[d] = static_cast<c10::BFloat16>(o[d] * r);
+      }
+    });
+    first = last;
+  }
+}
+
+// Whether decode_attention_chunked ran these sequences (bf16 on AVX-512), or decode_attend_one must.
+bool decode_chunked(const DecodeArgs<c10::BFloat16>& A, int64_t seqs) {
+  if (!attention_avx512(A.hd)) return false;
+  decode_attention_chunked(A, seqs);
+  return true;
+}
+template <typename T>
+bool decode_chunked(const DecodeArgs<T>&, int64_t) { return false; }
 
 // Copies rows (seqs, kv_heads, hd) of src into the cache at slots (rows of (blocks * block_size, kv_heads, hd)).
 template <typename T>
@@ -704,6 +883,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                  v_cache.data_ptr<scalar_t>(), tp, tables.size(1), pp, bs, nkv, nh / nkv, hd,
                                  window, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
                                  out.data_ptr<scalar_t>()};
+    if (decode_chunked(A, seqs)) return;
     // One task per (sequence, KV head); a decode of a few short sequences stays on this thread.
     at::parallel_for(0, seqs * nkv, 4, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) decode_attend_one(A, i / nkv, i % nkv);

@@ -1,7 +1,7 @@
 """Where a single-stream decode step's time goes on the CPU, by the decoding thread's CPU time, one thread
 (or by wall time with --threads above 1, where the other threads' work counts too):
 the whole `engine.step()` (median decode step of a 33-token greedy run), and the model's blocks, the matmuls
-inside them and the LM head each timed alone (one decode row at a short context), in one process, medians of
+inside them and the LM head each timed alone (one decode row at --position: a short context by default), in one process, medians of
 --rounds. The whole step is also timed with the blocks op by op (the C++ decode block off) and op by op with
 SDPA (the fused decode attention off too), alternating with the default: an A/B on the same weights even on a
 shared machine.
@@ -19,13 +19,16 @@ from pathlib import Path
 from .common import BENCH_ROOT
 
 PROMPT = "What is the capital of France? Answer in one long paragraph about its history."
-POSITION = 40  # the decode row's position: a short context, as in bench-packed's 32-token decodes
+POSITION = 40  # the decode row's default position: a short context, as in bench-packed's 32-token decodes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(BENCH_ROOT / "smollm2" / "SmolLM2-135M-Instruct.Q4_0.gguf"))
     p.add_argument("--rounds", type=int, default=5, help="rounds of every measurement; medians reported")
     p.add_argument("--calls", type=int, default=20, help="calls per round of each timed part")
+    p.add_argument("--position", type=int, default=POSITION,
+                   help="the timed parts' decode row attends to this many earlier keys (the cache's contents "
+                        "do not matter to the time); the whole step decodes a short prompt whatever it is")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; above 1 the parts are timed by wall time, not the thread's CPU time")
 
@@ -46,7 +49,8 @@ def run(ns: argparse.Namespace) -> int:
         sys.exit(f"{ns.model} not found (bench-packed makes it)")
     torch.set_num_threads(ns.threads)
     clock = time.thread_time if ns.threads == 1 else time.perf_counter
-    llm = LLM(ns.model, max_model_len=512, max_num_seqs=1)
+    position = ns.position
+    llm = LLM(ns.model, max_model_len=max(512, position + 64), max_num_seqs=1)
     try:
         engine, runner = llm.engine, llm.engine.model.runner
         cfg, weights = runner.cfg, runner.weights
@@ -57,14 +61,19 @@ def run(ns: argparse.Namespace) -> int:
         if cfg.num_layers > len(engine.plan.resident_blocks):
             print("note: some blocks are streamed; the parts time their last prepared copies")
         bs = runner.kv.block_size
-        pos = torch.tensor([POSITION])
-        tables = torch.arange(POSITION // bs + 1)[None]  # (1, blocks)
+        pos = torch.tensor([position])
+        tables = torch.arange(position // bs + 1)[None]  # (1, blocks)
+        for i in range(cfg.num_layers):
+            # Cached keys and values the row attends to, written as a prompt's would be: pages of the pool
+            # never written all map the kernel's one zero page, which would make their reads free.
+            for cache in runner.kv.layer(i):
+                cache[: tables.shape[1]].normal_(std=0.5)
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         cos, sin = M.rotary_cos_sin(pos, runner.inv_freq, runner.rope_scaling, runner.dtype)
-        keys = torch.arange(POSITION + 1)
+        keys = torch.arange(position + 1)
         step = M.StepInputs(input_ids=torch.zeros(1, dtype=torch.long), positions=pos, cos=cos, sin=sin,
                             slot_mapping=slots, block_tables=tables, pad_rows=None, max_query=1,
-                            context_len=POSITION + 1, attn_mask=(keys[None, :] <= pos[:, None])[:, None, None, :],
+                            context_len=position + 1, attn_mask=(keys[None, :] <= pos[:, None])[:, None, None, :],
                             logits_index=torch.arange(1))
         x0 = torch.randn(1, cfg.hidden_size).to(runner.dtype)  # (1, hidden)
         act = torch.randn(1, cfg.intermediate_size).to(runner.dtype)  # (1, intermediate)
@@ -119,7 +128,7 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         llm.close()
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    print(f"{Path(ns.model).name}: one decode row at position {POSITION}, {ns.threads} thread(s), "
+    print(f"{Path(ns.model).name}: one decode row at position {position}, {ns.threads} thread(s), "
           f"{'thread CPU' if ns.threads == 1 else 'wall'} time, medians of "
           f"{ns.rounds}; load average {load}")
     for name, xs in times.items():

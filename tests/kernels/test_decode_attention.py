@@ -79,6 +79,8 @@ def _fused(q, k, v, k_cache, v_cache, slots, tables, positions, window=0):
     (4, 100, 8, 8, 0, 64),     # no GQA
     (3, 300, 8, 2, 64, 64),    # sliding window
     (2, 1300, 4, 1, 0, 64),    # past one flash tile of 512 keys
+    (1, 2000, 24, 8, 0, 128),  # Llama-3.2-3B's heads at a long context: bf16 on AVX-512 merges 4 chunks
+    (2, 1500, 8, 2, 700, 128),  # a sliding window across chunks
     (3, 200, 8, 2, 0, 128),    # bf16 on AVX-512: 8 vectors a row
     (2, 90, 6, 3, 0, 40),      # a head_dim the AVX-512 bf16 loops do not take: the generic ones
 ])
@@ -97,6 +99,24 @@ def test_decode_attention_matches_the_sdpa_path(seqs, ctx, nh, nkv, window, hd, 
     ulp = exact.abs().max().item() * torch.finfo(dtype).eps
     assert err <= 1.25 * sdpa_err + ulp, (err, sdpa_err)
     torch.testing.assert_close(out, ref, atol=2 * ulp, rtol=0)
+
+
+@needs_ops
+@pytest.mark.parametrize("ctx", [300, 1300])
+def test_decode_attention_does_not_depend_on_the_threads(ctx):
+    """bf16 on AVX-512 splits a context into chunks and heads into slices by how many threads there are to
+    keep busy: the chunks depend on the context alone and each head's sums on nothing else, so the bits
+    are the same on any number of threads."""
+    args = _case(3, ctx, nh=24, nkv=8, hd=128, seed=ctx)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _, _ = _fused(*(a.clone() for a in args))
+        torch.set_num_threads(max(2, threads))
+        many, _, _ = _fused(*(a.clone() for a in args))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
 
 
 @needs_ops
