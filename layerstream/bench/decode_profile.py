@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds of every measurement; medians reported")
     p.add_argument("--calls", type=int, default=20, help="calls per round of each timed part")
     p.add_argument("--position", type=int, default=POSITION,
-                   help="the timed parts' decode row attends to this many earlier keys (the cache's contents "
-                        "do not matter to the time); the whole step decodes a short prompt whatever it is")
+                   help="the timed parts' decode row attends to this many earlier keys (random values, written "
+                        "first); the whole step decodes a short prompt whatever it is")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; above 1 the parts are timed by wall time, not the thread's CPU time")
 
