@@ -331,7 +331,8 @@ def _child(ns) -> dict:
 
 
 def _run_child(ns, policy: str, model: Path, budget: int, ngl: int | None = None) -> dict:
-    argv = [sys.executable, "-m", "layerstream", "--log-level", "WARNING", "bench-placement", "--child", policy,
+    # this module itself, not the `layerstream` dispatcher: nothing imports the server's packages (a GPU image lacks them)
+    argv = [sys.executable, "-m", "layerstream.bench.placement", "--child", policy,
             "--model", str(model), "--budget", str(budget), "--device", ns.device, "--shape", ns.shape,
             "--prompt-tokens", str(ns.prompt_tokens), "--batch", str(ns.batch),
             "--batch-prompt-tokens", str(ns.batch_prompt_tokens), "--decode-tokens", str(ns.decode_tokens)]
@@ -341,7 +342,9 @@ def _run_child(ns, policy: str, model: Path, budget: int, ngl: int | None = None
         argv += ["--ngl", str(ngl)]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=ns.timeout)
+        # the kernels' own OpenMP threads too, not only torch's
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(ns.threads)} if ns.threads else {})}
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=ns.timeout, env=env)
     except subprocess.TimeoutExpired as e:
         return dict(policy=policy, error=f"no result in {ns.timeout:.0f} s", stderr_tail=str(e.stderr or "")[-1500:])
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -23,7 +23,7 @@ def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("placement")
     out = subprocess.run([sys.executable, "-m", "layerstream", "bench-placement", "--device", "cpu", "--shape", "tiny",
                           "--prompt-tokens", "64", "--batch", str(BATCH), "--batch-prompt-tokens", "8",
-                          "--decode-tokens", "4", "--json", str(tmp / "r.json")],
+                          "--decode-tokens", "4", "--threads", "1", "--json", str(tmp / "r.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "LAYERSTREAM_BENCH_DIR": str(tmp), "LAYERSTREAM_SIM_GBPS": "50"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
