@@ -77,12 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu: the simulated link")
     p.add_argument("--budget-fraction", type=float, default=0.25,
                    help="device budget as a fraction of the checkpoint's bytes (raised where groups do not place)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--prompt-tokens", type=int, default=512, help="the prefill row's prompt")
     p.add_argument("--batch", type=int, default=16, help="requests decoding together in the batched row")
-    p.add_argument("--batch-prompt-tokens", type=int, default=32)
+    p.add_argument("--batch-prompt-tokens", type=int, default=32, help="each batched request's prompt")
     p.add_argument("--decode-tokens", type=int, default=16, help="timed decode steps per row")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from stream, cpu, auto")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads, torch's and the kernels' (default: torch's)")
     p.add_argument("--gguf", default=None, help="llama.cpp's file of the same weights (default: <shape>.BF16.gguf "
                    "beside the checkpoint, if bench-scale made it)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per policy's run")
