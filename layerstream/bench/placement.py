@@ -285,6 +285,8 @@ def _child(ns) -> dict:
     load_s = time.perf_counter() - t0
     try:
         placement = engine.plan.group_placement
+        if placement is None or not placement.off_device:  # the parent planned groups at this budget
+            raise RuntimeError(f"{ns.child}: this engine's plan places no groups off the device:\n{engine.plan.describe()}")
         off = placement.off_device_groups
         mlp_bytes = sum(g.nbytes for g in off) / len(off)  # every dense MLP has one shape
         links = engine.telemetry().links
