@@ -113,8 +113,8 @@ def model_root(shape: str) -> Path:
 
 # -- one engine, as parent (plans) and child (runs) build it -----------------------------------------
 def _kv_bytes(ns, cfg) -> int:
-    """A KV pool that holds what the rows need, not max_num_seqs x max_model_len (at an 8B shape that pool
-    alone would take a quarter of the budget): the prompt's request, or the batch's, in 16-token blocks."""
+    """A KV pool that holds what the rows need, not max_num_seqs x max_model_len (at the 8B shape that pool
+    alone would take over a third of a 25% budget): the prompt's request, or the batch's, in 16-token blocks."""
     heads, k_width, v_width = cfg.kv_cache_dims
     per_token = cfg.num_layers * heads * (k_width + v_width) * 2  # K and V of every layer, bf16
     blocks = lambda prompt: -(-(prompt + max_tokens(ns)) // 16)  # noqa: E731
@@ -156,8 +156,8 @@ def _plans(ns, model: Path, budget: int) -> dict:
         out = {}
         for policy in ns.policy_list:
             args = engine_args(ns, model, policy, budget)
-            out[policy] = plan_for(args, checkpoint.cfg, checkpoint, resolve_dtype(args.dtype, checkpoint.cfg.checkpoint_dtype),
-                                   host_budget(args.max_host_memory))
+            dtype = resolve_dtype(args.dtype, checkpoint.cfg.checkpoint_dtype)
+            out[policy] = plan_for(args, checkpoint.cfg, checkpoint, dtype, host_budget(args.max_host_memory))
         return out
     finally:
         checkpoint.close()
@@ -244,8 +244,9 @@ def measured_speeds(cfg, group, link_gbps: float, device_gbps: float | None, dev
         one, many = best(host, 1, "cpu"), best(host, 64, "cpu")
         del host
         on_device = best(weights(device), rows, device)
-    return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=group.nbytes / one / 1e9, cpu_flops=2 * group.params * 64 / many,
-                          device_flops=2 * group.params * rows / on_device, device_gbps=device_gbps)
+    return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=group.nbytes / one / 1e9,
+                          cpu_flops=2 * group.params * 64 / many, device_flops=2 * group.params * rows / on_device,
+                          device_gbps=device_gbps)
 
 
 def _run_to_first_tokens(engine, ids: set) -> tuple[int, int]:
@@ -286,7 +287,8 @@ def _child(ns) -> dict:
     try:
         placement = engine.plan.group_placement
         if placement is None or not placement.off_device:  # the parent planned groups at this budget
-            raise RuntimeError(f"{ns.child}: this engine's plan places no groups off the device:\n{engine.plan.describe()}")
+            raise RuntimeError(f"{ns.child}: this engine's plan places no groups off the device:\n"
+                               f"{engine.plan.describe()}")
         off = placement.off_device_groups
         mlp_bytes = sum(g.nbytes for g in off) / len(off)  # every dense MLP has one shape
         links = engine.telemetry().links
@@ -297,7 +299,8 @@ def _child(ns) -> dict:
 
             link = links.h2d_gbps or probes.host_to_device_gbps(ns.device)
             result["link_gbps"] = link
-            speeds = measured_speeds(model_config(Path(ns.model)), off[0], link, links.device_gbps, ns.device, ns.prompt_tokens)
+            speeds = measured_speeds(model_config(Path(ns.model)), off[0], link, links.device_gbps, ns.device,
+                                     ns.prompt_tokens)
             engine.set_measured_speeds(speeds)
             result["speeds"] = speeds.__dict__
 
@@ -333,7 +336,7 @@ def _child(ns) -> dict:
 
 
 def _run_child(ns, policy: str, model: Path, budget: int, ngl: int | None = None) -> dict:
-    # this module itself, not the `layerstream` dispatcher: nothing imports the server's packages (a GPU image lacks them)
+    # this module, not the `layerstream` dispatcher: nothing imports the server's packages (a GPU image lacks them)
     argv = [sys.executable, "-m", "layerstream.bench.placement", "--child", policy,
             "--model", str(model), "--budget", str(budget), "--device", ns.device, "--shape", ns.shape,
             "--prompt-tokens", str(ns.prompt_tokens), "--batch", str(ns.batch),
@@ -483,7 +486,8 @@ def run(ns: argparse.Namespace) -> int:
         rows[policy] = _rows(r, mem_gbps)
         speeds = r.get("speeds")
         print(f"{policy}: {r['off_device']} MLPs of {r['mlp_bytes'] / 2**20:.0f} MiB off the device, "
-              f"planned {r['device_bytes'] / 2**30:.2f} GiB, link {fmt(r['link_gbps'], 1)} GB/s, load {r['load_s']:.0f} s"
+              f"planned {r['device_bytes'] / 2**30:.2f} GiB, link {fmt(r['link_gbps'], 1)} GB/s, "
+              f"load {r['load_s']:.0f} s"
               + (f"; speeds handed to auto: CPU {speeds['cpu_gbps']:.1f} GB/s at one row, "
                  f"{speeds['cpu_flops'] / 1e12:.2f} TFLOP/s at 64 rows, device {speeds['device_flops'] / 1e12:.1f} "
                  "TFLOP/s" if speeds else ""), flush=True)
@@ -525,13 +529,15 @@ def run(ns: argparse.Namespace) -> int:
         print(("SIMULATED " if ns.device == "cpu" else "") + "verdict: " + line)
     if ns.json:
         Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps({"machine": machine_description(), "gpu": gpu, "simulated": ns.device == "cpu",
+        Path(ns.json).write_text(json.dumps({"machine": machine_description(), "gpu": gpu,
+                                             "simulated": ns.device == "cpu",
                                              "shape": ns.shape, "budget": budget, "budget_fraction": fraction,
                                              "budget_note": note, "memory_gbps": mem_gbps, "results": results,
                                              "rows": rows, "llama_cpp_b1": llama_b1, "llama_cpp_why_not": why_not,
                                              "verdicts": checks}, indent=1))
     if ns.png and rows:
-        c = Chart(f"bench-placement {ns.shape} at {fraction:.0%} of the weights{' (simulated)' if ns.device == 'cpu' else ''}")
+        simulated = " (simulated)" if ns.device == "cpu" else ""
+        c = Chart(f"bench-placement {ns.shape} at {fraction:.0%} of the weights{simulated}")
         for i, name in enumerate(ROWS):
             c.add(f"{name.replace('batch N', f'batch {ns.batch}')} tok/s", list(rows),
                   [rows[p][i].get("tps") for p in rows], [POLICIES.index(p) + 1 for p in rows])
