@@ -90,3 +90,18 @@ def test_a_policy_name_is_checked():
     ns = placement.argparse.Namespace(policies="stream,gpu", device="cpu", child=None)
     with pytest.raises(ValueError, match="unknown policy 'gpu'"):
         placement.run(ns)
+
+
+def test_verdicts_compare_auto_with_the_better_policy_and_with_llama_cpp():
+    def rows(*tps):
+        return [{"tps": t} for t in tps]
+
+    lines = placement.verdicts({"stream": rows(100.0, 2.0, 30.0), "cpu": rows(50.0, 5.0, 20.0),
+                                "auto": rows(100.0, 4.9, 31.0)}, 16, llama_b1=4.0, why_not=None)
+    assert lines[0].startswith("auto >= best of stream, cpu at prefill: MET (100.00 vs 100.00")
+    assert lines[1].startswith("auto >= best of stream, cpu at batch 1: NOT MET (4.90 vs 5.00")
+    assert lines[2].startswith("auto >= best of stream, cpu at batch 16: MET (31.00 vs 30.00")
+    assert lines[3].startswith("auto >= 1.2x llama.cpp at batch 1: MET (4.90 vs 4.00 tok/s, 1.23x)")
+    lines = placement.verdicts({"stream": rows(1.0, 1.0, 1.0), "auto": rows(1.0, 1.0, 1.0)}, 16, None, "why")
+    assert lines == ["auto >= best of stream, cpu: not measured (a policy left out or failed)",
+                     "auto >= 1.2x llama.cpp at batch 1: not measured (why)"]
