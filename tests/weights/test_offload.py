@@ -227,3 +227,64 @@ def test_a_gguf_file_s_mlps_keep_the_cuda_protocol_and_the_tokens(tmp_path, reco
             assert stats.groups_stream == 0 and stats.groups_cpu > 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("dtype, policy", [("float32", "stream"), ("float32", "auto"), ("auto", "cpu")])
+def test_a_gguf_file_s_routed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, recording_cuda_experts,
+                                                                            monkeypatch, dtype, policy):
+    """A mixture-of-experts GGUF (DeepSeek-V3's tiny one from llama.cpp's converter, Q8_0) with routed experts off
+    the device of the CUDA transport (replayed): streamed, only the chosen experts' GGML bytes fill the expert
+    cache's device slots (GGUFWeight there, as a streamed GGUF block is computed), under the slots' protocol; on the
+    CPU the packed kernels compute them, their activations crossing in pinned staging. Greedy tokens are the
+    all-resident run's in the same mode (streamed GGUFWeight products match it in exact mode only)."""
+    from engine import kernels
+    from tests.support.families import build
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    if dtype == "auto" and kernels.int4_backend() != "vnni":
+        pytest.skip("no VNNI kernels here: fast mode's CPU path computes another way")
+    path = convert(build(tmp_path / "hf", "deepseek_v3"), tmp_path / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    expert_bytes = 34 * 3 * 64 * 32 // 32  # one expert's Q8_0 bytes: 34 a block of 32 weights
+    kw = dict(dtype=dtype, device="cpu", transport="cuda", max_host_memory="8GiB", show_progress=False, **KW)
+    ref = LLM(str(path), **kw)
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
+        fits = ref.plan.device_bytes
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    # short of about two blocks' routed experts as they stay on the device (fp32 in exact mode, Q8_0 in fast mode)
+    llm = LLM(str(path), max_device_memory=fits - 2 * 8 * (4 * 3 * 64 * 32 if dtype == "float32" else expert_bytes),
+              cpu_offload_policy=policy, **kw)
+    try:
+        off = llm.plan.group_placement.off_device
+        assert {k for _, k in off} >= {"experts"}, llm.plan.describe()
+        made, _, (activations,) = recording_cuda_experts
+        if policy == "auto":
+            llm.engine.set_measured_speeds(MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=2e9,
+                                                          device_flops=1e12))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == expected
+        t = llm.telemetry()
+        stats, total = t.offload, t.total
+        d2h, h2d = check_activations(activations, activations.rt.log)
+        assert h2d == stats.groups_cpu
+        if policy == "cpu":
+            assert not made and stats.groups_stream == 0 and stats.groups_cpu > 0
+            return
+        (slots,) = made
+        assert slots.packed is not None  # the slots hold GGML bytes
+        copies = check_protocol(slots, slots.rt.log)
+        assert copies * expert_bytes == total.expert_bytes > 0  # every fill one copy of one expert's packed bytes
+        # what compute read from a slot: GGUFWeight over its bytes
+        block = min(b for b, k in off if k == "experts")
+        (group,) = list(llm.engine.model.weights.offloaded_experts(block, [0, 5], "stream"))
+        assert {type(w).__name__ for e in group.values() for w in e.values()} == {"GGUFWeight"}
+        assert all(w.data.untyped_storage().data_ptr() == slots._dev[0].untyped_storage().data_ptr()
+                   for e in group.values() for w in e.values())
+        if policy == "auto":
+            assert stats.groups_cpu > 0 and stats.groups_stream > 0
+    finally:
+        llm.close()
