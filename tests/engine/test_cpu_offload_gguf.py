@@ -328,3 +328,32 @@ def test_gguf_mlps_off_a_gpu_give_its_resident_tokens(gguf_path, mlp_bytes, monk
         assert (stats.groups_cpu > 0) == (policy != "stream") and (stats.groups_stream > 0) == (policy != "cpu")
     finally:
         llm.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["cpu", "stream", "auto"])
+def test_gguf_experts_off_a_gpu_give_its_resident_tokens(moe_gguf, monkeypatch, policy):
+    """On a real GPU in exact fp32 mode: routed experts off the device computed on the CPU from the file's blocks,
+    or the chosen ones streamed as their GGML bytes into the device's expert slots; greedy tokens are the GPU's
+    all-resident run's."""
+    path, experts, _ = moe_gguf
+    kw = dict(dtype="float32", device="cuda", **MOE_KW)
+    ref = LLM(str(path), **kw)
+    try:
+        expected, fits = moe_tokens(ref), ref.plan.device_bytes
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    llm = LLM(str(path), cpu_offload_policy=policy, max_device_memory=fits - 8 * experts[1], **kw)
+    try:
+        off = llm.plan.group_placement.off_device
+        assert {k for _, k in off} >= {"experts"}, llm.plan.describe()
+        if policy == "auto":
+            llm.engine.set_measured_speeds(MOE_SPEEDS)
+        assert moe_tokens(llm) == expected
+        t = llm.telemetry()
+        assert t.total.expert_bytes == t.total.expert_misses * experts[1] // 8
+        assert (t.offload.groups_cpu > 0) == (policy != "stream")
+        assert (t.offload.groups_stream > 0) == (policy != "cpu")
+    finally:
+        llm.close()

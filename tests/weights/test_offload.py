@@ -5,6 +5,7 @@ blocks keep (check_protocol), and greedy tokens stay the resident model's (fp32)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.placement import MeasuredSpeeds
@@ -288,3 +289,52 @@ def test_a_gguf_file_s_routed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_
             assert stats.groups_cpu > 0 and stats.groups_stream > 0
     finally:
         llm.close()
+
+
+def test_packed_expert_slots_fit_every_block_s_types():
+    """llama.cpp's mixes store one block's experts in another type than the next's (Q4_K_M keeps some ffn_down_exps
+    in Q6_K): a slot's room for each tensor is the largest of any block's, and an expert staged into it is read back
+    with its own type and shape, the same values as its stored bytes dequantized; plain tensors (biases) in the
+    compute dtype."""
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.weights.experts.packed import PackedExperts
+    from engine.weights.formats.reader import TensorInfo
+    from engine.weights.packed.dequant import dequantize
+    from tests.support.gguf_models import random_blocks
+
+    shapes = {"w_up": (32, 256), "w_down": (256, 256)}
+    types = {0: {"w_up": Q.Q8_0, "w_down": Q.Q6_K}, 1: {"w_up": Q.Q8_0, "w_down": Q.Q8_0}}
+    stored = {(b, e): {k: torch.from_numpy(random_blocks(q, *shapes[k], seed=10 * b + e + len(k)))
+                       for k, q in types[b].items()} | {"b_up": torch.randn(32)}
+              for b in types for e in range(2)}
+
+    class Source:  # the three BlockSource methods the slots read
+        def expert_blocks(self):
+            return list(types)
+
+        def num_experts(self, block):
+            return 2
+
+        def expert_tensors(self, block, expert):
+            rows = stored[(block, expert)]
+            out = {k: TensorInfo(k, Path("x"), None, shapes[k], 0, rows[k].numel(), q.name)
+                   for k, q in types[block].items()}
+            return out | {"b_up": TensorInfo("b_up", Path("x"), torch.float32, (32,), 0, 128)}
+
+    packed = PackedExperts(Source(), torch.float32)
+    assert packed.specs["w_down"] == ((stored[(1, 0)]["w_down"].numel(),), torch.uint8)  # Q8_0's, the larger
+    assert packed.specs["w_up"] == ((stored[(0, 0)]["w_up"].numel(),), torch.uint8)
+    assert packed.specs["b_up"] == ((32,), torch.float32)
+    room = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in packed.specs.items()}
+    for key in [(1, 1), (0, 1), (1, 0)]:  # a slot reused by experts of either block: Q6_K's bytes fill part of it
+        packed.stage(stored[key], room)
+        weights = packed.weights(key, room)
+        assert packed.nbytes(key) == sum(t.nbytes for k, t in stored[key].items() if k != "b_up") + 32 * 4
+        for k, q in types[key[0]].items():
+            assert weights[k].qtype == q and weights[k].shape == shapes[k]
+            assert weights[k].data.untyped_storage().data_ptr() == room[k].untyped_storage().data_ptr()
+            assert torch.equal(weights[k].dense(), dequantize(stored[key][k], q, shapes[k]))
+        assert torch.equal(weights["b_up"], stored[key]["b_up"])
