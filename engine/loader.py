@@ -336,9 +336,9 @@ PLACEMENT = "LAYERSTREAM_PLACEMENT"
 def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint) -> bool:
     """Whether the plan places tensor groups (attention on the device, MLPs and routed experts off it when the
     budget is short, issue #38) rather than whole blocks: with LAYERSTREAM_PLACEMENT=groups, for a device behind a
-    link (the simulated transport, or the CUDA one), safetensors or GGUF (a GGUF file's MLPs computed on the CPU
-    by the packed kernels, or streamed as its blocks stream). Whole blocks stay the default until a GPU run has
-    measured groups."""
+    link (the simulated transport, or the CUDA one), safetensors or GGUF (a GGUF file's MLPs and routed experts
+    computed on the CPU by the packed kernels, or streamed as its packed bytes: MLPs as its blocks stream, the chosen
+    experts into the expert cache's slots). Whole blocks stay the default until a GPU run has measured groups."""
     mode = os.environ.get(PLACEMENT, "blocks").strip().lower() or "blocks"
     if mode not in ("blocks", "groups"):
         raise ValueError(f"{PLACEMENT} must be blocks or groups, got {mode!r}")
@@ -348,13 +348,11 @@ def places_groups(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoin
     linked = args.transport == "simulated" or device.type == "cuda" or args.transport == "cuda"
     why = ("a device without a link to the host (the CPU itself: use the simulated or the CUDA transport)"
            if not linked
-           else "a mixture-of-experts GGUF checkpoint" if checkpoint.packed and cfg.moe is not None
            else f"--quantization {args.quantization}" if args.quantization
            else "LoRA adapters" if args.lora_modules
            else "the self-draft" if args.speculative_method == "self" else None)
     if why is not None:
-        raise ValueError(f"{PLACEMENT}=groups places MLPs (and a safetensors MoE's routed experts) off the device "
-                         f"for now, not with {why}")
+        raise ValueError(f"{PLACEMENT}=groups places MLPs and routed experts off the device for now, not with {why}")
     return True
 
 

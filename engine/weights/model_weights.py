@@ -33,7 +33,7 @@ from .transports.base import Transport, to_compute
 from .transports.cpu import CpuTransport
 
 if TYPE_CHECKING:
-    from .experts.tier import Router
+    from .experts.tier import ExpertTier, Router
     from .self_draft import SelfDraftWeights
 
 log = logging.getLogger("layerstream")
@@ -317,9 +317,9 @@ class ModelWeights:
         offload_source = on_device = None
         device_plan = plan  # what the block streamer serves: with groups off the device, every block's rest
         if plan.group_placement is not None:
-            if quantization or experts is not None or (self._packed and moe is not None):
+            if quantization or experts is not None:
                 raise ValueError("tensor groups off the device are served from unquantized safetensors weights or "
-                                 "a dense GGUF file, without expert streaming, for now")
+                                 "a GGUF file, without expert streaming, for now")
             off = plan.group_placement.off_device
 
             def on_device(b: int, name: str) -> bool:  # a stored tensor's short name, or a prepacked weight's
@@ -493,7 +493,8 @@ def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: Memory
     stream buffers leave after the MLPs' (placement.place_groups sized them so that prefetch depth + 1 experts
     fit beside the MLPs' buffers: the cache has those slots at least, within the budget). A GGUF file's MLPs
     stream as its blocks do (the prepacked entry's bytes to a CPU device, GGML bytes to a GPU) and the CPU
-    computes them in the packed kernels' form (_host_transport)."""
+    computes them in the packed kernels' form (_host_transport); so are its routed experts computed, and streamed
+    they move their GGML bytes into a GPU's slots, or on a CPU device the packed forms the CPU path holds."""
     cfg = checkpoint.cfg
     placed = plan.group_placement
     off = placed.off_device_groups
@@ -520,11 +521,15 @@ def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: Memory
             expert_bytes = max(g.nbytes // g.experts_total for g in routed)
             slots = (placed.stream_buffer_bytes - mlp_buffers) // expert_bytes
             assert slots >= 1, "place_groups reserves expert slots beside the MLPs' buffers"
-            experts = make_expert_tier(transport, cfg, source, dtype, device,
-                                       dataclasses.replace(plan, expert_slots=slots), guess=False)
+
+            def experts(host_experts) -> "ExpertTier":
+                # A GGUF file's experts on a CPU device: the slots hold the packed forms the CPU path has.
+                forms = (lambda key: host_experts[key[0]][key[1]]) if checkpoint.packed else None
+                return make_expert_tier(transport, cfg, source, dtype, device,
+                                        dataclasses.replace(plan, expert_slots=slots), guess=False, forms=forms)
         return OffloadTier(source, plan, dtype, link, experts, host)
     except BaseException:
-        for owned in (experts, link, prepacked, host):
+        for owned in (link, prepacked, host):
             if owned is not None:
                 owned.close()
         raise

@@ -14,13 +14,15 @@ which ModelWeights keeps resident like any resident block, and the groups off it
                  (up to the prefetch depth), never past the step's last one: the next step may not stream.
 
 Routed experts off the device (a MoE block's "experts" group) take the same two paths, expert by expert:
-  path "cpu":    the chosen experts' host tensors (made once at load, as the MLPs' are); the CPU computes them
+  path "cpu":    the chosen experts' host tensors (made once at load, as the MLPs' are: a GGUF file's in the
+                 packed kernels' form, or GGUFWeight views of the file in exact mode); the CPU computes them
                  from the hidden states and the routing, which alone cross the link;
   path "stream": only the experts the step's tokens chose, each read by byte range into a slot of the
                  expert tier's cache on the device (experts/: LRU over every block, so hot experts cost no
-                 copy), as many slots as the plan's stream buffers hold. No guess of the next block's
-                 experts: the next block may compute on the CPU, and a guessed fill would move its bytes
-                 for nothing.
+                 copy), as many slots as the plan's stream buffers hold; a GGUF file's move their packed
+                 bytes (GGUFWeight in a GPU's slots; a CPU device's slots hold the CPU path's packed forms).
+                 No guess of the next block's experts: the next block may compute on the CPU, and a guessed
+                 fill would move its bytes for nothing.
 
 The runner asks per step and block (engine.placement.PathPolicy decides); this tier only moves weights.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -43,22 +45,25 @@ from .transports.streamer import StreamStats
 if TYPE_CHECKING:
     from .experts.tier import ExpertTier
 
+HostExperts = dict[int, dict[int, dict[str, object]]]  # block -> expert -> its tensors on the host, by name
+
 
 class OffloadTier:
     """The off-device groups of every block: host tensors for the CPU, the transport (MLPs) or the expert
     tier (routed experts) for the device."""
 
     def __init__(self, source: BlockSource, plan: MemoryPlan, dtype: torch.dtype, link: Transport | None,
-                 experts: ExpertTier | None = None, host: Transport | None = None):
+                 experts: Callable[[HostExperts], ExpertTier] | None = None, host: Transport | None = None):
         """source: only the off-device groups' tensors (BlockSource.select), routed experts included; link: a
         transport over its MLP groups (source.without_experts()) to the compute device, None when no MLP is off
-        it; experts: the expert tier over its routed experts, None when no expert may stream (no experts off
-        the device, or a policy that never streams); host: the transport whose resident() blocks are the CPU's
+        it; experts: makes the expert tier over its routed experts, given the host's expert tensors (a packed
+        checkpoint's on a CPU device: its slots hold those), None when no expert may stream (no experts off the
+        device, or a policy that never streams); host: the transport whose resident() blocks are the CPU's
         tensors (default: CpuTransport over source; a GGUF file's: ModelWeights picks). All owned from here on."""
         off = plan.group_placement.off_device
         self._blocks = sorted({layer for layer, kind in off if kind == "mlp"})  # the MLPs' stream order
         self._link = link
-        self._experts = experts
+        self._experts: ExpertTier | None = None
         self._host_transport = host = host if host is not None else CpuTransport(source, dtype)
         self._host: dict[int, dict[str, torch.Tensor]] = {}
         self._host_experts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
@@ -71,6 +76,8 @@ class OffloadTier:
                     self._host_experts[b].setdefault(int(e), {})[name] = t
                 else:
                     self._host[b][short] = t
+        if experts is not None:
+            self._experts = experts(self._host_experts)
         self._tickets: dict[int, Ticket] = {}  # activated, until release
         # Prepared ahead on a thread of their own, within a step: the path is the step's, so once block i streams,
         # the next off-device blocks (up to the prefetch depth: the transport's buffers) are copied while it computes.

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader
 
-from engine import LLM, kernels
+from engine import LLM, SamplingParams, kernels
 from engine.kernels import ggml_repack
 from engine.placement import MeasuredSpeeds, PathPolicy, StepShape
 from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
@@ -175,18 +175,133 @@ def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes
         llm.close()
 
 
-def test_a_mixture_of_experts_gguf_is_refused_with_groups(tmp_path, monkeypatch):
-    """Its routed experts would stream through the expert cache, which moves plain tensors only: a clear error
-    before anything loads (whole blocks serve it)."""
+# A mixture of experts as llama.cpp's converter writes it (Q8_0: the int8 kernels' type): DeepSeek-V3's tiny one, a
+# dense first block, then blocks of 8 routed experts (2 a token, stacked per block in ffn_*_exps) and a shared one.
+MOE_PROMPTS = [list(PROMPT), list(PROMPT[:5]), [7, 300, 12, 45, 2, 99, 101]]
+MOE_KW = dict(max_model_len=128, max_num_seqs=3, show_progress=False)
+MOE_MODES = {"fast": "auto", "exact": "float32"}
+EXPERT_PARAMS = 3 * 64 * 32  # one routed expert: gate, up (32 x 64) and down (64 x 32)
+# An expert (and the shared expert, its shape) streams from 4 rows on in either mode: the prefill step streams,
+# decode steps of 3 sequences (at most 3 rows an expert) compute on the CPU.
+MOE_SPEEDS = MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=2e9, device_flops=1e12)
+
+
+def moe_tokens(llm) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(MOE_PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    """(the file, each MoE block's routed experts as stored: gguf-py's byte count, mode -> (the all-resident run's
+    tokens, its device bytes))."""
     from tests.support.families import build
     from tests.support.llama_cpp_convert import convert, llama_cpp_root
 
     if llama_cpp_root() is None:
         pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
-    path = convert(build(tmp_path / "hf", "deepseek_v3"), tmp_path / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    root = tmp_path_factory.mktemp("gguf-moe")
+    path = convert(build(root / "hf", "deepseek_v3"), root / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    experts: dict[int, int] = {}
+    for t in GGUFReader(path).tensors:
+        if t.name.endswith("_exps.weight"):
+            assert t.tensor_type == Q.Q8_0, t.name
+            layer = int(t.name.split(".")[1])
+            experts[layer] = experts.get(layer, 0) + int(t.n_bytes)
+    resident = {}
+    for mode, dtype in MOE_MODES.items():
+        llm = LLM(str(path), dtype=dtype, transport="simulated", **MOE_KW)
+        try:
+            resident[mode] = moe_tokens(llm), llm.plan.device_bytes
+        finally:
+            llm.close()
+    return path, experts, resident
+
+
+@pytest.fixture(params=list(MOE_MODES))
+def moe_mode(request, monkeypatch):
+    if request.param == "fast" and not _fast_mode_runs_here():
+        pytest.skip("no VNNI kernels or repack here: fast mode computes GGUF blocks another way")
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
-    with pytest.raises(ValueError, match="off the device for now, not with a mixture-of-experts GGUF checkpoint"):
-        LLM(str(path), transport="simulated", max_device_memory=1 << 20, **SHORT)
+    monkeypatch.setenv("LAYERSTREAM_SIM_GBPS", "50")
+    return request.param
+
+
+def _moe_llm(moe_gguf, mode: str, policy: str):
+    """The MoE GGUF under groups, short of the resident run's device bytes by about two blocks' routed experts as
+    they would stay on the device (Q8_0 in fast mode, fp32 in exact mode)."""
+    path, experts, resident = moe_gguf
+    short = 2 * experts[1] if mode == "fast" else 8 * experts[1]
+    return LLM(str(path), dtype=MOE_MODES[mode], transport="simulated", cpu_offload_policy=policy,
+               max_device_memory=resident[mode][1] - short, **MOE_KW)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "stream", "auto"])
+def test_a_mixture_of_experts_gguf_s_routed_experts_off_the_device(moe_gguf, moe_mode, policy):
+    """llama.cpp's --n-cpu-moe case: routed experts off the device, priced at their packed bytes (Q8_0: 34 bytes a
+    block of 32 weights); each step, per block, the chosen experts compute on the CPU from their packed form, or
+    only they stream into the device's expert slots as packed bytes. Greedy tokens are the all-resident GGUF run's
+    in the same mode for every policy."""
+    path, experts, resident = moe_gguf
+    expert_bytes = experts[1] // 8
+    assert expert_bytes * 32 == 34 * EXPERT_PARAMS
+    llm = _moe_llm(moe_gguf, moe_mode, policy)
+    try:
+        placed = llm.plan.group_placement
+        off = placed.off_device
+        assert {k for _, k in off} >= {"experts"}, llm.plan.describe()
+        assert all(g.nbytes == experts[g.layer] and g.experts_total == 8
+                   for g in placed.groups if g.kind == "experts")
+        if policy == "auto":
+            group = next(g for g in placed.off_device_groups if g.kind == "experts")
+            assert PathPolicy("auto", MOE_SPEEDS).rows_threshold(group) == 4
+            llm.engine.set_measured_speeds(MOE_SPEEDS)
+        assert moe_tokens(llm) == resident[moe_mode][0]
+        t = llm.telemetry()
+        stats, total = t.offload, t.total
+        assert stats.groups_cpu + stats.groups_stream == len(off) * t.steps
+        # streamed, an expert moves its Q8_0 bytes, and only the chosen ones that the device's cache misses
+        assert total.expert_bytes == total.expert_misses * expert_bytes
+        if policy == "cpu":
+            assert stats.steps_stream == 0 and total.expert_bytes == 0 and stats.steps_cpu == t.steps
+        elif policy == "stream":
+            assert stats.steps_cpu == 0 and total.expert_misses > 0 and total.expert_hits > 0
+        else:
+            assert stats.steps_cpu > 0 and stats.steps_stream > 0 and total.expert_misses > 0
+    finally:
+        llm.close()
+
+
+def test_routed_experts_stay_packed_on_either_path(moe_gguf, moe_mode):
+    """The CPU computes the chosen experts from their packed bytes: exact mode, GGUFWeight views of the file's
+    mapping (dequantized per use); fast mode, the int8 kernels' form of their Q8_0 blocks, made once at load. No
+    expert is held dequantized. Streamed to the simulated device they are those same forms (its memory is the
+    host's: a fill moves their packed bytes across the link, copying nothing)."""
+    path, experts, _ = moe_gguf
+    llm = _moe_llm(moe_gguf, moe_mode, "auto")
+    try:
+        weights = llm.engine.model.weights
+        block = min(b for b, k in llm.plan.group_placement.off_device if k == "experts")
+        (cpu,) = list(weights.offloaded_experts(block, list(range(8)), "cpu"))
+        assert sorted(cpu) == list(range(8))
+        forms = [w for e in cpu.values() for w in e.values()]
+        assert all(set(e) == {"w_gate", "w_up", "w_down"} for e in cpu.values())
+        kind = "GGUFWeight" if moe_mode == "exact" else "Int8Weight"  # (engine.weights' packed types, by name)
+        assert {type(w).__name__ for w in forms} == {kind}
+        if moe_mode == "exact":  # the file's Q8_0 bytes where they lie
+            assert sum(w.data.nbytes for w in forms) == experts[block]
+            mapped = _mappings_of(path.name)
+            assert mapped and all(any(lo <= w.data.data_ptr() and w.data.data_ptr() + w.data.nbytes <= hi
+                                      for lo, hi in mapped) for w in forms)
+        else:  # int8 codes, a byte a weight, beside their scales
+            assert all(w.codes.element_size() == 1 for w in forms)
+            assert sum(w.codes.nbytes for w in forms) == 8 * EXPERT_PARAMS
+        chosen = [1, 6]
+        (streamed,) = list(weights.offloaded_experts(block, chosen, "stream"))
+        assert all(streamed[e][k] is cpu[e][k] for e in chosen for k in cpu[e])
+        assert llm.telemetry().total.expert_bytes == len(chosen) * experts[block] // 8
+    finally:
+        llm.close()
 
 
 @pytest.mark.cuda
@@ -211,5 +326,34 @@ def test_gguf_mlps_off_a_gpu_give_its_resident_tokens(gguf_path, mlp_bytes, monk
         stats = llm.telemetry().offload
         assert stats.bytes_stream == stats.groups_stream * mlp_bytes[0]
         assert (stats.groups_cpu > 0) == (policy != "stream") and (stats.groups_stream > 0) == (policy != "cpu")
+    finally:
+        llm.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["cpu", "stream", "auto"])
+def test_gguf_experts_off_a_gpu_give_its_resident_tokens(moe_gguf, monkeypatch, policy):
+    """On a real GPU in exact fp32 mode: routed experts off the device computed on the CPU from the file's blocks,
+    or the chosen ones streamed as their GGML bytes into the device's expert slots; greedy tokens are the GPU's
+    all-resident run's."""
+    path, experts, _ = moe_gguf
+    kw = dict(dtype="float32", device="cuda", **MOE_KW)
+    ref = LLM(str(path), **kw)
+    try:
+        expected, fits = moe_tokens(ref), ref.plan.device_bytes
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    llm = LLM(str(path), cpu_offload_policy=policy, max_device_memory=fits - 8 * experts[1], **kw)
+    try:
+        off = llm.plan.group_placement.off_device
+        assert {k for _, k in off} >= {"experts"}, llm.plan.describe()
+        if policy == "auto":
+            llm.engine.set_measured_speeds(MOE_SPEEDS)
+        assert moe_tokens(llm) == expected
+        t = llm.telemetry()
+        assert t.total.expert_bytes == t.total.expert_misses * experts[1] // 8
+        assert (t.offload.groups_cpu > 0) == (policy != "stream")
+        assert (t.offload.groups_stream > 0) == (policy != "cpu")
     finally:
         llm.close()

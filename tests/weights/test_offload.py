@@ -5,6 +5,7 @@ blocks keep (check_protocol), and greedy tokens stay the resident model's (fp32)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.placement import MeasuredSpeeds
@@ -227,3 +228,113 @@ def test_a_gguf_file_s_mlps_keep_the_cuda_protocol_and_the_tokens(tmp_path, reco
             assert stats.groups_stream == 0 and stats.groups_cpu > 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("dtype, policy", [("float32", "stream"), ("float32", "auto"), ("auto", "cpu")])
+def test_a_gguf_file_s_routed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, recording_cuda_experts,
+                                                                            monkeypatch, dtype, policy):
+    """A mixture-of-experts GGUF (DeepSeek-V3's tiny one from llama.cpp's converter, Q8_0) with routed experts off
+    the device of the CUDA transport (replayed): streamed, only the chosen experts' GGML bytes fill the expert
+    cache's device slots (GGUFWeight there, as a streamed GGUF block is computed), under the slots' protocol; on the
+    CPU the packed kernels compute them, their activations crossing in pinned staging. Greedy tokens are the
+    all-resident run's in the same mode (streamed GGUFWeight products match it in exact mode only)."""
+    from engine import kernels
+    from tests.support.families import build
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    if dtype == "auto" and kernels.int4_backend() != "vnni":
+        pytest.skip("no VNNI kernels here: fast mode's CPU path computes another way")
+    path = convert(build(tmp_path / "hf", "deepseek_v3"), tmp_path / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    expert_bytes = 34 * 3 * 64 * 32 // 32  # one expert's Q8_0 bytes: 34 a block of 32 weights
+    kw = dict(dtype=dtype, device="cpu", transport="cuda", max_host_memory="8GiB", show_progress=False, **KW)
+    ref = LLM(str(path), **kw)
+    try:
+        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
+        fits = ref.plan.device_bytes
+    finally:
+        ref.close()
+    monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
+    # short of about two blocks' routed experts as they stay on the device (fp32 in exact mode, Q8_0 in fast mode)
+    llm = LLM(str(path), max_device_memory=fits - 2 * 8 * (4 * 3 * 64 * 32 if dtype == "float32" else expert_bytes),
+              cpu_offload_policy=policy, **kw)
+    try:
+        off = llm.plan.group_placement.off_device
+        assert {k for _, k in off} >= {"experts"}, llm.plan.describe()
+        made, _, (activations,) = recording_cuda_experts
+        if policy == "auto":
+            llm.engine.set_measured_speeds(MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=2e9,
+                                                          device_flops=1e12))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert got == expected
+        t = llm.telemetry()
+        stats, total = t.offload, t.total
+        d2h, h2d = check_activations(activations, activations.rt.log)
+        assert h2d == stats.groups_cpu
+        if policy == "cpu":
+            assert not made and stats.groups_stream == 0 and stats.groups_cpu > 0
+            return
+        (slots,) = made
+        assert slots.packed is not None  # the slots hold GGML bytes
+        copies = check_protocol(slots, slots.rt.log)
+        assert copies * expert_bytes == total.expert_bytes > 0  # every fill one copy of one expert's packed bytes
+        # what compute read from a slot: GGUFWeight over its bytes
+        block = min(b for b, k in off if k == "experts")
+        (group,) = list(llm.engine.model.weights.offloaded_experts(block, [0, 5], "stream"))
+        assert {type(w).__name__ for e in group.values() for w in e.values()} == {"GGUFWeight"}
+        assert all(w.data.untyped_storage().data_ptr() == slots._dev[0].untyped_storage().data_ptr()
+                   for e in group.values() for w in e.values())
+        if policy == "auto":
+            assert stats.groups_cpu > 0 and stats.groups_stream > 0
+    finally:
+        llm.close()
+
+
+def test_packed_expert_slots_fit_every_block_s_types():
+    """llama.cpp's mixes store one block's experts in another type than the next's (Q4_K_M keeps some ffn_down_exps
+    in Q6_K): a slot's room for each tensor is the largest of any block's, and an expert staged into it is read back
+    with its own type and shape, the same values as its stored bytes dequantized; plain tensors (biases) in the
+    compute dtype."""
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    from engine.weights.experts.packed import PackedExperts
+    from engine.weights.formats.reader import TensorInfo
+    from engine.weights.packed.dequant import dequantize
+    from tests.support.gguf_models import random_blocks
+
+    shapes = {"w_up": (32, 256), "w_down": (256, 256)}
+    types = {0: {"w_up": Q.Q8_0, "w_down": Q.Q6_K}, 1: {"w_up": Q.Q8_0, "w_down": Q.Q8_0}}
+    stored = {(b, e): {k: torch.from_numpy(random_blocks(q, *shapes[k], seed=10 * b + e + len(k)))
+                       for k, q in types[b].items()} | {"b_up": torch.randn(32)}
+              for b in types for e in range(2)}
+
+    class Source:  # the three BlockSource methods the slots read
+        def expert_blocks(self):
+            return list(types)
+
+        def num_experts(self, block):
+            return 2
+
+        def expert_tensors(self, block, expert):
+            rows = stored[(block, expert)]
+            out = {k: TensorInfo(k, Path("x"), None, shapes[k], 0, rows[k].numel(), q.name)
+                   for k, q in types[block].items()}
+            return out | {"b_up": TensorInfo("b_up", Path("x"), torch.float32, (32,), 0, 128)}
+
+    packed = PackedExperts(Source(), torch.float32)
+    assert packed.specs["w_down"] == ((stored[(1, 0)]["w_down"].numel(),), torch.uint8)  # Q8_0's, the larger
+    assert packed.specs["w_up"] == ((stored[(0, 0)]["w_up"].numel(),), torch.uint8)
+    assert packed.specs["b_up"] == ((32,), torch.float32)
+    room = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in packed.specs.items()}
+    for key in [(1, 1), (0, 1), (1, 0)]:  # a slot reused by experts of either block: Q6_K's bytes fill part of it
+        packed.stage(stored[key], room)
+        weights = packed.weights(key, room)
+        assert packed.nbytes(key) == sum(t.nbytes for k, t in stored[key].items() if k != "b_up") + 32 * 4
+        for k, q in types[key[0]].items():
+            assert weights[k].qtype == q and weights[k].shape == shapes[k]
+            assert weights[k].data.untyped_storage().data_ptr() == room[k].untyped_storage().data_ptr()
+            assert torch.equal(weights[k].dense(), dequantize(stored[key][k], q, shapes[k]))
+        assert torch.equal(weights["b_up"], stored[key]["b_up"])

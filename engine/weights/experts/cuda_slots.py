@@ -4,7 +4,8 @@ on a copy stream, ordered against compute by events alone (the CUDA transport's 
 Per fill of slot d (the expert cache's fetch thread), with staging buffer s taken round-robin:
   fetch thread    fill():    the expert's bytes from the reader (mmap views, or an O_DIRECT read)
                              wait (host) until staging s's previous copy finished   [staged[s]]
-                             fill staging s, converting to the compute dtype
+                             fill staging s, converting to the compute dtype (a packed checkpoint's
+                             experts: their GGML bytes as stored, experts/packed.py)
                              copy stream waits on freed[d]  (the last kernels reading d are done)
                              copy_(non_blocking=True) staging s -> slot d on the copy stream
                              record ready[d] and staged[s] on the copy stream
@@ -31,6 +32,7 @@ from ...planner import format_bytes
 from ...errors import DeviceMemoryError
 from ..transports.cuda_runtime import CudaRuntime
 from ..transports.cuda_layout import Layout
+from .packed import PackedExperts
 
 STAGING_BUFFERS = 2  # fill of the next expert overlaps the DMA of the last
 
@@ -39,16 +41,20 @@ class CudaExpertSlots:
     """`slots` experts of one shape set (`shapes`: name -> shape) in device memory, in `dtype`."""
 
     def __init__(self, slots: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-                 reader):
-        """reader.views(key) -> the expert's tensors as stored (ExpertReader / DiskExpertReader)."""
+                 reader, packed: PackedExperts | None = None):
+        """reader.views(key) -> the expert's tensors as stored (ExpertReader / DiskExpertReader). packed: a packed
+        checkpoint's experts, whose slots hold their stored bytes (GGML rows) for compute to read as GGUFWeight."""
         self.reader, self.count = reader, slots
+        self.packed = packed
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rt = CudaRuntime(self.device)
-        self.layout = Layout.of({k: (tuple(s), dtype) for k, s in shapes.items()})
+        specs = packed.specs if packed is not None else {k: (tuple(s), dtype) for k, s in shapes.items()}
+        self.layout = Layout.of(specs)
         stride = self.layout.nbytes
         self.nbytes = sum(torch.Size(s).numel() for s in shapes.values()) * dtype.itemsize  # what one fill moves
+        self._held: list[tuple[int, int] | None] = [None] * slots  # packed: the expert each slot holds
         self.host_bytes = 0
         self._dev, self._stage = [], []
         try:
@@ -84,16 +90,22 @@ class CudaExpertSlots:
         views = self.reader.views(key)  # a disk read happens here, before the wait: it overlaps the DMA
         rt.host_wait(self._staged[s])
         staging = self._stage_views[s]
-        for name, v in views.items():
-            staging[name].copy_(v)
+        if self.packed is not None:
+            self.packed.stage(views, staging)
+            self._held[slot] = key  # read by compute only after the cache says this fill returned
+        else:
+            for name, v in views.items():
+                staging[name].copy_(v)
         rt.wait(self._copy_stream, self._freed[slot])
         rt.copy(self._dev[slot], self._stage[s], self._copy_stream)
         rt.record(self._ready[slot], self._copy_stream)
         rt.record(self._staged[s], self._copy_stream)
-        return self.nbytes
+        return self.nbytes if self.packed is None else self.packed.nbytes(key)
 
     # -- the compute thread ------------------------------------------------------------------------
     def weights(self, slot: int) -> dict[str, torch.Tensor]:
+        if self.packed is not None:
+            return self.packed.weights(self._held[slot], self._views[slot])
         return self._views[slot]
 
     def activate(self, slots: list[int]) -> None:

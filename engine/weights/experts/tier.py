@@ -19,7 +19,8 @@ simulated slow link (the CUDA stand-in on CPU). Where the cache's slots live (`s
 when the device is the CPU (`HostExpertSlots`), or device memory filled from pinned staging on a copy
 stream and ordered by events (`cuda_slots.CudaExpertSlots`); the tier tells the slots when compute
 starts reading a group (activate) and when its kernels were issued (retire), before the cache may
-evict them.
+evict them. A packed checkpoint's (GGUF) experts move as stored: into a GPU's slots as GGML bytes (packed.py,
+computed as GGUFWeight), or on a CPU device as the packed forms its CPU path already holds (ExpertReader.forms).
 """
 
 from __future__ import annotations
@@ -51,17 +52,23 @@ class ExpertReader:
 
     tier = HOST
 
-    def __init__(self, source: BlockSource, seconds_per_byte: float = 0.0):
+    def __init__(self, source: BlockSource, seconds_per_byte: float = 0.0,
+                 forms: Callable[[Key], dict[str, object]] | None = None):
+        """forms(key): the expert in the CPU kernels' form where host memory already holds it (a packed
+        checkpoint's experts off the device, made once at load for the CPU path): on a CPU device a fill hands
+        those over (map), and only their stored bytes cross the (simulated) link."""
         self.source = source
         self.seconds_per_byte = seconds_per_byte  # > 0: behind a simulated link
+        self.forms = forms
         self.disk_bytes = 0
         self.disk_seconds = 0.0
 
     def views(self, key: Key) -> dict[str, torch.Tensor]:
-        """The expert's tensors as stored, its pages faulted in with one call: copying them out one 4 KiB
-        fault at a time would make the fill, not the link, the slow part (as for a streamed block)."""
+        """The expert's tensors as stored (a packed one as its rows of bytes), its pages faulted in with one
+        call: copying them out one 4 KiB fault at a time would make the fill, not the link, the slow part (as
+        for a streamed block)."""
         self.source.advise_expert(*key, MADV_POPULATE_READ)
-        return self.source.expert_views(*key)
+        return self.source.expert_stored(*key)
 
     def read(self, key: Key, out: dict[str, torch.Tensor]) -> int:
         t0 = time.perf_counter()
@@ -73,7 +80,10 @@ class ExpertReader:
         return n
 
     def zero_copy(self, dtype: torch.dtype) -> bool:
-        """Compute can read the experts where they lie: the page cache, already in the compute dtype."""
+        """Compute can read the experts where they lie: the page cache, already in the compute dtype, or the
+        host's packed forms (forms)."""
+        if self.forms is not None:
+            return True
         blocks = self.source.expert_blocks()
         return bool(blocks) and all(t.dtype == dtype for t in self.source.expert_tensors(blocks[0], 0).values())
 
@@ -81,8 +91,14 @@ class ExpertReader:
         """The expert as zero-copy views of the page cache, its pages faulted in ahead of compute (as the
         CPU transport does for a streamed block), and the bytes that crossed the (simulated) link."""
         t0 = time.perf_counter()
-        views = self.views(key)
-        n = sum(v.numel() * v.element_size() for v in views.values())
+        if self.forms is not None:
+            views = self.forms(key)
+            # the packed tensors' stored bytes (what the planner priced the group at), plain ones as held
+            n = sum(t.nbytes if t.quant is not None else views[k].numel() * views[k].element_size()
+                    for k, t in self.source.expert_tensors(*key).items())
+        else:
+            views = self.views(key)
+            n = sum(v.numel() * v.element_size() for v in views.values())
         self._link(t0, n)
         return views, n
 
@@ -127,7 +143,8 @@ class DiskExpertReader(ExpertReader):
 class HostExpertSlots:
     """The cache's slots in host memory (the device is the CPU). Experts already in the page cache in the
     compute dtype are not copied at all: a slot holds zero-copy views of the mapped file, as a streamed
-    block on the CPU does, and its fill only faults the pages in (and crosses the simulated link).
+    block on the CPU does, and its fill only faults the pages in (and crosses the simulated link); so are a
+    packed checkpoint's, whose slots hold the forms the host made once for the CPU path (ExpertReader.forms).
     Otherwise (a dtype to convert, or the disk tier's O_DIRECT reads) a slot is a buffer the fill
     copies into."""
 

@@ -108,6 +108,12 @@ class BlockSource:
         """Zero-copy views of one expert's tensors in their storage dtype."""
         return {k: self._reader.view(t.name) for k, t in self._experts[block][expert].items()}
 
+    def expert_stored(self, block: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's tensors as stored, zero-copy: plain ones as typed views, packed ones (GGUF) as their rows
+        of bytes, (rows..., bytes per row) uint8 (an expert's rows are never stored permuted)."""
+        return {k: self._reader.view(t.name) if t.quant is None else byte_rows(self._reader.raw(t.name), t.shape)
+                for k, t in self._experts[block][expert].items()}
+
     @property
     def files(self) -> list[Path]:
         return self._reader.files

@@ -129,28 +129,36 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
 
 
 def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: torch.dtype, device: torch.device,
-                     plan: MemoryPlan, guess: bool = True) -> "ExpertTier":
+                     plan: MemoryPlan, guess: bool = True, forms=None) -> "ExpertTier":
     """The expert tier for the same transport names. Where experts are read from: the disk (disk, or
     auto / cuda with a disk tier), the page cache (cpu, auto, cuda), or the page cache behind the
     simulated link. Where the cache's slots live: device memory behind pinned staging, a copy stream
-    and events (cuda, and auto on a GPU), else host memory (the device is the CPU)."""
+    and events (cuda, and auto on a GPU), else host memory (the device is the CPU). A packed checkpoint's
+    (GGUF) experts move as stored: a GPU's slots hold their GGML bytes (experts/packed.py), a CPU device's
+    hold the forms the host already has for its CPU path (forms(key), ExpertReader), from the page cache."""
     from ..experts.tier import DiskExpertReader, ExpertReader, ExpertTier, HostExpertSlots
 
     kind = resolve(kind, device)
+    packed = source.packed
+    if packed and (kind == "disk" or plan.disk_blocks or (kind != "cuda" and forms is None)):
+        raise ValueError("a GGUF file's routed experts stream only from the page cache, into a GPU's expert "
+                         "slots or (a CPU device) as the forms its CPU path holds")
     if kind == "disk" or (kind in ("auto-cpu", "cuda") and plan.disk_blocks):
         reader = DiskExpertReader(source)
     elif kind == "simulated":
         from .simulated import env_seconds_per_byte
 
-        reader = ExpertReader(source, seconds_per_byte=env_seconds_per_byte())
+        reader = ExpertReader(source, seconds_per_byte=env_seconds_per_byte(), forms=forms)
     else:
-        reader = ExpertReader(source)
+        reader = ExpertReader(source, forms=forms if kind != "cuda" else None)
     shapes = cfg.moe.expert_shapes(cfg.hidden_size)
     try:
         if kind == "cuda":
             from ..experts.cuda_slots import CudaExpertSlots
+            from ..experts.packed import PackedExperts
 
-            slots = CudaExpertSlots(plan.expert_slots, shapes, dtype, device, reader)
+            slots = CudaExpertSlots(plan.expert_slots, shapes, dtype, device, reader,
+                                    packed=PackedExperts(source, dtype) if packed else None)
         else:
             if device.type != "cpu":
                 raise ValueError(f"transport {kind!r} computes on the CPU; got device {device}")
