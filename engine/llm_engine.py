@@ -486,6 +486,11 @@ class LLMEngine:
         return self._emit(chunk.seq, tokens, infos,
                           commit=lambda emitted: self.scheduler.commit(chunk, 1 + min(accepted, emitted)))
 
+    def measured_speeds(self) -> MeasuredSpeeds | None:
+        """The speeds --cpu-offload-policy auto decides from now (measured at start-up and refreshed by steps, or
+        set), None where it has none (it then streams)."""
+        return self.model.runner.offload.policy.speeds
+
     def set_measured_speeds(self, speeds: MeasuredSpeeds) -> None:
         """Measured speeds for --cpu-offload-policy auto (engine.placement): from the next step on, off-device
         groups take the path the cost model gives for them. Speeds given here are kept as given until given

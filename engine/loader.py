@@ -476,17 +476,16 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
             log.info("KV disk tier: not used for a model with sliding-window layers (--kv-disk-bytes ignored)")
         runner = ModelRunner(cfg, weights, kv, device, dtype, attn_chunk_bytes=plan.attn_chunk_bytes,
                              placement=plan.group_placement, offload_policy=PathPolicy(args.cpu_offload_policy))
-        # The simulated device computes on this CPU: its speeds are the CPU's. A GPU's own throughput is not
-        # measured yet, so there "auto" streams (PathPolicy without speeds) until it is (issue #38's GPU step).
+        # The simulated device computes on this CPU: its speeds are the CPU's; a GPU's products are timed on it.
         offload = runner.offload
-        if offload.groups and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps and device.type == "cpu":
-            speeds = offload.measure_speeds(weights.links.h2d_gbps)
+        if offload.groups and args.cpu_offload_policy == "auto" and weights.links.h2d_gbps:
+            speeds = offload.measure_speeds(weights.links.h2d_gbps, device)
             offload.set_speeds(speeds, live=True)
             thresholds = {"MLP" if g.kind == "mlp" else "routed experts' group":
                           offload.policy.threshold(g) or "no number of" for g in offload.groups.values()}
-            log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s: %s per step, "
-                     "else the CPU computes it (refreshed as steps run)",
-                     speeds.link_gbps, speeds.cpu_gbps, speeds.cpu_flops / 1e9,
+            log.info("cpu offload (auto): link %.2f GB/s, CPU %.2f GB/s at one row and %.1f GFLOP/s, device %.1f "
+                     "GFLOP/s: %s per step, else the CPU computes it (refreshed as steps run)",
+                     speeds.link_gbps, speeds.cpu_gbps, speeds.cpu_flops / 1e9, speeds.device_flops / 1e9,
                      "; ".join(f"an off-device {k} streams from {v} tokens" for k, v in thresholds.items()))
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.

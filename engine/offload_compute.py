@@ -53,11 +53,12 @@ class OffDeviceCompute:
         self._live = live
 
     @torch.inference_mode()
-    def measure_speeds(self, link_gbps: float, rows: int = 64, repeats: int = 3) -> MeasuredSpeeds:
-        """The cost model's CPU inputs, measured on the first off-device group's own host weights (an MLP, or one
+    def measure_speeds(self, link_gbps: float, device: torch.device | None = None, rows: int = 64,
+                       repeats: int = 3) -> MeasuredSpeeds:
+        """The cost model's inputs, measured on the first off-device group's own host weights (an MLP, or one
         routed expert: the unit the cost model prices): GB/s of weights read at one row and FLOP/s at `rows` rows
-        (best of `repeats`). The simulated device computes on this same CPU, so its FLOP/s are the CPU's; a GPU's
-        come with its transport (issue #38's GPU step)."""
+        (best of `repeats`). The simulated device (device None or the CPU) computes on this same CPU, so its
+        FLOP/s are the CPU's; a real device's are measured on it (measure_device_flops)."""
         (block, kind), group = next(iter(self.groups.items()))
         cfg = self.cfg
         if kind == "experts":
@@ -92,7 +93,10 @@ class OffDeviceCompute:
             if kind != "experts":
                 self.weights.release_offloaded(block)
         flops = 2 * params * rows / many
-        return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=nbytes / one / 1e9, cpu_flops=flops, device_flops=flops)
+        on_device = flops if device is None or device.type == "cpu" else measure_device_flops(
+            cfg.hidden_size, max(1, int(params) // (3 * cfg.hidden_size)), self.dtype, device, rows, repeats)
+        return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=nbytes / one / 1e9, cpu_flops=flops,
+                              device_flops=on_device)
 
     def begin_step(self) -> None:
         self._paths, self._cpu_seen = {}, []
@@ -175,3 +179,27 @@ class OffDeviceCompute:
             return link.to_device(o, hn)
 
         return on_the_cpu
+
+
+@torch.inference_mode()
+def measure_device_flops(hidden: int, inner: int, dtype: torch.dtype, device: torch.device, rows: int = 64,
+                         repeats: int = 3) -> float:
+    """FLOP/s of one (rows, hidden) x (hidden, inner) product on `device` in `dtype`, best of `repeats` after a
+    warm-up: the device side of the cost model at many rows (the off-device groups' weights are not on the
+    device to time, so a product of their shape stands in)."""
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)  # (rows, hidden)
+    w = torch.randn(inner, hidden, dtype=dtype, device=device)  # (inner, hidden)
+
+    def sync() -> None:
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+
+    torch.nn.functional.linear(x, w)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * hidden * inner / max(best, 1e-9)

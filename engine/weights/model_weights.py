@@ -375,7 +375,9 @@ class ModelWeights:
             self.close()  # the prefetch thread, reader threads, pinned memory
             raise
         t = self._transport
-        self.links = LinkSpeeds(h2d_gbps=t.link_gbps(), disk_gbps=disk_gbps, device_gbps=t.device_gbps)
+        # With groups placed, every block may be resident: then the off-device MLPs' transport measured the link.
+        h2d = t.link_gbps() or (self._offload.link_gbps() if self._offload is not None else None)
+        self.links = LinkSpeeds(h2d_gbps=h2d, disk_gbps=disk_gbps, device_gbps=t.device_gbps)
 
     # -- the compute thread's side --------------------------------------------------------------
     def acquire(self, block: int) -> dict[str, torch.Tensor]:

@@ -87,6 +87,10 @@ class OffloadTier:
         self._lock = threading.Lock()  # the compute thread counts; telemetry reads from any thread
         self._stats = StreamStats()
 
+    def link_gbps(self) -> float | None:
+        """The host -> device GB/s the MLPs' transport measured, if it did."""
+        return self._link.link_gbps() if self._link is not None else None
+
     def experts(self, block: int, chosen: list[int], path: str) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
         """Block `block`'s chosen routed experts for `path`, in groups {expert: its tensors} each valid until the
         next is asked for: "cpu", one group of host tensors; "stream", on the device through the expert tier's

@@ -34,9 +34,9 @@ Per row the columns are:
 The verdicts: auto against the better of stream and cpu in every row, and auto at batch 1 against
 1.2x llama.cpp's -ngl run at the same device budget (llama-cpp-python with GPU offload and a GGUF of the same
 weights: --gguf, or <shape>.BF16.gguf beside the checkpoint, as bench-scale makes it; otherwise "not
-measured" and why). On a GPU the engine measures no CPU or device speeds for auto yet (engine/loader.py: it
-streams until it has some), so this benchmark measures them (the CPU and the GPU running the MLP's own
-products) and hands them over with LLMEngine.set_measured_speeds, and prints them.
+measured" and why). auto decides from the speeds the engine measures at start-up (engine/loader.py: the link,
+the CPU on an off-device MLP's own weights, the device on a product of its shape) and refreshes as steps run;
+the benchmark prints them (LLMEngine.measured_speeds) and sets none.
 
 --device cpu runs the same on the simulated link (transport "simulated", LAYERSTREAM_SIM_GBPS), as the tests
 do: the figures are simulated and say so.
@@ -210,45 +210,6 @@ def _phase(before: dict, after: dict, tokens: int, steps: int, mlp_bytes: float)
     return d
 
 
-def measured_speeds(cfg, group, link_gbps: float, device_gbps: float | None, device: str, rows: int):
-    """The cost model's inputs on a GPU, measured as engine/offload_compute.py measures them on the simulated
-    device: the off-device MLP's own products (engine.model.mlp over random weights of its shape) on the CPU at
-    1 and 64 rows, and on `device` at `rows` rows. cfg: the model's ModelConfig; group: its TensorGroup."""
-    import torch
-
-    from engine import model as M
-    from engine.placement import MeasuredSpeeds
-
-    hidden = cfg.hidden_size
-    ffn = group.params // (3 * hidden)  # gate, up (ffn, hidden) and down (hidden, ffn)
-
-    def weights(where: str) -> dict:
-        def w(*shape):
-            return torch.randn(*shape, dtype=torch.bfloat16, device=where) * 0.02
-        return {"w_gate": w(ffn, hidden), "w_up": w(ffn, hidden), "w_down": w(hidden, ffn)}
-
-    def best(w: dict, n: int, where: str, repeats: int = 3) -> float:
-        x = torch.zeros(n, hidden, dtype=torch.bfloat16, device=where)  # (n, hidden)
-        sync = torch.cuda.synchronize if where == "cuda" else (lambda: None)
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up: first-touch pages, kernel choice
-            sync()
-            t0 = time.perf_counter()
-            M.mlp(x, w, activation=cfg.family.activation)
-            sync()
-            times.append(time.perf_counter() - t0)
-        return max(min(times[1:]), 1e-9)
-
-    with torch.inference_mode():
-        host = weights("cpu")
-        one, many = best(host, 1, "cpu"), best(host, 64, "cpu")
-        del host
-        on_device = best(weights(device), rows, device)
-    return MeasuredSpeeds(link_gbps=link_gbps, cpu_gbps=group.nbytes / one / 1e9,
-                          cpu_flops=2 * group.params * 64 / many, device_flops=2 * group.params * rows / on_device,
-                          device_gbps=device_gbps)
-
-
 def _run_to_first_tokens(engine, ids: set) -> tuple[int, int]:
     """Steps until every request in `ids` has its first token: (steps, tokens emitted)."""
     waiting, steps, tokens = set(ids), 0, 0
@@ -294,15 +255,9 @@ def _child(ns) -> dict:
         links = engine.telemetry().links
         result = dict(policy=ns.child, load_s=load_s, off_device=len(off), mlp_bytes=mlp_bytes,
                       device_bytes=engine.plan.device_bytes, link_gbps=links.h2d_gbps, plan=engine.plan.describe())
-        if ns.child == "auto" and ns.device != "cpu":
-            from engine.weights import probes
-
-            link = links.h2d_gbps or probes.host_to_device_gbps(ns.device)
-            result["link_gbps"] = link
-            speeds = measured_speeds(model_config(Path(ns.model)), off[0], link, links.device_gbps, ns.device,
-                                     ns.prompt_tokens)
-            engine.set_measured_speeds(speeds)
-            result["speeds"] = speeds.__dict__
+        speeds = engine.measured_speeds()
+        if ns.child == "auto" and speeds is not None:
+            result["speeds"] = dict(speeds.__dict__)
 
         def params():
             return SamplingParams(max_tokens=max_tokens(ns), temperature=0, ignore_eos=True)
@@ -488,7 +443,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"{policy}: {r['off_device']} MLPs of {r['mlp_bytes'] / 2**20:.0f} MiB off the device, "
               f"planned {r['device_bytes'] / 2**30:.2f} GiB, link {fmt(r['link_gbps'], 1)} GB/s, "
               f"load {r['load_s']:.0f} s"
-              + (f"; speeds handed to auto: CPU {speeds['cpu_gbps']:.1f} GB/s at one row, "
+              + (f"; auto's measured speeds: CPU {speeds['cpu_gbps']:.1f} GB/s at one row, "
                  f"{speeds['cpu_flops'] / 1e12:.2f} TFLOP/s at 64 rows, device {speeds['device_flops'] / 1e12:.1f} "
                  "TFLOP/s" if speeds else ""), flush=True)
 

@@ -60,8 +60,13 @@ def test_tokens_are_the_resident_model_s_for_every_policy(llama_dir, resident, g
         off = 1 if policy == "cpu" else 3  # no stream buffers under "cpu": one MLP off is enough
         assert placed is not None and len(placed.off_device) == off and llm.plan.device_bytes <= budget
         assert {k for _, k in placed.off_device} == {"mlp"} and "tensor groups: norms, attention" in llm.plan.describe()
+        measured = llm.engine.measured_speeds()  # auto: at start-up; the simulated device computes on this CPU
+        assert (measured is None) == (policy in ("cpu", "stream"))
+        if measured is not None:
+            assert measured.device_flops == measured.cpu_flops and measured.link_gbps == 50
         if policy == "auto":
             llm.engine.set_measured_speeds(SPEEDS)
+            assert llm.engine.measured_speeds() == SPEEDS
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         assert tokens == ref_tokens
         stats = llm.telemetry().offload
@@ -161,3 +166,14 @@ def test_lora_adapters_are_refused_with_mlps_off_the_device(llama_dir, resident,
             llm.engine.load_lora("a", str(adapter))
     finally:
         llm.close()
+
+
+def test_a_device_s_products_are_timed_on_it():
+    """A GPU's side of the cost model is a product of the off-device MLP's shape timed on the GPU
+    (offload_compute.measure_device_flops); here the CPU stands in for it."""
+    import torch
+
+    from engine.offload_compute import measure_device_flops
+
+    flops = measure_device_flops(64, 128, torch.float32, torch.device("cpu"), rows=16, repeats=2)
+    assert 1e6 < flops < 1e15

@@ -70,22 +70,6 @@ def test_the_path_counters_agree_with_each_policy(tiny_run):
     assert rows["cpu"][1]["link_per_token"] == 0 and rows["stream"][1]["cpu_per_token"] == 0
 
 
-def test_speeds_are_measured_on_the_mlp_s_own_shape():
-    """What the GPU run hands to auto, measured here with the CPU standing in for the device."""
-    from engine.placement import TensorGroup
-
-    class Cfg:  # the two fields measured_speeds reads of a ModelConfig
-        hidden_size = 64
-
-        class family:
-            activation = "silu"
-
-    params = 3 * 64 * 256
-    group = TensorGroup(0, "mlp", 2 * params, params, 2 * 64)
-    s = placement.measured_speeds(Cfg, group, link_gbps=25.0, device_gbps=None, device="cpu", rows=32)
-    assert s.link_gbps == 25.0 and s.cpu_gbps > 0 and s.cpu_flops > 0 and s.device_flops > 0
-
-
 def test_a_policy_name_is_checked():
     ns = placement.argparse.Namespace(policies="stream,gpu", device="cpu", child=None)
     with pytest.raises(ValueError, match="unknown policy 'gpu'"):
