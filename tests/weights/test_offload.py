@@ -66,6 +66,18 @@ def test_streamed_mlps_keep_the_cuda_protocol_and_the_tokens(llama_dir, recordin
         llm.close()
 
 
+def _qwen2_moe_and_its_tokens(tmp_path):
+    """A tiny Qwen2-MoE checkpoint (tests/support/moe_models) and its all-resident greedy tokens."""
+    from tests.support import moe_models
+
+    folder = moe_models.build(tmp_path / "qwen2_moe", "qwen2_moe")
+    ref = LLM(str(folder), show_progress=False, **KW)
+    try:
+        return folder, [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
+    finally:
+        ref.close()
+
+
 @pytest.fixture
 def recording_cuda_experts(monkeypatch):
     """(expert slots made, block transports made, activation links made) on the recording runtime (cuda_replay)."""
@@ -79,12 +91,7 @@ def test_streamed_experts_keep_the_cuda_protocol_and_the_tokens(tmp_path, record
     and greedy tokens stay the resident model's (fp32)."""
     from tests.support import moe_models
 
-    folder = moe_models.build(tmp_path / "qwen2_moe", "qwen2_moe")
-    ref = LLM(str(folder), show_progress=False, **KW)
-    try:
-        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
-    finally:
-        ref.close()
+    folder, expected = _qwen2_moe_and_its_tokens(tmp_path)
     budget = moe_models.group_budget(folder, 200_000)
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
     llm = LLM(str(folder), device="cpu", transport="cuda", max_device_memory=budget, max_host_memory="8GiB",
@@ -131,12 +138,7 @@ def test_routed_experts_on_the_cpu_overlap_the_device_s_shared_expert(tmp_path, 
     from engine.placement import PathPolicy
     from tests.support import moe_models
 
-    folder = moe_models.build(tmp_path / "qwen2_moe", "qwen2_moe")
-    ref = LLM(str(folder), show_progress=False, **KW)
-    try:
-        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, PARAMS)]
-    finally:
-        ref.close()
+    folder, expected = _qwen2_moe_and_its_tokens(tmp_path)
     monkeypatch.setenv("LAYERSTREAM_PLACEMENT", "groups")
     if shared == "streamed":  # what auto chooses for a step whose tokens are many but spread thin over the experts
         monkeypatch.setattr(PathPolicy, "path", lambda self, group, step: "cpu" if group.kind == "experts" else "stream")
