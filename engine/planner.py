@@ -490,8 +490,12 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
             return plan([i for i in range(p.num_layers) if i not in partly], placed.stream_buffer_bytes, blocks,
                         group_placement=placed)
         stay = sum(g.device_bytes for g in p.tensor_groups if not g.off_device_capable)
-        notes.append(f"attention, norms and router of every layer ({format_bytes(stay)}) do not fit the "
-                     f"{format_bytes(room)} left after globals, workspace and the KV pool: blocks stream whole")
+        streams = stream_buffer_bytes(p.tensor_groups, p.prefetch_depth) if p.offload_streams else 0
+        notes.append(f"attention, norms and router of every layer ({format_bytes(stay)})"
+                     + (f" and the buffers off-device groups stream through ({format_bytes(streams)}: "
+                        f"--prefetch-depth + 1 of the largest; --cpu-offload-policy cpu needs none)" if streams else "")
+                     + f" do not fit the {format_bytes(room)} left after globals, workspace and the KV pool: "
+                     "blocks stream whole")
     if p.expert_bytes:
         resident, buffers, slots = _plan_experts(p, room, notes)
         return plan(resident, buffers, blocks, p.dense_block_bytes, expert_slots=slots, expert_bytes=p.expert_bytes,
