@@ -40,6 +40,7 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t LANES = 16;  // rows per block
 constexpr int64_t MTILE = 8;   // activation rows multiplied per pass over a row block
+constexpr int DECODE_BLOCKS = 2;  // row blocks a one-row product walks side by side (block_kernel's NB)
 using layerstream::prefetch_stream;  // each group's code bytes, asked for ahead (stream_prefetch.h)
 
 // Activations of M rows quantized per group of 32: int8 codes in x's order, each group's scale
@@ -129,89 +130,108 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// One block of 16 weight rows times activation rows [m0, m0 + MT); writes y[m, n0 .. n0 + nvalid).
-// HAS_MIN false: the symmetric layout (Q4_0), scales only, (N16/16, G, 16), min = -8 * scale.
-template <int MT, bool TWO_PASS, bool HAS_MIN, typename T>
-void block_kernel(const uint8_t* codes, const uint16_t* sm, const float* bias, const QuantX& X,
-                  int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
-  const int64_t G = X.G, K = X.K;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* w = codes + g * 256;
-    prefetch_stream<4>(w);
-    __m512i isum[MT], rsum[MT];
-    for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v) {
-      const __m512i wv = _mm512_loadu_si512(w + v * 64);
-      const __m512i wl = _mm512_and_si512(wv, low);
-      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-      for (int m = 0; m < MT; ++m) {
-        const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
-        isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
-        isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
-        if (TWO_PASS) {
-          rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
-          rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
-        }
-      }
-    }
-    // Two passes: q . codes * 256 + r . codes, exact in int32 (|.| < 2^24, so exact in fp32 too).
-    if (TWO_PASS)
-      for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]);
-    constexpr int SG = HAS_MIN ? 32 : 16;  // float16 values per group of a row block
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * SG)));
-    // -8 * d is exactly the float16 min the asymmetric layout would store for it (a power of two
-    // times a float16 that fits: from_codes refuses scales whose min overflows), so both layouts
-    // give the same bits.
-    const __m512 mn = HAS_MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + g * SG + 16)))
-                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-    for (int m = 0; m < MT; ++m) {
-      const int64_t i = (m0 + m) * G + g;
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(X.dx[i])), d, acc[m]);
-      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[m]);
-    }
-  }
+// Row block n0's outputs for activation rows [m0, m0 + MT): y[m, n0 .. min(n0 + 16, N)) = acc[m] (times the
+// block's 16 row scales where given, in one rounding with the bias) + bias.
+template <int MT, typename T>
+inline void store_rows(const __m512* acc, const float* rowscale, const float* bias, int64_t m0, int64_t n0, int64_t N,
+                       T* y) {
+  const int64_t nvalid = std::min(LANES, N - n0);
   const __mmask16 k = static_cast<__mmask16>(nvalid >= LANES ? 0xFFFF : (1u << nvalid) - 1);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m], b), k);
+  for (int m = 0; m < MT; ++m)
+    store16(y + (m0 + m) * N + n0,
+            rowscale ? _mm512_fmadd_ps(acc[m], _mm512_loadu_ps(rowscale), b) : _mm512_add_ps(acc[m], b), k);
+}
+
+// NB blocks of 16 weight rows (rows n0 .. n0 + 16 NB, codes and scales `stride` bytes / values apart) times
+// activation rows [m0, m0 + MT); writes y[m, n0 .. n0 + 16 NB) (the last block's rows up to N only).
+// HAS_MIN false: the symmetric layout (Q4_0), scales only, (N16/16, G, 16), min = -8 * scale.
+// NB > 1 (decode's one row) walks NB row blocks' codes side by side, group by group: that many memory streams
+// and independent accumulations in flight instead of one (a plain read of NB streams outran one stream's, with
+// or without software prefetch). Each row's sums are the same operations in the same order whatever NB is.
+template <int MT, bool TWO_PASS, bool HAS_MIN, int NB = 1, typename T>
+void block_kernel(const uint8_t* codes, int64_t code_stride, const uint16_t* sm, int64_t sm_stride, const float* bias,
+                  const QuantX& X, int64_t m0, int64_t n0, int64_t N, T* y) {
+  const int64_t G = X.G, K = X.K;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr int SG = HAS_MIN ? 32 : 16;  // float16 values per group of a row block
+  __m512 acc[NB][MT];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int r = 0; r < NB; ++r) {
+      const uint8_t* w = codes + r * code_stride + g * 256;
+      prefetch_stream<4>(w);
+      __m512i isum[MT], rsum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        const __m512i wv = _mm512_loadu_si512(w + v * 64);
+        const __m512i wl = _mm512_and_si512(wv, low);
+        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+        for (int m = 0; m < MT; ++m) {
+          const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
+          isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
+          if (TWO_PASS) {
+            rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
+            rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
+          }
+        }
+      }
+      // Two passes: q . codes * 256 + r . codes, exact in int32 (|.| < 2^24, so exact in fp32 too).
+      if (TWO_PASS)
+        for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]);
+      const uint16_t* s = sm + r * sm_stride + g * SG;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      // -8 * d is exactly the float16 min the asymmetric layout would store for it (a power of two
+      // times a float16 that fits: from_codes refuses scales whose min overflows), so both layouts
+      // give the same bits.
+      const __m512 mn = HAS_MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)))
+                                : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = (m0 + m) * G + g;
+        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(X.dx[i])), d, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NB; ++r) store_rows<MT>(acc[r], nullptr, bias, m0, n0 + r * LANES, N, y);
 }
 
 // int8 weights (Int8Weight "vnni"): codes (N16/16, G*512) uint8 = w + 128, per block and group eight
 // 64-byte vectors, vector v lane j = w[16b + j, 32g + 4v + t] + 128 for t = 0..3; one fp32 scale per
 // row, (N16/16, 16). vpdpbusd wants its unsigned operand first: (w + 128) . xq = w . xq + 128 sum(xq),
 // and the second term, a property of the activations alone, is subtracted once per group.
-template <int MT, bool TWO_PASS, typename T>
-void block_kernel_i8(const uint8_t* codes, const float* rowscale, const float* bias, const QuantX& X,
-                     int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+template <int MT, bool TWO_PASS, int NB = 1, typename T>
+void block_kernel_i8(const uint8_t* codes, int64_t code_stride, const float* rowscale, const float* bias,
+                     const QuantX& X, int64_t m0, int64_t n0, int64_t N, T* y) {
   const int64_t G = X.G, K = X.K;
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[NB][MT];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* w = codes + g * 512;
-    prefetch_stream<8>(w);
-    __m512i isum[MT], rsum[MT];
-    for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
-    for (int v = 0; v < 8; ++v) {
-      const __m512i wv = _mm512_loadu_si512(w + v * 64);
+    for (int r = 0; r < NB; ++r) {
+      const uint8_t* w = codes + r * code_stride + g * 512;
+      prefetch_stream<8>(w);
+      __m512i isum[MT], rsum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
+      for (int v = 0; v < 8; ++v) {
+        const __m512i wv = _mm512_loadu_si512(w + v * 64);
+        for (int m = 0; m < MT; ++m) {
+          const int64_t at = (m0 + m) * K + g * GROUP + v * 4;
+          isum[m] = _mm512_dpbusd_epi32(isum[m], wv, bcast4(X.q.data() + at));
+          if (TWO_PASS) rsum[m] = _mm512_dpbusd_epi32(rsum[m], wv, bcast4(X.r.data() + at));
+        }
+      }
       for (int m = 0; m < MT; ++m) {
-        const int64_t at = (m0 + m) * K + g * GROUP + v * 4;
-        isum[m] = _mm512_dpbusd_epi32(isum[m], wv, bcast4(X.q.data() + at));
-        if (TWO_PASS) rsum[m] = _mm512_dpbusd_epi32(rsum[m], wv, bcast4(X.r.data() + at));
+        const int64_t i = (m0 + m) * G + g;
+        __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]) : isum[m];
+        t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * X.qsum[i]));
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i]), acc[r][m]);
       }
     }
-    for (int m = 0; m < MT; ++m) {
-      const int64_t i = (m0 + m) * G + g;
-      __m512i s = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]) : isum[m];
-      s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * X.qsum[i]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(X.dx[i]), acc[m]);
-    }
   }
-  const __mmask16 k = static_cast<__mmask16>(nvalid >= LANES ? 0xFFFF : (1u << nvalid) - 1);
-  const __m512 sc = _mm512_loadu_ps(rowscale);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_fmadd_ps(acc[m], sc, b), k);
+  for (int r = 0; r < NB; ++r) store_rows<MT>(acc[r], rowscale + r * LANES, bias, m0, n0 + r * LANES, N, y);
 }
 
 // k-quant weights as llama.cpp stores them, rearranged (KQuantWeight, engine/weights/packed/weights.py),
@@ -227,76 +247,78 @@ void block_kernel_i8(const uint8_t* codes, const float* rowscale, const float* b
 //          scales of its first 16 weights, then of its last 16, then 16 fp16 d: w = d sc (q - 32)
 //          (6.5625 bits a weight, as Q6_K).
 // (q - 32) . xq = q . xq - 32 sum(xq): the second term is the activations' per-16 sum (QuantX::hsum).
-template <int MT, bool TWO_PASS, int BITS, typename T>
-void block_kernel_k(const uint8_t* codes, const uint8_t* sb, const float* bias, const QuantX& X,
-                    int64_t m0, int64_t n0, int64_t nvalid, int64_t N, T* y) {
+template <int MT, bool TWO_PASS, int BITS, int NB = 1, typename T>
+void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sbs, int64_t sb_stride, const float* bias,
+                    const QuantX& X, int64_t m0, int64_t n0, int64_t N, T* y) {
   constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 384, SB_BYTES = BITS == 4 ? 320 : 288;
   const int64_t G = X.G, K = X.K;
   const __m512i low = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[NB][MT];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* w = codes + g * CODE_BYTES;
-    prefetch_stream<CODE_BYTES / 64>(w);
-    const uint8_t* s = sb + (g / 8) * SB_BYTES;
-    const int64_t sg = (g % 8) * 32;
-    __m512i isum[MT][2], rsum[MT][2];
-    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = rsum[m][0] = rsum[m][1] = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v) {
-      const __m512i wv = _mm512_loadu_si512(w + v * 64);
-      __m512i wl = _mm512_and_si512(wv, low);
-      __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-      if (BITS == 6) {
-        __m512i hv = _mm512_loadu_si512(w + 256 + (v / 2) * 64);
-        if (v % 2) hv = _mm512_srli_epi16(hv, 4);  // bits 4..7 of each byte down (the spill is masked)
-        wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
-        wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
-      }
-      const int h = v / 2;  // vectors 0, 1 hold the group's first 16 weights
-      for (int m = 0; m < MT; ++m) {
-        const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
-        isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wl, bcast4(X.q.data() + at));
-        isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wh, bcast4(X.q.data() + at + 4));
-        if (TWO_PASS) {
-          rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wl, bcast4(X.r.data() + at));
-          rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wh, bcast4(X.r.data() + at + 4));
+    for (int r = 0; r < NB; ++r) {
+      const uint8_t* w = codes + r * code_stride + g * CODE_BYTES;
+      const uint8_t* sb = sbs + r * sb_stride;
+      prefetch_stream<CODE_BYTES / 64>(w);
+      const uint8_t* s = sb + (g / 8) * SB_BYTES;
+      const int64_t sg = (g % 8) * 32;
+      __m512i isum[MT][2], rsum[MT][2];
+      for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = rsum[m][0] = rsum[m][1] = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        const __m512i wv = _mm512_loadu_si512(w + v * 64);
+        __m512i wl = _mm512_and_si512(wv, low);
+        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+        if (BITS == 6) {
+          __m512i hv = _mm512_loadu_si512(w + 256 + (v / 2) * 64);
+          if (v % 2) hv = _mm512_srli_epi16(hv, 4);  // bits 4..7 of each byte down (the spill is masked)
+          wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
+        }
+        const int h = v / 2;  // vectors 0, 1 hold the group's first 16 weights
+        for (int m = 0; m < MT; ++m) {
+          const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
+          isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wl, bcast4(X.q.data() + at));
+          isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wh, bcast4(X.q.data() + at + 4));
+          if (TWO_PASS) {
+            rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wl, bcast4(X.r.data() + at));
+            rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wh, bcast4(X.r.data() + at + 4));
+          }
         }
       }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 256)));
-    auto u8 = [&](int64_t at) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
-    };
-    auto i8 = [&](int64_t at) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
-    };
-    if (BITS == 4) {
-      const __m512 scale = _mm512_mul_ps(d, u8(sg));
-      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
-      const __m512 mn = _mm512_mul_ps(dmin, u8(sg + 16));
-      for (int m = 0; m < MT; ++m) {
-        const int64_t i = (m0 + m) * G + g;
-        __m512i t = _mm512_add_epi32(isum[m][0], isum[m][1]);
-        if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(rsum[m][0], rsum[m][1]));
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[m]);
-        acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[m]);
-      }
-    } else {
-      const __m512 scale0 = _mm512_mul_ps(d, i8(sg)), scale1 = _mm512_mul_ps(d, i8(sg + 16));
-      for (int m = 0; m < MT; ++m) {
-        const int64_t i = (m0 + m) * G + g;
-        const __m512 dx = _mm512_set1_ps(X.dx[i]);
-        for (int h = 0; h < 2; ++h) {
-          __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m][h], 8), rsum[m][h]) : isum[m][h];
-          t = _mm512_sub_epi32(t, _mm512_set1_epi32(32 * X.hsum[i * 2 + h]));
-          acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dx), h ? scale1 : scale0, acc[m]);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 256)));
+      auto u8 = [&](int64_t at) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+      };
+      auto i8 = [&](int64_t at) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+      };
+      if (BITS == 4) {
+        const __m512 scale = _mm512_mul_ps(d, u8(sg));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
+        const __m512 mn = _mm512_mul_ps(dmin, u8(sg + 16));
+        for (int m = 0; m < MT; ++m) {
+          const int64_t i = (m0 + m) * G + g;
+          __m512i t = _mm512_add_epi32(isum[m][0], isum[m][1]);
+          if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(rsum[m][0], rsum[m][1]));
+          acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[r][m]);
+          acc[r][m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[r][m]);
+        }
+      } else {
+        const __m512 scale0 = _mm512_mul_ps(d, i8(sg)), scale1 = _mm512_mul_ps(d, i8(sg + 16));
+        for (int m = 0; m < MT; ++m) {
+          const int64_t i = (m0 + m) * G + g;
+          const __m512 dx = _mm512_set1_ps(X.dx[i]);
+          for (int h = 0; h < 2; ++h) {
+            __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m][h], 8), rsum[m][h]) : isum[m][h];
+            t = _mm512_sub_epi32(t, _mm512_set1_epi32(32 * X.hsum[i * 2 + h]));
+            acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dx), h ? scale1 : scale0, acc[r][m]);
+          }
         }
       }
     }
   }
-  const __mmask16 k = static_cast<__mmask16>(nvalid >= LANES ? 0xFFFF : (1u << nvalid) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) store16(y + (m0 + m) * N + n0, _mm512_add_ps(acc[m], b), k);
+  for (int r = 0; r < NB; ++r) store_rows<MT>(acc[r], nullptr, bias, m0, n0 + r * LANES, N, y);
 }
 
 // f(std::integral_constant<int, MT>) for the activation tile's height, 1..8: each a kernel unrolled
@@ -338,47 +360,58 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
   // chunks of about an eighth of their share as they finish the last (an atomic counter), not one fixed half
   // each: two cores do not stream memory equally fast, and with fixed halves the first to finish waited for
   // the other at every product's end (perf: over a tenth of a decode step's samples were libgomp waiting).
+  // Chunks hold whole pairs of row blocks, which a one-row product walks side by side.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_bytes);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, blocks / grain));
-  const int64_t chunk = std::max<int64_t>(grain, blocks / (threads * 8));
-  // One row block of 16 weight rows times every activation row.
-  const auto row_block = [&](int64_t b) {
-    const int64_t n0 = b * LANES, nvalid = std::min(LANES, N - n0);
-    // Every activation tile passes over this block while its codes are in L1.
-    for (int64_t m0 = 0; m0 < M; m0 += MTILE) {
-      const uint8_t* wb = w + b * block_bytes;
-      with_tile(std::min(MTILE, M - m0), [&](auto mt) {
-        constexpr int MT = decltype(mt)::value;
-        switch (fmt) {
-          case Format::Int8:
-            if (two_pass) block_kernel_i8<MT, true>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-            else block_kernel_i8<MT, false>(wb, rs + b * LANES, bias, Xr, m0, n0, nvalid, N, out);
-            break;
-          case Format::K4:
-            if (two_pass) block_kernel_k<MT, true, 4>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
-            else block_kernel_k<MT, false, 4>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
-            break;
-          case Format::K6:
-            if (two_pass) block_kernel_k<MT, true, 6>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
-            else block_kernel_k<MT, false, 6>(wb, ks + b * ks_stride, bias, Xr, m0, n0, nvalid, N, out);
-            break;
-          case Format::Int4:
-            if (has_min) {
-              if (two_pass) block_kernel<MT, true, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-              else block_kernel<MT, false, true>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-            } else {
-              if (two_pass) block_kernel<MT, true, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-              else block_kernel<MT, false, false>(wb, s + b * sm_stride, bias, Xr, m0, n0, nvalid, N, out);
-            }
-            break;
+  const int64_t chunk = (std::max<int64_t>(grain, blocks / (threads * 8)) + DECODE_BLOCKS - 1) / DECODE_BLOCKS *
+                        DECODE_BLOCKS;
+  // NB row blocks from b (16 NB weight rows) times activation rows [m0, m0 + MT).
+  const auto blocks_at = [&](int64_t b, int64_t m0, auto mt, auto nb) {
+    constexpr int MT = decltype(mt)::value, NB = decltype(nb)::value;
+    const uint8_t* wb = w + b * block_bytes;
+    const int64_t n0 = b * LANES;
+    const uint8_t* kb = ks ? ks + b * ks_stride : nullptr;
+    switch (fmt) {
+      case Format::Int8:
+        if (two_pass) block_kernel_i8<MT, true, NB>(wb, block_bytes, rs + b * LANES, bias, Xr, m0, n0, N, out);
+        else block_kernel_i8<MT, false, NB>(wb, block_bytes, rs + b * LANES, bias, Xr, m0, n0, N, out);
+        break;
+      case Format::K4:
+        if (two_pass) block_kernel_k<MT, true, 4, NB>(wb, block_bytes, kb, ks_stride, bias, Xr, m0, n0, N, out);
+        else block_kernel_k<MT, false, 4, NB>(wb, block_bytes, kb, ks_stride, bias, Xr, m0, n0, N, out);
+        break;
+      case Format::K6:
+        if (two_pass) block_kernel_k<MT, true, 6, NB>(wb, block_bytes, kb, ks_stride, bias, Xr, m0, n0, N, out);
+        else block_kernel_k<MT, false, 6, NB>(wb, block_bytes, kb, ks_stride, bias, Xr, m0, n0, N, out);
+        break;
+      case Format::Int4: {
+        const uint16_t* sb = s + b * sm_stride;
+        if (has_min) {
+          if (two_pass) block_kernel<MT, true, true, NB>(wb, block_bytes, sb, sm_stride, bias, Xr, m0, n0, N, out);
+          else block_kernel<MT, false, true, NB>(wb, block_bytes, sb, sm_stride, bias, Xr, m0, n0, N, out);
+        } else {
+          if (two_pass) block_kernel<MT, true, false, NB>(wb, block_bytes, sb, sm_stride, bias, Xr, m0, n0, N, out);
+          else block_kernel<MT, false, false, NB>(wb, block_bytes, sb, sm_stride, bias, Xr, m0, n0, N, out);
         }
-      });
+        break;
+      }
     }
+  };
+  // Row blocks [b0, b1) times every activation row: one row (decode) DECODE_BLOCKS row blocks at a time, more
+  // rows one row block at a time, every activation tile passing over it while its codes are in L1.
+  const auto row_blocks = [&](int64_t b0, int64_t b1) {
+    int64_t b = b0;
+    if (M == 1)
+      for (; b + DECODE_BLOCKS <= b1; b += DECODE_BLOCKS)
+        blocks_at(b, 0, std::integral_constant<int, 1>{}, std::integral_constant<int, DECODE_BLOCKS>{});
+    for (; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += MTILE)
+        with_tile(std::min(MTILE, M - m0), [&](auto mt) { blocks_at(b, m0, mt, std::integral_constant<int, 1>{}); });
   };
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t b0; (b0 = next.fetch_add(chunk, std::memory_order_relaxed)) < blocks;)
-      for (int64_t b = b0; b < std::min(blocks, b0 + chunk); ++b) row_block(b);
+      row_blocks(b0, std::min(blocks, b0 + chunk));
   });
 }
 

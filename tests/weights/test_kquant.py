@@ -82,6 +82,19 @@ def test_kquant_product_matches_the_gguf_dequantizer(q, shape, tokens):
     assert float((y - plain).abs().max()) < 1e-3 * float(plain.abs().max())
 
 
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("out", [40, 64])  # row blocks: 3 (a pair and one, the last padded), 4 (two pairs)
+def test_a_decode_row_gets_the_bits_it_gets_among_other_rows(q, out):
+    """One row (decode) walks two row blocks side by side, several rows one block at a time: the same sums in
+    the same order for each output, so the same bits."""
+    shape = (out, 512)
+    w = PackedFormat(torch.bfloat16).resident(_info(q, shape), stored_rows(q, *shape, seed=out))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    rows = ops.linear(x, w)
+    for m in range(3):
+        assert torch.equal(ops.linear(x[m:m + 1], w), rows[m:m + 1]), m
+
+
 @pytest.mark.parametrize("q, bits", [(Q.Q4_K, 4.625), (Q.Q6_K, 6.5625)], ids=["Q4_K", "Q6_K"])
 def test_kquant_weight_reads_the_files_bits_per_weight(q, bits):
     """What a decode step reads of the weight: Q6_K exactly the file's 6.5625 bits, Q4_K 4.625 (the file's
