@@ -496,7 +496,8 @@ def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: Memory
     fit beside the MLPs' buffers: the cache has those slots at least, within the budget). A GGUF file's MLPs
     stream as its blocks do (the prepacked entry's bytes to a CPU device, GGML bytes to a GPU) and the CPU
     computes them in the packed kernels' form (_host_transport); so are its routed experts computed, and streamed
-    they move their GGML bytes into a GPU's slots, or on a CPU device the packed forms the CPU path holds."""
+    they move their GGML bytes into a GPU's slots, or on a CPU device the packed forms the CPU path holds (views of
+    the prepacked entry, moving their parts there, or made once at load, moving the file's bytes)."""
     cfg = checkpoint.cfg
     placed = plan.group_placement
     off = placed.off_device_groups
@@ -509,6 +510,9 @@ def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: Memory
 
     try:
         host = _host_transport(checkpoint, source, dtype, off_device)
+        from .transports.prepacked import PrepackedTransport
+
+        from_entry = isinstance(host, PrepackedTransport)  # its experts are views of the prepacked entry
         mlp_buffers = 0
         if mlps:
             groups_plan = dataclasses.replace(plan, resident_blocks=[], streamed_blocks=mlps)
@@ -525,10 +529,12 @@ def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: Memory
             assert slots >= 1, "place_groups reserves expert slots beside the MLPs' buffers"
 
             def experts(host_experts) -> "ExpertTier":
-                # A GGUF file's experts on a CPU device: the slots hold the packed forms the CPU path has.
+                # A GGUF file's experts on a CPU device: the slots hold the packed forms the CPU path has; from the
+                # prepacked entry, a fill moves their parts there (what group_bytes priced the group at).
                 forms = (lambda key: host_experts[key[0]][key[1]]) if checkpoint.packed else None
                 return make_expert_tier(transport, cfg, source, dtype, device,
-                                        dataclasses.replace(plan, expert_slots=slots), guess=False, forms=forms)
+                                        dataclasses.replace(plan, expert_slots=slots), guess=False, forms=forms,
+                                        forms_moved=from_entry)
         return OffloadTier(source, plan, dtype, link, experts, host)
     except BaseException:
         for owned in (link, prepacked, host):

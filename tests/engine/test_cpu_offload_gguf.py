@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q, GGUFReader
 from engine import LLM, SamplingParams, kernels
 from engine.kernels import ggml_repack
 from engine.placement import MeasuredSpeeds, PathPolicy, StepShape
-from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
+from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf, tiny_moe_gguf
 from tests.support.reference import PROMPT
 
 MLP_PARAMS = 3 * 64 * 128  # the tiny Llama's MLP: gate, up (128 x 64) and down (64 x 128)
@@ -175,12 +175,21 @@ def test_the_cpu_path_reads_the_packed_bytes_where_they_lie(gguf_path, mlp_bytes
         llm.close()
 
 
-# A mixture of experts as llama.cpp's converter writes it (Q8_0: the int8 kernels' type): DeepSeek-V3's tiny one, a
-# dense first block, then blocks of 8 routed experts (2 a token, stacked per block in ffn_*_exps) and a shared one.
+# A mixture of experts as llama.cpp's converter writes it (tiny_moe_gguf: DeepSeek-V3's tiny one in Q8_0, blocks of 8
+# routed experts, 2 a token, and a shared one after a dense first block).
 MOE_PROMPTS = [list(PROMPT), list(PROMPT[:5]), [7, 300, 12, 45, 2, 99, 101]]
 MOE_KW = dict(max_model_len=128, max_num_seqs=3, show_progress=False)
 MOE_MODES = {"fast": "auto", "exact": "float32"}
 EXPERT_PARAMS = 3 * 64 * 32  # one routed expert: gate, up (32 x 64) and down (64 x 32)
+# One routed expert in the prepacked entry (fast mode): the int8 kernels' form of its Q8_0 rows, a byte a weight and a
+# float32 scale a row (rows in whole blocks of 16): 32 + 32 + 64 rows. The file's Q8_0 bytes are 34 a block of 32.
+ENTRY_EXPERT_BYTES = EXPERT_PARAMS + (32 + 32 + 64) * 4
+
+
+def moved_per_expert(mode: str, stored: int) -> int:
+    """What one routed expert off the device is priced at and moves: its parts in the prepacked entry (fast mode),
+    else its bytes as the file stores them (`stored`)."""
+    return ENTRY_EXPERT_BYTES if mode == "fast" else stored
 # An expert (and the shared expert, its shape) streams from 4 rows on in either mode: the prefill step streams,
 # decode steps of 3 sequences (at most 3 rows an expert) compute on the CPU.
 MOE_SPEEDS = MeasuredSpeeds(link_gbps=0.25, cpu_gbps=100, cpu_flops=2e9, device_flops=1e12)
@@ -195,13 +204,7 @@ def moe_tokens(llm) -> list[list[int]]:
 def moe_gguf(tmp_path_factory):
     """(the file, each MoE block's routed experts as stored: gguf-py's byte count, mode -> (the all-resident run's
     tokens, its device bytes))."""
-    from tests.support.families import build
-    from tests.support.llama_cpp_convert import convert, llama_cpp_root
-
-    if llama_cpp_root() is None:
-        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
-    root = tmp_path_factory.mktemp("gguf-moe")
-    path = convert(build(root / "hf", "deepseek_v3"), root / "tiny-deepseek_v3-q8.gguf", "q8_0")
+    path = tiny_moe_gguf(tmp_path_factory.mktemp("gguf-moe"))
     experts: dict[int, int] = {}
     for t in GGUFReader(path).tensors:
         if t.name.endswith("_exps.weight"):
@@ -238,19 +241,19 @@ def _moe_llm(moe_gguf, mode: str, policy: str):
 
 @pytest.mark.parametrize("policy", ["cpu", "stream", "auto"])
 def test_a_mixture_of_experts_gguf_s_routed_experts_off_the_device(moe_gguf, moe_mode, policy):
-    """llama.cpp's --n-cpu-moe case: routed experts off the device, priced at their packed bytes (Q8_0: 34 bytes a
-    block of 32 weights); each step, per block, the chosen experts compute on the CPU from their packed form, or
+    """llama.cpp's --n-cpu-moe case: routed experts off the device, priced at their packed bytes (fast mode: their
+    parts in the prepacked entry; exact mode: the file's Q8_0, 34 bytes a block of 32 weights); each step, per block, the chosen experts compute on the CPU from their packed form, or
     only they stream into the device's expert slots as packed bytes. Greedy tokens are the all-resident GGUF run's
     in the same mode for every policy."""
     path, experts, resident = moe_gguf
-    expert_bytes = experts[1] // 8
-    assert expert_bytes * 32 == 34 * EXPERT_PARAMS
+    assert experts[1] // 8 * 32 == 34 * EXPERT_PARAMS
+    expert_bytes = moved_per_expert(moe_mode, experts[1] // 8)
     llm = _moe_llm(moe_gguf, moe_mode, policy)
     try:
         placed = llm.plan.group_placement
         off = placed.off_device
         assert {k for _, k in off} >= {"experts"}, llm.plan.describe()
-        assert all(g.nbytes == experts[g.layer] and g.experts_total == 8
+        assert all(g.nbytes == 8 * expert_bytes and g.experts_total == 8
                    for g in placed.groups if g.kind == "experts")
         if policy == "auto":
             group = next(g for g in placed.off_device_groups if g.kind == "experts")
@@ -260,7 +263,7 @@ def test_a_mixture_of_experts_gguf_s_routed_experts_off_the_device(moe_gguf, moe
         t = llm.telemetry()
         stats, total = t.offload, t.total
         assert stats.groups_cpu + stats.groups_stream == len(off) * t.steps
-        # streamed, an expert moves its Q8_0 bytes, and only the chosen ones that the device's cache misses
+        # streamed, an expert moves what it is priced at, and only the chosen ones that the device's cache misses
         assert total.expert_bytes == total.expert_misses * expert_bytes
         if policy == "cpu":
             assert stats.steps_stream == 0 and total.expert_bytes == 0 and stats.steps_cpu == t.steps
@@ -273,10 +276,11 @@ def test_a_mixture_of_experts_gguf_s_routed_experts_off_the_device(moe_gguf, moe
 
 
 def test_routed_experts_stay_packed_on_either_path(moe_gguf, moe_mode):
-    """The CPU computes the chosen experts from their packed bytes: exact mode, GGUFWeight views of the file's
-    mapping (dequantized per use); fast mode, the int8 kernels' form of their Q8_0 blocks, made once at load. No
-    expert is held dequantized. Streamed to the simulated device they are those same forms (its memory is the
-    host's: a fill moves their packed bytes across the link, copying nothing)."""
+    """The CPU computes the chosen experts from their packed bytes where they lie: exact mode, GGUFWeight views of
+    the file's mapping (dequantized per use); fast mode, the int8 kernels' form of their Q8_0 blocks as views of the
+    prepacked entry's mapping (made once, on the first load), each expert's tensors one contiguous range of it. No
+    expert is held dequantized or copied. Streamed to the simulated device they are those same forms (its memory is
+    the host's: a fill moves their packed bytes across the link, copying nothing)."""
     path, experts, _ = moe_gguf
     llm = _moe_llm(moe_gguf, moe_mode, "auto")
     try:
@@ -289,17 +293,24 @@ def test_routed_experts_stay_packed_on_either_path(moe_gguf, moe_mode):
         kind = "GGUFWeight" if moe_mode == "exact" else "Int8Weight"  # (engine.weights' packed types, by name)
         assert {type(w).__name__ for w in forms} == {kind}
         if moe_mode == "exact":  # the file's Q8_0 bytes where they lie
-            assert sum(w.data.nbytes for w in forms) == experts[block]
+            tensors = [w.data for w in forms]
+            assert sum(t.nbytes for t in tensors) == experts[block]
             mapped = _mappings_of(path.name)
-            assert mapped and all(any(lo <= w.data.data_ptr() and w.data.data_ptr() + w.data.nbytes <= hi
-                                      for lo, hi in mapped) for w in forms)
-        else:  # int8 codes, a byte a weight, beside their scales
+        else:  # int8 codes, a byte a weight, beside their scales, in the entry
+            tensors = [t for w in forms for t in (w.codes, w.scales)]
             assert all(w.codes.element_size() == 1 for w in forms)
             assert sum(w.codes.nbytes for w in forms) == 8 * EXPERT_PARAMS
+            assert sum(t.nbytes for t in tensors) == 8 * ENTRY_EXPERT_BYTES
+            mapped = _mappings_of("blocks.bin")
+            for e in cpu.values():  # one expert: one range of the entry (what one read of it would take)
+                parts = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for w in e.values() for t in (w.codes, w.scales))
+                assert parts[-1][1] - parts[0][0] < ENTRY_EXPERT_BYTES + 6 * 64  # (each part on a cache line)
+        assert mapped and all(any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in mapped)
+                              for t in tensors)
         chosen = [1, 6]
         (streamed,) = list(weights.offloaded_experts(block, chosen, "stream"))
         assert all(streamed[e][k] is cpu[e][k] for e in chosen for k in cpu[e])
-        assert llm.telemetry().total.expert_bytes == len(chosen) * experts[block] // 8
+        assert llm.telemetry().total.expert_bytes == len(chosen) * moved_per_expert(moe_mode, experts[block] // 8)
     finally:
         llm.close()
 

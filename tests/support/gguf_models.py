@@ -217,6 +217,21 @@ def tiny_gguf(root, arch: str, qtype: Q):
     return path if path.exists() else write_gguf(folder, path, qtype)
 
 
+def tiny_moe_gguf(root) -> Path:
+    """A mixture of experts as llama.cpp's converter writes it (Q8_0: the int8 kernels' type): DeepSeek-V3's tiny one
+    (tests/support/families.py), a dense first block, then blocks of 8 routed experts (2 a token, stacked per block
+    in ffn_*_exps) and a shared one. Skips where the converter is not unpacked (tests/support/llama_cpp_convert.py)."""
+    import pytest
+
+    from tests.support.families import build as build_family
+    from tests.support.llama_cpp_convert import convert, llama_cpp_root
+
+    if llama_cpp_root() is None:
+        pytest.skip("llama.cpp's converter is not unpacked (tests/support/llama_cpp_convert.py)")
+    path = Path(root) / "tiny-deepseek_v3-q8.gguf"
+    return path if path.exists() else convert(build_family(Path(root) / "deepseek_v3-hf", "deepseek_v3"), path, "q8_0")
+
+
 SHORT = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
 
 

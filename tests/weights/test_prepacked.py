@@ -6,6 +6,7 @@ Tiny GGUFs (tests/support/gguf_models.py), a few seconds once the kernels are bu
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -27,7 +28,7 @@ from engine.weights.packed.prepacked import DATA, PrepackedBlocks, prepack_layou
 from engine.weights.transports.prepacked import PrepackedTransport
 from engine.weights.formats.block_source import BlockSource
 from engine.weights.packed.stream_repack import make_repacker
-from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf
+from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf, tiny_moe_gguf
 from tests.support.reference import PROMPT, prompt_logits
 from tests.support.packed import same_weight, streamed_kinds
 
@@ -297,6 +298,80 @@ def test_changed_source_gets_a_new_entry(repack, gguf_root, cache, tmp_path):
         again.close()
     finally:
         opened.close()
+
+
+# -- mixtures of experts ----------------------------------------------------------------------------------
+
+def _entry_views(weights: dict, entry_bytes: int) -> bool:
+    """Every tensor of a block's weights is a view of the mapped entry (its storage the whole file's mapping)."""
+    return all(t.untyped_storage().nbytes() == entry_bytes for w in weights.values() for t in _tensors(w))
+
+
+def test_a_mixture_of_experts_comes_from_the_entry(repack, gguf_root, cache, monkeypatch):
+    """A MoE GGUF (DeepSeek-V3's tiny one: routed and shared experts, router, latent attention) prepacked like a
+    dense one. Against today's path (LAYERSTREAM_PREPACK=off: repacked at load, streamed blocks per step): the same
+    greedy tokens all resident, streamed whole from the page cache and read from disk each step. The second load
+    maps the entry and repacks nothing (the C++ repack, the per-step repacker and the entry's build all raise);
+    resident and page-cache blocks, routed experts included, are views of the mapping holding the load-time
+    repack's bytes, each expert's tensors one contiguous range of the block."""
+    path = tiny_moe_gguf(gguf_root)
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
+    llm = LLM(str(path), **SHORT)
+    try:
+        ref_tokens, budget = greedy_tokens(llm), llm.plan.budget_keeping(1)
+        weights = llm.engine.model.weights
+        ref_block = copy.deepcopy(weights.acquire(1))  # repacked at load (a copy: close() frees the load's)
+        weights.release(1)
+    finally:
+        llm.close()
+    assert any(k.startswith("experts.") for k in ref_block) and any(k.startswith("shared.") for k in ref_block)
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "auto")
+    llm = LLM(str(path), **SHORT)  # builds the entry
+    try:
+        assert llm.telemetry().transport_name == "PrepackedTransport" and greedy_tokens(llm) == ref_tokens
+    finally:
+        llm.close()
+
+    def no_repack(*args, **kwargs):
+        raise AssertionError("repacked after the entry was built")
+
+    import engine.weights.packed.prepacked as prepacked
+    from engine.weights.packed.stream_repack import StreamRepacker
+
+    for name in ("repack_int4", "repack_int8", "repack_kquant"):
+        monkeypatch.setattr(repack_module.ggml_repack(), name, no_repack)
+    monkeypatch.setattr(StreamRepacker, "fill", no_repack)
+    monkeypatch.setattr(prepacked.PrepackedBlocks, "_build", no_repack)
+    (entry,) = cache.glob(f"prepacked-v*/*/{DATA}")
+    for transport, cap in (("auto", None), ("cpu", budget), ("disk", budget)):
+        llm = LLM(str(path), transport=transport, max_device_memory=cap, **SHORT)
+        try:
+            plan, telemetry = llm.plan, llm.telemetry()
+            assert telemetry.transport_name == "PrepackedTransport", transport
+            assert greedy_tokens(llm) == ref_tokens, transport
+            weights = llm.engine.model.weights
+            for b in range(plan.num_layers):  # in order, as the runner acquires them; each checked while held
+                w = weights.acquire(b)
+                if transport != "disk":  # (a disk tier reads resident blocks into buffers of their own)
+                    assert _entry_views(w, entry.stat().st_size), (transport, b)
+                if b == 1:
+                    assert w.keys() == ref_block.keys()
+                    assert all(same_weight(w[k], r) for k, r in ref_block.items() if k.startswith("experts."))
+                    parts = sorted((t.data_ptr(), t.nbytes) for k, x in w.items() if k.startswith("experts.3.")
+                                   for t in _tensors(x))
+                    # one range: its parts back to back, each on a cache line (prepacked.ALIGN)
+                    assert parts[-1][0] + parts[-1][1] - parts[0][0] < sum(n for _, n in parts) + len(parts) * 64
+                weights.release(b)
+            weights.reset()
+            total = llm.telemetry().total
+            assert llm.telemetry().blocks_converted == 0
+            if cap is None:
+                assert not plan.streamed_blocks
+                continue
+            assert plan.streamed_blocks and not plan.expert_streaming  # MoE blocks stream whole
+            assert total.blocks_streamed > 0 and total.bytes_streamed == total.blocks_streamed * plan.stream_block_bytes
+        finally:
+            llm.close()
 
 
 # -- fallbacks and the command --------------------------------------------------------------------------

@@ -53,13 +53,16 @@ class ExpertReader:
     tier = HOST
 
     def __init__(self, source: BlockSource, seconds_per_byte: float = 0.0,
-                 forms: Callable[[Key], dict[str, object]] | None = None):
+                 forms: Callable[[Key], dict[str, object]] | None = None, forms_moved: bool = False):
         """forms(key): the expert in the CPU kernels' form where host memory already holds it (a packed
-        checkpoint's experts off the device, made once at load for the CPU path): on a CPU device a fill hands
-        those over (map), and only their stored bytes cross the (simulated) link."""
+        checkpoint's experts off the device: views of the prepacked entry, or made once at load for the CPU
+        path): on a CPU device a fill hands those over (map), and only their bytes cross the (simulated) link:
+        the forms' own bytes where they are what is stored (forms_moved: the prepacked entry's parts, which the
+        planner priced the group at), else the file's stored bytes."""
         self.source = source
         self.seconds_per_byte = seconds_per_byte  # > 0: behind a simulated link
         self.forms = forms
+        self.forms_moved = forms_moved
         self.disk_bytes = 0
         self.disk_seconds = 0.0
 
@@ -93,9 +96,11 @@ class ExpertReader:
         t0 = time.perf_counter()
         if self.forms is not None:
             views = self.forms(key)
-            # the packed tensors' stored bytes (what the planner priced the group at), plain ones as held
-            n = sum(t.nbytes if t.quant is not None else views[k].numel() * views[k].element_size()
-                    for k, t in self.source.expert_tensors(*key).items())
+            if self.forms_moved:  # the entry's parts (codes and scales), what the planner priced the group at
+                n = sum(v.nbytes for v in views.values())
+            else:  # the packed tensors' stored bytes (what the planner priced the group at), plain ones as held
+                n = sum(t.nbytes if t.quant is not None else views[k].numel() * views[k].element_size()
+                        for k, t in self.source.expert_tensors(*key).items())
         else:
             views = self.views(key)
             n = sum(v.numel() * v.element_size() for v in views.values())

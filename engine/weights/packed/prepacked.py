@@ -172,8 +172,6 @@ def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLay
         return None, "LAYERSTREAM_PREPACK=off"
     if not source.packed:
         return None, "the checkpoint is not packed (GGUF)"
-    if source.expert_blocks():
-        return None, "a mixture of experts streams its experts from the GGUF file"
     repacker = make_repacker(source, fmt)
     if repacker is None:
         return None, ("blocks are computed from the GGUF file's bytes in this mode (fp32 exact mode, a GPU, "
@@ -190,7 +188,7 @@ def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLay
             specs.append((o.name, kind, o.shape, _output_parts(kind, o.shape, fmt.dtype)))
         for short in kept:
             t = infos[short]
-            if t.quant is not None and len(t.shape) != 1:
+            if t.quant is not None and len(t.shape) == 2:
                 return None, f"{t.name} ({t.quant}, shape {list(t.shape)}) has no prepacked form"
             specs.append((short, "dense", t.shape, ((fmt.dtype, tuple(t.shape)),)))
         blocks.append(_place(offset, specs))

@@ -129,13 +129,14 @@ def _transport(kind: str, source: BlockSource, dtype: torch.dtype, device: torch
 
 
 def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: torch.dtype, device: torch.device,
-                     plan: MemoryPlan, guess: bool = True, forms=None) -> "ExpertTier":
+                     plan: MemoryPlan, guess: bool = True, forms=None, forms_moved: bool = False) -> "ExpertTier":
     """The expert tier for the same transport names. Where experts are read from: the disk (disk, or
     auto / cuda with a disk tier), the page cache (cpu, auto, cuda), or the page cache behind the
     simulated link. Where the cache's slots live: device memory behind pinned staging, a copy stream
     and events (cuda, and auto on a GPU), else host memory (the device is the CPU). A packed checkpoint's
     (GGUF) experts move as stored: a GPU's slots hold their GGML bytes (experts/packed.py), a CPU device's
-    hold the forms the host already has for its CPU path (forms(key), ExpertReader), from the page cache."""
+    hold the forms the host already has for its CPU path (forms(key), ExpertReader), from the page cache
+    (forms_moved: those forms are the prepacked entry's views, and their bytes are what a fill moves)."""
     from ..experts.tier import DiskExpertReader, ExpertReader, ExpertTier, HostExpertSlots
 
     kind = resolve(kind, device)
@@ -148,9 +149,9 @@ def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: 
     elif kind == "simulated":
         from .simulated import env_seconds_per_byte
 
-        reader = ExpertReader(source, seconds_per_byte=env_seconds_per_byte(), forms=forms)
+        reader = ExpertReader(source, seconds_per_byte=env_seconds_per_byte(), forms=forms, forms_moved=forms_moved)
     else:
-        reader = ExpertReader(source, forms=forms if kind != "cuda" else None)
+        reader = ExpertReader(source, forms=forms if kind != "cuda" else None, forms_moved=forms_moved)
     shapes = cfg.moe.expert_shapes(cfg.hidden_size)
     try:
         if kind == "cuda":
