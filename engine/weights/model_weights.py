@@ -517,7 +517,9 @@ def _offload_tier(checkpoint: ModelCheckpoint, source: BlockSource, plan: Memory
         if mlps:
             groups_plan = dataclasses.replace(plan, resident_blocks=[], streamed_blocks=mlps)
             if checkpoint.packed and resolve(transport, device) != "cuda":
-                prepacked = _open_prepacked(checkpoint, dtype, device, None, off_device)
+                # the MLPs' weights only: routed experts move through the expert tier (they are the host's views)
+                prepacked = _open_prepacked(checkpoint, dtype, device, None,
+                                            lambda b, name: off_device(b, name) and group_kind(name) != "experts")
             link = make_transport(transport, source.without_experts(), dtype, device, groups_plan, pin_host_memory,
                                   host_budget, disk_gbps, prepacked=prepacked)
             prepacked = None  # the transport's now

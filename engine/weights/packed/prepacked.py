@@ -28,9 +28,19 @@ the sha256 of its header and of SAMPLES pieces spread over its blocks (digest.js
 header is the one this code would write (a layout change without a VERSION bump is stale too). A
 stale or damaged entry is removed and built again.
 
+A mixture of experts' block (Qwen2/Qwen3-MoE, Mixtral, DeepSeek) is laid out the same way: its routed experts'
+tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack makes them) follow its
+attention and shared expert, one expert's tensors back to back (one range of the block: what a read of one expert
+would take), then the kept tensors (norms, the router, DeepSeek's per-head k_b / v_b stacks dequantized to the
+compute dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
+the mapping like any other; routed experts placed off the device (engine.placement) are the CPU's views of it,
+priced and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) is not planned for a GGUF
+file (ModelCheckpoint.sizes gives a packed checkpoint no expert bytes), so nothing reads single experts from the
+entry yet: its blocks stream whole.
+
 Where it does not apply, the paths before it stay: fp32 exact mode and the aten fallback (no
-repack: stream_repack.make_repacker is None), mixtures of experts (experts stream from the GGUF
-file), LAYERSTREAM_PREPACK=off, or a cache that cannot be written (ModelWeights then warns).
+repack: stream_repack.make_repacker is None), LAYERSTREAM_PREPACK=off, or a cache that cannot be
+written (ModelWeights then warns).
 
 With tensor groups placed below the block (engine.placement), the same entry serves both sides of each block:
 PrepackedBlocks(keep=...) hands out only the weights on the device, or only those off it (whose views the CPU
