@@ -30,8 +30,8 @@ stale or damaged entry is removed and built again.
 
 A mixture of experts' block (Qwen2/Qwen3-MoE, Mixtral, DeepSeek) is laid out the same way: its routed experts'
 tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack makes them) follow its
-attention and shared expert, one expert's tensors back to back (one range of the block: what a read of one expert
-would take), then the kept tensors (norms, the router, DeepSeek's per-head k_b / v_b stacks dequantized to the
+attention and shared expert, one expert's matrices back to back (one range of the block: what a read of one expert
+would take; GPT-OSS's expert biases lie with the kept tensors), then the kept tensors (norms, the router, DeepSeek's per-head k_b / v_b stacks dequantized to the
 compute dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
 the mapping like any other; routed experts placed off the device (engine.placement) are the CPU's views of it,
 priced and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) is not planned for a GGUF
@@ -185,7 +185,7 @@ def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLay
     repacker = make_repacker(source, fmt)
     if repacker is None:
         return None, ("blocks are computed from the GGUF file's bytes in this mode (fp32 exact mode, a GPU, "
-                      "or no VNNI kernels / repack on this CPU)")
+                      "a type the repack does not take such as MXFP4 experts, or no VNNI kernels / repack on this CPU)")
     blocks, offset = [], 0
     for b in range(source.num_blocks):
         outputs, kept = repacker.compute_form(b)
