@@ -242,8 +242,9 @@ def _moe_llm(moe_gguf, mode: str, policy: str):
 @pytest.mark.parametrize("policy", ["cpu", "stream", "auto"])
 def test_a_mixture_of_experts_gguf_s_routed_experts_off_the_device(moe_gguf, moe_mode, policy):
     """llama.cpp's --n-cpu-moe case: routed experts off the device, priced at their packed bytes (fast mode: their
-    parts in the prepacked entry; exact mode: the file's Q8_0, 34 bytes a block of 32 weights); each step, per block, the chosen experts compute on the CPU from their packed form, or
-    only they stream into the device's expert slots as packed bytes. Greedy tokens are the all-resident GGUF run's
+    parts in the prepacked entry; exact mode: the file's Q8_0, 34 bytes a block of 32 weights); each step, per
+    block, the chosen experts compute on the CPU from their packed form, or only they stream into the device's
+    expert slots as packed bytes. Greedy tokens are the all-resident GGUF run's
     in the same mode for every policy."""
     path, experts, resident = moe_gguf
     assert experts[1] // 8 * 32 == 34 * EXPERT_PARAMS

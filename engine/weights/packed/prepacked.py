@@ -31,8 +31,9 @@ stale or damaged entry is removed and built again.
 A mixture of experts' block (Qwen2/Qwen3-MoE, Mixtral, DeepSeek) is laid out the same way: its routed experts'
 tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack makes them) follow its
 attention and shared expert, one expert's matrices back to back (one range of the block: what a read of one expert
-would take; GPT-OSS's expert biases lie with the kept tensors), then the kept tensors (norms, the router, DeepSeek's per-head k_b / v_b stacks dequantized to the
-compute dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
+would take; GPT-OSS's expert biases lie with the kept tensors), then the kept tensors (norms, the router, and any
+quantized tensor other than a matrix, such as DeepSeek's per-head k_b / v_b stacks, dequantized to the compute
+dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
 the mapping like any other; routed experts placed off the device (engine.placement) are the CPU's views of it,
 priced and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) is not planned for a GGUF
 file (ModelCheckpoint.sizes gives a packed checkpoint no expert bytes), so nothing reads single experts from the
