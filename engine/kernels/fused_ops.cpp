@@ -669,6 +669,9 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
 // dot products are reduced in another order (16 keys' at once, sum_lanes16) and p . V and sum p are
 // summed span by span, so the two agree to fp32 rounding, not bit for bit. Chunks and spans depend on the
 // context alone, never on the threads, and so do the results.
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
 constexpr int64_t DECODE_CHUNK = 512;
 constexpr int64_t DECODE_SPAN = 128;               // enough spans to keep two threads busy at one chunk
 constexpr int64_t DECODE_SCRATCH_FLOATS = 1 << 21;  // a wave of sequences' scores and span partials (8 MiB)
@@ -691,11 +694,21 @@ LAYERSTREAM_BF16_AVX512 inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
+// A row of hd bf16 values asked for a block ahead of the one being read, a row at a time with the reading:
+// the blocks lie where the block table puts them, so the memory's prefetchers cannot follow from one block
+// to the next, and the whole next block asked for at once stalled on the fill buffers.
+inline void prefetch_ahead(const uint16_t* row, int64_t hd) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(uint16_t)); b += 64) _mm_prefetch(p + b, PF_HINT);
+}
+
 // s[g * stride + i] = scale * (q_g . k_i) for `take` (<= 16) keys k_i = k + i * kstride of one KV head and
-// its G query heads qf (G x hd). CT: hd / 16 when the caller knows it (the loops then unroll), else 0.
+// its G query heads qf (G x hd), asking for the first ahead_rows rows at `ahead` (same stride) meanwhile.
+// CT: hd / 16 when the caller knows it (the loops then unroll), else 0.
 template <int CT>
 LAYERSTREAM_BF16_AVX512 void scores_tile(const float* qf, const uint16_t* k, int64_t kstride, int64_t take,
-                                         int64_t G, int64_t hd, float scale, float* s, int64_t stride) {
+                                         int64_t G, int64_t hd, float scale, float* s, int64_t stride,
+                                         const uint16_t* ahead, int64_t ahead_rows) {
   const int64_t C = CT > 0 ? CT : hd / 16;
   const __mmask16 keep = static_cast<__mmask16>((1u << take) - 1);
   __m512 dots[8][16];
@@ -707,6 +720,7 @@ LAYERSTREAM_BF16_AVX512 void scores_tile(const float* qf, const uint16_t* k, int
         for (int64_t g = 0; g < gn; ++g) dots[g][i] = _mm512_setzero_ps();
         continue;
       }
+      if (g0 == 0 && i < ahead_rows) prefetch_ahead(ahead + i * kstride, hd);
       __m512 kz[CT > 0 ? CT : AVX512_MAX_HD / 16];
       for (int64_t c = 0; c < C; ++c) kz[c] = load_bf16x16(k + i * kstride + 16 * c);
       for (int64_t g = 0; g < gn; ++g) {
@@ -725,11 +739,13 @@ LAYERSTREAM_BF16_AVX512 void scores_tile(const float* qf, const uint16_t* k, int
 // and H is exact, so no head is guarded in the loop.
 template <int CB, int H>
 LAYERSTREAM_BF16_AVX512 void pv_tile(const float* p, int64_t pstride, const uint16_t* v, int64_t vstride,
-                                     int64_t take, float* acc, int64_t hd) {
+                                     int64_t take, float* acc, int64_t hd, const uint16_t* ahead,
+                                     int64_t ahead_rows) {
   __m512 a[H][CB];
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < CB; ++c) a[h][c] = _mm512_loadu_ps(acc + h * hd + 16 * c);
   for (int64_t i = 0; i < take; ++i) {
+    if (i < ahead_rows) prefetch_ahead(ahead + i * vstride, hd);
     for (int c = 0; c < CB; ++c) {
       const __m512 vz = load_bf16x16(v + i * vstride + 16 * c);
       for (int h = 0; h < H; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * pstride + i]), vz, a[h][c]);
@@ -741,17 +757,20 @@ LAYERSTREAM_BF16_AVX512 void pv_tile(const float* p, int64_t pstride, const uint
 
 template <int CB, int H>
 LAYERSTREAM_BF16_AVX512 inline void pv_heads(int64_t hg, const float* p, int64_t pstride, const uint16_t* v,
-                                             int64_t vstride, int64_t take, float* acc, int64_t hd) {
+                                             int64_t vstride, int64_t take, float* acc, int64_t hd,
+                                             const uint16_t* ahead, int64_t ahead_rows) {
   if constexpr (H > 0) {
-    if (hg == H) return pv_tile<CB, H>(p, pstride, v, vstride, take, acc, hd);
-    pv_heads<CB, H - 1>(hg, p, pstride, v, vstride, take, acc, hd);
+    if (hg == H) return pv_tile<CB, H>(p, pstride, v, vstride, take, acc, hd, ahead, ahead_rows);
+    pv_heads<CB, H - 1>(hg, p, pstride, v, vstride, take, acc, hd, ahead, ahead_rows);
   }
 }
 
 // acc (G x hd) += p . V over `take` rows of one KV head, in tiles of the widest column slice (a power of
-// two of 16-lane columns dividing hd / 16) whose accumulators for the group fit the registers.
+// two of 16-lane columns dividing hd / 16) whose accumulators for the group fit the registers; the first
+// tile asks for the rows at `ahead` as scores_tile does.
 LAYERSTREAM_BF16_AVX512 void pv_rows(const float* p, int64_t pstride, const uint16_t* v, int64_t vstride,
-                                     int64_t take, int64_t G, int64_t hd, float* acc) {
+                                     int64_t take, int64_t G, int64_t hd, float* acc, const uint16_t* ahead,
+                                     int64_t ahead_rows) {
   const int64_t C = hd / 16;
   int64_t cb = 8;
   while (cb > 1 && (C % cb != 0 || G * cb > 24)) cb /= 2;
@@ -762,11 +781,12 @@ LAYERSTREAM_BF16_AVX512 void pv_rows(const float* p, int64_t pstride, const uint
       const float* pg = p + g0 * pstride;
       const uint16_t* vc = v + 16 * c0;
       float* ag = acc + g0 * hd + 16 * c0;
+      const int64_t ar = c0 == 0 && g0 == 0 ? ahead_rows : 0;
       switch (cb) {
-        case 8: pv_heads<8, 3>(hg, pg, pstride, vc, vstride, take, ag, hd); break;
-        case 4: pv_heads<4, 6>(hg, pg, pstride, vc, vstride, take, ag, hd); break;
-        case 2: pv_heads<2, 12>(hg, pg, pstride, vc, vstride, take, ag, hd); break;
-        default: pv_heads<1, 24>(hg, pg, pstride, vc, vstride, take, ag, hd);
+        case 8: pv_heads<8, 3>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar); break;
+        case 4: pv_heads<4, 6>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar); break;
+        case 2: pv_heads<2, 12>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar); break;
+        default: pv_heads<1, 24>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar);
       }
     }
 }
@@ -812,22 +832,19 @@ struct ChunkedDecode {
   const DecodeArgs<c10::BFloat16>& A;
   int64_t heads;
 
-  // f(j, take, base) over keys [k0, k1) of sequence seq: keys k0 + j .. + take lie in one cache block,
-  // `base` the first one's row of KV head 0.
+  // f(j, take, base, ahead, ahead_rows) over keys [k0, k1) of sequence seq: keys k0 + j .. + take lie in
+  // one cache block, `base` the first one's row of KV head 0; the next run's first ahead_rows keys (none
+  // after the last) start at `ahead`.
   template <typename F>
   void runs(const c10::BFloat16* cache, int64_t seq, int64_t k0, int64_t k1, const F& f) const {
     const int64_t bs = A.block_size, row = A.nkv * A.hd, n = k1 - k0;
     const int64_t* table = A.tables + seq * A.table_stride;
     for (int64_t j = 0, key = k0; j < n;) {
       const int64_t b = key / bs, off = key - b * bs, take = std::min(bs - off, n - j);
-      // The next block asked for while this one is read: blocks lie where the table puts them, so the
-      // memory's prefetchers cannot follow from one to the next.
-      if (j + take < n) {
-        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * bs * row);
-        const int64_t bytes = std::min(bs, n - j - take) * row * static_cast<int64_t>(sizeof(uint16_t));
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-      }
-      f(j, take, reinterpret_cast<const uint16_t*>(cache + (table[b] * bs + off) * row));
+      const int64_t ahead_rows = std::min(take, std::min(bs, n - j - take));
+      const c10::BFloat16* ahead = ahead_rows > 0 ? cache + table[b + 1] * bs * row : cache;
+      f(j, take, reinterpret_cast<const uint16_t*>(cache + (table[b] * bs + off) * row),
+        reinterpret_cast<const uint16_t*>(ahead), ahead_rows);
       j += take;
       key += take;
     }
@@ -839,16 +856,16 @@ struct ChunkedDecode {
     thread_local std::vector<float> qf;
     qf.resize(heads * hd);
     for (int64_t h = 0; h < heads; ++h) widen_row(A.q + seq * A.q_seq + h * A.q_head, qf.data() + h * hd, hd);
-    runs(A.kc, seq, k0, k1, [&](int64_t j, int64_t take, const uint16_t* base) {
+    runs(A.kc, seq, k0, k1, [&](int64_t j, int64_t take, const uint16_t* base, const uint16_t* ahead, int64_t ar) {
       for (int64_t kvh = 0; kvh < nkv; ++kvh) {
         const float* q = qf.data() + kvh * G * hd;
         float* sk = s + kvh * G * n + (k0 - lo) + j;
         const uint16_t* k = base + kvh * hd;
         switch (hd / 16) {
-          case 4: scores_tile<4>(q, k, nkv * hd, take, G, hd, A.scale, sk, n); break;
-          case 8: scores_tile<8>(q, k, nkv * hd, take, G, hd, A.scale, sk, n); break;
-          case 16: scores_tile<16>(q, k, nkv * hd, take, G, hd, A.scale, sk, n); break;
-          default: scores_tile<0>(q, k, nkv * hd, take, G, hd, A.scale, sk, n);
+          case 4: scores_tile<4>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar); break;
+          case 8: scores_tile<8>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar); break;
+          case 16: scores_tile<16>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar); break;
+          default: scores_tile<0>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar);
         }
       }
     });
@@ -862,10 +879,10 @@ struct ChunkedDecode {
     const int64_t hd = A.hd, G = A.group, nkv = A.nkv;
     for (int64_t h = 0; h < heads; ++h) l[h] = span_numerators(s + h * n + (k0 - lo), k1 - k0, m[h]);
     std::fill(acc, acc + heads * hd, 0.0f);
-    runs(A.vc, seq, k0, k1, [&](int64_t j, int64_t take, const uint16_t* base) {
+    runs(A.vc, seq, k0, k1, [&](int64_t j, int64_t take, const uint16_t* base, const uint16_t* ahead, int64_t ar) {
       for (int64_t kvh = 0; kvh < nkv; ++kvh)
         pv_rows(s + kvh * G * n + (k0 - lo) + j, n, base + kvh * hd, nkv * hd, take, G, hd,
-                acc + kvh * G * hd);
+                acc + kvh * G * hd, ahead + kvh * hd, ar);
     });
   }
 };
