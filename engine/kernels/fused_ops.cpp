@@ -674,7 +674,7 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
 #endif
 constexpr int64_t DECODE_CHUNK = 512;
 constexpr int64_t DECODE_SPAN = 128;               // enough spans to keep two threads busy at one chunk
-constexpr int64_t DECODE_SCRATCH_FLOATS = 1 << 21;  // a wave of sequences' scores and span partials (8 MiB)
+constexpr int64_t DECODE_SCRATCH_FLOATS = 1 << 18;  // a wave's scores and span partials: 1 MiB, which stay in a core's cache from one pass to the next
 
 // The sums of the lanes of v[0..15], in lane i for v[i]: pairs of vectors folded together (halves, then
 // quarters, then within 128 bits) rather than each reduced alone, a third of the shuffles and adds. Each
