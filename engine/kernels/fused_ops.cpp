@@ -662,19 +662,17 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
 // Chunks of DECODE_CHUNK keys are softmaxed apart (against their own max, p rounded to bf16 there) and
 // merged as flash-decoding merges them: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c. Past one
 // chunk, p is rounded against each chunk's max, as flash's tiles round it against their running max (so
-// the two agree to the dtype's rounding). A chunk's spans are three passes, each over every span at once:
-// (1) the scores of the span's keys and their max per head; (2) p = exp(s - the chunk's max), from the
-// maxima of its spans, with its sum, and p . V over the span; (3) per (sequence, head), the spans' sums
-// and p . V added in span order into the chunk's, then the chunks merged. Against decode_attend_one the
+// the two agree to the dtype's rounding). Three passes, each over all spans of a wave of sequences split
+// over the threads: (1) each span's scores and their max per head; (2) p = exp(s - its chunk's max, from
+// the maxima of the chunk's spans), their sum and p . V over the span; (3) per (sequence, head), the spans'
+// sums and p . V added in span order into their chunk's, then the chunks merged. Against decode_attend_one the
 // dot products are reduced in another order (16 keys' at once, sum_lanes16) and p . V and sum p are
 // summed span by span, so the two agree to fp32 rounding, not bit for bit. Chunks and spans depend on the
 // context alone, never on the threads, and so do the results.
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 constexpr int64_t DECODE_CHUNK = 512;
-constexpr int64_t DECODE_SPAN = 128;               // enough spans to keep two threads busy at one chunk
-constexpr int64_t DECODE_SCRATCH_FLOATS = 1 << 18;  // a wave's scores and span partials: 1 MiB, which stay in a core's cache from one pass to the next
+constexpr int64_t DECODE_SPAN = 128;  // enough spans to keep two threads busy at one chunk
+// A wave's scores and span partials (1 MiB): they stay in the cores' caches from one pass to the next.
+constexpr int64_t DECODE_SCRATCH_FLOATS = 1 << 18;
 
 // The sums of the lanes of v[0..15], in lane i for v[i]: pairs of vectors folded together (halves, then
 // quarters, then within 128 bits) rather than each reduced alone, a third of the shuffles and adds. Each
@@ -699,7 +697,7 @@ LAYERSTREAM_BF16_AVX512 inline __m512 sum_lanes16(const __m512* v) {
 // to the next, and the whole next block asked for at once stalled on the fill buffers.
 inline void prefetch_ahead(const uint16_t* row, int64_t hd) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(uint16_t)); b += 64) _mm_prefetch(p + b, PF_HINT);
+  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(uint16_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 // s[g * stride + i] = scale * (q_g . k_i) for `take` (<= 16) keys k_i = k + i * kstride of one KV head and
@@ -823,9 +821,9 @@ LAYERSTREAM_BF16_AVX512 void add_rows(float* o, const float* b, int64_t hd) {
     _mm512_storeu_ps(o + d, _mm512_add_ps(_mm512_loadu_ps(o + d), _mm512_loadu_ps(b + d)));
 }
 
-// A span of one sequence's keys [k0, k1), in its chunk [c0, c1), and where its partials go.
+// Keys [k0, k1) of sequence seq, and the spans of its chunk (indices into the wave's spans).
 struct DecodeSpan {
-  int64_t seq, k0, k1, chunk, first_span_of_chunk, last_span_of_chunk;
+  int64_t seq, k0, k1, first_span_of_chunk, last_span_of_chunk;
 };
 
 struct ChunkedDecode {
@@ -921,7 +919,7 @@ void decode_attention_chunked(const DecodeArgs<c10::BFloat16>& A, int64_t seqs) 
       for (int64_t c = 0; c < chunks(last); ++c) {
         const int64_t c0 = lo + c * ck, c1 = std::min(end, c0 + ck), s0 = static_cast<int64_t>(spans.size());
         for (int64_t k0 = c0; k0 < c1; k0 += DECODE_SPAN)
-          spans.push_back({last, k0, std::min(c1, k0 + DECODE_SPAN), c, s0, 0});
+          spans.push_back({last, k0, std::min(c1, k0 + DECODE_SPAN), s0, 0});
         for (int64_t t = s0; t < static_cast<int64_t>(spans.size()); ++t) spans[t].last_span_of_chunk = spans.size();
       }
       span_start.push_back(spans.size());
