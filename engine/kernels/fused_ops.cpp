@@ -652,96 +652,241 @@ void decode_attend_one(const DecodeArgs<T>& A, int64_t seq, int64_t kvh) {
 }
 
 // bf16 caches on AVX-512 (attention_avx512): the same arithmetic as decode_attend_one, read in the cache's
-// order. A cache block holds block_size keys x every KV head, contiguous; reading one KV head's rows for
-// the whole context (decode_attend_one) touches a few hundred bytes of each key's row of heads and
-// leaves the memory's prefetchers nothing to follow, which kept long contexts far below the memory's
-// speed. Here a task takes a chunk of a sequence's keys and a slice of its KV heads and walks the
-// chunk block by block, every head of the slice in each block before the next.
+// order. A cache block holds block_size keys x every KV head, contiguous. Reading one KV head's rows for
+// the whole context (decode_attend_one), or a slice of heads per task, touches a few hundred bytes of
+// each key's row of heads and leaves the memory's prefetchers little to follow: that kept attention far
+// below the memory's speed. Here a task takes a span of DECODE_SPAN keys of one sequence and every KV
+// head, and walks it block by block, so each task reads whole cache blocks front to back; the threads
+// split the keys, never the heads.
 //
 // Chunks of DECODE_CHUNK keys are softmaxed apart (against their own max, p rounded to bf16 there) and
-// merged as flash-decoding merges them: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c. Up to one
-// chunk that is decode_attend_one's result bit for bit; past it, p is rounded against each chunk's max,
-// as flash's tiles round it against their running max (so the two agree to the dtype's rounding). The
-// chunking depends on the context alone, never on the threads, so results do not either.
+// merged as flash-decoding merges them: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c. Past one
+// chunk, p is rounded against each chunk's max, as flash's tiles round it against their running max (so
+// the two agree to the dtype's rounding). Three passes, each over all spans of a wave of sequences split
+// over the threads: (1) each span's scores and their max per head; (2) p = exp(s - its chunk's max, from
+// the maxima of the chunk's spans), their sum and p . V over the span; (3) per (sequence, head), the spans'
+// sums and p . V added in span order into their chunk's, then the chunks merged. Against decode_attend_one the
+// dot products are reduced in another order (16 keys' at once, sum_lanes16) and p . V and sum p are
+// summed span by span, so the two agree to fp32 rounding, not bit for bit. Chunks and spans depend on the
+// context alone, never on the threads, and so do the results.
 constexpr int64_t DECODE_CHUNK = 512;
-constexpr int64_t MERGE_SCRATCH_FLOATS = 1 << 20;  // a wave of sequences' chunk partials (4 MiB)
+constexpr int64_t DECODE_SPAN = 128;  // enough spans to keep two threads busy at one chunk
+// A wave's scores and span partials (1 MiB): they stay in the cores' caches from one pass to the next.
+constexpr int64_t DECODE_SCRATCH_FLOATS = 1 << 18;
+
+// The sums of the lanes of v[0..15], in lane i for v[i]: pairs of vectors folded together (halves, then
+// quarters, then within 128 bits) rather than each reduced alone, a third of the shuffles and adds. Each
+// v[i]'s lanes are added in the same tree wherever it sits in v, so a score does not depend on its tile.
+LAYERSTREAM_BF16_AVX512 inline __m512 sum_lanes16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)  // t[k]: 8-lane partials of v[2k] (low 256 bits) and v[2k + 1]
+    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // u[k]: 4-lane partials of v[4k + j] in its 128 bits j
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));  // lane 4j + m: v[4m + j]
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// A row of hd bf16 values asked for a block ahead of the one being read, a row at a time with the reading:
+// the blocks lie where the block table puts them, so the memory's prefetchers cannot follow from one block
+// to the next, and the whole next block asked for at once stalled on the fill buffers.
+inline void prefetch_ahead(const uint16_t* row, int64_t hd) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(uint16_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// s[g * stride + i] = scale * (q_g . k_i) for `take` (<= 16) keys k_i = k + i * kstride of one KV head and
+// its G query heads qf (G x hd), asking for the first ahead_rows rows at `ahead` (same stride) meanwhile.
+// CT: hd / 16 when the caller knows it (the loops then unroll), else 0.
+template <int CT>
+LAYERSTREAM_BF16_AVX512 void scores_tile(const float* qf, const uint16_t* k, int64_t kstride, int64_t take,
+                                         int64_t G, int64_t hd, float scale, float* s, int64_t stride,
+                                         const uint16_t* ahead, int64_t ahead_rows) {
+  const int64_t C = CT > 0 ? CT : hd / 16;
+  const __mmask16 keep = static_cast<__mmask16>((1u << take) - 1);
+  __m512 dots[8][16];
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int64_t gn = std::min<int64_t>(8, G - g0);
+    const float* q = qf + g0 * hd;
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i >= take) {
+        for (int64_t g = 0; g < gn; ++g) dots[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      if (g0 == 0 && i < ahead_rows) prefetch_ahead(ahead + i * kstride, hd);
+      __m512 kz[CT > 0 ? CT : AVX512_MAX_HD / 16];
+      for (int64_t c = 0; c < C; ++c) kz[c] = load_bf16x16(k + i * kstride + 16 * c);
+      for (int64_t g = 0; g < gn; ++g) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * hd), kz[0]);
+        for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * hd + 16 * c), kz[c], acc);
+        dots[g][i] = acc;
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g)
+      _mm512_mask_storeu_ps(s + (g0 + g) * stride, keep, _mm512_mul_ps(sum_lanes16(dots[g]), _mm512_set1_ps(scale)));
+  }
+}
+
+// acc[h][16 c .. 16 (c + 1)) += p[h * pstride + i] * v_i[same columns] for H heads and CB 16-lane columns,
+// over `take` rows v_i = v + i * vstride, in key order: the accumulators stay in registers for the rows,
+// and H is exact, so no head is guarded in the loop.
+template <int CB, int H>
+LAYERSTREAM_BF16_AVX512 void pv_tile(const float* p, int64_t pstride, const uint16_t* v, int64_t vstride,
+                                     int64_t take, float* acc, int64_t hd, const uint16_t* ahead,
+                                     int64_t ahead_rows) {
+  __m512 a[H][CB];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < CB; ++c) a[h][c] = _mm512_loadu_ps(acc + h * hd + 16 * c);
+  for (int64_t i = 0; i < take; ++i) {
+    if (i < ahead_rows) prefetch_ahead(ahead + i * vstride, hd);
+    for (int c = 0; c < CB; ++c) {
+      const __m512 vz = load_bf16x16(v + i * vstride + 16 * c);
+      for (int h = 0; h < H; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * pstride + i]), vz, a[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + h * hd + 16 * c, a[h][c]);
+}
+
+template <int CB, int H>
+LAYERSTREAM_BF16_AVX512 inline void pv_heads(int64_t hg, const float* p, int64_t pstride, const uint16_t* v,
+                                             int64_t vstride, int64_t take, float* acc, int64_t hd,
+                                             const uint16_t* ahead, int64_t ahead_rows) {
+  if constexpr (H > 0) {
+    if (hg == H) return pv_tile<CB, H>(p, pstride, v, vstride, take, acc, hd, ahead, ahead_rows);
+    pv_heads<CB, H - 1>(hg, p, pstride, v, vstride, take, acc, hd, ahead, ahead_rows);
+  }
+}
+
+// acc (G x hd) += p . V over `take` rows of one KV head, in tiles of the widest column slice (a power of
+// two of 16-lane columns dividing hd / 16) whose accumulators for the group fit the registers; the first
+// tile asks for the rows at `ahead` as scores_tile does.
+LAYERSTREAM_BF16_AVX512 void pv_rows(const float* p, int64_t pstride, const uint16_t* v, int64_t vstride,
+                                     int64_t take, int64_t G, int64_t hd, float* acc, const uint16_t* ahead,
+                                     int64_t ahead_rows) {
+  const int64_t C = hd / 16;
+  int64_t cb = 8;
+  while (cb > 1 && (C % cb != 0 || G * cb > 24)) cb /= 2;
+  const int64_t HG = 24 / cb;
+  for (int64_t c0 = 0; c0 < C; c0 += cb)
+    for (int64_t g0 = 0; g0 < G; g0 += HG) {
+      const int64_t hg = std::min(HG, G - g0);
+      const float* pg = p + g0 * pstride;
+      const uint16_t* vc = v + 16 * c0;
+      float* ag = acc + g0 * hd + 16 * c0;
+      const int64_t ar = c0 == 0 && g0 == 0 ? ahead_rows : 0;
+      switch (cb) {
+        case 8: pv_heads<8, 3>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar); break;
+        case 4: pv_heads<4, 6>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar); break;
+        case 2: pv_heads<2, 12>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar); break;
+        default: pv_heads<1, 24>(hg, pg, pstride, vc, vstride, take, ag, hd, ahead, ar);
+      }
+    }
+}
+
+// p = exp(s - mx) over n scores, in place and rounded to bf16 (flash multiplies V by p in the dtype);
+// returns the fp32 sum of the unrounded p, in softmax_numerators' order.
+LAYERSTREAM_BF16_AVX512 float span_numerators(float* s, int64_t n, float mx) {
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_approx(s[j] - mx);
+  constexpr int L = 16;
+  float part[L] = {0};
+  int64_t j = 0;
+  for (; j + L <= n; j += L)
+    for (int l = 0; l < L; ++l) part[l] += s[j + l];
+  float sum = 0;
+  for (int l = 0; l < L; ++l) sum += part[l];
+  for (; j < n; ++j) sum += s[j];
+  for (j = 0; j < n; ++j) s[j] = round_to<c10::BFloat16>(s[j]);
+  return sum;
+}
+
+LAYERSTREAM_BF16_AVX512 void widen_row(const c10::BFloat16* x, float* y, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(y + d, load_bf16x16(x + d));
+}
+
+LAYERSTREAM_BF16_AVX512 float row_max(const float* s, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t k = 0; k < n; ++k) top = s[k] > top ? s[k] : top;
+  return top;
+}
+
+// o (hd) += b: the spans' p . V into their chunk's.
+LAYERSTREAM_BF16_AVX512 void add_rows(float* o, const float* b, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 16)
+    _mm512_storeu_ps(o + d, _mm512_add_ps(_mm512_loadu_ps(o + d), _mm512_loadu_ps(b + d)));
+}
+
+// Keys [k0, k1) of sequence seq, and the spans of its chunk (indices into the wave's spans).
+struct DecodeSpan {
+  int64_t seq, k0, k1, first_span_of_chunk, last_span_of_chunk;
+};
 
 struct ChunkedDecode {
   const DecodeArgs<c10::BFloat16>& A;
   int64_t heads;
-  // Keys [k0, k1) of sequence seq, KV heads [h0, h1): each head's max score m, sum of p l and p . V acc
-  // (heads x hd, fp32) into m, l, acc (indexed by head), or, where `out` is set (the sequence's only
-  // chunk), its output rounded to bf16.
-  void run(int64_t seq, int64_t k0, int64_t k1, int64_t h0, int64_t h1, float* m, float* l, float* acc,
-           c10::BFloat16* out) const {
-    const int64_t hd = A.hd, G = A.group, nkv = A.nkv, bs = A.block_size, n = k1 - k0, hs = (h1 - h0) * G;
-    thread_local std::vector<float> qf, s, a;
-    thread_local std::vector<const uint16_t*> rows;
-    qf.resize(hs * hd); s.resize(hs * n); a.assign(hs * hd, 0.0f); rows.resize(bs);
-    for (int64_t h = 0; h < hs; ++h) {
-      const c10::BFloat16* qh = A.q + seq * A.q_seq + (h0 * G + h) * A.q_head;
-      for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = static_cast<float>(qh[d]);
-    }
+
+  // f(j, take, base, ahead, ahead_rows) over keys [k0, k1) of sequence seq: keys k0 + j .. + take lie in
+  // one cache block, `base` the first one's row of KV head 0; the next run's first ahead_rows keys (none
+  // after the last) start at `ahead`.
+  template <typename F>
+  void runs(const c10::BFloat16* cache, int64_t seq, int64_t k0, int64_t k1, const F& f) const {
+    const int64_t bs = A.block_size, row = A.nkv * A.hd, n = k1 - k0;
     const int64_t* table = A.tables + seq * A.table_stride;
-    // f(j, take, base): the keys k0 + j .. + take of one cache block, `base` their first row of head 0.
-    const auto runs = [&](const c10::BFloat16* cache, auto&& f) {
-      for (int64_t j = 0, key = k0; j < n;) {
-        const int64_t b = key / bs, off = key - b * bs, take = std::min(bs - off, n - j);
-        f(j, take, reinterpret_cast<const uint16_t*>(cache + (table[b] * bs + off) * nkv * hd));
-        j += take;
-        key += take;
-      }
-    };
-    // The chunk's rows of this slice of heads asked for at once, before they are read (as decode_attend_one
-    // asks for its head's): a chunk is short enough that they are still in cache when the loop gets there.
-    const int64_t slice_bytes = (h1 - h0) * hd * static_cast<int64_t>(sizeof(uint16_t));
-    const auto ask = [&](int64_t, int64_t take, const uint16_t* base) {
-      for (int64_t i = 0; i < take; ++i) prefetch_row(base + (i * nkv + h0) * hd, slice_bytes);
-    };
-    const auto head_rows = [&](const uint16_t* base, int64_t take, int64_t kvh) {
-      for (int64_t i = 0; i < take; ++i) rows[i] = base + (i * nkv + kvh) * hd;
-    };
-    runs(A.kc, ask);
-    runs(A.kc, [&](int64_t j, int64_t take, const uint16_t* base) {
-      for (int64_t kvh = h0; kvh < h1; ++kvh) {
-        head_rows(base, take, kvh);
-        scores_bf16_avx512(qf.data() + (kvh - h0) * G * hd, rows.data(), take, G, hd, A.scale,
-                           s.data() + (kvh - h0) * G * n + j, n);
+    for (int64_t j = 0, key = k0; j < n;) {
+      const int64_t b = key / bs, off = key - b * bs, take = std::min(bs - off, n - j);
+      const int64_t ahead_rows = std::min(take, std::min(bs, n - j - take));
+      const c10::BFloat16* ahead = ahead_rows > 0 ? cache + table[b + 1] * bs * row : cache;
+      f(j, take, reinterpret_cast<const uint16_t*>(cache + (table[b] * bs + off) * row),
+        reinterpret_cast<const uint16_t*>(ahead), ahead_rows);
+      j += take;
+      key += take;
+    }
+  }
+
+  // Pass 1: s (heads x n, this sequence's scores from key lo) over keys [k0, k1), and each head's max of them.
+  void scores(int64_t seq, int64_t lo, int64_t n, int64_t k0, int64_t k1, float* s, float* mx) const {
+    const int64_t hd = A.hd, G = A.group, nkv = A.nkv;
+    thread_local std::vector<float> qf;
+    qf.resize(heads * hd);
+    for (int64_t h = 0; h < heads; ++h) widen_row(A.q + seq * A.q_seq + h * A.q_head, qf.data() + h * hd, hd);
+    runs(A.kc, seq, k0, k1, [&](int64_t j, int64_t take, const uint16_t* base, const uint16_t* ahead, int64_t ar) {
+      for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+        const float* q = qf.data() + kvh * G * hd;
+        float* sk = s + kvh * G * n + (k0 - lo) + j;
+        const uint16_t* k = base + kvh * hd;
+        switch (hd / 16) {
+          case 4: scores_tile<4>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar); break;
+          case 8: scores_tile<8>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar); break;
+          case 16: scores_tile<16>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar); break;
+          default: scores_tile<0>(q, k, nkv * hd, take, G, hd, A.scale, sk, n, ahead + kvh * hd, ar);
+        }
       }
     });
-    thread_local std::vector<float> mx, sums;
-    mx.resize(hs); sums.resize(hs);
-    for (int64_t h = 0; h < hs; ++h) {  // flash multiplies V by p in the dtype
-      float* sh = s.data() + h * n;
-      float top = -INFINITY;
-      for (int64_t k = 0; k < n; ++k) top = sh[k] > top ? sh[k] : top;
-      mx[h] = top;
-      sums[h] = softmax_row(sh, n, true, false);
-    }
-    runs(A.vc, ask);
-    runs(A.vc, [&](int64_t j, int64_t take, const uint16_t* base) {
-      for (int64_t kvh = h0; kvh < h1; ++kvh) {
-        head_rows(base, take, kvh);
-        accumulate_bf16_regs(s.data() + (kvh - h0) * G * n + j, n, rows.data(), take, G, hd,
-                             a.data() + (kvh - h0) * G * hd);
-      }
+    for (int64_t h = 0; h < heads; ++h) mx[h] = row_max(s + h * n + (k0 - lo), k1 - k0);
+  }
+
+  // Pass 2: p over keys [k0, k1) against each head's chunk max m (heads), its sums l (heads) and p . V
+  // acc (heads x hd).
+  void values(int64_t seq, int64_t lo, int64_t n, int64_t k0, int64_t k1, float* s, const float* m, float* l,
+              float* acc) const {
+    const int64_t hd = A.hd, G = A.group, nkv = A.nkv;
+    for (int64_t h = 0; h < heads; ++h) l[h] = span_numerators(s + h * n + (k0 - lo), k1 - k0, m[h]);
+    std::fill(acc, acc + heads * hd, 0.0f);
+    runs(A.vc, seq, k0, k1, [&](int64_t j, int64_t take, const uint16_t* base, const uint16_t* ahead, int64_t ar) {
+      for (int64_t kvh = 0; kvh < nkv; ++kvh)
+        pv_rows(s + kvh * G * n + (k0 - lo) + j, n, base + kvh * hd, nkv * hd, take, G, hd,
+                acc + kvh * G * hd, ahead + kvh * hd, ar);
     });
-    for (int64_t h = 0; h < hs; ++h) {
-      if (out != nullptr) {
-        const float r = 1.0f / sums[h];
-        c10::BFloat16* o = out + seq * (heads * hd) + (h0 * G + h) * hd;
-        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<c10::BFloat16>(a[h * hd + d] * r);
-      } else {
-        m[h0 * G + h] = mx[h];
-        l[h0 * G + h] = sums[h];
-        std::memcpy(acc + (h0 * G + h) * hd, a.data() + h * hd, hd * sizeof(float));
-      }
-    }
   }
 };
 
-// Every sequence's context [lo, pos] in chunks, each chunk's KV heads in as many slices as keep the
-// threads busy (a short context of one sequence is one chunk: its heads are then split).
+// Every sequence's context [lo, pos] in chunks, each chunk in spans; the passes of ChunkedDecode over all
+// of a wave's spans at once, split over the threads by span.
 void decode_attention_chunked(const DecodeArgs<c10::BFloat16>& A, int64_t seqs) {
   const int64_t heads = A.nkv * A.group, hd = A.hd;
   const ChunkedDecode D{A, heads};
@@ -752,65 +897,90 @@ void decode_attention_chunked(const DecodeArgs<c10::BFloat16>& A, int64_t seqs) 
   const auto chunks = [&](int64_t i) { return (keys(i) + DECODE_CHUNK - 1) / DECODE_CHUNK; };
   // Chunks of equal length (at most DECODE_CHUNK): the tasks' work is even.
   const auto chunk_keys = [&](int64_t i) { return (keys(i) + chunks(i) - 1) / chunks(i); };
-  const int64_t threads = at::get_num_threads();
+  const auto spans_of = [&](int64_t i) {
+    const int64_t ck = chunk_keys(i), full = keys(i) / ck, rest = keys(i) - full * ck;
+    return full * ((ck + DECODE_SPAN - 1) / DECODE_SPAN) + (rest + DECODE_SPAN - 1) / DECODE_SPAN;
+  };
   std::vector<float> scratch;
+  std::vector<DecodeSpan> spans;
+  std::vector<int64_t> score_start, span_start;
   for (int64_t first = 0; first < seqs;) {
-    // A wave of sequences whose chunk partials fit the scratch (at least one sequence).
-    int64_t last = first, parts = 0;
-    std::vector<int64_t> part_start{0};
+    // A wave of sequences whose scores and span partials fit the scratch (at least one sequence).
+    int64_t last = first, floats = 0;
+    score_start.assign(1, 0);
+    span_start.assign(1, 0);
+    spans.clear();
     for (; last < seqs; ++last) {
-      const int64_t c = chunks(last), p = c > 1 ? c : 0;
-      if (last > first && (parts + p) * heads * (hd + 2) > MERGE_SCRATCH_FLOATS) break;
-      parts += p;
-      part_start.push_back(parts);
+      const int64_t need = heads * keys(last) + spans_of(last) * heads * (hd + 3);
+      if (last > first && floats + need > DECODE_SCRATCH_FLOATS) break;
+      floats += need;
+      score_start.push_back(score_start.back() + heads * keys(last));
+      const int64_t lo = window_start(last), end = A.positions[last] + 1, ck = chunk_keys(last);
+      for (int64_t c = 0; c < chunks(last); ++c) {
+        const int64_t c0 = lo + c * ck, c1 = std::min(end, c0 + ck), s0 = static_cast<int64_t>(spans.size());
+        for (int64_t k0 = c0; k0 < c1; k0 += DECODE_SPAN)
+          spans.push_back({last, k0, std::min(c1, k0 + DECODE_SPAN), s0, 0});
+        for (int64_t t = s0; t < static_cast<int64_t>(spans.size()); ++t) spans[t].last_span_of_chunk = spans.size();
+      }
+      span_start.push_back(spans.size());
     }
-    int64_t total = 0;
-    for (int64_t i = first; i < last; ++i) total += chunks(i);
-    // KV heads in slices (a divisor of their number, so slices are even) until there are a few tasks a thread.
-    int64_t slices = 1;
-    while (total * slices < 2 * threads) {
-      int64_t next = slices + 1;
-      while (next <= A.nkv && A.nkv % next != 0) ++next;
-      if (next > A.nkv) break;
-      slices = next;
-    }
-    const int64_t per_slice = A.nkv / slices;
-    scratch.resize(parts * heads * (hd + 2));
-    float* ms = scratch.data();
-    float* ls = ms + parts * heads;
-    float* accs = ls + parts * heads;
-    std::vector<std::pair<int64_t, int64_t>> tasks;  // (sequence, chunk)
-    for (int64_t i = first; i < last; ++i)
-      for (int64_t c = 0; c < chunks(i); ++c) tasks.emplace_back(i, c);
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()) * slices, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t nspans = static_cast<int64_t>(spans.size());
+    scratch.resize(score_start.back() + nspans * heads * (hd + 3));
+    float* S = scratch.data();                   // per sequence: (heads, keys) scores, then p
+    float* mx = S + score_start.back();          // (spans, heads): the span's max score
+    float* ls = mx + nspans * heads;             // (spans, heads): its sum of p
+    float* ms = ls + nspans * heads;             // (spans, heads): its chunk's max
+    float* accs = ms + nspans * heads;           // (spans, heads, hd): its p . V
+    at::parallel_for(0, nspans, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const auto [i, c] = tasks[t / slices];
-        const int64_t h0 = (t % slices) * per_slice, h1 = h0 + per_slice;
-        const int64_t k0 = window_start(i) + c * chunk_keys(i), k1 = std::min(A.positions[i] + 1, k0 + chunk_keys(i));
-        if (chunks(i) == 1) {
-          D.run(i, k0, k1, h0, h1, nullptr, nullptr, nullptr, A.out);
-        } else {
-          const int64_t part = part_start[i - first] + c;
-          D.run(i, k0, k1, h0, h1, ms + part * heads, ls + part * heads, accs + part * heads * hd, nullptr);
-        }
+        const DecodeSpan& sp = spans[t];
+        D.scores(sp.seq, window_start(sp.seq), keys(sp.seq), sp.k0, sp.k1, S + score_start[sp.seq - first],
+                 mx + t * heads);
       }
     });
-    // Merge the chunks of each (sequence, head), in chunk order.
-    if (parts > 0) at::parallel_for(0, (last - first) * heads, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, nspans, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const DecodeSpan& sp = spans[t];
+        float* m = ms + t * heads;
+        for (int64_t h = 0; h < heads; ++h) {
+          float top = -INFINITY;
+          for (int64_t u = sp.first_span_of_chunk; u < sp.last_span_of_chunk; ++u)
+            top = std::max(top, mx[u * heads + h]);
+          m[h] = top;
+        }
+        D.values(sp.seq, window_start(sp.seq), keys(sp.seq), sp.k0, sp.k1, S + score_start[sp.seq - first], m,
+                 ls + t * heads, accs + t * heads * hd);
+      }
+    });
+    // Per (sequence, head): each chunk's spans added in span order, then the chunks merged in chunk order.
+    at::parallel_for(0, (last - first) * heads, heads, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<float> chunk, o;
+      chunk.resize(hd);
+      o.resize(hd);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = first + t / heads, h = t % heads, nc = chunks(i);
-        if (nc == 1) continue;
-        const int64_t p0 = part_start[i - first];
+        const int64_t u0 = span_start[i - first], u1 = span_start[i - first + 1];
         float top = -INFINITY;
-        for (int64_t c = 0; c < nc; ++c) top = std::max(top, ms[(p0 + c) * heads + h]);
+        for (int64_t u = u0; u < u1; ++u) top = std::max(top, ms[u * heads + h]);
         float sum = 0.0f;
-        thread_local std::vector<float> o;
-        o.assign(hd, 0.0f);
-        for (int64_t c = 0; c < nc; ++c) {
-          const float w = exp_approx(ms[(p0 + c) * heads + h] - top);
-          sum += w * ls[(p0 + c) * heads + h];
-          const float* a = accs + ((p0 + c) * heads + h) * hd;
-          for (int64_t d = 0; d < hd; ++d) o[d] += w * a[d];
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (int64_t u = u0; u < u1;) {
+          const int64_t end = spans[u].last_span_of_chunk;
+          float l = ls[u * heads + h];
+          std::memcpy(chunk.data(), accs + (u * heads + h) * hd, hd * sizeof(float));
+          for (int64_t v = u + 1; v < end; ++v) {
+            l += ls[v * heads + h];
+            add_rows(chunk.data(), accs + (v * heads + h) * hd, hd);
+          }
+          if (nc == 1) {
+            sum = l;
+            o.swap(chunk);
+          } else {
+            const float w = exp_approx(ms[u * heads + h] - top);
+            sum += w * l;
+            for (int64_t d = 0; d < hd; ++d) o[d] += w * chunk[d];
+          }
+          u = end;
         }
         const float r = 1.0f / sum;
         c10::BFloat16* out = A.out + i * (heads * hd) + h * hd;

@@ -1,8 +1,8 @@
 """Where a single-stream decode step's time goes on the CPU, by the decoding thread's CPU time, one thread
 (or by wall time with --threads above 1, where the other threads' work counts too):
 the whole `engine.step()` (median decode step of a 33-token greedy run), and the model's blocks, the matmuls
-inside them and the LM head each timed alone (one decode row at --position: a short context by default), in one process, medians of
---rounds. The whole step is also timed with the blocks op by op (the C++ decode block off) and op by op with
+inside them, their decode attention (and the speed of its KV read) and the LM head each timed alone (one
+decode row at --position: a short context by default), in one process, medians of --rounds. The whole step is also timed with the blocks op by op (the C++ decode block off) and op by op with
 SDPA (the fused decode attention off too), alternating with the default: an A/B on the same weights even on a
 shared machine.
 
@@ -101,6 +101,17 @@ def run(ns: argparse.Namespace) -> int:
                         if name in w:
                             ops.linear(x, w[name])
 
+        q1 = torch.randn(1, cfg.num_heads, cfg.head_dim).to(runner.dtype)  # (1, heads, head_dim)
+        kv1 = torch.randn(1, cfg.num_kv_heads, cfg.head_dim).to(runner.dtype)  # (1, kv_heads, head_dim)
+        k0 = runner.kv.layer(0)[0]  # (blocks, block_size, kv_heads, head_dim) when the fused kernel reads it
+        plain = isinstance(k0, torch.Tensor) and tuple(k0.shape[2:]) == (cfg.num_kv_heads, cfg.head_dim)
+        attention_tables = ops.token_by_token(step, q1, kv1, kv1, k0) if plain else None
+
+        def attention_once():  # the fused decode attention of every layer, as block_forward calls it
+            for i in range(cfg.num_layers):
+                k_cache, v_cache = runner.kv.layer(i)
+                ops.decode_attention(q1, kv1, kv1, k_cache, v_cache, step, attention_tables)
+
         def head_once():
             with ops.single_row_products(x0):
                 ops.linear(x0, runner.globals.head)
@@ -110,7 +121,10 @@ def run(ns: argparse.Namespace) -> int:
                  "whole step, blocks op by op": (lambda: None, real_attention),
                  "whole step, op by op, SDPA attention": (lambda: None, lambda *a: None)}
         parts = {"blocks (default path)": blocks_once, "  of which their matmuls alone": matmuls_once,
-                 "LM head": head_once}
+                 "  of which their decode attention alone": attention_once, "LM head": head_once}
+        if attention_tables is None:  # not the fused kernel's step (fp32, quantized or latent KV)
+            del parts["  of which their decode attention alone"]
+        kv_bytes = 2 * (position + 1) * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize * cfg.num_layers
         times: dict[str, list[float]] = {k: [] for k in (*modes, *parts)}
         whole_step()  # warm
         for _ in range(ns.rounds):
@@ -132,7 +146,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{'thread CPU' if ns.threads == 1 else 'wall'} time, medians of "
           f"{ns.rounds}; load average {load}")
     for name, xs in times.items():
-        print(f"{name:<36} {_median(xs) * 1e3:8.2f} ms")
+        speed = f"  {kv_bytes / _median(xs) / 1e9:.1f} GB/s of KV read" if name.endswith("attention alone") else ""
+        print(f"{name:<40} {_median(xs) * 1e3:8.2f} ms{speed}")
     return 0
 
 

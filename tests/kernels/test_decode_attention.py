@@ -82,6 +82,8 @@ def _fused(q, k, v, k_cache, v_cache, slots, tables, positions, window=0):
     (1, 2000, 24, 8, 0, 128),  # Llama-3.2-3B's heads at a long context: bf16 on AVX-512 merges 4 chunks
     (2, 1500, 8, 2, 700, 128),  # a sliding window across chunks
     (3, 200, 8, 2, 0, 128),    # bf16 on AVX-512: 8 vectors a row
+    (2, 700, 16, 2, 0, 256),   # groups of 8 heads of 256: p . V in two-column tiles
+    (2, 530, 14, 2, 333, 80),  # groups of 7, a head_dim of 5 vectors, a window starting inside a block
     (2, 90, 6, 3, 0, 40),      # a head_dim the AVX-512 bf16 loops do not take: the generic ones
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -104,9 +106,9 @@ def test_decode_attention_matches_the_sdpa_path(seqs, ctx, nh, nkv, window, hd, 
 @needs_ops
 @pytest.mark.parametrize("ctx", [300, 1300])
 def test_decode_attention_does_not_depend_on_the_threads(ctx):
-    """bf16 on AVX-512 splits a context into chunks and heads into slices by how many threads there are to
-    keep busy: the chunks depend on the context alone and each head's sums on nothing else, so the bits
-    are the same on any number of threads."""
+    """bf16 on AVX-512 splits a context into chunks and chunks into spans of keys, which the threads share:
+    both depend on the context alone and the spans' sums are added in span order, so the bits are the same
+    on any number of threads."""
     args = _case(3, ctx, nh=24, nkv=8, hd=128, seed=ctx)
     threads = torch.get_num_threads()
     try:
