@@ -511,88 +511,18 @@ void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int
                [&](int64_t, const T* r) { prefetch_row(r, hd * sizeof(T)); });
 }
 
-// bf16 caches on AVX-512 with head_dim a multiple of 16 (up to 256): each key and value row is widened
-// to fp32 once for the whole group of query heads (the loops above widen it once per head), the dot
-// products are FMA chains over 16-lane vectors reduced once each, and p . V is an FMA per 16 values.
-// The generic loops left most of the vector units idle; sums in another order and with fused multiply-adds, so the results agree
-// with them, and with flash, to fp32 rounding (tests/kernels/test_decode_attention.py).
+// bf16 caches on AVX-512 with head_dim a multiple of 16 (up to 256) take decode_attention_chunked (below);
+// the loops above serve the rest.
 constexpr int64_t AVX512_MAX_HD = 256;
 
 bool attention_avx512(int64_t hd) { return bf16_avx512() && hd % 16 == 0 && hd <= AVX512_MAX_HD; }
-
-LAYERSTREAM_BF16_AVX512 void scores_bf16_avx512(const float* qf, const uint16_t* const* rows, int64_t n,
-                                                int64_t group, int64_t hd, float scale, float* s, int64_t stride) {
-  const int64_t C = hd / 16;
-  __m512 kz[AVX512_MAX_HD / 16];
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t c = 0; c < C; ++c) kz[c] = load_bf16x16(rows[j] + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf + g * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kz[0]);
-      for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kz[c], acc);
-      s[g * stride + j] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  }
-}
-
-// acc[g][16 c0 .. 16 (c0 + CB)) += p[g][j] * v_j[same columns] over the keys j: CB 16-lane columns of
-// every head's accumulator in registers (HG heads at a time, HG * CB <= 24), each key's slice widened
-// once and used by all of them. The caller picks CB so that every head of the group fits one pass: a
-// value row is then read from memory once, however many query heads share it (in passes over heads,
-// each pass read the rows again). Each accumulator gets the same fused multiply-adds in the same key
-// order whichever way the loops are cut, so the results are the same bits. In registers rather than in
-// memory: there each key's update waited on the last one's store (perf of a 16-sequence layer).
-template <int CB>
-LAYERSTREAM_BF16_AVX512 void accumulate_bf16_cols(const float* p, int64_t stride, const uint16_t* const* rows,
-                                                  int64_t n, int64_t group, int64_t hd, int64_t c0, float* acc) {
-  constexpr int HG = 24 / CB;
-  for (int64_t g0 = 0; g0 < group; g0 += HG) {
-    const int64_t hg = std::min<int64_t>(HG, group - g0);
-    __m512 a[HG][CB];
-    for (int h = 0; h < HG; ++h)
-      for (int c = 0; c < CB; ++c)
-        a[h][c] = h < hg ? _mm512_loadu_ps(acc + (g0 + h) * hd + 16 * (c0 + c)) : _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* v = rows[j] + 16 * c0;
-      for (int c = 0; c < CB; ++c) {
-        const __m512 vz = load_bf16x16(v + 16 * c);
-        for (int h = 0; h < HG; ++h)
-          if (h < hg) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(g0 + h) * stride + j]), vz, a[h][c]);
-      }
-    }
-    for (int h = 0; h < hg; ++h)
-      for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + (g0 + h) * hd + 16 * (c0 + c), a[h][c]);
-  }
-}
-
-// The widest column slice (a power of two of 16-lane columns dividing hd / 16) whose accumulators for
-// every head of the group fit the registers, and the passes over hd it takes.
-LAYERSTREAM_BF16_AVX512 void accumulate_bf16_regs(const float* p, int64_t stride, const uint16_t* const* rows,
-                                                  int64_t n, int64_t group, int64_t hd, float* acc) {
-  const int64_t C = hd / 16;
-  int64_t cb = 8;
-  while (cb > 1 && (C % cb != 0 || group * cb > 24)) cb /= 2;
-  for (int64_t c0 = 0; c0 < C; c0 += cb) {
-    switch (cb) {
-      case 8: accumulate_bf16_cols<8>(p, stride, rows, n, group, hd, c0, acc); break;
-      case 4: accumulate_bf16_cols<4>(p, stride, rows, n, group, hd, c0, acc); break;
-      case 2: accumulate_bf16_cols<2>(p, stride, rows, n, group, hd, c0, acc); break;
-      default: accumulate_bf16_cols<1>(p, stride, rows, n, group, hd, c0, acc);
-    }
-  }
-}
 
 template <typename T>
 void scores(const float* qf, const std::vector<const void*>& rows, int64_t group, int64_t hd, float scale,
             float* s, int64_t stride) {
   const int64_t n = static_cast<int64_t>(rows.size());
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const auto* r = reinterpret_cast<const uint16_t* const*>(rows.data());
-    if (attention_avx512(hd)) {
-      scores_bf16_avx512(qf, r, n, group, hd, scale, s, stride);
-    } else {
-      scores_bf16(qf, r, n, group, hd, scale, s, stride);
-    }
+    scores_bf16(qf, reinterpret_cast<const uint16_t* const*>(rows.data()), n, group, hd, scale, s, stride);
   } else {
     scores_f32(qf, reinterpret_cast<const float* const*>(rows.data()), n, group, hd, scale, s, stride);
   }
@@ -603,12 +533,7 @@ void accumulate(const float* p, int64_t stride, const std::vector<const void*>& 
                 float* acc) {
   const int64_t n = static_cast<int64_t>(rows.size());
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const auto* r = reinterpret_cast<const uint16_t* const*>(rows.data());
-    if (attention_avx512(hd)) {
-      accumulate_bf16_regs(p, stride, r, n, group, hd, acc);
-    } else {
-      accumulate_bf16(p, stride, r, n, group, hd, acc);
-    }
+    accumulate_bf16(p, stride, reinterpret_cast<const uint16_t* const*>(rows.data()), n, group, hd, acc);
   } else {
     accumulate_f32(p, stride, reinterpret_cast<const float* const*>(rows.data()), n, group, hd, acc);
   }
