@@ -242,6 +242,21 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
     """The frozen memory plan for this model under args' device budget and `host_room` host bytes,
     with room for a speculative draft when one is configured. grammar_probe: count the grammar probe's
     process (False: the tokenizer cannot start one)."""
+    plan = _plan_for(args, cfg, checkpoint, dtype, host_room, draft, grammar_probe, args.expert_streaming)
+    if checkpoint.packed and plan.expert_streaming and (plan.disk_blocks or args.transport == "disk"):
+        # A GGUF file's experts are served as views of its prepacked entry in the page cache; the disk tier does
+        # not read single experts from the entry yet, so with blocks on disk (or the disk transport) its MoE blocks
+        # stream whole.
+        plan = _plan_for(args, cfg, checkpoint, dtype, host_room, draft, grammar_probe, False)
+        plan = replace(plan, notes=plan.notes + (
+            "MoE blocks stream whole: a GGUF file's experts stream one by one from the page cache only, and this "
+            "plan reads blocks from disk (the disk tier)",))
+    return plan
+
+
+def _plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dtype: torch.dtype,
+              host_room: int, draft: DraftReservation | None, grammar_probe: bool,
+              expert_streaming: bool) -> MemoryPlan:
     device = torch.device(args.device)
     sizes = checkpoint.sizes(dtype, args.quantization, device)
     budget = args.max_device_memory
@@ -249,9 +264,12 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * 0.9) - (512 << 20)
     tiering = checkpoint.host_tiering(args.transport, device, dtype, args.prefetch_depth, args.quantization)
-    experts = expert_inputs(args, cfg, sizes, dtype)
+    experts = expert_inputs(args, cfg, sizes, dtype) if expert_streaming else {}
+    streamed_block_bytes = sizes.streamed_block_bytes
     if experts and tiering is not None:  # what a disk-tier block read moves: the block without its experts
         tiering = replace(tiering, disk_block_bytes=sizes.dense_checkpoint_block_bytes)
+    if experts and streamed_block_bytes is not None:  # a GGUF block streamed from its entry without its experts
+        streamed_block_bytes = sizes.dense_checkpoint_block_bytes
     weights_bytes = cfg.num_layers * sizes.block_bytes + sizes.global_bytes
     # Checkpoint bytes staged for converted disk-tier blocks (converted copies are the plan's stream
     # buffers), and structured output's host memory: the compiled-grammar cache and the grammar probe.
@@ -293,7 +311,7 @@ def plan_for(args: EngineArgs, cfg: ModelConfig, checkpoint: ModelCheckpoint, dt
                 host_budget=host_room,
                 host_tiering=tiering,
                 checkpoint_bytes=sizes.checkpoint_bytes,
-                streamed_block_bytes=sizes.streamed_block_bytes,
+                streamed_block_bytes=streamed_block_bytes,
                 kv_block_size=args.block_size,
                 kv_groups=kv_groups,
                 kv_cache_bytes=args.kv_cache_memory,

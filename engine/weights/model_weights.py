@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch import ModelConfig, expert_key
+from ..errors import CheckpointError
 from ..placement import group_kind
 from ..planner import HostTiering, MemoryPlan
 from .transports.bandwidth import LinkSpeeds
@@ -99,9 +100,21 @@ class ModelCheckpoint:
             return sizes
         # Blocks come from the prepacked entry: a streamed block maps or reads its bytes there (whole
         # pages), and what is mapped is the entry's blocks plus the GGUF file's globals.
-        return dataclasses.replace(
+        sizes = dataclasses.replace(
             sizes, streamed_block_bytes=layout.max_block_bytes, checkpoint_block_bytes=layout.max_block_bytes,
             checkpoint_bytes=layout.file_bytes + sum(t.nbytes for t in glob.values()))
+        if not src.expert_blocks():
+            return sizes
+        # A mixture's routed experts stream one by one from the entry (the expert tier maps each expert's parts
+        # there): blocks count without them, on the device in their resident form and streamed as the entry's
+        # parts of their other weights; an expert counts its parts in the entry (what group_bytes prices at).
+        dense = src.without_experts()
+        return dataclasses.replace(
+            sizes, dense_block_bytes=max(sum(fmt.resident_bytes(t) for t in dense.tensors(b).values())
+                                         for b in range(src.num_blocks)),
+            dense_checkpoint_block_bytes=layout.dense_bytes, expert_bytes=layout.expert_bytes,
+            checkpoint_expert_bytes=layout.expert_bytes,
+            num_experts_total=sum(src.num_experts(b) for b in src.expert_blocks()))
 
     def group_bytes(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")
                     ) -> list[dict[str, tuple[int, int]]] | None:
@@ -309,10 +322,26 @@ class ModelWeights:
         self._dtype, self._device = dtype, device
         moe = checkpoint.cfg.moe
         self._expert_names = tuple(moe.expert_shapes(checkpoint.cfg.hidden_size)) if moe is not None else ()
-        experts = None
+        experts = entry = None
         if plan.expert_streaming:  # (MoE models are never quantized: the loader refuses that)
             # Blocks move without their experts; the expert tier moves each chosen expert by itself.
-            experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan)
+            forms = None
+            if self._packed:
+                # A GGUF file's experts stream only from its prepacked entry (the only case sizes() gives them
+                # bytes): blocks map their other weights there, and each chosen expert is its views there.
+                entry = _open_prepacked(checkpoint, dtype, device, on_progress,
+                                        lambda b, name: group_kind(name) != "experts")
+                if entry is None:
+                    raise CheckpointError(f"{checkpoint.path}: its routed experts stream from the prepacked cache "
+                                          "entry, which cannot be built here; load with --no-expert-streaming")
+                forms = (lambda key: entry.expert(*key))
+            try:
+                experts = make_expert_tier(transport, checkpoint.cfg, source, dtype, device, plan, forms=forms,
+                                           forms_moved=entry is not None)
+            except BaseException:
+                if entry is not None:
+                    entry.close()
+                raise
             source = source.without_experts()
         offload_source = on_device = None
         device_plan = plan  # what the block streamer serves: with groups off the device, every block's rest
@@ -329,9 +358,12 @@ class ModelWeights:
             source = source.select(on_device)
             device_plan = dataclasses.replace(plan, resident_blocks=list(range(plan.num_layers)),
                                               streamed_blocks=[], host_blocks=[], disk_blocks=[])
-        quantized = prepacked = head = None
+        quantized = head = None
+        prepacked = entry
         try:
-            if quantization:
+            if entry is not None:
+                head = entry.head()
+            elif quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
                 # cache holds the quantized blocks and head (packed/quant_cache.py); later loads map it.
                 from .packed.quant_cache import QuantizedBlocks

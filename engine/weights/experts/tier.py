@@ -41,6 +41,7 @@ from ..transports.base import DISK, HOST
 if TYPE_CHECKING:
     from .cuda_slots import CudaExpertSlots
 
+PREDICTOR = ("mlp_norm", "router", "router_bias")  # what the guess of a block's experts reads
 # The model's router for a guess: (hidden (tokens, hidden), {"mlp_norm", "router"[, "router_bias"]} of a MoE block)
 # -> the experts it would choose, (tokens, top_k) int64.
 Router = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -201,10 +202,11 @@ class ExpertTier:
             # The guesser's weights: each sparse block's router (and its bias, GPT-OSS) and post-attention
             # norm (predictor_bytes).
             self.predictor: dict[int, dict[str, torch.Tensor]] = {}
+            # only these tensors' views: a packed checkpoint's (GGUF) other tensors have none
+            predictor = source.select(lambda _b, short: short in PREDICTOR)
             for b in self.sparse:
-                views = source.views(b)
-                self.predictor[b] = {k: views[k].to(device=device, dtype=dtype, copy=True)
-                                     for k in ("mlp_norm", "router", "router_bias") if k in views}
+                views = predictor.views(b)
+                self.predictor[b] = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in views.items()}
             self.cache = ExpertCache(slots.count, slots.fill)
         except BaseException:
             self.close()

@@ -90,6 +90,7 @@ ALIGN = 64  # every part starts on a cache line (and on its dtype's size)
 SAMPLES, SAMPLE_BYTES = 16, 64 << 10
 ROOM_MARGIN = 512 << 20  # free bytes left on the cache's file system after building an entry
 MODES = ("auto", "off")
+EXPERTS = "experts."  # a routed expert's weights: "experts.{e}.w_gate", ...
 DTYPE_NAMES = {torch.uint8: "uint8", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -168,6 +169,25 @@ class PrepackedLayout:
     @property
     def max_block_bytes(self) -> int:
         return max((b.nbytes for b in self.blocks), default=0)
+
+    @functools.cached_property
+    def expert_bytes(self) -> int:
+        """The most bytes one routed expert's weights take in the entry (their parts): what the expert tier's fill
+        of it maps or reads, and what the planner prices an expert at (0 for a dense model)."""
+        per: dict[tuple[int, str], int] = {}
+        for b, block in enumerate(self.blocks):
+            for w in block.weights:
+                if w.name.startswith(EXPERTS):
+                    key = (b, w.name.split(".")[1])
+                    per[key] = per.get(key, 0) + sum(p.nbytes for p in w.parts)
+        return max(per.values(), default=0)
+
+    @functools.cached_property
+    def dense_bytes(self) -> int:
+        """The most bytes a block's weights other than its routed experts take in the entry (their parts): what a
+        block streamed without its experts maps."""
+        return max((sum(p.nbytes for w in b.weights if not w.name.startswith(EXPERTS) for p in w.parts)
+                    for b in self.blocks), default=0)
 
 
 def _output_parts(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[torch.dtype, tuple], ...]:
@@ -411,6 +431,17 @@ class PrepackedBlocks:
         start, end = self._span(None)
         return _weights(self.layout.head, self._base[start:end])[HEAD]
 
+    def expert(self, block: int, expert: int) -> dict[str, object]:
+        """Routed expert `expert` of block `block` ({"w_gate", "w_up", "w_down"}: its weights in the kernels' form) as
+        zero-copy views of the mapped entry, its pages faulted in now, whatever keep selected: the expert tier's
+        page-cache fill (experts/tier.py ExpertReader.forms)."""
+        prefix = f"{EXPERTS}{expert}."
+        block_layout = self.layout.blocks[block]
+        mine = dataclasses.replace(block_layout, weights=tuple(w for w in block_layout.weights
+                                                              if w.name.startswith(prefix)))
+        self._advise_weights(block, mine.weights, MADV_POPULATE_READ)
+        return {name[len(prefix):]: w for name, w in _weights(mine, self.raw(block)).items()}
+
     def mapped(self, block: int) -> dict[str, object]:
         """Block `block`'s weights as zero-copy views of the mapped entry."""
         return self.weights(block, self.raw(block))
@@ -422,8 +453,31 @@ class PrepackedBlocks:
 
     def advise(self, block: int | None, advice: int) -> None:
         """madvise block `block`'s pages, or the head's (None): MADV_POPULATE_READ ahead of use,
-        MADV_DONTNEED after."""
+        MADV_DONTNEED after. With a selection (keep), only its weights' pages: a block streamed without its
+        routed experts does not fault them in."""
+        if self._selected and block is not None:
+            self._advise_weights(block, self._blocks[block].weights, advice)
+            return
         start, end = self._span(block)
+        self._madvise(advice, start, end)
+
+    def _advise_weights(self, block: int, weights: tuple[WeightLayout, ...], advice: int) -> None:
+        """madvise the pages of these weights of block `block`, each weight's parts as one range (they lie back to
+        back), neighbouring ranges merged."""
+        base = self._span(block)[0]
+        ranges = sorted((min(p.offset for p in w.parts), max(p.offset + p.nbytes for p in w.parts))
+                        for w in weights if w.parts)
+        merged: list[list[int]] = []
+        for start, end in ranges:
+            start = start // PAGE * PAGE  # madvise takes page-aligned starts (the block starts on a page)
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            self._madvise(advice, base + start, base + end)
+
+    def _madvise(self, advice: int, start: int, end: int) -> None:
         try:
             self._map.madvise(advice, start, end - start)
         except (OSError, ValueError):
