@@ -91,7 +91,8 @@ def test_every_tier_computes_the_repack_paths_logits(repack, gguf_root, cache, m
         llm.close()
     monkeypatch.setenv("LAYERSTREAM_PREPACK", "auto")
     for transport, cap in (("auto", None), ("cpu", budget), ("disk", budget)):
-        llm = LLM(str(path), transport=transport, max_device_memory=cap, **SHORT)
+        # blocks streamed whole (experts one by one: the next test)
+        llm = LLM(str(path), transport=transport, max_device_memory=cap, expert_streaming=False, **SHORT)
         try:
             plan, telemetry = llm.plan, llm.telemetry()
             assert telemetry.transport_name == "PrepackedTransport"
@@ -344,7 +345,8 @@ def test_a_mixture_of_experts_comes_from_the_entry(repack, gguf_root, cache, mon
     monkeypatch.setattr(prepacked.PrepackedBlocks, "_build", no_repack)
     (entry,) = cache.glob(f"prepacked-v*/*/{DATA}")
     for transport, cap in (("auto", None), ("cpu", budget), ("disk", budget)):
-        llm = LLM(str(path), transport=transport, max_device_memory=cap, **SHORT)
+        # blocks streamed whole (experts one by one: the next test)
+        llm = LLM(str(path), transport=transport, max_device_memory=cap, expert_streaming=False, **SHORT)
         try:
             plan, telemetry = llm.plan, llm.telemetry()
             assert telemetry.transport_name == "PrepackedTransport", transport
@@ -372,6 +374,75 @@ def test_a_mixture_of_experts_comes_from_the_entry(repack, gguf_root, cache, mon
             assert total.blocks_streamed > 0 and total.bytes_streamed == total.blocks_streamed * plan.stream_block_bytes
         finally:
             llm.close()
+
+
+def test_a_mixture_streams_single_experts_from_the_entry(repack, gguf_root, cache, monkeypatch):
+    """Under a budget that streams, a MoE GGUF's routed experts stream one by one as a safetensors mixture's do
+    (docs/usage/moe.md): blocks without their experts, each chosen expert zero-copy views of the entry (page cache),
+    planned and counted at its parts' bytes there. The same greedy tokens as all resident and as
+    LAYERSTREAM_PREPACK=off (whole blocks repacked per step). The disk tier reads no single expert from the entry:
+    there MoE blocks stream whole, and the plan says so."""
+    path = tiny_moe_gguf(gguf_root)
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "off")
+    llm = LLM(str(path), **SHORT)
+    try:
+        ref_tokens, budget = greedy_tokens(llm), llm.plan.budget_keeping(1)
+        ref_block = copy.deepcopy(llm.engine.model.weights.acquire(1))  # repacked at load, experts included
+        llm.engine.model.weights.release(1)
+    finally:
+        llm.close()
+    llm = LLM(str(path), max_device_memory=budget, **SHORT)
+    try:  # no entry: nothing prices a GGUF expert, so its blocks stream whole
+        assert llm.plan.streamed_blocks and not llm.plan.expert_streaming
+        assert greedy_tokens(llm) == ref_tokens
+    finally:
+        llm.close()
+    monkeypatch.setenv("LAYERSTREAM_PREPACK", "auto")
+    llm = LLM(str(path), **SHORT)  # builds the entry
+    try:
+        assert not llm.plan.streamed_blocks and greedy_tokens(llm) == ref_tokens
+    finally:
+        llm.close()
+    (entry,) = cache.glob(f"prepacked-v*/*/{DATA}")
+    opened = Opened(path)
+    try:  # one expert's parts in the entry, from its layout (every expert of this file is Q8_0: the same bytes)
+        one = sum(p.nbytes for w in opened.layout.blocks[1].weights if w.name.startswith("experts.0.") for p in w.parts)
+    finally:
+        opened.close()
+    assert one > 0
+    for transport in ("cpu", "auto"):
+        llm = LLM(str(path), transport=transport, max_device_memory=budget, **SHORT)
+        try:
+            plan = llm.plan
+            assert plan.expert_streaming and plan.streamed_blocks and not plan.disk_blocks, transport
+            assert plan.expert_bytes == one
+            assert greedy_tokens(llm) == ref_tokens, transport
+            total = llm.telemetry().total
+            # every fill maps one expert's parts: the misses', and the guesses' for the next block (prefetch)
+            assert total.expert_misses > 0 and total.expert_bytes % one == 0
+            fills = total.expert_bytes // one
+            assert total.expert_misses <= fills <= total.expert_misses + total.experts_guessed
+            weights = llm.engine.model.weights
+            for b in plan.streamed_blocks:
+                w = weights.acquire(b)
+                assert not any(k.startswith("experts.") for k in w) and _entry_views(w, entry.stat().st_size)
+                weights.release(b)
+            hidden = torch.zeros(1, llm.engine.model.cfg.hidden_size, dtype=torch.bfloat16)
+            for group in weights.experts(1, [0, 3], hidden, lambda h, predictor: torch.zeros(1, 2, dtype=torch.long)):
+                assert sorted(group) == [0, 3]
+                for e, expert in group.items():
+                    assert _entry_views(expert, entry.stat().st_size)
+                    assert all(same_weight(w, ref_block[f"experts.{e}.{k}"]) for k, w in expert.items())
+            weights.reset()
+        finally:
+            llm.close()
+    llm = LLM(str(path), transport="disk", max_device_memory=budget, **SHORT)
+    try:
+        assert llm.plan.streamed_blocks and llm.plan.disk_blocks and not llm.plan.expert_streaming
+        assert any("MoE blocks stream whole" in n for n in llm.plan.notes)
+        assert greedy_tokens(llm) == ref_tokens
+    finally:
+        llm.close()
 
 
 # -- fallbacks and the command --------------------------------------------------------------------------
