@@ -35,9 +35,11 @@ would take; GPT-OSS's expert biases lie with the kept tensors), then the kept te
 quantized tensor other than a matrix, such as DeepSeek's per-head k_b / v_b stacks, dequantized to the compute
 dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
 the mapping like any other; routed experts placed off the device (engine.placement) are the CPU's views of it,
-priced and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) is not planned for a GGUF
-file (ModelCheckpoint.sizes gives a packed checkpoint no expert bytes), so nothing reads single experts from the
-entry yet: its blocks stream whole.
+priced and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) serves a GGUF file's experts
+from here: ModelCheckpoint.sizes prices a block without its experts and one expert at their parts (dense_bytes,
+expert_bytes); blocks are handed out without their experts (keep), advise() faulting in only their weights' pages,
+and each chosen expert is expert(): zero-copy views of its range, faulted in by the fill. The disk tier reads no
+single expert from the entry yet: with disk-tier blocks (or the disk transport) the loader plans MoE blocks whole.
 
 Where it does not apply, the paths before it stay: fp32 exact mode and the aten fallback (no
 repack: stream_repack.make_repacker is None), LAYERSTREAM_PREPACK=off, or a cache that cannot be

@@ -136,7 +136,8 @@ def make_expert_tier(kind: str, cfg: "ModelConfig", source: BlockSource, dtype: 
     and events (cuda, and auto on a GPU), else host memory (the device is the CPU). A packed checkpoint's
     (GGUF) experts move as stored: a GPU's slots hold their GGML bytes (experts/packed.py), a CPU device's
     hold the forms the host already has for its CPU path (forms(key), ExpertReader), from the page cache
-    (forms_moved: those forms are the prepacked entry's views, and their bytes are what a fill moves)."""
+    (forms_moved: those forms are the prepacked entry's views, and their bytes are what a fill moves: block
+    placement's expert streaming, and placement below the block)."""
     from ..experts.tier import DiskExpertReader, ExpertReader, ExpertTier, HostExpertSlots
 
     kind = resolve(kind, device)
