@@ -434,6 +434,17 @@ def test_a_mixture_streams_single_experts_from_the_entry(repack, gguf_root, cach
                     assert _entry_views(expert, entry.stat().st_size)
                     assert all(same_weight(w, ref_block[f"experts.{e}.{k}"]) for k, w in expert.items())
             weights.reset()
+            # every expert of the last MoE block: no next block to guess for, so every fill is a miss, and more
+            # experts than the cache has slots, so some are
+            moe = llm.engine.model.cfg.moe
+            assert plan.expert_slots < moe.num_experts
+            before = weights.stream_stats
+            seen = [e for group in weights.experts(moe.sparse_layers[-1], list(range(moe.num_experts)), hidden,
+                                                   lambda h, predictor: None) for e in group]
+            step = weights.stream_stats.since(before)
+            assert sorted(seen) == list(range(moe.num_experts))
+            assert step.expert_misses > 0 and step.expert_bytes == step.expert_misses * one
+            weights.reset()
         finally:
             llm.close()
     llm = LLM(str(path), transport="disk", max_device_memory=budget, **SHORT)
