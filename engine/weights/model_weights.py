@@ -26,7 +26,7 @@ from .formats.block_source import BlockSource, WeightSizes
 from .transports.streamer import BlockStreamer, StreamStats
 from .packed.compute_form import PackedFormat
 from .packed.prepacked import MARKER as PREPACKED_MARKER
-from .packed.prepacked import PrepackedLayout, prepack_layout
+from .packed.prepacked import PrepackedLayout, entry_available, prepack_layout
 from .transports.activations import ActivationLink
 from .transports.tiers import host_tiering, make_activation_link, make_expert_tier, make_transport, resolve
 from .offload import OffloadTier
@@ -103,11 +103,12 @@ class ModelCheckpoint:
         sizes = dataclasses.replace(
             sizes, streamed_block_bytes=layout.max_block_bytes, checkpoint_block_bytes=layout.max_block_bytes,
             checkpoint_bytes=layout.file_bytes + sum(t.nbytes for t in glob.values()))
-        if not src.expert_blocks():
+        if not src.expert_blocks() or not entry_available(layout):
             return sizes
         # A mixture's routed experts stream one by one from the entry (the expert tier maps each expert's parts
         # there): blocks count without them, on the device in their resident form and streamed as the entry's
-        # parts of their other weights; an expert counts its parts in the entry (what group_bytes prices at).
+        # parts of their other weights; an expert counts its parts in the entry (what group_bytes prices at). Where
+        # the entry cannot be built (a read-only or full cache) nothing prices an expert: MoE blocks stream whole.
         dense = src.without_experts()
         return dataclasses.replace(
             sizes, dense_block_bytes=max(sum(fmt.resident_bytes(t) for t in dense.tensors(b).values())

@@ -454,6 +454,17 @@ def test_a_mixture_streams_single_experts_from_the_entry(repack, gguf_root, cach
         assert greedy_tokens(llm) == ref_tokens
     finally:
         llm.close()
+    # A cache that cannot take the entry: planning does not count on it, and MoE blocks stream whole from the file.
+    import engine.weights.packed.prepacked as prepacked
+
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(cache.parent / "full-cache"))
+    monkeypatch.setattr(prepacked.shutil, "disk_usage", lambda _path: _Usage(free=0))
+    llm = LLM(str(path), max_device_memory=budget, **SHORT)
+    try:
+        assert llm.plan.streamed_blocks and not llm.plan.expert_streaming
+        assert llm.telemetry().transport_name == "PackedCpuTransport" and greedy_tokens(llm) == ref_tokens
+    finally:
+        llm.close()
 
 
 # -- fallbacks and the command --------------------------------------------------------------------------

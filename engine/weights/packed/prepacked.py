@@ -233,6 +233,21 @@ def prepack_layout(source: BlockSource, fmt: PackedFormat) -> tuple[PrepackedLay
                            _place(offset, [head]) if head is not None else None), None
 
 
+def entry_available(layout: PrepackedLayout) -> bool:
+    """The entry is built, or a load can build it: the nearest folder of it that exists is writable and its file
+    system has the room _build asks for. Where it is not, a load computes from the GGUF file (_open_prepacked warns),
+    so planning must not count on the entry (a GGUF's expert streaming does)."""
+    if (layout.folder / MARKER).exists():
+        return True
+    at = layout.folder
+    while not at.exists():
+        at = at.parent
+    try:
+        return os.access(at, os.W_OK) and shutil.disk_usage(at).free >= layout.file_bytes + ROOM_MARGIN
+    except OSError:
+        return False
+
+
 def _place(offset: int, specs) -> BlockLayout:
     """A block at `offset` holding `specs` ((name, kind, shape, parts' (dtype, shape)) each), every part
     on a cache line, the block a whole number of pages."""
