@@ -28,9 +28,9 @@ the sha256 of its header and of SAMPLES pieces spread over its blocks (digest.js
 header is the one this code would write (a layout change without a VERSION bump is stale too). A
 stale or damaged entry is removed and built again.
 
-A mixture of experts' block (Qwen2/Qwen3-MoE, Mixtral, DeepSeek) is laid out the same way: its routed experts'
-tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack makes them) follow its
-attention and shared expert, one expert's matrices back to back (one range of the block: what a read of one expert
+A mixture of experts' block (the MoE GGUF families: DeepSeek-V2/V3, GPT-OSS) is laid out the same way: its
+routed experts' tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack
+makes them) follow its attention and shared expert, one expert's matrices back to back (one range of the block: what a read of one expert
 would take; GPT-OSS's expert biases lie with the kept tensors), then the kept tensors (norms, the router, and any
 quantized tensor other than a matrix, such as DeepSeek's per-head k_b / v_b stacks, dequantized to the compute
 dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
