@@ -28,15 +28,15 @@ the sha256 of its header and of SAMPLES pieces spread over its blocks (digest.js
 header is the one this code would write (a layout change without a VERSION bump is stale too). A
 stale or damaged entry is removed and built again.
 
-A mixture of experts' block (the MoE GGUF families: DeepSeek-V2/V3, GPT-OSS) is laid out the same way: its
-routed experts' tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack
-makes them) follow its attention and shared expert, one expert's matrices back to back (one range of the block: what a read of one expert
-would take; GPT-OSS's expert biases lie with the kept tensors), then the kept tensors (norms, the router, and any
-quantized tensor other than a matrix, such as DeepSeek's per-head k_b / v_b stacks, dequantized to the compute
-dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of
-the mapping like any other; routed experts placed off the device (engine.placement) are the CPU's views of it,
-priced and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) serves a GGUF file's experts
-from here: ModelCheckpoint.sizes prices a block without its experts and one expert at their parts (dense_bytes,
+A mixture of experts' block (the MoE GGUF families: DeepSeek-V2/V3, GPT-OSS) is laid out the same way: its routed
+experts' tensors ("experts.{e}.w_gate", "w_up", "w_down", each its own weight, as the load-time repack makes them)
+follow its attention and shared expert, one expert's matrices back to back (one range of the block: what a read of
+one expert would take; GPT-OSS's expert biases lie with the kept tensors), then the kept tensors (norms, the router,
+and any quantized tensor other than a matrix, such as DeepSeek's per-head k_b / v_b stacks, dequantized to the
+compute dtype as the load and the repacker make them). Resident and whole-block streamed MoE blocks are views of the
+mapping like any other; routed experts placed off the device (engine.placement) are the CPU's views of it, priced
+and moved at their parts' bytes. The expert-granular tier (plan.expert_streaming) serves a GGUF file's experts from
+here: ModelCheckpoint.sizes prices a block without its experts and one expert at their parts (dense_bytes,
 expert_bytes); blocks are handed out without their experts (keep), advise() faulting in only their weights' pages,
 and each chosen expert is expert(): zero-copy views of its range, faulted in by the fill. The disk tier reads no
 single expert from the entry yet: with disk-tier blocks (or the disk transport) the loader plans MoE blocks whole.
