@@ -30,12 +30,10 @@ inline float exp_approx(float x) {
   return big > 0.0f ? big : p * scale;
 }
 
-// p = exp(s - max s) over one row of scores, in place; returns their sum. Separate loops and 16 partial
+// p = exp(s - mx) over one row of scores, in place; returns their sum. Separate loops and 16 partial
 // sums, so that each vectorizes (glibc's expf is a scalar call, and a row is the context's length).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-float softmax_numerators(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+// Always inlined: each caller's instruction set compiles it.
+__attribute__((always_inline)) inline float exp_numerators(float* s, int64_t n, float mx) {
   for (int64_t j = 0; j < n; ++j) s[j] = exp_approx(s[j] - mx);
   constexpr int L = 16;
   float part[L] = {0};
@@ -46,4 +44,12 @@ float softmax_numerators(float* s, int64_t n) {
   for (int l = 0; l < L; ++l) sum += part[l];
   for (; j < n; ++j) sum += s[j];
   return sum;
+}
+
+// The same against the row's own max.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float softmax_numerators(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  return exp_numerators(s, n, mx);
 }

@@ -717,16 +717,8 @@ LAYERSTREAM_BF16_AVX512 void pv_rows(const float* p, int64_t pstride, const uint
 // p = exp(s - mx) over n scores, in place and rounded to bf16 (flash multiplies V by p in the dtype);
 // returns the fp32 sum of the unrounded p, in softmax_numerators' order.
 LAYERSTREAM_BF16_AVX512 float span_numerators(float* s, int64_t n, float mx) {
-  for (int64_t j = 0; j < n; ++j) s[j] = exp_approx(s[j] - mx);
-  constexpr int L = 16;
-  float part[L] = {0};
-  int64_t j = 0;
-  for (; j + L <= n; j += L)
-    for (int l = 0; l < L; ++l) part[l] += s[j + l];
-  float sum = 0;
-  for (int l = 0; l < L; ++l) sum += part[l];
-  for (; j < n; ++j) sum += s[j];
-  for (j = 0; j < n; ++j) s[j] = round_to<c10::BFloat16>(s[j]);
+  const float sum = exp_numerators(s, n, mx);
+  for (int64_t j = 0; j < n; ++j) s[j] = round_to<c10::BFloat16>(s[j]);
   return sum;
 }
 
