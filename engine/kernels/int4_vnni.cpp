@@ -143,7 +143,7 @@ inline void store_rows(const __m512* acc, const float* rowscale, const float* bi
             rowscale ? _mm512_fmadd_ps(acc[m], _mm512_loadu_ps(rowscale), b) : _mm512_add_ps(acc[m], b), k);
 }
 
-// NB blocks of 16 weight rows (rows n0 .. n0 + 16 NB, codes and scales `stride` bytes / values apart) times
+// NB blocks of 16 weight rows (rows n0 .. n0 + 16 NB; their codes code_stride bytes apart, scales sm_stride) times
 // activation rows [m0, m0 + MT); writes y[m, n0 .. n0 + 16 NB) (the last block's rows up to N only).
 // HAS_MIN false: the symmetric layout (Q4_0), scales only, (N16/16, G, 16), min = -8 * scale.
 // NB > 1 (decode's one row) walks NB row blocks' codes side by side, group by group: that many memory streams
