@@ -309,6 +309,20 @@ def _sample_digest(fd: int, start: int, end: int) -> str:
     return h.hexdigest()
 
 
+def _page_ranges(weights: tuple[WeightLayout, ...]) -> list[tuple[int, int]]:
+    """[start, end) in their block of these weights' bytes, each weight's parts as one range (they lie back to back),
+    starts rounded down to a page (madvise takes page-aligned starts; a block starts on a page), neighbours merged."""
+    ranges = sorted((min(p.offset for p in w.parts) // PAGE * PAGE, max(p.offset + p.nbytes for p in w.parts))
+                    for w in weights if w.parts)
+    merged: list[list[int]] = []
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
 class PrepackedBlocks:
     """Every block of a GGUF file in its compute form, from the prepacked cache entry (built on the
     first load: `built` says this one did). Owns the entry's mapping until close(). OSError when
@@ -326,6 +340,12 @@ class PrepackedBlocks:
             dataclasses.replace(b, weights=tuple(w for w in b.weights if keep(i, w.name)))
             for i, b in enumerate(layout.blocks))
         self._selected = keep is not None
+        # A selection's page ranges in each block and the bytes it moves, made once: advise and nbytes run per
+        # streamed block and step.
+        self._ranges = [_page_ranges(b.weights) for b in self._blocks] if keep is not None else None
+        self._selected_bytes = [sum(p.nbytes for w in b.weights for p in w.parts) for b in self._blocks] \
+            if keep is not None else None
+        self._experts: dict[tuple[int, int], tuple[BlockLayout, list[tuple[int, int]]]] = {}
         self._fd, self._map, self._base = -1, None, None
         self._open(on_progress)
 
@@ -425,9 +445,7 @@ class PrepackedBlocks:
 
     def nbytes(self, block: int) -> int:
         """What mapping or reading block `block` moves: whole pages, or a selection's (keep) weights' bytes."""
-        if self._selected:
-            return sum(p.nbytes for w in self._blocks[block].weights for p in w.parts)
-        return self.layout.blocks[block].nbytes
+        return self._selected_bytes[block] if self._selected else self.layout.blocks[block].nbytes
 
     def raw(self, block: int) -> torch.Tensor:
         """Block `block`'s bytes, (nbytes,) uint8 over the mapping: zero-copy, nothing read yet."""
@@ -453,10 +471,13 @@ class PrepackedBlocks:
         zero-copy views of the mapped entry, its pages faulted in now, whatever keep selected: the expert tier's
         page-cache fill (experts/tier.py ExpertReader.forms)."""
         prefix = f"{EXPERTS}{expert}."
-        block_layout = self.layout.blocks[block]
-        mine = dataclasses.replace(block_layout, weights=tuple(w for w in block_layout.weights
-                                                              if w.name.startswith(prefix)))
-        self._advise_weights(block, mine.weights, MADV_POPULATE_READ)
+        if (block, expert) not in self._experts:  # its weights' layout and pages, found once
+            block_layout = self.layout.blocks[block]
+            mine = dataclasses.replace(block_layout, weights=tuple(w for w in block_layout.weights
+                                                                  if w.name.startswith(prefix)))
+            self._experts[block, expert] = mine, _page_ranges(mine.weights)
+        mine, ranges = self._experts[block, expert]
+        self._advise_ranges(block, ranges, MADV_POPULATE_READ)
         return {name[len(prefix):]: w for name, w in _weights(mine, self.raw(block)).items()}
 
     def mapped(self, block: int) -> dict[str, object]:
@@ -473,25 +494,15 @@ class PrepackedBlocks:
         MADV_DONTNEED after. With a selection (keep), only its weights' pages: a block streamed without its
         routed experts does not fault them in."""
         if self._selected and block is not None:
-            self._advise_weights(block, self._blocks[block].weights, advice)
+            self._advise_ranges(block, self._ranges[block], advice)
             return
         start, end = self._span(block)
         self._madvise(advice, start, end)
 
-    def _advise_weights(self, block: int, weights: tuple[WeightLayout, ...], advice: int) -> None:
-        """madvise the pages of these weights of block `block`, each weight's parts as one range (they lie back to
-        back), neighbouring ranges merged."""
+    def _advise_ranges(self, block: int, ranges: list[tuple[int, int]], advice: int) -> None:
+        """madvise page ranges of block `block` (_page_ranges')."""
         base = self._span(block)[0]
-        ranges = sorted((min(p.offset for p in w.parts), max(p.offset + p.nbytes for p in w.parts))
-                        for w in weights if w.parts)
-        merged: list[list[int]] = []
         for start, end in ranges:
-            start = start // PAGE * PAGE  # madvise takes page-aligned starts (the block starts on a page)
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        for start, end in merged:
             self._madvise(advice, base + start, base + end)
 
     def _madvise(self, advice: int, start: int, end: int) -> None:
