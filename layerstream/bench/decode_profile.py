@@ -44,6 +44,7 @@ def run(ns: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine import model as M
     from engine import ops
+    from engine.weights.probes import file_mappings
 
     if not Path(ns.model).exists():
         sys.exit(f"{ns.model} not found (bench-packed makes it)")
@@ -139,6 +140,7 @@ def run(ns: argparse.Namespace) -> int:
                 for _ in range(ns.calls):
                     fn()
                 times[name].append((clock() - t) / ns.calls)
+        mapped = {p: v for p, v in file_mappings().items() if v[0] >= 64 << 20}  # the weights' files
     finally:
         llm.close()
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -148,6 +150,8 @@ def run(ns: argparse.Namespace) -> int:
     for name, xs in times.items():
         speed = f"  {kv_bytes / _median(xs) / 1e9:.1f} GB/s of KV read" if name.endswith("attention alone") else ""
         print(f"{name:<40} {_median(xs) * 1e3:8.2f} ms{speed}")
+    for path, (rss, huge) in mapped.items():  # 4 KiB pages stream slower (engine/weights/formats/views.py)
+        print(f"mapped {Path(path).name}: {rss / 2**20:.0f} MiB, {huge / max(rss, 1):.0%} of it in huge pages")
     return 0
 
 

@@ -32,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ...arch import ModelConfig
 from .reader import CheckpointError, CheckpointReader, TensorInfo, split_stacked
+from .views import map_file
 from ..packed.dequant import SUPPORTED_TYPES
 from .safetensors_index import PAGE_SIZE
 
@@ -187,8 +188,7 @@ class GGUFFile:
             self.file_size = os.fstat(self._fd).st_size
             if self.file_size < 24:
                 raise CheckpointError(f"{self.path}: file is {self.file_size} bytes, too short for a GGUF header")
-            # MAP_PRIVATE like the safetensors reader: torch gets a writable buffer, the file is never written.
-            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            self._map = map_file(self._fd)
             st = os.fstat(self._fd)
             key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             parsed = _last_parsed.get(key)

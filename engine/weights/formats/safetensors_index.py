@@ -20,7 +20,7 @@ import torch
 
 from ...arch import ModelConfig, load_model_config
 from .reader import CheckpointError, CheckpointReader, TensorInfo, split_stacked
-from .views import close_mapping, typed_view
+from .views import close_mapping, map_file, typed_view
 
 # The largest header we accept: real checkpoints stay well under a few MB; anything bigger is a
 # corrupt length field, and reading it would allocate whatever garbage it says.
@@ -118,9 +118,7 @@ class SafetensorsFile:
         try:
             self.file_size = os.fstat(self._fd).st_size
             self.entries = self._read_header()
-            # MAP_PRIVATE (ACCESS_COPY) gives torch a writable buffer without ever writing the file;
-            # pages stay shared with the page cache unless someone writes to them.
-            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self.file_size else None
+            self._map = map_file(self._fd) if self.file_size else None
         except BaseException:
             self.close()  # a bad header: release the descriptor before the error propagates
             raise

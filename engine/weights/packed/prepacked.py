@@ -7,7 +7,9 @@ is made again at every load for resident blocks, and at every step for streamed 
 made once per GGUF file (on the first load, or ahead of time by `layerstream convert`) and written
 to `prepacked-v{VERSION}/{key}/blocks.bin` under engine.cache.cache_root(), never beside the user's
 file. Later loads map it: resident and streamed blocks are zero-copy views of the mapping (page
-cache), or read from it by the disk tier (transports/prepacked.py). Nothing is repacked per step. The
+cache), or read from it by the disk tier (transports/prepacked.py). Nothing is repacked per step. It is
+written in whole aligned chunks (chunked_file.py) and mapped asking for huge pages (views.map_file), so
+that the page cache holds it, and the mapping maps it, 2 MiB at a time where the kernel can. The
 head (the tied token table where there is no lm_head) is stored after the blocks in its compute form
 too, and mapped the same way.
 
@@ -67,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -80,7 +83,8 @@ from ..formats.block_source import BlockSource
 from ..formats.gguf_file import ggml_type
 from ..formats.safetensors_index import MADV_POPULATE_READ
 from .stream_repack import make_repacker
-from ..formats.views import close_mapping, typed_view
+from .chunked_file import ChunkedFileWriter
+from ..formats.views import close_mapping, map_file, typed_view
 
 log = logging.getLogger("layerstream")
 
@@ -379,11 +383,12 @@ class PrepackedBlocks:
                  kernel_layout(), self.folder)
         with open(tmp / DATA, "wb") as f:
             f.truncate(layout.file_bytes)
-            f.write(layout.header)
+            out = ChunkedFileWriter(f.fileno())
+            out.write(0, np.frombuffer(layout.header, dtype=np.uint8))
             for b, block in enumerate(layout.blocks):
                 weights, slot = repacker.fill(b, self.source.stored_rows(b))
                 try:
-                    self._write(f, block, weights)
+                    self._write(out, block, weights)
                 finally:
                     repacker.give(slot)
                 # Its GGUF bytes are not read again (later loads map the entry): out of this process.
@@ -394,8 +399,8 @@ class PrepackedBlocks:
                 infos = self.source.global_infos()
                 name = "lm_head" if "lm_head" in infos else "embed"
                 head = PackedFormat(layout.dtype).resident(infos[name], self.source.global_rows(name))
-                self._write(f, layout.head, {HEAD: head})
-            f.flush()
+                self._write(out, layout.head, {HEAD: head})
+            out.flush()
             os.fsync(f.fileno())
         fd = os.open(tmp / DATA, os.O_RDONLY)
         try:
@@ -406,7 +411,7 @@ class PrepackedBlocks:
                                               "header_sha256": hashlib.sha256(layout.header).hexdigest()}))
         self.built = True
 
-    def _write(self, f, block: BlockLayout, weights: dict[str, object]) -> None:
+    def _write(self, out: ChunkedFileWriter, block: BlockLayout, weights: dict[str, object]) -> None:
         assert weights.keys() == {w.name for w in block.weights}, sorted(weights)
         for w in block.weights:
             weight = weights[w.name]
@@ -415,8 +420,8 @@ class PrepackedBlocks:
                 assert weight.scales.dim() == 3, f"{w.name}: Q4_0 repacked with mins other than -8 * scale"
             for part, t in zip(w.parts, _parts_of(weight), strict=True):
                 assert t.dtype == part.dtype and tuple(t.shape) == part.shape, (w.name, t.shape, part)
-                f.seek(self.layout.data_start + block.offset + part.offset)
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                out.write(self.layout.data_start + block.offset + part.offset,
+                          t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
     def _map_checked(self) -> None:
         layout = self.layout
@@ -432,8 +437,7 @@ class PrepackedBlocks:
             raise CheckpointError(f"{self.path}: header is not this version's layout of the source")
         if _sample_digest(self._fd, layout.data_start, layout.file_bytes) != digest["sample_sha256"]:
             raise CheckpointError(f"{self.path}: sampled block bytes do not match {DIGEST} (overwritten)")
-        # MAP_PRIVATE (ACCESS_COPY) gives torch a writable buffer without ever writing the file.
-        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        self._map = map_file(self._fd)
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)  # (file_bytes,)
 
     # -- the blocks ------------------------------------------------------------------------------
