@@ -14,12 +14,14 @@ Only layerstream/bench (and tests) import this module; the engine uses engine/we
       What a GPU benchmark or probe needs to know about the CUDA path without reaching into it.
   efficiency, expected_step, StepEstimate
       A step's floor from the plan and the measured links, and how close a run came to it.
-  file_mappings() -> {path: (resident bytes, of which in huge pages)}
-      How the checkpoint files this process maps are paged (bench/decode_profile.py prints it).
+  file_mappings() -> {path: (resident bytes, of which in huge pages)}, map_file(fd) -> mmap, ChunkedFileWriter
+      How the checkpoint files this process maps are paged (bench/decode_profile.py prints it), the mapping
+      the readers make and the prepacked entry's writer (bench/pages.py times them against plain ones).
 """
 
 from .formats.open import open_checkpoint
-from .formats.views import file_mappings
+from .formats.views import file_mappings, map_file
+from .packed.chunked_file import ChunkedFileWriter
 from .packed.quantize import quantize_int4
 from .transports.bandwidth import StepEstimate, efficiency, expected_step, host_to_device_gbps
 from .transports.cuda import HOST_MARGIN as PINNED_HOST_MARGIN
@@ -27,6 +29,6 @@ from .transports.cuda_runtime import host_register_works
 from .transports.disk_bandwidth import DiskBandwidth
 from .transports.disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
 
-__all__ = ["DiskBandwidth", "PINNED_HOST_MARGIN", "StepEstimate",
-           "efficiency", "expected_step", "file_mappings", "host_register_works", "host_to_device_gbps", "measure_disk_bandwidth",
+__all__ = ["ChunkedFileWriter", "DiskBandwidth", "PINNED_HOST_MARGIN", "StepEstimate",
+           "efficiency", "expected_step", "file_mappings", "host_register_works", "map_file", "host_to_device_gbps", "measure_disk_bandwidth",
            "open_checkpoint", "quantize_int4"]

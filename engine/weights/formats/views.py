@@ -40,12 +40,13 @@ def map_file(fd: int) -> mmap.mmap:
     never written; pages stay shared with the page cache unless someone writes to them), asking the kernel for
     huge pages (MADV_HUGEPAGE) before anything is faulted in.
 
-    Why: a decode step streams every weight once, and from 4 KiB pages that stream is slower than the same
-    bytes read from 2 MiB pages (docs/benchmarks/decode-profile.md): a TLB miss every 4 KiB, and page-cache
-    pages scattered over the machine's memory. With the hint, a fault reads the file ahead in folios of the
-    mapping's huge-page size where the file system keeps large folios (ext4, xfs, btrfs on recent kernels),
-    and maps each with one entry; pages the page cache already holds in small folios stay as they are. A
-    kernel without transparent huge pages ignores the hint."""
+    Why: a decode step streams every weight once, and from 4 KiB pages scattered over the machine's memory
+    that stream is slower than from 2 MiB runs (docs/benchmarks/pages.md: a TLB miss every 4 KiB, and the
+    memory's prefetchers stop at every page's end). With the hint, a page fault reads the file in folios of the
+    huge-page size where the file system keeps large folios (ext4, xfs, btrfs on recent kernels), and maps each
+    with one entry, also when pages evicted under memory pressure come back by faults; pages the page cache
+    already holds in small folios stay as they are (the prepacked entry's writer avoids making them:
+    packed/chunked_file.py). A kernel without transparent huge pages ignores the hint."""
     mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
