@@ -76,11 +76,6 @@ def file_mappings() -> dict[str, tuple[int, int]]:
     return out
 
 
-def huge_mapped(path: str | os.PathLike) -> tuple[int, int]:
-    """(bytes resident, of which mapped by huge pages) in this process's mappings of the file at `path`."""
-    return file_mappings().get(os.path.realpath(path), (0, 0))
-
-
 def close_mapping(mapping: mmap.mmap | None, fd: int) -> None:
     """Unmap a file mapping and close its descriptor (either may be absent: None, -1). Tensors that
     still view the mapping keep it alive: it is unmapped when they are collected."""

@@ -23,7 +23,7 @@ class ChunkedFileWriter:
     def __init__(self, fd: int, chunk: int = CHUNK):
         self.fd, self.chunk = fd, chunk
         self._window = np.zeros(chunk, dtype=np.uint8)
-        self._start = 0  # the file offset of the window's first byte: a multiple of chunk
+        self._start = 0  # the file offset of the window's first byte: a multiple of chunk (until a flush mid-file)
         self._end = 0  # one past the last byte written into the window (a file offset)
 
     def write(self, offset: int, data: np.ndarray) -> None:
