@@ -34,8 +34,8 @@ SUBCOMMANDS = {
                         "bf16_rows.cpp, 1 and 2 threads"),
     "bench-amx": ("layerstream.bench.amx", "the CPU choices AMX turns: one bf16 row on oneDNN vs torch's kernel, flash vs the "
                   "bf16 matmul attention path"),
-    "bench-pages": ("layerstream.bench.pages", "the int4 kernel streaming weights from a file mapped in 4 KiB pages, "
-                    "the same file in huge pages, and anonymous memory"),
+    "bench-pages": ("layerstream.bench.pages", "the int4 kernel streaming weights from a file in scattered 4 KiB "
+                    "pages, the same bytes in huge pages, and anonymous memory"),
     "bench-int4": ("layerstream.bench.int4_kernel", "one int4 matmul: the AVX512-VNNI kernel vs aten int4 / int8 / bf16, one thread"),
     "bench-moe": ("layerstream.bench.moe", "mixtures of experts: expert-granular vs whole-block streaming under one budget"),
     "bench-spec": ("layerstream.bench.speculative", "speculative decoding on real SmolLM2: each draft source resident, "

@@ -30,5 +30,5 @@ from .transports.disk_bandwidth import DiskBandwidth
 from .transports.disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
 
 __all__ = ["ChunkedFileWriter", "DiskBandwidth", "PINNED_HOST_MARGIN", "StepEstimate",
-           "efficiency", "expected_step", "file_mappings", "host_register_works", "map_file", "host_to_device_gbps", "measure_disk_bandwidth",
-           "open_checkpoint", "quantize_int4"]
+           "efficiency", "expected_step", "file_mappings", "host_register_works", "host_to_device_gbps", "map_file",
+           "measure_disk_bandwidth", "open_checkpoint", "quantize_int4"]
