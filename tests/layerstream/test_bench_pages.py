@@ -8,6 +8,7 @@ import pytest
 
 from engine.kernels import int4_backend
 from layerstream.bench import pages
+from tests.support.large_folios import no_large_folios
 
 
 def test_three_copies_timed_and_the_scattered_file_is_in_small_pages(tmp_path, capsys):
@@ -19,7 +20,9 @@ def test_three_copies_timed_and_the_scattered_file_is_in_small_pages(tmp_path, c
                                             r"([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)x", out, re.M)}
     assert rows.keys() == {"file, 4 KiB scattered", "file, huge folios", "anonymous memory"}, out
     assert all(float(ms) > 0 for ms, _, _ in rows.values())
-    assert rows["file, 4 KiB scattered"][2] == "1.00"
     assert re.search(r"^file, 4 KiB scattered .*  0% of \d+ MiB mapped in huge pages$", out, re.M), out
+    if not no_large_folios(tmp_path):  # the chunked, hinted copy is mapped in huge pages where the kernel can
+        share = re.search(r"^file, huge folios .*  (\d+)% of \d+ MiB mapped in huge pages$", out, re.M)
+        assert share and int(share[1]) >= 50, out
     assert "memory read probe" in out
     assert list(tmp_path.iterdir()) == []  # the two files were removed

@@ -5,8 +5,6 @@ chunks, so that the page cache holds them in huge folios that a mapping maps who
 from __future__ import annotations
 
 import os
-import platform
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from engine.weights.formats.views import file_mappings, map_file
 from engine.weights.packed import chunked_file
 from engine.weights.packed.chunked_file import ChunkedFileWriter
+from tests.support.large_folios import no_large_folios
 
 MADV_POPULATE_READ = 22
 
@@ -61,35 +60,10 @@ def test_a_write_that_goes_back_is_refused(tmp_path):
             out.write(120, np.ones(1, dtype=np.uint8))
 
 
-def _file_system(path: Path) -> str:
-    best, kind = "", ""
-    for line in Path("/proc/mounts").read_text().splitlines():
-        _, point, fs, *_ = line.split()
-        if str(path).startswith(point) and len(point) > len(best):
-            best, kind = point, fs
-    return kind
-
-
-def _large_folios(path: Path) -> str | None:
-    """Why this machine cannot cache `path`'s file system in huge folios, or None where it can: transparent
-    huge pages not off, and xfs, or ext4 from Linux 6.16 (where ext4 gained large folios)."""
-    if platform.system() != "Linux":
-        return "not Linux"
-    try:
-        if "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
-            return "transparent huge pages are off"
-    except OSError:
-        return "a kernel without transparent huge pages"
-    fs, release = _file_system(path), tuple(int(x) for x in platform.release().split(".")[:2])
-    if fs == "xfs" or (fs == "ext4" and release >= (6, 16)):
-        return None
-    return f"{fs} on Linux {platform.release()} keeps no large folios"
-
-
 def test_chunked_writes_are_mapped_in_huge_pages(tmp_path):
     """A file written in chunks and mapped by map_file is mapped mostly in huge pages once faulted in; the
     same bytes written 64 KiB at a time (small folios) are not: what the writer is for."""
-    why = _large_folios(tmp_path)
+    why = no_large_folios(tmp_path)
     if why:
         pytest.skip(why)
     data = np.random.default_rng(1).integers(0, 256, 32 << 20, dtype=np.uint8)
