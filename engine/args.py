@@ -18,7 +18,7 @@ from .kv_quant import KV_CACHE_DTYPES
 from .lora_serving import parse_lora_modules
 from .placement import check_policy
 from .planner import parse_bytes
-from .weights import check_transport
+from .weights import check_resident_weights, check_transport
 
 if TYPE_CHECKING:
     from .speculative import SpeculativeConfig
@@ -47,6 +47,10 @@ class EngineArgs:
     transport: str = "auto"  # auto | cpu | cuda | simulated | disk (every streamed block read from disk)
     show_progress: bool = True
     pin_host_memory: bool = False  # cuda: keep streamed blocks pinned in host memory when RAM allows
+    # CPU: resident blocks that are views of a mapping (a GGUF file's prepacked entry, a plain checkpoint in the
+    # compute dtype) copied into huge pages of the process's own at load: auto (where measured to read faster:
+    # prepacked blocks and their head), copy (plain blocks too) or map (views; the page cache may evict them).
+    resident_weights: str = "auto"
     quantization: str | None = None  # None | int8 | int4: weight-only, at load (engine.weights.packed.quantize)
     enable_prefix_caching: bool = True
     block_size: int = 16  # token positions per KV block
@@ -124,6 +128,7 @@ class EngineArgs:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step")
         check_transport(self.transport, self.device)
+        check_resident_weights(self.resident_weights)
         check_policy(self.cpu_offload_policy)
         if self.quantization is not None:
             if self.quantization not in ("int8", "int4"):

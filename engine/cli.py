@@ -52,6 +52,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model; defaults are EngineArgs' own."""
     from .args import EngineArgs
     from .placement import POLICIES
+    from .weights import RESIDENT_WEIGHTS
 
     d = EngineArgs.default
     add_model_argument(p, default="demo", help=f"{MODEL_HELP}, or demo (the default: a built-in small model)")
@@ -67,6 +68,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize a bf16/fp16/fp32 checkpoint's block weights at load (weight-only; CPU)")
     p.add_argument("--pin-host-memory", action="store_true",
                    help="cuda: keep all streamed blocks in pinned host memory (if RAM allows) instead of staging")
+    p.add_argument("--resident-weights", default=d("resident_weights"), choices=list(RESIDENT_WEIGHTS),
+                   help="cpu: resident blocks that are views of a mapped file copied into huge pages of the "
+                        "process's own at load: auto (a GGUF file's prepacked blocks and head, measured to read "
+                        "faster so), copy (plain checkpoints' too), map (views, as llama.cpp's mmap)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d("enable_prefix_caching"),
                    help="reuse the KV cache of prompt prefixes seen before (on by default; "
@@ -139,7 +144,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
                   enable_prefix_caching=ns.enable_prefix_caching, block_size=ns.block_size,
                   kv_cache_memory=ns.kv_cache_memory, kv_host_memory=ns.kv_host_memory,
                   expert_streaming=getattr(ns, "expert_streaming", True))
-    for name in ("kv_cache_dtype", "kv_cache_rotation", "kv_disk_bytes", "kv_disk_dir", "cpu_offload_policy"):
+    for name in ("kv_cache_dtype", "kv_cache_rotation", "kv_disk_bytes", "kv_disk_dir", "cpu_offload_policy",
+                 "resident_weights"):
         if hasattr(ns, name):
             fields[name] = getattr(ns, name)
     for name in ("speculative_config", "speculative_method", "num_speculative_tokens", "speculative_model",

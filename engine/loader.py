@@ -479,7 +479,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
             weights = ModelWeights(checkpoint, plan, dtype, device, transport=args.transport,
                                    pin_host_memory=args.pin_host_memory, host_budget=host_room,
                                    disk_gbps=disk_gbps, on_progress=lambda _i: bar.update(1),
-                                   quantization=args.quantization)
+                                   quantization=args.quantization, resident_weights=args.resident_weights)
         finally:
             bar.close()
         layout = kv_layout(args, cfg)

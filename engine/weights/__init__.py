@@ -20,7 +20,7 @@ tests/test_import_rules.py enforces both):
   checkpoint.time_disk_reads(blocks) -> (bytes, seconds)
       Read blocks once the way the disk tier does (benchmarks).
   weights = ModelWeights(checkpoint, plan, dtype, device, transport=..., pin_host_memory=...,
-                         host_budget=..., disk_gbps=...)
+                         host_budget=..., disk_gbps=..., resident_weights=...)
       Open the weights for a frozen MemoryPlan: the transport serving the plan's tiers is chosen in one
       place (transports/tiers.py), resident blocks are materialised, streaming starts.
   weights.globals -> PlacedGlobals
@@ -63,6 +63,10 @@ tests/test_import_rules.py enforces both):
       the one GGUF model in a folder.
   TRANSPORTS, check_transport(name)
       The transport names (EngineArgs.transport), and their one validation.
+  RESIDENT_WEIGHTS, check_resident_weights(mode); ModelWeights(..., resident_weights=mode)
+      On the CPU, whether resident blocks that are views of a mapping are copied into huge pages of the
+      process's own at load: auto (prepacked blocks and head: measured to read faster), copy, map
+      (transports/resident_copy.py; EngineArgs.resident_weights).
   quantization="int8"|"int4" (ModelWeights, checkpoint.sizes): weight-only quantization at load, once
       per checkpoint: the result is a cache entry under the layerstream cache (packed/quant_cache.py).
   checkpoint.convert(dtype, quantization=None, on_progress=None) -> ConvertedEntry (folder, built, what);
@@ -95,7 +99,8 @@ Inside (may change freely), one job per sub-package:
                prepacked.py, quantized.py, disk.py (with disk_reader.py, read_ahead.py, disk_bandwidth.py),
                cuda.py (with cuda_runtime.py, cuda_layout.py, cuda_trace.py), simulated.py; tiers.py (which
                transport), streamer.py (the prefetch thread), buffers.py, bandwidth.py, exit_stop.py;
-               activations.py (the CPU path's activations, both ways).
+               activations.py (the CPU path's activations, both ways); resident_copy.py (resident blocks
+               copied into huge pages).
   experts/     the expert-granular tier: tier.py (readers, host slots, the guess of the next block's
                experts), cache.py (slots, LRU, the fetch thread), cuda_slots.py (slots on a GPU).
   offload.py   tensor groups off the device: host tensors for the CPU path, the transport for the stream path.
@@ -112,12 +117,14 @@ from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, Weights
 from .packed.weights import GGUFWeight, Int4Weight, Int8Weight
 from .self_draft import SELF_DRAFT_QUANTIZATION, SelfDraftWeights, self_draft_copies_every_block
 from .transports.bandwidth import LinkSpeeds, floor_percent
+from .transports.resident_copy import MODES as RESIDENT_WEIGHTS
+from .transports.resident_copy import check_mode as check_resident_weights
 from .transports.streamer import StreamStats
 from .transports.tiers import TRANSPORTS, check_transport
 
 __all__ = [
     "CheckpointError", "GGUFWeight", "Int4Weight", "Int8Weight", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
-    "PlacedGlobals", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights", "StreamStats", "TRANSPORTS", "WeightSizes",
-    "WeightsTelemetry", "check_transport", "config_folder", "find_gguf", "floor_percent",
+    "PlacedGlobals", "RESIDENT_WEIGHTS", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights", "StreamStats", "TRANSPORTS", "WeightSizes",
+    "WeightsTelemetry", "check_resident_weights", "check_transport", "config_folder", "find_gguf", "floor_percent",
     "self_draft_copies_every_block",
 ]

@@ -32,6 +32,7 @@ from .transports.tiers import host_tiering, make_activation_link, make_expert_ti
 from .offload import OffloadTier
 from .transports.base import Transport, to_compute
 from .transports.cpu import CpuTransport
+from .transports.resident_copy import copied
 
 if TYPE_CHECKING:
     from .experts.tier import ExpertTier, Router
@@ -316,7 +317,11 @@ class ModelWeights:
     def __init__(self, checkpoint: ModelCheckpoint, plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
                  transport: str = "auto", pin_host_memory: bool = False, host_budget: int | None = None,
                  disk_gbps: float | None = None, on_progress: Callable[[int], None] | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, resident_weights: str = "auto"):
+        """resident_weights: auto | copy | map, whether resident blocks that are views of a mapping are copied into
+        huge pages of their own on the CPU (transports/resident_copy.py)."""
+        if device.type != "cpu":
+            resident_weights = "map"  # a device's resident blocks are its own memory already
         source = checkpoint.source
         self._source: BlockSource = source
         self._packed = checkpoint.packed
@@ -362,8 +367,10 @@ class ModelWeights:
         quantized = head = None
         prepacked = entry
         try:
+            # The prepacked entry's head is read every step, as its resident blocks are (the same choice).
+            copy_head = copied if resident_weights in ("auto", "copy") else None
             if entry is not None:
-                head = entry.head()
+                head = entry.head(copy_head)
             elif quantization:
                 # Weight-only int8/int4 at load, once per checkpoint: a cache entry under the layerstream
                 # cache holds the quantized blocks and head (packed/quant_cache.py); later loads map it.
@@ -372,7 +379,7 @@ class ModelWeights:
                 quantized = QuantizedBlocks(source, quantization, dtype, on_progress=on_progress)
             elif self._packed and experts is None and resolve(transport, device) != "cuda":
                 prepacked = _open_prepacked(checkpoint, dtype, device, on_progress, on_device)
-                head = prepacked.head() if prepacked is not None else None
+                head = prepacked.head(copy_head) if prepacked is not None else None
             t = make_transport(transport, source, dtype, device, device_plan, pin_host_memory, host_budget,
                                disk_gbps, quantized=quantized, prepacked=prepacked)
         except BaseException:
@@ -403,7 +410,7 @@ class ModelWeights:
             # which the plan does not budget: CPU only for now.
             self._streamer = BlockStreamer(self._transport, device_plan.resident_blocks, device_plan.streamed_blocks,
                                            plan.prefetch_depth, on_progress=on_progress,
-                                           fuse=device.type == "cpu")
+                                           fuse=device.type == "cpu", resident_weights=resident_weights)
         except BaseException:
             self.close()  # the prefetch thread, reader threads, pinned memory
             raise

@@ -188,6 +188,37 @@ def test_q4_0_is_stored_without_its_implied_mins(repack, gguf_root, cache):
         q4k.close()
 
 
+def test_resident_blocks_and_head_are_copies_of_their_own_unless_mapped(repack, gguf_root, cache):
+    """--resident-weights auto (the default): every resident block's tensors and the head lie outside the entry's
+    mapping, in memory of their own (collapsed into huge pages afterwards), and the mapping holds none of their
+    pages; map: views of the mapping. The same prompt logits bit for bit either way."""
+    path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
+    logits = {}
+    for mode in ("auto", "map"):
+        llm = LLM(str(path), resident_weights=mode, **SHORT)
+        try:
+            weights = llm.engine.model.runner.weights
+            store = weights._transport.store
+            base = store.raw(0).untyped_storage()
+            lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+            assert not llm.plan.streamed_blocks
+            tensors = [t for i in range(llm.plan.num_layers) for w in weights.acquire(i).values() for t in _tensors(w)]
+            for i in range(llm.plan.num_layers):
+                weights.release(i)
+            tensors += _tensors(weights.globals.head)
+            inside = [lo <= t.data_ptr() < hi for t in tensors]
+            collapse = weights._streamer.huge_pages
+            if mode == "auto":
+                assert not any(inside) and collapse is not None and collapse.wait(60)
+                assert collapse.collapsed == llm.plan.num_layers or collapse.refused is not None
+            else:
+                assert all(inside) and collapse is None
+            logits[mode] = prompt_logits(llm, PROMPT)
+        finally:
+            llm.close()
+    assert torch.equal(logits["auto"], logits["map"])
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["int4-head", "int8-head"])
 def test_head_is_a_view_of_the_entry_with_the_load_time_repacks_bytes(repack, gguf_root, cache, qtype):
     """The head (the tied token table here) is stored in the entry after the blocks, in the form the
@@ -345,8 +376,10 @@ def test_a_mixture_of_experts_comes_from_the_entry(repack, gguf_root, cache, mon
     monkeypatch.setattr(prepacked.PrepackedBlocks, "_build", no_repack)
     (entry,) = cache.glob(f"prepacked-v*/*/{DATA}")
     for transport, cap in (("auto", None), ("cpu", budget), ("disk", budget)):
-        # blocks streamed whole (experts one by one: the next test)
-        llm = LLM(str(path), transport=transport, max_device_memory=cap, expert_streaming=False, **SHORT)
+        # blocks streamed whole (experts one by one: the next test); resident ones left views of the entry, to see
+        # where they lie (copied by default: test_resident_blocks_and_head_are_copies_of_their_own_unless_mapped)
+        llm = LLM(str(path), transport=transport, max_device_memory=cap, expert_streaming=False,
+                  resident_weights="map", **SHORT)
         try:
             plan, telemetry = llm.plan, llm.telemetry()
             assert telemetry.transport_name == "PrepackedTransport", transport

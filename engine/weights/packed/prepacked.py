@@ -447,6 +447,11 @@ class PrepackedBlocks:
         start = self.layout.data_start + b.offset
         return start, start + b.nbytes
 
+    @property
+    def selected(self) -> bool:
+        """Whether only some weights of each block are handed out (keep)."""
+        return self._selected
+
     def nbytes(self, block: int) -> int:
         """What mapping or reading block `block` moves: whole pages, or a selection's (keep) weights' bytes."""
         return self._selected_bytes[block] if self._selected else self.layout.blocks[block].nbytes
@@ -461,14 +466,18 @@ class PrepackedBlocks:
         mapping's, or a disk read's staging buffer), zero-copy."""
         return _weights(self._blocks[block], raw)
 
-    def head(self):
-        """The head in its compute form as zero-copy views of the mapped entry (faulted in now), or None
-        where the entry holds none."""
+    def head(self, copy: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """The head in its compute form as zero-copy views of the mapped entry (faulted in now), or of
+        copy(its bytes) ((nbytes,) uint8 -> the same bytes elsewhere); None where the entry holds none."""
         if self.layout.head is None:
             return None
         self.advise(None, MADV_POPULATE_READ)
         start, end = self._span(None)
-        return _weights(self.layout.head, self._base[start:end])[HEAD]
+        raw = self._base[start:end]
+        if copy is not None:
+            raw = copy(raw)
+            self.advise(None, mmap.MADV_DONTNEED)
+        return _weights(self.layout.head, raw)[HEAD]
 
     def expert(self, block: int, expert: int) -> dict[str, object]:
         """Routed expert `expert` of block `block` ({"w_gate", "w_up", "w_down"}: its weights in the kernels' form) as

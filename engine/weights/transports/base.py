@@ -63,6 +63,15 @@ class Transport(ABC):
         (packed/fuse.py) would copy them, and the kernels take the parts as they are."""
         return False
 
+    def views_read_faster_copied(self) -> bool:
+        """Whether resident views are worth copying into huge pages of their own at load (resident_copy.py:
+        --resident-weights auto copies where this says so)."""
+        return False
+
+    def release_resident(self, block: int) -> None:
+        """Resident block `block` was copied out of its views: drop its mapped pages from this process (the page
+        cache keeps them)."""
+
     @abstractmethod
     def prepare(self, block: int) -> Ticket: ...
 

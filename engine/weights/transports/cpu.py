@@ -37,8 +37,9 @@ class CpuTransport(Transport):
 
     def resident(self, block: int) -> dict[str, torch.Tensor]:
         # Views of the mapping where the checkpoint holds the compute dtype, as llama.cpp computes from its
-        # mapping: a copy would cost the load its time and the process its anonymous memory, and would be
-        # read no faster. Faulted in now, so the first step does not. Other dtypes are converted (copies).
+        # mapping (copied into huge pages only with --resident-weights copy: docs/benchmarks/pages.md measured
+        # plain blocks read no faster so). Faulted in now, so the first step does not. Other dtypes are
+        # converted (copies).
         if self.resident_is_view(block):
             self.source.advise(block, MADV_POPULATE_READ)
             return self.source.views(block)
@@ -46,6 +47,9 @@ class CpuTransport(Transport):
 
     def resident_is_view(self, block: int) -> bool:
         return all(t.dtype == self.dtype for t in self.source.tensors(block).values())  # packed: dtype None
+
+    def release_resident(self, block: int) -> None:
+        self.source.advise(block, mmap.MADV_DONTNEED)
 
     def prepare(self, block: int) -> Ticket:
         views = self._views.get(block)

@@ -1,9 +1,10 @@
 """CPU transport for GGUF blocks from the prepacked cache entry (packed/prepacked.py): blocks already in
 their compute form, so no step repacks anything.
 
-Resident blocks are zero-copy views of the mapped entry, faulted in at load; when the plan has a disk
-tier they are read by its reader instead (into buffers of their own), so that loading does not fill
-the page cache a memory cgroup charges to us and reclaims under pressure. A streamed block
+Resident blocks are zero-copy views of the mapped entry, faulted in at load (which the block streamer then
+copies into memory of their own, by default: resident_copy.py); when the plan has a disk tier they are read by
+its reader instead (into buffers of their own), so that loading does not fill the page cache a memory cgroup
+charges to us and reclaims under pressure. A streamed block
 kept in host memory is zero-copy views of the mapped entry: prepare() (prefetch thread) faults its
 pages in ahead of use, once (every time with release_pages, after which retire() drops them). A
 disk-tier block is read from the entry each step (DiskReader: one aligned O_DIRECT read, the block
@@ -22,6 +23,7 @@ import torch
 
 from .disk_reader import DiskReader, StagingBuffer, plan_reads
 from .read_ahead import ReadAhead
+from .resident_copy import offer_huge_pages
 from ..packed.prepacked import PrepackedBlocks
 from ..formats.safetensors_index import MADV_POPULATE_READ
 from .base import DISK, Ticket, Transport
@@ -51,15 +53,24 @@ class PrepackedTransport(Transport):
 
     def resident(self, block: int) -> dict[str, object]:
         if self.reader is None:
-            # Views of the mapped entry, as llama.cpp computes from its mapping: the bytes already are in
-            # the kernels' layout, so a copy would only cost the load its time and the process its
-            # anonymous memory. Faulted in now, so the first step does not.
+            # Views of the mapped entry: the bytes already are in the kernels' layout. Faulted in now (by
+            # read-ahead, not a fault per page), so neither a copy nor the first step does.
             self.store.advise(block, MADV_POPULATE_READ)
             return self.store.mapped(block)
         plan = plan_reads({"block": self.store.read_info(block)})
         buf = StagingBuffer(plan.buffer_bytes)
         self.reader.read(plan, buf)
+        offer_huge_pages(buf.tensor)
         return self.store.weights(block, plan.views(buf)["block"])  # a buffer of its own, kept alive by the views
+
+    def resident_is_view(self, block: int) -> bool:
+        return self.reader is None
+
+    def views_read_faster_copied(self) -> bool:
+        return True
+
+    def release_resident(self, block: int) -> None:
+        self.store.advise(block, mmap.MADV_DONTNEED)
 
     def prepare(self, block: int) -> Ticket:
         if block in self.disk_blocks:

@@ -19,6 +19,7 @@ import torch
 from .exit_stop import close_at_exit, closed
 from ..packed.fuse import drop_symmetric_mins, fuse_projections
 from .base import DISK, Ticket, Transport
+from .resident_copy import HugePageCollapse, copies, owned
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ class _Failure:
 
 class BlockStreamer:
     def __init__(self, transport: Transport, resident: list[int], streamed: list[int], depth: int = 1,
-                 on_progress=None, fuse: bool = False):
+                 on_progress=None, fuse: bool = False, resident_weights: str = "map"):
+        """resident_weights: auto | copy | map, whether resident views are copied into huge pages of their own
+        (resident_copy.py; map on a device other than the CPU)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.transport = transport
@@ -94,17 +97,27 @@ class BlockStreamer:
         self.order = list(streamed)  # the cycle the prefetcher follows (set_order: training's forward and back)
         self.stats = StreamStats()
         self._resident: dict[int, dict[str, torch.Tensor]] = {}
+        copy_views, copies_made = copies(resident_weights, transport), []
         for i in resident:
             w = transport.resident(i)
+            own = copy_views and transport.resident_is_view(i)
             # Stacked q/k/v and gate/up (packed/fuse.py): fewer, larger matmuls per step. Resident blocks only,
-            # and not where they are views of the mapping (stacking would copy them; the kernels take the
+            # and not where they stay views of the mapping (stacking would copy them; the kernels take the
             # parts as they are): a streamed block is a view of its source, and stacking would copy it every step.
             # Q4_0's implied mins dropped (drop_symmetric_mins): 10% fewer bytes per decode step.
-            if fuse and not transport.resident_is_view(i):
+            if fuse and (own or not transport.resident_is_view(i)):
                 w = fuse_projections(w)
-            self._resident[i] = drop_symmetric_mins(w) if fuse else w
+            if fuse:
+                w = drop_symmetric_mins(w)
+            if own:
+                w, allocation = owned(w)
+                copies_made.append(allocation)
+                transport.release_resident(i)
+            self._resident[i] = w
             if on_progress:
                 on_progress(i)
+        # The copies into huge pages, after the load (resident_copy.py): None where none was made.
+        self.huge_pages = HugePageCollapse(copies_made) if copies_made else None
         self._in_use: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
         if self.streamed:
@@ -200,6 +213,9 @@ class BlockStreamer:
 
     def close(self) -> None:
         closed(self)
+        if self.huge_pages is not None:
+            self.huge_pages.close()
+            self.huge_pages = None
         if self._thread is not None:
             self._shutdown_thread()
             self._thread = None

@@ -1,0 +1,141 @@
+"""Resident blocks copied into memory of their own (engine/weights/transports/resident_copy.py): the same values,
+in an allocation of their own that starts on a huge page, collapsed into huge pages in the background, and the
+mode checked before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineArgs
+from engine.weights.packed.weights import GGUFWeight, Int4Weight, KQuantWeight
+from engine.weights.transports.resident_copy import (HUGE_PAGE, HugePageCollapse, anonymous_bytes, copied,
+                                                     copied_tensors, owned)
+
+
+def _anon_huge_bytes(address: int) -> int | None:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), None where there is no such file."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) << 10
+    return None
+
+
+def _thp_enabled() -> bool:
+    try:
+        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+
+
+def test_anonymous_bytes_start_on_a_huge_page_and_copies_keep_values():
+    raw = anonymous_bytes(3 * HUGE_PAGE + 4096)
+    assert raw.data_ptr() % HUGE_PAGE == 0 and raw.numel() == 3 * HUGE_PAGE + 4096
+    src = torch.randint(0, 256, (HUGE_PAGE + 12345,), dtype=torch.uint8)
+    out = copied(src)
+    assert torch.equal(out, src) and out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+
+
+def test_owned_copies_every_tensor_and_packed_part_into_one_allocation():
+    """Plain tensors (a strided one too) and packed weights' parts: equal values, dtypes and shapes, 64-byte
+    aligned, none sharing the source's storage, all in one allocation; the packed weights keep their kind,
+    shape and layout."""
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    weights = {
+        "norm": torch.randn(48, generator=g),
+        "wo": plain,
+        "strided": plain.t(),
+        "w4": Int4Weight(torch.randint(0, 255, (2, 24, 64), dtype=torch.uint8, generator=g),
+                         torch.randn(2, 24, 16, generator=g).half(), (32, 48), "vnni"),
+        "wk": KQuantWeight(torch.randint(0, 255, (4, 100), dtype=torch.uint8, generator=g),
+                           torch.randn(4, 8, generator=g), (32, 256), "q4_k"),
+        "wg": GGUFWeight(torch.randint(0, 255, (8, 18), dtype=torch.uint8, generator=g), 2, (8, 32), torch.float32),
+    }
+    out, raw = owned(weights)
+    assert out.keys() == weights.keys()
+    lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
+    for name, w in weights.items():
+        o = out[name]
+        assert type(o) is type(w), name
+        pairs = [(o, w)] if isinstance(w, torch.Tensor) else [
+            (getattr(o, a), getattr(w, a)) for a in ("codes", "scales", "data") if hasattr(w, a)]
+        for copy_, source in pairs:
+            assert copy_.dtype == source.dtype and copy_.shape == source.shape and torch.equal(copy_, source), name
+            assert lo <= copy_.data_ptr() < hi and copy_.data_ptr() % 64 == 0, name
+            assert copy_.untyped_storage().data_ptr() != source.untyped_storage().data_ptr(), name
+        if not isinstance(w, torch.Tensor):
+            assert o.shape == w.shape and o is not w, name
+    assert out["w4"].layout == "vnni" and out["wk"].layout == "q4_k"
+    assert weights["w4"].codes.data_ptr() != out["w4"].codes.data_ptr()  # the source object is unchanged
+
+
+def test_copies_collapse_into_huge_pages_in_the_background():
+    """A copy of 8 MiB and a bit: collapsed into huge pages by the background thread (its whole 2 MiB pages, not
+    the tail), where the kernel has transparent huge pages and MADV_COLLAPSE."""
+    if not _thp_enabled():
+        pytest.skip("no transparent huge pages here")
+    tensors, raw = copied_tensors({"w": torch.ones(4 * HUGE_PAGE + 1000, dtype=torch.uint8)})
+    assert _anon_huge_bytes(raw.data_ptr()) is not None
+    collapse = HugePageCollapse([raw])
+    try:
+        assert collapse.wait(60)
+    finally:
+        collapse.close()
+    if collapse.refused is not None:
+        pytest.skip(f"MADV_COLLAPSE refused here (errno {collapse.refused})")
+    assert collapse.collapsed == 1
+    assert _anon_huge_bytes(raw.data_ptr()) >= 4 * HUGE_PAGE
+    assert torch.equal(tensors["w"], torch.ones(4 * HUGE_PAGE + 1000, dtype=torch.uint8))
+
+
+def test_collapse_stops_when_closed():
+    """close() returns with tensors left (it stops between them) and drops its references to them."""
+    raws = [copied_tensors({"w": torch.ones(HUGE_PAGE, dtype=torch.uint8)})[1] for _ in range(64)]
+    collapse = HugePageCollapse(raws)
+    collapse.close()
+    assert collapse.wait(0) and collapse.collapsed <= 64 and not collapse._tensors
+
+
+def test_an_unknown_mode_is_refused_before_loading():
+    with pytest.raises(ValueError, match="resident_weights must be one of auto, copy, map"):
+        EngineArgs(model="demo", resident_weights="pinned")
+
+
+def test_a_plain_checkpoint_is_copied_only_when_asked(llama_dir):
+    """A safetensors checkpoint in the compute dtype: auto leaves its resident blocks views of the mapping (measured
+    to read no faster copied), copy copies them (stacked as copies are: wqkv, w_gate_up); the same prompt logits
+    bit for bit."""
+    from engine import LLM
+    from tests.support.reference import PROMPT, prompt_logits
+
+    logits, fused = {}, {}
+    for mode in ("auto", "copy"):
+        llm = LLM(str(llama_dir), max_model_len=64, max_num_seqs=1, resident_weights=mode)
+        try:
+            weights = llm.engine.model.runner.weights
+            assert not llm.plan.streamed_blocks
+            w = weights.acquire(0)
+            fused[mode] = sorted(w)
+            in_files = [t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                        for k, t in w.items() for v in weights._source.views(0).values() if t.data_ptr() == v.data_ptr()]
+            weights.release(0)
+            collapse = weights._streamer.huge_pages
+            if mode == "auto":
+                assert in_files and all(in_files) and collapse is None
+            else:
+                assert not in_files and collapse is not None and collapse.wait(60)
+            logits[mode] = prompt_logits(llm, PROMPT)
+        finally:
+            llm.close()
+    assert torch.equal(logits["auto"], logits["copy"])
+    assert "wqkv" in fused["copy"] and "wq" in fused["auto"]
