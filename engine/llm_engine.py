@@ -519,6 +519,8 @@ class LLMEngine:
             blocks_converted=weights.blocks_converted,
             structured_output=self.grammar.telemetry(),
             pinned_cache=weights.pinned_cache,
+            resident_copies=weights.resident_copies,
+            resident_copies_in_huge_pages=weights.resident_copies_in_huge_pages,
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
             lora_adapters=self.adapters.served(),

@@ -54,6 +54,8 @@ tests/test_import_rules.py enforces both):
       device (the next kernel there ordered after its copy). One crossing at a time, from the compute thread;
       device work enqueued between to_host and wait overlaps the copy and the host's computation. On a GPU:
       pinned staging sized once for the step's most tokens, a copy stream and events.
+  weights.wait_resident_copies(timeout) -> bool
+      Wait for the background collapse of resident copies into huge pages (benchmarks timing steady state).
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:

@@ -308,6 +308,8 @@ class WeightsTelemetry:
     buffer_sets: int  # host conversion buffer sets allocated (stays <= prefetch depth + 1)
     blocks_converted: int  # streamed blocks converted to the compute dtype on the host
     pinned_cache: bool  # CUDA: streamed blocks pinned once in host memory instead of staged per step
+    resident_copies: int = 0  # resident blocks copied out of their mapping (--resident-weights)
+    resident_copies_in_huge_pages: int = 0  # of them, collapsed into huge pages so far
 
 
 class ModelWeights:
@@ -505,8 +507,17 @@ class ModelWeights:
         # Host buffer sets: dtype conversion (BufferPool) or, for packed blocks, the repack's slots.
         pool = t.pool if t.pool is not None else getattr(t, "repacker", None)
         pinned = t.host_bytes + sum(x.host_bytes for x in (self._experts, self.activations) if x is not None)
+        copies = self._streamer.resident_copies if self._streamer is not None else 0
+        collapse = self._streamer.huge_pages if self._streamer is not None else None
         return WeightsTelemetry(type(t).__name__, self.stream_stats, self.links, pinned,
-                                pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache)
+                                pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache,
+                                copies, collapse.collapsed if collapse is not None else 0)
+
+    def wait_resident_copies(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds for the background collapse of the resident copies into huge pages
+        (--resident-weights; benchmarks that time steady state). True when it is done or there is none."""
+        collapse = self._streamer.huge_pages if self._streamer is not None else None
+        return collapse is None or collapse.wait(timeout)
 
     def close(self) -> None:
         """Stop the prefetch thread and give back buffers, pinned memory and threads (idempotent)."""

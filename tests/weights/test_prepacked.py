@@ -31,6 +31,7 @@ from engine.weights.packed.stream_repack import make_repacker
 from tests.support.gguf_models import SHORT, greedy_tokens, tiny_gguf, tiny_moe_gguf
 from tests.support.reference import PROMPT, prompt_logits
 from tests.support.packed import same_weight, streamed_kinds
+from tests.support.memory_maps import mapped_ranges
 
 BF16 = PackedFormat(torch.bfloat16)
 
@@ -197,22 +198,21 @@ def test_resident_blocks_and_head_are_copies_of_their_own_unless_mapped(repack, 
     for mode in ("auto", "map"):
         llm = LLM(str(path), resident_weights=mode, **SHORT)
         try:
-            weights = llm.engine.model.runner.weights
-            store = weights._transport.store
-            base = store.raw(0).untyped_storage()
-            lo, hi = base.data_ptr(), base.data_ptr() + base.nbytes()
+            weights = llm.engine.model.weights
+            (entry,) = cache.glob(f"prepacked-v*/*/{DATA}")
+            (lo, hi), = mapped_ranges(entry)
             assert not llm.plan.streamed_blocks
             tensors = [t for i in range(llm.plan.num_layers) for w in weights.acquire(i).values() for t in _tensors(w)]
             for i in range(llm.plan.num_layers):
                 weights.release(i)
             tensors += _tensors(weights.globals.head)
             inside = [lo <= t.data_ptr() < hi for t in tensors]
-            collapse = weights._streamer.huge_pages
+            assert weights.wait_resident_copies(60)
+            telemetry = llm.telemetry()
             if mode == "auto":
-                assert not any(inside) and collapse is not None and collapse.wait(60)
-                assert collapse.collapsed == llm.plan.num_layers or collapse.refused is not None
+                assert not any(inside) and telemetry.resident_copies == llm.plan.num_layers
             else:
-                assert all(inside) and collapse is None
+                assert all(inside) and telemetry.resident_copies == 0
             logits[mode] = prompt_logits(llm, PROMPT)
         finally:
             llm.close()

@@ -11,23 +11,7 @@ from engine import EngineArgs
 from engine.weights.packed.weights import GGUFWeight, Int4Weight, KQuantWeight
 from engine.weights.transports.resident_copy import (HUGE_PAGE, HugePageCollapse, anonymous_bytes, copied,
                                                      copied_tensors, owned)
-
-
-def _anon_huge_bytes(address: int) -> int | None:
-    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), None where there is no such file."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) << 10
-    return None
+from tests.support.memory_maps import anon_huge_bytes, mapped_ranges
 
 
 def _thp_enabled() -> bool:
@@ -85,7 +69,7 @@ def test_copies_collapse_into_huge_pages_in_the_background():
     if not _thp_enabled():
         pytest.skip("no transparent huge pages here")
     tensors, raw = copied_tensors({"w": torch.ones(4 * HUGE_PAGE + 1000, dtype=torch.uint8)})
-    assert _anon_huge_bytes(raw.data_ptr()) is not None
+    assert anon_huge_bytes(raw.data_ptr()) is not None
     collapse = HugePageCollapse([raw])
     try:
         assert collapse.wait(60)
@@ -94,7 +78,7 @@ def test_copies_collapse_into_huge_pages_in_the_background():
     if collapse.refused is not None:
         pytest.skip(f"MADV_COLLAPSE refused here (errno {collapse.refused})")
     assert collapse.collapsed == 1
-    assert _anon_huge_bytes(raw.data_ptr()) >= 4 * HUGE_PAGE
+    assert anon_huge_bytes(raw.data_ptr()) >= 4 * HUGE_PAGE
     assert torch.equal(tensors["w"], torch.ones(4 * HUGE_PAGE + 1000, dtype=torch.uint8))
 
 
@@ -119,21 +103,23 @@ def test_a_plain_checkpoint_is_copied_only_when_asked(llama_dir):
     from tests.support.reference import PROMPT, prompt_logits
 
     logits, fused = {}, {}
+    (shard,) = sorted(llama_dir.glob("*.safetensors"))
     for mode in ("auto", "copy"):
         llm = LLM(str(llama_dir), max_model_len=64, max_num_seqs=1, resident_weights=mode)
         try:
-            weights = llm.engine.model.runner.weights
+            weights = llm.engine.model.weights
+            (lo, hi), = mapped_ranges(shard)
             assert not llm.plan.streamed_blocks
             w = weights.acquire(0)
             fused[mode] = sorted(w)
-            in_files = [t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-                        for k, t in w.items() for v in weights._source.views(0).values() if t.data_ptr() == v.data_ptr()]
+            inside = [lo <= t.data_ptr() < hi for t in w.values()]
             weights.release(0)
-            collapse = weights._streamer.huge_pages
+            assert weights.wait_resident_copies(60)
+            copies = llm.telemetry().resident_copies
             if mode == "auto":
-                assert in_files and all(in_files) and collapse is None
+                assert all(inside) and copies == 0
             else:
-                assert not in_files and collapse is not None and collapse.wait(60)
+                assert not any(inside) and copies == llm.plan.num_layers
             logits[mode] = prompt_logits(llm, PROMPT)
         finally:
             llm.close()

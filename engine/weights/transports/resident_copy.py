@@ -12,7 +12,9 @@ The copy is made in small pages, then a background thread (HugePageCollapse, at 
 asks the kernel to collapse it into huge pages (MADV_COLLAPSE; where the kernel lacks it, MADV_HUGEPAGE leaves it
 to khugepaged, over minutes). Asking for huge pages before the copy would make each fault find a free 2 MiB page,
 compacting memory in the loading thread when there is none, which on a long-running machine made a load many
-times slower; after it, that work overlaps the first requests instead of delaying them.
+times slower (on a VM even free 2 MiB blocks were slow to fault in: a 3B Q4_0 load took 14 s asking for huge
+pages while /proc/buddyinfo listed 10 GB of them free, likely blocks the host had taken back); after it, that
+work overlaps the first requests, or waits for idle time, instead of delaying the load.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ log = logging.getLogger("layerstream")
 
 HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25  # Linux 6.1 (Python's mmap module does not name it)
-COLLAPSE_NICE = 10  # the collapse thread's niceness: compute threads keep the cores while requests run
+COLLAPSE_NICE = 10  # the collapse thread's niceness above the process's: compute keeps the cores under load
 MODES = ("auto", "copy", "map")
 PART_NAMES = ("codes", "scales", "data")  # a packed weight's tensors (packed/weights.py)
 
@@ -138,8 +140,9 @@ def owned(weights: dict[str, object]) -> tuple[dict[str, object], torch.Tensor]:
 
 class HugePageCollapse:
     """A daemon thread that collapses `tensors`' memory (copies made here) into huge pages one at a time
-    (MADV_COLLAPSE), at niceness COLLAPSE_NICE. Stops at the first refusal (a kernel without MADV_COLLAPSE: EINVAL;
-    no huge page to be had: EAGAIN, ENOMEM), leaving the rest to khugepaged. close() stops it between tensors."""
+    (MADV_COLLAPSE), COLLAPSE_NICE nicer than the process. Stops at the first refusal (a kernel without
+    MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM), leaving the rest to khugepaged. close() stops
+    it between tensors."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.collapsed = 0  # tensors collapsed so far
@@ -151,7 +154,8 @@ class HugePageCollapse:
 
     def _run(self) -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COLLAPSE_NICE)  # this thread only (Linux)
+            me = threading.get_native_id()  # this thread only (Linux)
+            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + COLLAPSE_NICE))
         except (AttributeError, OSError):
             pass
         while self._tensors and not self._stop.is_set():

@@ -118,6 +118,7 @@ class BlockStreamer:
                 on_progress(i)
         # The copies into huge pages, after the load (resident_copy.py): None where none was made.
         self.huge_pages = HugePageCollapse(copies_made) if copies_made else None
+        self.resident_copies = len(copies_made)
         self._in_use: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
         if self.streamed:
