@@ -55,6 +55,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         engine, runner = llm.engine, llm.engine.model.runner
         cfg, weights = runner.cfg, runner.weights
+        weights.wait_resident_copies(300)  # steady state: resident copies collapsed into huge pages (if any)
         blocks = []
         for i in range(cfg.num_layers):
             blocks.append(weights.acquire(i))
@@ -141,6 +142,8 @@ def run(ns: argparse.Namespace) -> int:
                     fn()
                 times[name].append((clock() - t) / ns.calls)
         mapped = {p: v for p, v in file_mappings().items() if v[0] >= 64 << 20}  # the weights' files
+        copies = engine.telemetry()
+        anon = _anonymous_memory()
     finally:
         llm.close()
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -152,7 +155,20 @@ def run(ns: argparse.Namespace) -> int:
         print(f"{name:<40} {_median(xs) * 1e3:8.2f} ms{speed}")
     for path, (rss, huge) in mapped.items():  # 4 KiB pages stream slower (engine/weights/formats/views.py)
         print(f"mapped {Path(path).name}: {rss / 2**20:.0f} MiB, {huge / max(rss, 1):.0%} of it in huge pages")
+    if copies.resident_copies:
+        print(f"resident copies: {copies.resident_copies} blocks ({copies.resident_copies_in_huge_pages} collapsed "
+              f"into huge pages); the process's anonymous memory {anon[0] / 2**20:.0f} MiB, "
+              f"{anon[1] / max(anon[0], 1):.0%} of it in huge pages")
     return 0
+
+
+def _anonymous_memory() -> tuple[int, int]:
+    """(anonymous bytes, of which in huge pages) of this process (/proc/self/smaps_rollup; zeros elsewhere)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
+    except OSError:
+        return 0, 0
+    return tuple(int(fields.get(k, "0 kB").split()[0]) << 10 for k in ("Anonymous", "AnonHugePages"))
 
 
 def main(argv: list[str] | None = None) -> int:
