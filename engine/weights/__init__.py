@@ -126,7 +126,7 @@ from .transports.tiers import TRANSPORTS, check_transport
 
 __all__ = [
     "CheckpointError", "GGUFWeight", "Int4Weight", "Int8Weight", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
-    "PlacedGlobals", "RESIDENT_WEIGHTS", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights", "StreamStats", "TRANSPORTS", "WeightSizes",
-    "WeightsTelemetry", "check_resident_weights", "check_transport", "config_folder", "find_gguf", "floor_percent",
-    "self_draft_copies_every_block",
+    "PlacedGlobals", "RESIDENT_WEIGHTS", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights", "StreamStats", "TRANSPORTS",
+    "WeightSizes", "WeightsTelemetry", "check_resident_weights", "check_transport", "config_folder", "find_gguf",
+    "floor_percent", "self_draft_copies_every_block",
 ]

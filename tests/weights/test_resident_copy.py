@@ -125,3 +125,19 @@ def test_a_plain_checkpoint_is_copied_only_when_asked(llama_dir):
             llm.close()
     assert torch.equal(logits["auto"], logits["copy"])
     assert "wqkv" in fused["copy"] and "wq" in fused["auto"]
+
+
+def test_collapse_waits_while_the_weights_are_in_use():
+    """No collapse while steps run (last_use keeps moving), then it works once they stop."""
+    import time
+
+    raw = copied_tensors({"w": torch.ones(HUGE_PAGE, dtype=torch.uint8)})[1]
+    in_use = [True]
+    collapse = HugePageCollapse([raw], lambda: time.monotonic() if in_use[0] else 0.0)
+    try:
+        assert not collapse.wait(1.0) and collapse.collapsed == 0
+        in_use[0] = False
+        assert collapse.wait(30)
+        assert collapse.collapsed == 1 or collapse.refused is not None
+    finally:
+        collapse.close()

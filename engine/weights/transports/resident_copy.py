@@ -8,13 +8,15 @@ cache's pages can be read measurably slower than fresh anonymous memory (docs/be
 copies), and a kernel may reclaim a mapping's clean pages under pressure, so that a "resident" view silently
 becomes a read from disk. `--resident-weights` (engine.args) chooses.
 
-The copy is made in small pages, then a background thread (HugePageCollapse, at a lower priority than compute)
-asks the kernel to collapse it into huge pages (MADV_COLLAPSE; where the kernel lacks it, MADV_HUGEPAGE leaves it
+The copy is made in small pages, then a background thread (HugePageCollapse) asks the kernel, while no step
+runs, to collapse it into huge pages (MADV_COLLAPSE; where the kernel lacks it, MADV_HUGEPAGE leaves it
 to khugepaged, over minutes). Asking for huge pages before the copy would make each fault find a free 2 MiB page,
 compacting memory in the loading thread when there is none, which on a long-running machine made a load many
 times slower (on a VM even free 2 MiB blocks were slow to fault in: a 3B Q4_0 load took 14 s asking for huge
 pages while /proc/buddyinfo listed 10 GB of them free, likely blocks the host had taken back); after it, that
-work overlaps the first requests, or waits for idle time, instead of delaying the load.
+work waits for idle time instead of delaying the load. Idle time, because a collapse running beside a step
+slowed the step (a 512-token prefill by 16-30% in bench-scale): the kernel's work for it, and the TLB flushes
+it sends to the cores computing, which the parallel kernels then wait for.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ import logging
 import mmap
 import os
 import threading
+import time
+from typing import Callable
 
 import torch
 
 log = logging.getLogger("layerstream")
 
 HUGE_PAGE = 2 << 20
+IDLE_S = 0.5  # how long no step has run before the collapse thread works
 MADV_COLLAPSE = 25  # Linux 6.1 (Python's mmap module does not name it)
 COLLAPSE_NICE = 10  # the collapse thread's niceness above the process's: compute keeps the cores under load
 MODES = ("auto", "copy", "map")
@@ -140,14 +145,16 @@ def owned(weights: dict[str, object]) -> tuple[dict[str, object], torch.Tensor]:
 
 class HugePageCollapse:
     """A daemon thread that collapses `tensors`' memory (copies made here) into huge pages one at a time
-    (MADV_COLLAPSE), COLLAPSE_NICE nicer than the process. Stops at the first refusal (a kernel without
+    (MADV_COLLAPSE), COLLAPSE_NICE nicer than the process, each once IDLE_S has passed since last_use() (a
+    time.monotonic() reading: when the weights were last acquired by a step). Stops at the first refusal (a kernel without
     MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM), leaving the rest to khugepaged. close() stops
     it between tensors."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], last_use: Callable[[], float] = lambda: 0.0):
         self.collapsed = 0  # tensors collapsed so far
         self.refused: int | None = None  # the errno that stopped it, if any
         self._tensors = list(tensors)
+        self._last_use = last_use
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="layerstream-huge-pages", daemon=True)
         self._thread.start()
@@ -159,6 +166,10 @@ class HugePageCollapse:
         except (AttributeError, OSError):
             pass
         while self._tensors and not self._stop.is_set():
+            busy = self._last_use() + IDLE_S - time.monotonic()
+            if busy > 0:
+                self._stop.wait(busy)
+                continue
             err = _madvise(self._tensors.pop(0), MADV_COLLAPSE)
             if err > 0:
                 self.refused = err

@@ -117,7 +117,8 @@ class BlockStreamer:
             if on_progress:
                 on_progress(i)
         # The copies into huge pages, after the load (resident_copy.py): None where none was made.
-        self.huge_pages = HugePageCollapse(copies_made) if copies_made else None
+        self._last_acquire = 0.0  # time.monotonic() of the last acquire: the collapse works while none runs
+        self.huge_pages = HugePageCollapse(copies_made, lambda: self._last_acquire) if copies_made else None
         self.resident_copies = len(copies_made)
         self._in_use: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
@@ -156,6 +157,7 @@ class BlockStreamer:
 
     # -- compute thread ----------------------------------------------------------------------
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
+        self._last_acquire = time.monotonic()
         w = self._resident.get(block)
         if w is not None:
             return w
