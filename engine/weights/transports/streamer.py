@@ -116,8 +116,8 @@ class BlockStreamer:
             self._resident[i] = w
             if on_progress:
                 on_progress(i)
-        # The copies into huge pages, after the load (resident_copy.py): None where none was made.
         self._last_acquire = 0.0  # time.monotonic() of the last acquire: the collapse works while none runs
+        # The copies collapsed into huge pages in idle time (resident_copy.py): None where none was made.
         self.huge_pages = HugePageCollapse(copies_made, lambda: self._last_acquire) if copies_made else None
         self.resident_copies = len(copies_made)
         self._in_use: dict[int, Ticket] = {}
