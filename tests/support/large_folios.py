@@ -16,9 +16,8 @@ def _file_system(path: Path) -> str:
     return kind
 
 
-def no_large_folios(path: Path) -> str | None:
-    """Why this machine cannot cache `path`'s file system in huge folios, or None where it can: transparent
-    huge pages not off, and xfs, or ext4 from Linux 6.16 (where ext4 gained large folios)."""
+def no_huge_pages() -> str | None:
+    """Why this machine has no transparent huge pages, or None where it has them."""
     if platform.system() != "Linux":
         return "not Linux"
     try:
@@ -26,6 +25,15 @@ def no_large_folios(path: Path) -> str | None:
             return "transparent huge pages are off"
     except OSError:
         return "a kernel without transparent huge pages"
+    return None
+
+
+def no_large_folios(path: Path) -> str | None:
+    """Why this machine cannot cache `path`'s file system in huge folios, or None where it can: transparent
+    huge pages not off, and xfs, or ext4 from Linux 6.16 (where ext4 gained large folios)."""
+    why = no_huge_pages()
+    if why:
+        return why
     fs, release = _file_system(path), tuple(int(x) for x in platform.release().split(".")[:2])
     if fs == "xfs" or (fs == "ext4" and release >= (6, 16)):
         return None

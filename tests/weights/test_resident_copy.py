@@ -11,14 +11,8 @@ from engine import EngineArgs
 from engine.weights.packed.weights import GGUFWeight, Int4Weight, KQuantWeight
 from engine.weights.transports.resident_copy import (HUGE_PAGE, HugePageCollapse, anonymous_bytes, copied,
                                                      copied_tensors, owned)
+from tests.support.large_folios import no_huge_pages
 from tests.support.memory_maps import anon_huge_bytes, mapped_ranges
-
-
-def _thp_enabled() -> bool:
-    try:
-        return "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return False
 
 
 def test_anonymous_bytes_start_on_a_huge_page_and_copies_keep_values():
@@ -66,8 +60,9 @@ def test_owned_copies_every_tensor_and_packed_part_into_one_allocation():
 def test_copies_collapse_into_huge_pages_in_the_background():
     """A copy of 8 MiB and a bit: collapsed into huge pages by the background thread (its whole 2 MiB pages, not
     the tail), where the kernel has transparent huge pages and MADV_COLLAPSE."""
-    if not _thp_enabled():
-        pytest.skip("no transparent huge pages here")
+    why = no_huge_pages()
+    if why:
+        pytest.skip(why)
     tensors, raw = copied_tensors({"w": torch.ones(4 * HUGE_PAGE + 1000, dtype=torch.uint8)})
     assert anon_huge_bytes(raw.data_ptr()) is not None
     collapse = HugePageCollapse([raw])
@@ -83,11 +78,16 @@ def test_copies_collapse_into_huge_pages_in_the_background():
 
 
 def test_collapse_stops_when_closed():
-    """close() returns with tensors left (it stops between them) and drops its references to them."""
-    raws = [copied_tensors({"w": torch.ones(HUGE_PAGE, dtype=torch.uint8)})[1] for _ in range(64)]
-    collapse = HugePageCollapse(raws)
+    """close() returns at once while the thread waits for idle time, with nothing collapsed, and drops its
+    references to the copies."""
+    import time
+
+    raws = [copied_tensors({"w": torch.ones(HUGE_PAGE, dtype=torch.uint8)})[1] for _ in range(4)]
+    collapse = HugePageCollapse(raws, time.monotonic)  # always in use
+    start = time.monotonic()
     collapse.close()
-    assert collapse.wait(0) and collapse.collapsed <= 64 and not collapse._tensors
+    assert time.monotonic() - start < 5
+    assert collapse.wait(0) and collapse.collapsed == 0 and not collapse._tensors
 
 
 def test_an_unknown_mode_is_refused_before_loading():

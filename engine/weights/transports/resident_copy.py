@@ -12,11 +12,10 @@ The copy is made in small pages, then a background thread (HugePageCollapse) ask
 runs, to collapse it into huge pages (MADV_COLLAPSE; where the kernel lacks it, MADV_HUGEPAGE leaves it
 to khugepaged, over minutes). Asking for huge pages before the copy would make each fault find a free 2 MiB page,
 compacting memory in the loading thread when there is none, which on a long-running machine made a load many
-times slower (on a VM even free 2 MiB blocks were slow to fault in: a 3B Q4_0 load took 14 s asking for huge
-pages while /proc/buddyinfo listed 10 GB of them free, likely blocks the host had taken back); after it, that
-work waits for idle time instead of delaying the load. Idle time, because a collapse running beside a step
-slowed the step (a 512-token prefill by 16-30% in bench-scale): the kernel's work for it, and the TLB flushes
-it sends to the cores computing, which the parallel kernels then wait for.
+times slower (on a VM even while the kernel listed free 2 MiB blocks: likely ones the host had taken back);
+after it, that work waits for idle time instead of delaying the load. Idle time, because a collapse running
+beside a step slowed the step: the kernel's work for it, and the TLB flushes it sends to the cores computing,
+which the parallel kernels then wait for. The measurements: docs/benchmarks/pages.md, resident copies.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def _huge_range(t: torch.Tensor) -> tuple[int, int]:
     """[start, end) addresses of the whole 2 MiB pages inside `t`'s bytes (empty where there is none): the tail
     stays in small pages, so memory held stays the bytes rounded to 4 KiB, the figure the plan counts."""
     start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
     return start, max(start, end)
 
 
@@ -101,12 +100,11 @@ def copied_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     offsets, at = {}, 0
     for name, t in tensors.items():
         offsets[name] = at
-        at += (t.numel() * t.element_size() + 63) // 64 * 64
+        at += (t.nbytes + 63) // 64 * 64
     raw = anonymous_bytes(at)
     out = {}
     for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        view = raw[offsets[name]:offsets[name] + n].view(t.dtype).view(t.shape)
+        view = raw[offsets[name]:offsets[name] + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         out[name] = view
     offer_huge_pages(raw)
@@ -146,12 +144,12 @@ def owned(weights: dict[str, object]) -> tuple[dict[str, object], torch.Tensor]:
 class HugePageCollapse:
     """A daemon thread that collapses `tensors`' memory (copies made here) into huge pages one at a time
     (MADV_COLLAPSE), COLLAPSE_NICE nicer than the process, each once IDLE_S has passed since last_use() (a
-    time.monotonic() reading: when the weights were last acquired by a step). Stops at the first refusal (a kernel without
-    MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM), leaving the rest to khugepaged. close() stops
-    it between tensors."""
+    time.monotonic() reading: when the weights were last acquired by a step). Stops at the first refusal (a kernel
+    without MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM), leaving the rest to khugepaged.
+    close() stops it between tensors, or while it waits for idle time."""
 
     def __init__(self, tensors: list[torch.Tensor], last_use: Callable[[], float] = lambda: 0.0):
-        self.collapsed = 0  # tensors collapsed so far
+        self.collapsed = 0  # tensors collapsed so far (one without a whole 2 MiB page has nothing to collapse)
         self.refused: int | None = None  # the errno that stopped it, if any
         self._tensors = list(tensors)
         self._last_use = last_use
@@ -175,7 +173,7 @@ class HugePageCollapse:
                 self.refused = err
                 log.debug("resident copies left to khugepaged: MADV_COLLAPSE refused (%s)", os.strerror(err))
                 break
-            self.collapsed += 1
+            self.collapsed += err == 0
         self._tensors.clear()
 
     def wait(self, timeout: float | None = None) -> bool:
