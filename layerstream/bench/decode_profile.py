@@ -96,12 +96,15 @@ def run(ns: argparse.Namespace) -> int:
                     k_cache, v_cache = runner.kv.layer(i)
                     x = M.block_forward(x, w, k_cache, v_cache, step, cfg)
 
+        # stacked where the block's tensors share a type, apart where they do not (Q4_K_M's Q6_K v and down
+        # projections in some layers)
+        products = [(w[name], act if name == "w_down" else x0) for w in blocks
+                    for name in ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down") if name in w]
+
         def matmuls_once():
             with ops.single_row_products(x0):
-                for w in blocks:
-                    for name, x in (("wqkv", x0), ("wo", x0), ("w_gate_up", x0), ("w_down", act)):
-                        if name in w:
-                            ops.linear(x, w[name])
+                for w, x in products:
+                    ops.linear(x, w)
 
         q1 = torch.randn(1, cfg.num_heads, cfg.head_dim).to(runner.dtype)  # (1, heads, head_dim)
         kv1 = torch.randn(1, cfg.num_kv_heads, cfg.head_dim).to(runner.dtype)  # (1, kv_heads, head_dim)
@@ -126,6 +129,8 @@ def run(ns: argparse.Namespace) -> int:
                  "  of which their decode attention alone": attention_once, "LM head": head_once}
         if attention_tables is None:  # not the fused kernel's step (fp32, quantized or latent KV)
             del parts["  of which their decode attention alone"]
+        read = {"  of which their matmuls alone": sum(w.nbytes for w, _ in products),
+                "LM head": runner.globals.head.nbytes}  # weight bytes each part reads (tensors and packed weights alike)
         kv_bytes = 2 * (position + 1) * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize * cfg.num_layers
         times: dict[str, list[float]] = {k: [] for k in (*modes, *parts)}
         whole_step()  # warm
@@ -151,7 +156,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{'thread CPU' if ns.threads == 1 else 'wall'} time, medians of "
           f"{ns.rounds}; load average {load}")
     for name, xs in times.items():
-        speed = f"  {kv_bytes / _median(xs) / 1e9:.1f} GB/s of KV read" if name.endswith("attention alone") else ""
+        speed = (f"  {kv_bytes / _median(xs) / 1e9:.1f} GB/s of KV read" if name.endswith("attention alone") else
+                 f"  {read[name] / _median(xs) / 1e9:.1f} GB/s of weights" if name in read else "")
         print(f"{name:<40} {_median(xs) * 1e3:8.2f} ms{speed}")
     for path, (rss, huge) in mapped.items():  # 4 KiB pages stream slower (engine/weights/formats/views.py)
         print(f"mapped {Path(path).name}: {rss / 2**20:.0f} MiB, {huge / max(rss, 1):.0%} of it in huge pages")

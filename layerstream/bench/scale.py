@@ -14,7 +14,9 @@ Every run is a child process with --threads threads: its libraries' imports (tor
 transformers' tokenizer classes; llama_cpp), timed apart, then load (the first one, then --repeats more
 with the page cache warm: the fastest is the second-load figure), one --prompt-tokens prompt (prefill
 tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonymous memory
-(sampled; the kernel keeps no peak of it). The fastest of the --repeats runs is reported. Decode is
+(sampled; the kernel keeps no peak of it). Then the run idles (--idle) and serves the prompt again, as a
+server's next request does (decode tok/s, 2nd request): layerstream collapses its resident copies into
+huge pages only while idle, so its first request decodes from small pages. The fastest of the --repeats runs is reported. Decode is
 set against the memory floor: the weight bytes a token reads divided by this machine's measured
 read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches), each file then
 runs in a memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes
@@ -97,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Half: the 3B Q4 files' plans need about a third of the file beside their blocks (head, KV, a 512-token
     # step's workspace, two stream buffers), so half streams most of their blocks and leaves a few resident.
     p.add_argument("--streamed-fraction", type=float, default=0.5)
+    p.add_argument("--idle", type=float, default=30.0,
+                   help="after the first request each resident run idles, as a server between requests, then serves "
+                        "the prompt again (decode tok/s, 2nd request): layerstream until its resident copies are in "
+                        "huge pages (at most this many seconds), llama.cpp 2 s (it does nothing while idle)")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per run (llama.cpp capped: a fifth)")
     p.add_argument("--llama-cpp-sdist", default=None,
                    help=f"{LLAMA_CPP_SDIST}.tar.gz (default: pip downloads it into the bench folder)")
@@ -106,6 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", default=None, help=argparse.SUPPRESS)
     p.add_argument("--resident-weights", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--again", action="store_true", help=argparse.SUPPRESS)
 
 
 # -- the files ----------------------------------------------------------------------------------------
@@ -272,17 +279,27 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=ns.model, device="cpu", max_num_seqs=1, max_model_len=len(ids) + ns.decode_tokens + 16,
                                   max_num_batched_tokens=len(ids), show_progress=False, max_device_memory=ns.budget,
-                                  resident_weights=ns.resident_weights))
+                                  resident_weights=ns.resident_weights,
+                                  # a 2nd request computes its prompt again rather than from the prefix cache: the
+                                  # same tokens as the 1st then show that nothing the idle time changed alters them
+                                  enable_prefix_caching=False))
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine.add_request(ids, SamplingParams(max_tokens=ns.decode_tokens, temperature=0, ignore_eos=True), "bench")
-    tokens, first, io0, stats0 = [], None, 0, None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            if first is None:
-                first, io0, stats0 = time.perf_counter(), read_bytes(), engine.telemetry().total
-    end = time.perf_counter()
+
+    def serve(request_id: str) -> tuple[float, float, float, list[int]]:
+        """The prompt served once: (start, first token, end, tokens); telemetry and disk reads from its first token."""
+        nonlocal io0, stats0
+        t0 = time.perf_counter()
+        engine.add_request(ids, SamplingParams(max_tokens=ns.decode_tokens, temperature=0, ignore_eos=True), request_id)
+        tokens, first = [], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                if first is None:
+                    first, io0, stats0 = time.perf_counter(), read_bytes(), engine.telemetry().total
+        return t0, first, time.perf_counter(), tokens
+
+    io0, stats0 = 0, None
+    t0, first, end, tokens = serve("bench")
     stats = engine.telemetry().total
     plan = engine.plan
     result = dict(imports_s=imports_s, load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
@@ -292,6 +309,24 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
                   decode_disk_read_s=stats.disk_read_seconds - stats0.disk_read_seconds,
                   plan=f"{len(plan.resident_blocks)} / {len(plan.streamed_blocks) - len(plan.disk_blocks)} / "
                        f"{len(plan.disk_blocks)}")
+    if ns.again:
+        # A server idles between requests; this is when the engine collapses its resident copies into huge pages
+        # (it does so only while no step runs). Idle until it has, it stops making progress, or --idle runs out.
+        t_idle, progress, done = time.perf_counter(), time.perf_counter(), -1
+        while time.perf_counter() - t_idle < ns.idle:
+            t = engine.telemetry()
+            if t.resident_copies_in_huge_pages >= t.resident_copies:
+                break
+            if t.resident_copies_in_huge_pages != done:
+                done, progress = t.resident_copies_in_huge_pages, time.perf_counter()
+            elif time.perf_counter() - progress > 10.0:
+                break
+            time.sleep(0.25)
+        t, idle_s = engine.telemetry(), time.perf_counter() - t_idle
+        _, first2, end2, tokens2 = serve("bench-again")
+        result.update(idle_s=idle_s, decode2_s=end2 - first2,
+                      same_tokens_again=tokens2 == tokens, resident_copies=t.resident_copies,
+                      resident_copies_in_huge_pages=t.resident_copies_in_huge_pages)
     engine.close()
     return result
 
@@ -317,20 +352,35 @@ def _child_llama_cpp(ns, ids: list[int]) -> dict:
         if len(tokens) == ns.decode_tokens:
             break
     end = time.perf_counter()
+    result = dict(imports_s=imports_s, load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
+                  decode_read_bytes=read_bytes() - io0)
+    if ns.again:
+        time.sleep(min(ns.idle, 2.0))  # nothing of llama.cpp's changes while it idles
+        tokens2, first2 = [], None
+        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if first2 is None:
+                first2 = time.perf_counter()
+            tokens2.append(tok)
+            if len(tokens2) == ns.decode_tokens:
+                break
+        result.update(decode2_s=time.perf_counter() - first2, same_tokens_again=tokens2 == tokens)
     llm.close()
-    return dict(imports_s=imports_s, load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
-                decode_read_bytes=read_bytes() - io0)
+    return result
 
 
 def _run(ns, peer: str, model: Path, ids: list[int], decode_tokens: int, cap: int | None = None,
-         timeout: float | None = None, budget: int | None = None, resident_weights: str = "auto") -> dict:
-    """One child run; its anonymous memory is sampled from here the whole time."""
+         timeout: float | None = None, budget: int | None = None, resident_weights: str = "auto",
+         again: bool = False) -> dict:
+    """One child run; its anonymous memory is sampled from here the whole time. again: after the first request the
+    child idles (--idle) and serves the prompt a second time (decode2_s)."""
     from .disk import MemoryCgroup, drop_page_cache
 
     argv = [sys.executable, "-m", "layerstream", "--log-level", "WARNING", "bench-scale", "--child", peer,
             "--model", str(model), "--threads", str(ns.threads), "--decode-tokens", str(decode_tokens)]
     if budget is not None:
         argv += ["--budget", str(budget)]
+    if again:
+        argv += ["--again", "--idle", str(ns.idle)]
     if peer == "layerstream":
         argv += ["--resident-weights", resident_weights]
     cg = None
@@ -449,7 +499,7 @@ def run(ns: argparse.Namespace) -> int:
             budget = int(ns.streamed_fraction * size)
         for peer, path in peers:
             first = _run(ns, peer, path, ids, 2)  # the first load (and whatever it converts)
-            runs = [_run(ns, peer, path, ids, ns.decode_tokens) for _ in range(ns.repeats)]
+            runs = [_run(ns, peer, path, ids, ns.decode_tokens, again=True) for _ in range(ns.repeats)]
             if peer == "layerstream" and budget is not None:
                 # the same file with most blocks streamed from the (warm) page cache, and all resident but left
                 # views of the mapping (--resident-weights map), as streamed blocks are, so that what streaming
@@ -462,10 +512,15 @@ def run(ns: argparse.Namespace) -> int:
             r["prefill_s"] = min((x["prefill_s"] for x in runs if "prefill_s" in x), default=None)
             r["first_load_s"] = first.get("load_s")
             r["imports_s"] = min((x["imports_s"] for x in runs if "imports_s" in x), default=None)
+            again = min((x for x in runs if "decode2_s" in x), key=lambda x: x["decode2_s"], default={})
+            r["decode2_s"], r["same_tokens_again"] = again.get("decode2_s"), again.get("same_tokens_again")
             r["bytes_per_token"] = weight_bytes_per_token(path)
             results.append(r)
             rows.append(r)
-            print(f"  {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s){' ' + r['plan'] if 'plan' in r else ''}",
+            idle = (f"; idle {again['idle_s']:.1f} s before the 2nd request, {again['resident_copies_in_huge_pages']} of "
+                    f"{again['resident_copies']} resident copies then in huge pages" if "idle_s" in again else "")
+            print(f"  {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s){' ' + r['plan'] if 'plan' in r else ''}"
+                  f"{idle}{'' if again.get('same_tokens_again', True) else '; the 2nd request gave other tokens'}",
                   flush=True)
             if peer == "layerstream" and budget is not None:
                 s = min(streamed, key=lambda x: x.get("decode_s", float("inf")))
@@ -481,26 +536,29 @@ def run(ns: argparse.Namespace) -> int:
                       if dec and res and views else
                       f"  {f} layerstream streamed or mapped: {s.get('error') or m.get('error', 'no figure')}: "
                       f"{(s.get('stderr_tail') or m.get('stderr_tail', '')).strip().splitlines()[-1:]}", flush=True)
-        speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1)) for r in rows]
-        ref = speeds[-1] if len(rows) > 1 else (None, None)  # llama.cpp's, when it ran
+        speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1),
+                   _tps(r, "decode2_s", ns.decode_tokens - 1)) for r in rows]
+        ref = speeds[-1] if len(rows) > 1 else (None, None, None)  # llama.cpp's, when it ran
 
         def ratio(mine: float | None, theirs: float | None) -> str:
             return f"{mine / theirs:.2f}x" if mine and theirs else ""
 
         table_rows = []
-        for r, (pre, dec) in zip(rows, speeds):
+        for r, (pre, dec, dec2) in zip(rows, speeds):
             floor = mem_gbps * 1e9 / r["bytes_per_token"]
             mine = r["peer"] == "layerstream"
             table_rows.append([r["peer"], r["file"], _fmt(r.get("imports_s")), _fmt(r.get("first_load_s")),
                                _fmt(r.get("load_s")),
                                _fmt(pre), ratio(pre, ref[0]) if mine else "", _fmt(dec),
-                               ratio(dec, ref[1]) if mine else "",
-                               f"{100 * dec / floor:.0f}% of {floor:.1f}" if dec else "-",
+                               ratio(dec, ref[1]) if mine else "", f"{100 * dec / floor:.0f}%" if dec else "-",
+                               _fmt(dec2), ratio(dec2, ref[2]) if mine else "",
+                               f"{100 * dec2 / floor:.0f}%" if dec2 else "-", f"{floor:.1f}",
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
         print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB")
         print(table(["peer", "file", "imports s", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
-                     "decode tok/s", "vs llama.cpp", "memory floor tok/s", "peak RssAnon", "error"], table_rows))
+                     "decode tok/s", "vs llama.cpp", "of floor", "2nd request", "vs llama.cpp", "of floor",
+                     "memory floor tok/s", "peak RssAnon", "error"], table_rows))
 
     if ns.capped or ns.capped_only:
         from engine.weights.probes import measure_disk_bandwidth

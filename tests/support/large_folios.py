@@ -38,3 +38,22 @@ def no_large_folios(path: Path) -> str | None:
     if fs == "xfs" or (fs == "ext4" and release >= (6, 16)):
         return None
     return f"{fs} on Linux {platform.release()} keeps no large folios"
+
+
+def no_collapse() -> str | None:
+    """Why this process cannot collapse its own anonymous memory into huge pages (no transparent huge pages, or
+    MADV_COLLAPSE refused: kernels before 6.1), or None where it can."""
+    why = no_huge_pages()
+    if why:
+        return why
+    import torch
+
+    from engine.weights.transports.resident_copy import HUGE_PAGE, HugePageCollapse, copied_tensors
+
+    _, raw = copied_tensors({"w": torch.ones(2 * HUGE_PAGE, dtype=torch.uint8)})
+    collapse = HugePageCollapse([raw])
+    try:
+        collapse.wait(60)
+    finally:
+        collapse.close()
+    return None if collapse.refused is None else f"MADV_COLLAPSE refused here (errno {collapse.refused})"
