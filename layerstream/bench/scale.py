@@ -518,10 +518,10 @@ def run(ns: argparse.Namespace) -> int:
             results.append(r)
             rows.append(r)
             idle = (f"; idle {again['idle_s']:.1f} s before the 2nd request, {again['resident_copies_in_huge_pages']} of "
-                    f"{again['resident_copies']} resident copies then in huge pages" if "idle_s" in again else "")
+                    f"{again['resident_copies']} resident copies then in huge pages" if again.get("resident_copies") else "")
+            other = "" if again.get("same_tokens_again", True) else "; its 2nd request decoded other tokens than its 1st"
             print(f"  {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s){' ' + r['plan'] if 'plan' in r else ''}"
-                  f"{idle}{'' if again.get('same_tokens_again', True) else '; the 2nd request gave other tokens'}",
-                  flush=True)
+                  f"{idle}{other}", flush=True)
             if peer == "layerstream" and budget is not None:
                 s = min(streamed, key=lambda x: x.get("decode_s", float("inf")))
                 m = min(mapped, key=lambda x: x.get("decode_s", float("inf")))
