@@ -16,9 +16,9 @@ with the page cache warm: the fastest is the second-load figure), one --prompt-t
 tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonymous memory
 (sampled; the kernel keeps no peak of it). Then the run idles (--idle) and serves the prompt again, as a
 server's next request does (decode tok/s, 2nd request): layerstream collapses its resident copies into
-huge pages only while idle, so its first request decodes from small pages. The fastest of the --repeats runs is reported. Decode is
-set against the memory floor: the weight bytes a token reads divided by this machine's measured
-read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches), each file then
+huge pages only while idle, so its first request decodes from small pages. The fastest of the
+--repeats runs is reported. Decode is set against the memory floor: the weight bytes a token reads
+divided by this machine's measured read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches), each file then
 runs in a memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes
 read from disk per token and % of the disk floor (bytes per token / the disk's GB/s, measured by one
 sustained O_DIRECT read of up to 2 GiB of the file the run reads; the fastest 256 MiB part of a 1 GiB
