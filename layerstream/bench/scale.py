@@ -13,17 +13,18 @@ Shapes: 3b (Llama-3.2-3B: hidden 3072, 28 layers, 24 query / 8 KV heads, FFN 819
 Every run is a child process with --threads threads: its libraries' imports (torch, engine and
 transformers' tokenizer classes; llama_cpp), timed apart, then load (the first one, then --repeats more
 with the page cache warm: the fastest is the second-load figure), one --prompt-tokens prompt (prefill
-tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonymous memory
-(sampled; the kernel keeps no peak of it). Then the run idles (--idle) and serves the prompt again, as a
-server's next request does (decode tok/s, 2nd request): layerstream collapses its resident copies into
-huge pages only while idle, so its first request decodes from small pages. The fastest of the
---repeats runs is reported. Decode is set against the memory floor: the weight bytes a token reads
-divided by this machine's measured read bandwidth. With --capped (root: a cgroup v1 memory controller, drop_caches), each file then
-runs in a memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes
-read from disk per token and % of the disk floor (bytes per token / the disk's GB/s, measured by one
-sustained O_DIRECT read of up to 2 GiB of the file the run reads; the fastest 256 MiB part of a 1 GiB
-read is printed beside it), and
-where layerstream's decode time goes (its disk tier reading; compute waiting for blocks).
+tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonymous memory (sampled; the
+kernel keeps no peak of it). Then the run idles (--idle) and serves the prompt again, as a server's next
+request does (decode tok/s, 2nd request): layerstream collapses its resident copies into huge pages only
+while idle, so its first request decodes from small pages. The fastest of the --repeats runs is
+reported. Decode is set against the memory floor: the weight bytes a token reads divided by this
+machine's measured read bandwidth (measured before and after each file's runs, the faster taken: it
+drifts). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
+memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes read from disk
+per token and % of the disk floor (bytes per token / the disk's GB/s, measured by one sustained O_DIRECT
+read of up to 2 GiB of the file the run reads; the fastest 256 MiB part of a 1 GiB read is printed
+beside it), and where layerstream's decode time goes (its disk tier reading; compute waiting for
+blocks).
 
 Needs llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36, a few minutes
 of compiling) for the quantizer and the llama.cpp peer, and sentencepiece for its converter.
@@ -497,6 +498,9 @@ def run(ns: argparse.Namespace) -> int:
         if ns.streamed:
             size = sum(p.stat().st_size for p in (sorted(mine.glob("*.safetensors")) if mine.is_dir() else [mine]))
             budget = int(ns.streamed_fraction * size)
+        # The memory's speed drifts on a shared machine: each file's floor is its bandwidth just before and just
+        # after its runs, the faster of the two (the stricter floor).
+        file_gbps = memory_gbps(ns.threads)
         for peer, path in peers:
             first = _run(ns, peer, path, ids, 2)  # the first load (and whatever it converts)
             runs = [_run(ns, peer, path, ids, ns.decode_tokens, again=True) for _ in range(ns.repeats)]
@@ -536,6 +540,11 @@ def run(ns: argparse.Namespace) -> int:
                       if dec and res and views else
                       f"  {f} layerstream streamed or mapped: {s.get('error') or m.get('error', 'no figure')}: "
                       f"{(s.get('stderr_tail') or m.get('stderr_tail', '')).strip().splitlines()[-1:]}", flush=True)
+        after = memory_gbps(ns.threads)
+        print(f"  memory read {file_gbps:.1f} GB/s before {f}'s runs and {after:.1f} after", flush=True)
+        file_gbps = max(file_gbps, after)
+        for r in rows:
+            r["memory_gbps"] = file_gbps
         speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1),
                    _tps(r, "decode2_s", ns.decode_tokens - 1)) for r in rows]
         ref = speeds[-1] if len(rows) > 1 else (None, None, None)  # llama.cpp's, when it ran
@@ -545,7 +554,7 @@ def run(ns: argparse.Namespace) -> int:
 
         table_rows = []
         for r, (pre, dec, dec2) in zip(rows, speeds):
-            floor = mem_gbps * 1e9 / r["bytes_per_token"]
+            floor = file_gbps * 1e9 / r["bytes_per_token"]
             mine = r["peer"] == "layerstream"
             table_rows.append([r["peer"], r["file"], _fmt(r.get("imports_s")), _fmt(r.get("first_load_s")),
                                _fmt(r.get("load_s")),
@@ -555,7 +564,8 @@ def run(ns: argparse.Namespace) -> int:
                                f"{100 * dec2 / floor:.0f}%" if dec2 else "-", f"{floor:.1f}",
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
-        print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB")
+        print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB; memory floor at "
+              f"{file_gbps:.1f} GB/s")
         print(table(["peer", "file", "imports s", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
                      "decode tok/s", "vs llama.cpp", "of floor", "2nd request", "vs llama.cpp", "of floor",
                      "memory floor tok/s", "peak RssAnon", "error"], table_rows))
