@@ -192,8 +192,9 @@ def test_q4_0_is_stored_without_its_implied_mins(repack, gguf_root, cache):
 
 def test_resident_blocks_and_head_are_copies_of_their_own_unless_mapped(repack, gguf_root, cache):
     """--resident-weights auto (the default): every resident block's tensors and the head lie outside the entry's
-    mapping, in memory of their own (collapsed into huge pages afterwards), and the mapping holds none of their
-    pages (less than a block's bytes); map: views of the mapping. The same prompt logits bit for bit either way."""
+    mapping, in memory of their own (collapsed into huge pages afterwards), and their pages are dropped from the
+    mapping (it holds less than the blocks' bytes; map: all of them); map: views of the mapping. The same prompt
+    logits bit for bit either way."""
     path = tiny_gguf(gguf_root, "llama", Q.Q4_0)
     logits = {}
     for mode in ("auto", "map"):
@@ -212,9 +213,12 @@ def test_resident_blocks_and_head_are_copies_of_their_own_unless_mapped(repack, 
             assert weights.wait_resident_copies(60)
             telemetry = llm.telemetry()
             blocks_bytes = llm.plan.num_layers * llm.plan.block_bytes
-            if mode == "auto":  # (a page of the header may stay)
+            if mode == "auto":
                 assert not any(inside) and telemetry.resident_copies == llm.plan.num_layers
-                assert entry_rss < llm.plan.block_bytes, entry_rss
+                # The header's pages stay, and a page fault maps the pages around it that the page cache holds
+                # (fault-around, a whole large folio): with this model's 23 KB blocks that can be a block's bytes
+                # or more (36,864 once in a full run), never all of them.
+                assert entry_rss < blocks_bytes, entry_rss
             else:
                 assert all(inside) and telemetry.resident_copies == 0 and entry_rss >= blocks_bytes, entry_rss
             logits[mode] = prompt_logits(llm, PROMPT)
