@@ -144,8 +144,9 @@ def owned(weights: dict[str, object]) -> tuple[dict[str, object], torch.Tensor]:
 class HugePageCollapse:
     """A daemon thread that collapses `tensors`' memory (copies made here) into huge pages one at a time
     (MADV_COLLAPSE), COLLAPSE_NICE nicer than the process, each once IDLE_S has passed since last_use() (a
-    time.monotonic() reading: when the weights were last in use, which is now while a step holds a block). Stops at the first refusal (a kernel
-    without MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM), leaving the rest to khugepaged.
+    time.monotonic() reading: when the weights were last in use, which is now while a step holds a block). Stops
+    at the first refusal (a kernel without MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM),
+    leaving the rest to khugepaged.
     close() stops it between tensors, or while it waits for idle time."""
 
     def __init__(self, tensors: list[torch.Tensor], last_use: Callable[[], float] = lambda: 0.0):
