@@ -286,21 +286,20 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
                                   enable_prefix_caching=False))
     load_s = time.perf_counter() - t0
 
-    def serve(request_id: str) -> tuple[float, float, float, list[int]]:
-        """The prompt served once: (start, first token, end, tokens); telemetry and disk reads from its first token."""
-        nonlocal io0, stats0
+    def serve(request_id: str):
+        """The prompt served once: start, first token and end times, the tokens, and the disk reads and stream
+        statistics at its first token."""
         t0 = time.perf_counter()
         engine.add_request(ids, SamplingParams(max_tokens=ns.decode_tokens, temperature=0, ignore_eos=True), request_id)
-        tokens, first = [], None
+        tokens, first, io0, stats0 = [], None, 0, None
         while engine.has_unfinished():
             for out in engine.step():
                 tokens += out.new_token_ids
                 if first is None:
                     first, io0, stats0 = time.perf_counter(), read_bytes(), engine.telemetry().total
-        return t0, first, time.perf_counter(), tokens
+        return t0, first, time.perf_counter(), tokens, io0, stats0
 
-    io0, stats0 = 0, None
-    t0, first, end, tokens = serve("bench")
+    t0, first, end, tokens, io0, stats0 = serve("bench")
     stats = engine.telemetry().total
     plan = engine.plan
     result = dict(imports_s=imports_s, load_s=load_s, prefill_s=first - t0, decode_s=end - first, tokens=tokens,
@@ -324,7 +323,7 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
                 break
             time.sleep(0.25)
         t, idle_s = engine.telemetry(), time.perf_counter() - t_idle
-        _, first2, end2, tokens2 = serve("bench-again")
+        _, first2, end2, tokens2, _, _ = serve("bench-again")
         result.update(idle_s=idle_s, decode2_s=end2 - first2,
                       same_tokens_again=tokens2 == tokens, resident_copies=t.resident_copies,
                       resident_copies_in_huge_pages=t.resident_copies_in_huge_pages)
@@ -490,7 +489,7 @@ def run(ns: argparse.Namespace) -> int:
     print(f"{what}, {ns.threads} threads, prompt {len(ids)} tokens, {ns.decode_tokens} greedy tokens; "
           f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n", flush=True)
 
-    results, chart = [], []
+    results, chart, before = [], [], mem_gbps
     for f, (mine, theirs) in ([] if ns.capped_only else pairs.items()):
         peers = [("layerstream", mine)] + ([] if theirs is None else [("llama.cpp", theirs)])
         rows = []
@@ -498,9 +497,6 @@ def run(ns: argparse.Namespace) -> int:
         if ns.streamed:
             size = sum(p.stat().st_size for p in (sorted(mine.glob("*.safetensors")) if mine.is_dir() else [mine]))
             budget = int(ns.streamed_fraction * size)
-        # The memory's speed drifts on a shared machine: each file's floor is its bandwidth just before and just
-        # after its runs, the faster of the two (the stricter floor).
-        file_gbps = memory_gbps(ns.threads)
         for peer, path in peers:
             first = _run(ns, peer, path, ids, 2)  # the first load (and whatever it converts)
             runs = [_run(ns, peer, path, ids, ns.decode_tokens, again=True) for _ in range(ns.repeats)]
@@ -540,9 +536,11 @@ def run(ns: argparse.Namespace) -> int:
                       if dec and res and views else
                       f"  {f} layerstream streamed or mapped: {s.get('error') or m.get('error', 'no figure')}: "
                       f"{(s.get('stderr_tail') or m.get('stderr_tail', '')).strip().splitlines()[-1:]}", flush=True)
+        # The memory's speed drifts on a shared machine: each file's floor is its bandwidth just before and just
+        # after its runs, the faster of the two (the stricter floor); one file's after is the next one's before.
         after = memory_gbps(ns.threads)
-        print(f"  memory read {file_gbps:.1f} GB/s before {f}'s runs and {after:.1f} after", flush=True)
-        file_gbps = max(file_gbps, after)
+        print(f"  memory read {before:.1f} GB/s before {f}'s runs and {after:.1f} after", flush=True)
+        file_gbps, before = max(before, after), after
         for r in rows:
             r["memory_gbps"] = file_gbps
         speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1),

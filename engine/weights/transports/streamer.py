@@ -116,8 +116,8 @@ class BlockStreamer:
             self._resident[i] = w
             if on_progress:
                 on_progress(i)
-        # Blocks acquired and not yet released, and time.monotonic() when that last changed: the collapse works
-        # only once none has been held for a while. A held block counts as in use however long its compute
+        # Blocks acquired and not yet released, and time.monotonic() of the last release: the collapse works only
+        # once none has been held for a while. A held block counts as in use however long its compute
         # takes (a prefill chunk of a large model can spend seconds in one block).
         self._held = 0
         self._last_use = time.monotonic()
@@ -165,8 +165,7 @@ class BlockStreamer:
         return time.monotonic() if self._held else self._last_use
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
-        self._held += 1
-        self._last_use = time.monotonic()
+        self._held += 1  # in use from now on: _in_use_at() needs no time stamp while a block is held
         w = self._resident.get(block)
         if w is not None:
             return w
@@ -186,8 +185,8 @@ class BlockStreamer:
         return self.transport.activate(ticket)
 
     def release(self, block: int) -> None:
+        self._last_use = time.monotonic()  # stamped before the count drops: the collapse never sees 0 with an old stamp
         self._held = max(0, self._held - 1)
-        self._last_use = time.monotonic()
         ticket = self._in_use.pop(block, None)
         if ticket is None:
             return
