@@ -117,6 +117,11 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
     return module
 
 
+def stopping() -> bool:
+    """Whether stop_builds() has been called in this process."""
+    return _stopped.is_set()
+
+
 def stop_builds() -> int:
     """Kill the compilers of every build this process is running (torch runs each build as a ninja
     child), so a server stopped while it builds, or a Ctrl-C that reached only this process, leaves

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,8 @@ from . import SOURCE as INT4_SOURCE
 from . import attention_ops, bf16_rows, build, decode_block, fused_ops, ggml_repack, int4_backend, kv_attention
 
 log = logging.getLogger("layerstream")
+
+STOP_POLL_S = 0.2  # how often a wait for builds looks whether the process is stopping
 
 
 @dataclass(frozen=True)
@@ -129,15 +131,31 @@ def _run_stages(work: Callable[[KernelSpec], KernelChoice], on_progress: Callabl
 
     workers = max(1, jobs or os.cpu_count() or 1)
     results: list[KernelChoice] = []
+    futures: list[Future] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="layerstream-kernel-build") as pool:
         try:
             for stage in KERNELS:
-                results += list(pool.map(one, stage))
+                futures = [pool.submit(one, spec) for spec in stage]
+                _wait_for(futures)
+                results += [f.result() for f in futures]
         except BaseException:
             # Ctrl-C (or any failure) here: the pool would otherwise wait for every build in flight.
+            for f in futures:
+                f.cancel()
             build.stop_builds()
+            _wait_for(futures)
             raise
     return results
+
+
+def _wait_for(futures: list[Future]) -> None:
+    """Until every one of `futures` is done. Once the process is stopping (build.stop_builds), its builds are
+    stopped again at every turn: a build whose compiler was starting when stop_builds() looked (forked, not
+    yet `ninja`) is not among the processes it found, and would otherwise run to its end (minutes) while
+    the process that was told to stop waits for it."""
+    while wait(futures, timeout=STOP_POLL_S).not_done:
+        if build.stopping():
+            build.stop_builds()
 
 
 def describe(choices: Sequence[KernelChoice]) -> str:
