@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "exp_approx.h"
+#include "stream_prefetch.h"
 
 namespace {
 
@@ -979,6 +980,59 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// -- the memory's read speed (bench-decode-profile, bench-scale) ------------------------------------------
+// Every byte of `tensors` read once, the way the kernels stream weights: each thread reads its share as two
+// streams side by side, 256 bytes a step each, asking for the lines ahead at stream_prefetch.h's distances.
+// Nothing is computed, so what it takes is what reading those bytes from where they lie takes: a kernel over
+// the same bytes can at best match it. Returns an xor of what it read (so that no read is optimised away).
+LAYERSTREAM_BF16_AVX512 uint64_t read_streams_avx512(const char* p, int64_t n) {  // n: a multiple of 512
+  const char* q = p + n / 2;
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n / 2; i += 256) {
+    layerstream::prefetch_stream<4>(p + i);
+    layerstream::prefetch_stream<4>(q + i);
+    for (int64_t j = 0; j < 256; j += 64) {
+      a = _mm512_xor_si512(a, _mm512_loadu_si512(p + i + j));
+      b = _mm512_xor_si512(b, _mm512_loadu_si512(q + i + j));
+    }
+  }
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, _mm512_xor_si512(a, b));
+  uint64_t r = 0;
+  for (uint64_t l : lanes) r ^= l;
+  return r;
+}
+
+uint64_t read_bytes(const char* p, int64_t n) {
+  if (bf16_avx512() && n % 512 == 0) return read_streams_avx512(p, n);
+  uint64_t r = 0;
+  for (int64_t i = 0; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    r ^= v;
+  }
+  for (int64_t i = n / 8 * 8; i < n; ++i) r ^= static_cast<unsigned char>(p[i]);
+  return r;
+}
+
+int64_t stream_read(const std::vector<torch::Tensor>& tensors) {
+  uint64_t all = 0;
+  for (const torch::Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "stream_read: contiguous CPU tensors only");
+    const char* base = static_cast<const char*>(t.data_ptr());
+    const int64_t n = static_cast<int64_t>(t.nbytes()), steps = n / 512;
+    std::vector<uint64_t> parts(at::get_num_threads() + 1, 0);
+    // one contiguous share of 512-byte steps per thread
+    const int64_t share = std::max<int64_t>(1, (steps + at::get_num_threads() - 1) / at::get_num_threads());
+    at::parallel_for(0, steps, share, [&](int64_t s0, int64_t s1) {
+      parts[at::get_thread_num()] ^= read_bytes(base + s0 * 512, (s1 - s0) * 512);
+    });
+    parts.back() = read_bytes(base + steps * 512, n - steps * 512);
+    for (uint64_t x : parts) all ^= x;
+  }
+  return static_cast<int64_t>(all);
+}
+
 }  // namespace
 
 // decode_block.cpp includes this file for its functions and defines its own module.
@@ -991,5 +1045,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "KV write and one-token attention over the paged cache",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("block_tables"), py::arg("positions"), py::arg("window") = 0);
+  m.def("stream_read", &stream_read, "every byte of the tensors read once, as the kernels stream weights; "
+        "returns an xor of them (a probe of the memory's read speed)", py::arg("tensors"));
 }
 #endif

@@ -7,7 +7,8 @@ Interface:
       once. Decided once per process; tests reset it with `fused_ops.cache_clear()`.
   The module's ops (CPU tensors, float32 / bfloat16 / float16, one dtype, last dim contiguous):
       rms_norm(x, w, eps), add_rms_norm(x, r, w, eps) -> (x + r, rms_norm(x + r)),
-      silu_mul(gate, up), rotary(x, cos, sin): see fused_ops.cpp for what each computes.
+      silu_mul(gate, up), rotary(x, cos, sin): see fused_ops.cpp for what each computes;
+      stream_read(tensors) -> int: every byte read once as the kernels stream weights (a bench probe).
 
 Portable C++ (no instruction-set flags), so the one build runs on any CPU torch runs on.
 """
@@ -21,7 +22,7 @@ from types import ModuleType
 from .build import optional_kernel
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
-INCLUDES = (Path(__file__).with_name("exp_approx.h"),)  # what fused_ops.cpp #includes
+INCLUDES = (Path(__file__).with_name("exp_approx.h"), Path(__file__).with_name("stream_prefetch.h"))  # what fused_ops.cpp #includes
 NAME = "layerstream_fused_ops"
 # No FMA contraction: a*b + c must round twice, as torch's separate mul and add do. No trapping math
 # and no errno from math functions: neither changes a result, and without them GCC will not vectorize

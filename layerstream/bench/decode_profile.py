@@ -1,7 +1,8 @@
 """Where a single-stream decode step's time goes on the CPU, by the decoding thread's CPU time, one thread
 (or by wall time with --threads above 1, where the other threads' work counts too):
 the whole `engine.step()` (median decode step of a 33-token greedy run), and the model's blocks, the matmuls
-inside them, their decode attention (and the speed of its KV read) and the LM head each timed alone (one
+inside them (and a plain read of their weights' bytes, the best a kernel reading them could do), their decode
+attention (and the speed of its KV read) and the LM head each timed alone (one
 decode row at --position: a short context by default), in one process, medians of --rounds. The whole step is also timed with the blocks op by op (the C++ decode block off) and op by op with
 SDPA (the fused decode attention off too), alternating with the default: an A/B on the same weights even on a
 shared machine.
@@ -44,6 +45,7 @@ def run(ns: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine import model as M
     from engine import ops
+    from engine.kernels.fused_ops import fused_ops
     from engine.weights.probes import file_mappings
 
     if not Path(ns.model).exists():
@@ -106,6 +108,13 @@ def run(ns: argparse.Namespace) -> int:
                 for w, x in products:
                     ops.linear(x, w)
 
+        # The same weights' bytes read in the same order with nothing computed, the way the kernels stream
+        # them (fused_ops' stream_read): what the matmuls could at best reach on this machine at this moment.
+        weight_tensors = [t for w, _ in products for t in _tensors(w)]
+
+        def read_once():
+            fused_ops().stream_read(weight_tensors)
+
         q1 = torch.randn(1, cfg.num_heads, cfg.head_dim).to(runner.dtype)  # (1, heads, head_dim)
         kv1 = torch.randn(1, cfg.num_kv_heads, cfg.head_dim).to(runner.dtype)  # (1, kv_heads, head_dim)
         k0 = runner.kv.layer(0)[0]  # (blocks, block_size, kv_heads, head_dim) when the fused kernel reads it
@@ -126,10 +135,14 @@ def run(ns: argparse.Namespace) -> int:
                  "whole step, blocks op by op": (lambda: None, real_attention),
                  "whole step, op by op, SDPA attention": (lambda: None, lambda *a: None)}
         parts = {"blocks (default path)": blocks_once, "  of which their matmuls alone": matmuls_once,
+                 "  a plain read of their weights": read_once,
                  "  of which their decode attention alone": attention_once, "LM head": head_once}
+        if fused_ops() is None:
+            del parts["  a plain read of their weights"]
         if attention_tables is None:  # not the fused kernel's step (fp32, quantized or latent KV)
             del parts["  of which their decode attention alone"]
         read = {"  of which their matmuls alone": sum(w.nbytes for w, _ in products),
+                "  a plain read of their weights": sum(t.nbytes for t in weight_tensors),
                 "LM head": runner.globals.head.nbytes}  # weight bytes each part reads (tensors and packed weights alike)
         kv_bytes = 2 * (position + 1) * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize * cfg.num_layers
         times: dict[str, list[float]] = {k: [] for k in (*modes, *parts)}
@@ -166,6 +179,15 @@ def run(ns: argparse.Namespace) -> int:
               f"into huge pages); the process's anonymous memory {anon[0] / 2**20:.0f} MiB, "
               f"{anon[1] / max(anon[0], 1):.0%} of it in huge pages")
     return 0
+
+
+def _tensors(w) -> list:
+    """The tensors holding a weight's bytes: itself, or a packed weight's parts."""
+    import torch
+
+    if isinstance(w, torch.Tensor):
+        return [w.contiguous()]
+    return [t for t in (getattr(w, a, None) for a in ("codes", "scales", "data")) if isinstance(t, torch.Tensor)]
 
 
 def _anonymous_memory() -> tuple[int, int]:

@@ -174,3 +174,31 @@ def test_model_functions_use_the_fused_ops_and_the_torch_code_alike(monkeypatch)
         monkeypatch.undo()
         fo.fused_ops.cache_clear()
         assert fo.fused_ops() is not None
+
+
+@needs_ops
+@pytest.mark.parametrize("sizes", [(1 << 20,), (1_000_003, 7, 512, 0), (513, 1023)])
+def test_stream_read_reads_every_byte(sizes):
+    """The bench probe's read (stream_read) reads each tensor's every byte, the tail past its 512-byte steps
+    too: its xor is the xor of the bytes as numpy takes it, and one byte changed anywhere changes it."""
+    import numpy as np
+
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+
+    def xor64(ts) -> int:
+        total = 0
+        for t in ts:
+            b = t.numpy().tobytes()
+            words = np.frombuffer(b[:len(b) // 8 * 8], dtype=np.uint64)
+            total ^= int(np.bitwise_xor.reduce(words)) if len(words) else 0
+            for byte in b[len(b) // 8 * 8:]:
+                total ^= byte
+        return total - (1 << 64) if total >= 1 << 63 else total  # as an int64
+
+    before = ops.stream_read(tensors)
+    assert before == xor64(tensors)
+    big = max(tensors, key=lambda t: t.numel())
+    big[big.numel() - 1] ^= 1  # the last byte: the tail, or a thread's share's end
+    assert ops.stream_read(tensors) == xor64(tensors) != before
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.stream_read([torch.zeros(64, 64, dtype=torch.uint8)[:, ::2]])
