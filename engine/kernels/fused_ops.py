@@ -22,7 +22,8 @@ from types import ModuleType
 from .build import optional_kernel
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
-INCLUDES = (Path(__file__).with_name("exp_approx.h"), Path(__file__).with_name("stream_prefetch.h"))  # what fused_ops.cpp #includes
+# what fused_ops.cpp #includes
+INCLUDES = (Path(__file__).with_name("exp_approx.h"), Path(__file__).with_name("stream_prefetch.h"))
 NAME = "layerstream_fused_ops"
 # No FMA contraction: a*b + c must round twice, as torch's separate mul and add do. No trapping math
 # and no errno from math functions: neither changes a result, and without them GCC will not vectorize

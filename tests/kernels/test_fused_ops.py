@@ -180,7 +180,8 @@ def test_model_functions_use_the_fused_ops_and_the_torch_code_alike(monkeypatch)
 @pytest.mark.parametrize("sizes", [(1 << 20,), (1_000_003, 7, 512, 0), (513, 1023)])
 def test_stream_read_reads_every_byte(sizes):
     """The bench probe's read (stream_read) reads each tensor's every byte, the tail past its 512-byte steps
-    too: its xor is the xor of the bytes as numpy takes it, and one byte changed anywhere changes it."""
+    too: its xor is the xor of the bytes as numpy takes it, and a change in the largest tensor's last byte
+    changes it."""
     import numpy as np
 
     tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
