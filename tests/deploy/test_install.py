@@ -237,8 +237,11 @@ def test_ctrl_c_while_kernels_build_leaves_no_compiler(tmp_path, program):
     else:
         script = tmp_path / "load.py"
         script.write_text("import sys\nfrom engine import LLM\nLLM(sys.argv[1], device='cpu', max_model_len=256)\n")
+        # SIGINT's default disposition in the child: a suite started as a background job of a script (`pytest &`)
+        # ignores SIGINT, a child inherits that, and its Python then installs no KeyboardInterrupt handler
         proc = subprocess.Popen([sys.executable, str(script), "demo"], cwd=ROOT, stdout=log.open("w"),
-                                stderr=subprocess.STDOUT, env={**os.environ, "LAYERSTREAM_CACHE": str(cache)})
+                                stderr=subprocess.STDOUT, env={**os.environ, "LAYERSTREAM_CACHE": str(cache)},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not _processes_in(cache):  # the compilers are running
