@@ -17,6 +17,9 @@ Only layerstream/bench (and tests) import this module; the engine uses engine/we
   file_mappings() -> {path: (resident bytes, of which in huge pages)}, map_file(fd) -> mmap, ChunkedFileWriter
       How the checkpoint files this process maps are paged (bench/decode_profile.py prints it), the mapping
       the readers make and the prepacked entry's writer (bench/pages.py times them against plain ones).
+  tensor_parts(w) -> {name: tensor}
+      The tensors holding a weight's bytes (itself, or a packed weight's parts): what a plain read of the
+      weights reads (bench/decode_profile.py).
 """
 
 from .formats.open import open_checkpoint
@@ -28,7 +31,8 @@ from .transports.cuda import HOST_MARGIN as PINNED_HOST_MARGIN
 from .transports.cuda_runtime import host_register_works
 from .transports.disk_bandwidth import DiskBandwidth
 from .transports.disk_bandwidth import disk_bandwidth as measure_disk_bandwidth
+from .transports.resident_copy import tensor_parts
 
 __all__ = ["ChunkedFileWriter", "DiskBandwidth", "PINNED_HOST_MARGIN", "StepEstimate",
            "efficiency", "expected_step", "file_mappings", "host_register_works", "host_to_device_gbps", "map_file",
-           "measure_disk_bandwidth", "open_checkpoint", "quantize_int4"]
+           "measure_disk_bandwidth", "open_checkpoint", "quantize_int4", "tensor_parts"]

@@ -46,7 +46,7 @@ def run(ns: argparse.Namespace) -> int:
     from engine import model as M
     from engine import ops
     from engine.kernels.fused_ops import fused_ops
-    from engine.weights.probes import file_mappings
+    from engine.weights.probes import file_mappings, tensor_parts
 
     if not Path(ns.model).exists():
         sys.exit(f"{ns.model} not found (bench-packed makes it)")
@@ -110,7 +110,7 @@ def run(ns: argparse.Namespace) -> int:
 
         # The same weights' bytes read in the same order with nothing computed, the way the kernels stream
         # them (fused_ops' stream_read): what the matmuls could at best reach on this machine at this moment.
-        weight_tensors = [t for w, _ in products for t in _tensors(w)]
+        weight_tensors = [t.contiguous() for w, _ in products for t in tensor_parts(w).values()]
 
         def read_once():
             fused_ops().stream_read(weight_tensors)
@@ -179,15 +179,6 @@ def run(ns: argparse.Namespace) -> int:
               f"into huge pages); the process's anonymous memory {anon[0] / 2**20:.0f} MiB, "
               f"{anon[1] / max(anon[0], 1):.0%} of it in huge pages")
     return 0
-
-
-def _tensors(w) -> list:
-    """The tensors holding a weight's bytes: itself, or a packed weight's parts."""
-    import torch
-
-    if isinstance(w, torch.Tensor):
-        return [w.contiguous()]
-    return [t for t in (getattr(w, a, None) for a in ("codes", "scales", "data")) if isinstance(t, torch.Tensor)]
 
 
 def _anonymous_memory() -> tuple[int, int]:

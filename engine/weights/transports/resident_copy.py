@@ -117,17 +117,21 @@ def copies(mode: str, transport) -> bool:
     return mode == "copy" or (mode == "auto" and transport.views_read_faster_copied())
 
 
+def tensor_parts(w) -> dict[str, torch.Tensor]:
+    """The tensors holding a weight's bytes: {"": w} for a tensor, else a packed weight's parts by name (codes,
+    scales; a GGUF weight's data)."""
+    if isinstance(w, torch.Tensor):
+        return {"": w}
+    return {a: getattr(w, a) for a in PART_NAMES if isinstance(getattr(w, a, None), torch.Tensor)}
+
+
 def owned(weights: dict[str, object]) -> tuple[dict[str, object], torch.Tensor]:
     """A block's weights with every tensor, and every packed weight's parts (codes, scales; a GGUF weight's data),
     copied into one copied_tensors allocation: the same values in memory of the block's own; and that
     allocation."""
     parts: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        if isinstance(w, torch.Tensor):
-            parts[name] = w
-        else:
-            parts.update({f"{name}.{a}": getattr(w, a) for a in PART_NAMES
-                          if isinstance(getattr(w, a, None), torch.Tensor)})
+        parts.update({f"{name}.{a}" if a else name: t for a, t in tensor_parts(w).items()})
     own, raw = copied_tensors(parts)
     out: dict[str, object] = {}
     for name, w in weights.items():
