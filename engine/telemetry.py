@@ -75,8 +75,8 @@ class EngineTelemetry:
     blocks_converted: int
     structured_output: MaskStats  # token-mask work of structured output since start
     pinned_cache: bool = False  # CUDA: every streamed block pinned once in host memory (else staging)
-    # CPU: resident blocks copied out of their mapping at load (--resident-weights), and of them those collapsed
-    # into huge pages so far (a background thread does it after the load)
+    # CPU: resident blocks, and the head, copied out of their mapping at load (--resident-weights), and of them
+    # those collapsed into huge pages so far (a background thread does it after the load)
     resident_copies: int = 0
     resident_copies_in_huge_pages: int = 0
     speculative: SpecTelemetry | None = None  # speculative decoding's counters; None when it is off

@@ -308,7 +308,7 @@ class WeightsTelemetry:
     buffer_sets: int  # host conversion buffer sets allocated (stays <= prefetch depth + 1)
     blocks_converted: int  # streamed blocks converted to the compute dtype on the host
     pinned_cache: bool  # CUDA: streamed blocks pinned once in host memory instead of staged per step
-    resident_copies: int = 0  # resident blocks copied out of their mapping (--resident-weights)
+    resident_copies: int = 0  # resident blocks, and the head, copied out of their mapping (--resident-weights)
     resident_copies_in_huge_pages: int = 0  # of them, collapsed into huge pages so far
 
 
@@ -370,7 +370,13 @@ class ModelWeights:
         prepacked = entry
         try:
             # The prepacked entry's head is read every step, as its resident blocks are (the same choice).
-            copy_head = copied if resident_weights in ("auto", "copy") else None
+            head_copies: list[torch.Tensor] = []  # the head's copy, collapsed into huge pages with the blocks'
+
+            def copied_head(raw: torch.Tensor) -> torch.Tensor:
+                head_copies.append(copied(raw))
+                return head_copies[-1]
+
+            copy_head = copied_head if resident_weights in ("auto", "copy") else None
             if entry is not None:
                 head = entry.head(copy_head)
             elif quantization:
@@ -412,7 +418,8 @@ class ModelWeights:
             # which the plan does not budget: CPU only for now.
             self._streamer = BlockStreamer(self._transport, device_plan.resident_blocks, device_plan.streamed_blocks,
                                            plan.prefetch_depth, on_progress=on_progress,
-                                           fuse=device.type == "cpu", resident_weights=resident_weights)
+                                           fuse=device.type == "cpu", resident_weights=resident_weights,
+                                           other_copies=head_copies)
         except BaseException:
             self.close()  # the prefetch thread, reader threads, pinned memory
             raise

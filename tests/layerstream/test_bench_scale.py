@@ -64,7 +64,7 @@ def test_a_tiny_run_prints_its_table(tmp_path):
 
 
 def test_a_gguf_run_idles_until_its_resident_copies_are_collapsed_then_serves_again():
-    """The resident copies of a GGUF file's blocks go into huge pages while the run idles after its 1st request;
+    """The resident copies of a GGUF file's blocks and head go into huge pages while the run idles after its 1st request;
     the 2nd request decodes from them, and to the same tokens."""
     from engine.demo import demo_gguf_path
 
@@ -80,6 +80,6 @@ def test_a_gguf_run_idles_until_its_resident_copies_are_collapsed_then_serves_ag
     line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith(f"{path.name} layerstream: ok"))
     assert "before the 2nd request" in line and "other tokens" not in line, line
     done, copies = (int(n) for n in line.split("s before the 2nd request, ")[1].split(" resident copies")[0].split(" of "))
-    assert copies == 30, line  # SmolLM2's 30 blocks, all resident, all copied (the prepacked form)
+    assert copies == 31, line  # SmolLM2's 30 blocks, all resident, and its head, all copied (the prepacked form)
     if no_collapse() is None:
         assert done == copies, line

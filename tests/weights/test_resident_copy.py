@@ -145,8 +145,8 @@ def test_collapse_waits_while_the_weights_are_in_use():
 
 def test_no_collapse_while_a_step_holds_a_block():
     """A block whose compute outlasts the idle time (a long prefill chunk) keeps the collapse waiting: it works
-    only once the block is released. The demo GGUF's blocks are copied (prepacked) and each holds a whole 2 MiB
-    page, so each is collapsed."""
+    only once the block is released. The demo GGUF's 30 blocks and its head are copied (prepacked) and each holds a
+    whole 2 MiB page, so each is collapsed, the head too."""
     import time
 
     from engine import LLM
@@ -169,7 +169,11 @@ def test_no_collapse_while_a_step_holds_a_block():
         weights.release(0)
         assert weights.wait_resident_copies(120)
         done = llm.telemetry()
+        head = weights.globals.head
+        head_bytes = anon_huge_bytes(next(t for t in (getattr(head, a, None) for a in ("codes", "data", "scales"))
+                                          if isinstance(t, torch.Tensor)).data_ptr())
     finally:
         llm.close()
-    assert held.resident_copies == 30 and held.resident_copies_in_huge_pages == 0
-    assert done.resident_copies_in_huge_pages == 30
+    assert held.resident_copies == 31 and held.resident_copies_in_huge_pages == 0
+    assert done.resident_copies_in_huge_pages == 31
+    assert head_bytes >= HUGE_PAGE  # the head's copy, collapsed with the blocks'

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -86,9 +87,11 @@ class _Failure:
 
 class BlockStreamer:
     def __init__(self, transport: Transport, resident: list[int], streamed: list[int], depth: int = 1,
-                 on_progress=None, fuse: bool = False, resident_weights: str = "map"):
+                 on_progress=None, fuse: bool = False, resident_weights: str = "map",
+                 other_copies: Sequence[torch.Tensor] = ()):
         """resident_weights: auto | copy | map, whether resident views are copied into huge pages of their own
-        (resident_copy.py; map on a device other than the CPU)."""
+        (resident_copy.py; map on a device other than the CPU); other_copies: copies made for the same reason
+        elsewhere (the head's), collapsed with the blocks'."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.transport = transport
@@ -97,7 +100,7 @@ class BlockStreamer:
         self.order = list(streamed)  # the cycle the prefetcher follows (set_order: training's forward and back)
         self.stats = StreamStats()
         self._resident: dict[int, dict[str, torch.Tensor]] = {}
-        copy_views, copies_made = copies(resident_weights, transport), []
+        copy_views, copies_made = copies(resident_weights, transport), list(other_copies)
         for i in resident:
             w = transport.resident(i)
             own = copy_views and transport.resident_is_view(i)
@@ -121,7 +124,8 @@ class BlockStreamer:
         # takes (a prefill chunk of a large model can spend seconds in one block).
         self._held = 0
         self._last_use = time.monotonic()
-        # The copies collapsed into huge pages in idle time (resident_copy.py): None where none was made.
+        # The copies collapsed into huge pages in idle time (resident_copy.py): None where none was made. The head's
+        # too: read every step like a resident block, and left to khugepaged it stayed in 4 KiB pages for minutes.
         self.huge_pages = HugePageCollapse(copies_made, self._in_use_at) if copies_made else None
         self.resident_copies = len(copies_made)
         self._in_use: dict[int, Ticket] = {}
