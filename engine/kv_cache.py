@@ -3,10 +3,9 @@ host-memory tier that holds blocks evicted from the device pool, and an optional
 (engine.kv_disk) that keeps full prefix blocks across restarts.
 
 Which block holds which tokens is the block manager's business (engine.block_manager); this module
-only owns the tensors and performs the copies the block manager queued. Allocated as zeros whose
-untouched pages are never faulted in on the CPU, and the block manager reuses the most recently
-freed blocks first, so resident memory follows the tokens actually cached (to the 2 MiB page, once
-engine/kv_pages.py has collapsed the written pages into huge pages in idle time).
+only owns the tensors and performs the copies the block manager queued. Allocated with torch.zeros:
+on the CPU untouched pages are never faulted in, and the block manager reuses the most recently
+freed blocks first, so resident memory follows the tokens actually cached.
 
 With a quantized format (engine.kv_quant: --kv-cache-dtype int8 | int4) each layer's K and V are a
 QuantizedKV (codes and scales) instead of a tensor in the compute dtype; the host and disk tiers hold
@@ -15,13 +14,9 @@ the same quantized bytes, copied block by block as they lie.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from .block_manager import BlockCopy
-from .huge_pages import anonymous_bytes
-from .kv_pages import KVPageCollapse
 from .kv_quant import KVQuant, QuantizedKV, kv_bytes_per_token
 
 
@@ -61,29 +56,12 @@ class KVCache:
         self.disk = disk
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
-        self.pages: KVPageCollapse | None = None  # collapse_in_idle_time's thread
 
     def _pool(self, blocks: int, block_size: int, nkv: int, hd: int, device, pin: bool = False):
         if self.quant is not None:
             return QuantizedKV(self.quant, blocks, block_size, nkv, device, pin)
-        shape = (blocks, block_size, nkv, hd)
-        if torch.device(device).type == "cpu" and not pin:
-            # Zeros whose untouched pages cost nothing, as torch.zeros's, starting on a 2 MiB boundary: written
-            # pages are collapsed into huge pages in idle time (collapse_in_idle_time).
-            return anonymous_bytes(blocks * block_size * nkv * hd * self.dtype.itemsize).view(self.dtype).view(shape)
-        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
-
-    def collapse_in_idle_time(self, last_use: Callable[[], float]) -> None:
-        """Collapse the CPU pools' written pages into huge pages while no step runs (engine/kv_pages.py): last_use()
-        is time.monotonic() of the last step, now while one runs. close() stops it."""
-        pools = [pool for pool in (*self.k, *self.v) if isinstance(pool, torch.Tensor) and pool.device.type == "cpu"]
-        self.pages = KVPageCollapse(pools, last_use)
-
-    def close(self) -> None:
-        """Stop the page collapse, if any (idempotent)."""
-        if self.pages is not None:
-            self.pages.close()
-            self.pages = None
+        # (blocks, block_size, kv_heads, head_dim)
+        return torch.zeros((blocks, block_size, nkv, hd), dtype=self.dtype, device=device, pin_memory=pin)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -521,7 +521,6 @@ class LLMEngine:
             pinned_cache=weights.pinned_cache,
             resident_copies=weights.resident_copies,
             resident_copies_in_huge_pages=weights.resident_copies_in_huge_pages,
-            kv_pages_in_huge_pages=self.model.runner.kv.pages.collapsed if self.model.runner.kv.pages else 0,
             speculative=self.speculative.counters.snapshot() if self.speculative is not None else None,
             kernels=self.model.kernels,
             lora_adapters=self.adapters.served(),

@@ -427,7 +427,6 @@ class LoadedModel:
     def close(self) -> None:
         """Stop streaming and give back threads, buffers, pinned memory, file descriptors, mappings; finish
         the KV disk tier's writes."""
-        self.runner.kv.close()
         self.weights.close()
         self.checkpoint.close()
         if self.runner.kv.disk is not None:
@@ -445,7 +444,7 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         checkpoint.close()
         raise UnsupportedModelError(f"{path}: quantization ({args.quantization}) is not supported for "
                                     f"mixture-of-experts models ({cfg.architecture}) yet")
-    plan = weights = disk = kv = None
+    plan = weights = disk = None
     try:
         dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         quant = kv_quant_for(args, cfg)
@@ -488,8 +487,6 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
         kv = KVCache(cfg.num_layers, plan.kv_group_blocks, plan.kv_block_size, kv_heads, k_width,
                      dtype, device, num_host_blocks=plan.kv_group_host_blocks, layer_groups=layout.layer_groups(),
                      quant=quant, v_head_dim=v_width)
-        if torch.device(device).type == "cpu":
-            kv.collapse_in_idle_time(weights.last_use)
         disk = None
         if len(layout.groups) == 1 and layout.groups[0].window is None:
             kv.disk = disk = open_kv_disk(args, path, cfg, dtype, quant, kv.bytes_per_block)
@@ -510,8 +507,6 @@ def load_model(args: EngineArgs, path: str | os.PathLike, draft: DraftReservatio
                      "; ".join(f"an off-device {k} streams from {v} tokens" for k, v in thresholds.items()))
     except BaseException as e:
         # Whatever was built stops here: the prefetch thread, reader threads, pinned host memory.
-        if kv is not None:
-            kv.close()
         if weights is not None:
             weights.close()
         if disk is not None:

@@ -79,8 +79,6 @@ class EngineTelemetry:
     # those collapsed into huge pages so far (a background thread does it after the load)
     resident_copies: int = 0
     resident_copies_in_huge_pages: int = 0
-    # CPU: 2 MiB pages of the KV pools collapsed into huge pages so far (written pages, in idle time: kv_pages.py)
-    kv_pages_in_huge_pages: int = 0
     speculative: SpecTelemetry | None = None  # speculative decoding's counters; None when it is off
     kernels: KernelChoices | None = None  # which kernel each operation runs on (engine.ops), chosen at load
     lora_adapters: tuple[ServedAdapter, ...] = ()  # the LoRA adapters served, in the order they were loaded

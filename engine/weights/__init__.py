@@ -56,9 +56,6 @@ tests/test_import_rules.py enforces both):
       pinned staging sized once for the step's most tokens, a copy stream and events.
   weights.wait_resident_copies(timeout) -> bool
       Wait for the background collapse of resident copies into huge pages (benchmarks timing steady state).
-  weights.last_use() -> float
-      time.monotonic() when a step last held a block (now while one does): what idle-time work waits on
-      (the collapse of the resident copies, and of the KV pools' pages: engine/kv_pages.py).
   weights.stream_stats -> StreamStats; weights.telemetry() -> WeightsTelemetry; weights.links -> LinkSpeeds
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:

@@ -520,11 +520,6 @@ class ModelWeights:
                                 pool.sets_made if pool else 0, pool.takes if pool else 0, t.pinned_cache,
                                 copies, collapse.collapsed if collapse is not None else 0)
 
-    def last_use(self) -> float:
-        """time.monotonic() when a step last held a block, now while one does: what work kept for idle time (the
-        collapse of resident copies and of KV pages into huge pages) waits on."""
-        return self._streamer.in_use_at()
-
     def wait_resident_copies(self, timeout: float | None = None) -> bool:
         """Wait up to `timeout` seconds for the background collapse of the resident copies into huge pages
         (--resident-weights; benchmarks that time steady state). True when it is done or there is none."""

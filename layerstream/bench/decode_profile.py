@@ -45,7 +45,6 @@ def run(ns: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine import model as M
     from engine import ops
-    from engine.huge_pages import anonymous_bytes, collapse, huge_range
     from engine.kernels.fused_ops import fused_ops
     from engine.weights.probes import file_mappings, tensor_parts
 
@@ -54,8 +53,7 @@ def run(ns: argparse.Namespace) -> int:
     torch.set_num_threads(ns.threads)
     clock = time.thread_time if ns.threads == 1 else time.perf_counter
     position = ns.position
-    # a KV pool of at least one whole 2 MiB page a layer at 3B's widths (4 KiB a token): the engine's collapse
-    llm = LLM(ns.model, max_model_len=max(1024, position + 64), max_num_seqs=1)
+    llm = LLM(ns.model, max_model_len=max(512, position + 64), max_num_seqs=1)
     try:
         engine, runner = llm.engine, llm.engine.model.runner
         cfg, weights = runner.cfg, runner.weights
@@ -123,36 +121,10 @@ def run(ns: argparse.Namespace) -> int:
         plain = isinstance(k0, torch.Tensor) and tuple(k0.shape[2:]) == (cfg.num_kv_heads, cfg.head_dim)
         attention_tables = ops.token_by_token(step, q1, kv1, kv1, k0) if plain else None
 
-        def attention_once(caches=None):  # the fused decode attention of every layer, as block_forward calls it
+        def attention_once():  # the fused decode attention of every layer, as block_forward calls it
             for i in range(cfg.num_layers):
-                k_cache, v_cache = runner.kv.layer(i) if caches is None else caches[i]
+                k_cache, v_cache = runner.kv.layer(i)
                 ops.decode_attention(q1, kv1, kv1, k_cache, v_cache, step, attention_tables)
-
-        # The engine collapses the KV pool's written pages into huge pages once it idles after a step
-        # (engine/kv_pages.py): wait for that. Then the same keys and values twice more, each copied into fresh
-        # memory, one copy left in 4 KiB pages and one collapsed into huge pages: what the page size alone is worth
-        # (where pages come from matters too on a VM: docs/benchmarks/pages.md).
-        kv_pages = runner.kv.pages
-        fresh: dict[str, list] = {}
-        if plain and kv_pages is not None:
-            whole_step()
-            seen, start = -1, time.perf_counter()
-            settled = start
-            while time.perf_counter() - settled < 2.0 and time.perf_counter() - start < 60:  # no change for 2 s
-                if kv_pages.collapsed != seen:
-                    seen, settled = kv_pages.collapsed, time.perf_counter()
-                time.sleep(0.1)
-            for kind in ("small", "huge"):
-                fresh[kind] = []
-                for i in range(cfg.num_layers):
-                    pair = []
-                    for cache in runner.kv.layer(i):
-                        raw = anonymous_bytes(cache.nbytes)
-                        raw.view(cache.dtype).view(cache.shape).copy_(cache)
-                        if kind == "huge":
-                            collapse(*huge_range(raw))
-                        pair.append(raw.view(cache.dtype).view(cache.shape))
-                    fresh[kind].append(tuple(pair))
 
         def head_once():
             with ops.single_row_products(x0):
@@ -164,16 +136,11 @@ def run(ns: argparse.Namespace) -> int:
                  "whole step, op by op, SDPA attention": (lambda: None, lambda *a: None)}
         parts = {"blocks (default path)": blocks_once, "  of which their matmuls alone": matmuls_once,
                  "  a plain read of their weights": read_once,
-                 "  of which their decode attention alone": attention_once,
-                 "  the same from fresh KV copies, 4 KiB pages": lambda: attention_once(fresh["small"]),
-                 "  the same from fresh KV copies, huge pages": lambda: attention_once(fresh["huge"]),
-                 "LM head": head_once}
+                 "  of which their decode attention alone": attention_once, "LM head": head_once}
         if fused_ops() is None:
             del parts["  a plain read of their weights"]
         if attention_tables is None:  # not the fused kernel's step (fp32, quantized or latent KV)
             del parts["  of which their decode attention alone"]
-        if attention_tables is None or not fresh:
-            del parts["  the same from fresh KV copies, 4 KiB pages"], parts["  the same from fresh KV copies, huge pages"]
         read = {"  of which their matmuls alone": sum(w.nbytes for w, _ in products),
                 "  a plain read of their weights": sum(t.nbytes for t in weight_tensors),
                 "LM head": runner.globals.head.nbytes}  # weight bytes each part reads (tensors and packed weights alike)
@@ -192,7 +159,6 @@ def run(ns: argparse.Namespace) -> int:
                 for _ in range(ns.calls):
                     fn()
                 times[name].append((clock() - t) / ns.calls)
-        kv_collapsed = kv_pages.collapsed if kv_pages is not None else None
         mapped = {p: v for p, v in file_mappings().items() if v[0] >= 64 << 20}  # the weights' files
         copies = engine.telemetry()
         anon = _anonymous_memory()
@@ -203,13 +169,11 @@ def run(ns: argparse.Namespace) -> int:
           f"{'thread CPU' if ns.threads == 1 else 'wall'} time, medians of "
           f"{ns.rounds}; load average {load}")
     for name, xs in times.items():
-        speed = (f"  {kv_bytes / _median(xs) / 1e9:.1f} GB/s of KV read" if "attention alone" in name or "KV copies" in name else
+        speed = (f"  {kv_bytes / _median(xs) / 1e9:.1f} GB/s of KV read" if name.endswith("attention alone") else
                  f"  {read[name] / _median(xs) / 1e9:.1f} GB/s of weights" if name in read else "")
         print(f"{name:<40} {_median(xs) * 1e3:8.2f} ms{speed}")
     for path, (rss, huge) in mapped.items():  # 4 KiB pages stream slower (engine/weights/formats/views.py)
         print(f"mapped {Path(path).name}: {rss / 2**20:.0f} MiB, {huge / max(rss, 1):.0%} of it in huge pages")
-    if kv_collapsed is not None:
-        print(f"KV pool: {kv_collapsed} of its 2 MiB pages collapsed into huge pages (those written)")
     if copies.resident_copies:
         print(f"resident copies: {copies.resident_copies}, blocks and head ({copies.resident_copies_in_huge_pages} collapsed "
               f"into huge pages); the process's anonymous memory {anon[0] / 2**20:.0f} MiB, "

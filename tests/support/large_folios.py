@@ -48,8 +48,7 @@ def no_collapse() -> str | None:
         return why
     import torch
 
-    from engine.huge_pages import HUGE_PAGE
-    from engine.weights.transports.resident_copy import HugePageCollapse, copied_tensors
+    from engine.weights.transports.resident_copy import HUGE_PAGE, HugePageCollapse, copied_tensors
 
     _, raw = copied_tensors({"w": torch.ones(2 * HUGE_PAGE, dtype=torch.uint8)})
     collapse = HugePageCollapse([raw])

@@ -9,8 +9,8 @@ import torch
 
 from engine import EngineArgs
 from engine.weights.packed.weights import GGUFWeight, Int4Weight, KQuantWeight
-from engine.huge_pages import HUGE_PAGE, anonymous_bytes
-from engine.weights.transports.resident_copy import HugePageCollapse, copied, copied_tensors, owned
+from engine.weights.transports.resident_copy import (HUGE_PAGE, HugePageCollapse, anonymous_bytes, copied,
+                                                     copied_tensors, owned)
 from tests.support.large_folios import no_huge_pages
 from tests.support.memory_maps import anon_huge_bytes, mapped_ranges
 

@@ -21,7 +21,10 @@ which the parallel kernels then wait for. The measurements: docs/benchmarks/page
 from __future__ import annotations
 
 import copy
+import ctypes
+import functools
 import logging
+import mmap
 import os
 import threading
 import time
@@ -29,10 +32,12 @@ from typing import Callable
 
 import torch
 
-from ...huge_pages import IDLE_S, anonymous_bytes, collapse, huge_range, nicer_thread, offer_huge_pages
-
 log = logging.getLogger("layerstream")
 
+HUGE_PAGE = 2 << 20
+IDLE_S = 0.5  # how long no step has run before the collapse thread works
+MADV_COLLAPSE = 25  # Linux 6.1 (Python's mmap module does not name it)
+COLLAPSE_NICE = 10  # the collapse thread's niceness above the process's: compute keeps the cores under load
 MODES = ("auto", "copy", "map")
 PART_NAMES = ("codes", "scales", "data")  # a packed weight's tensors (packed/weights.py)
 
@@ -40,6 +45,45 @@ PART_NAMES = ("codes", "scales", "data")  # a packed weight's tensors (packed/we
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"resident_weights must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def anonymous_bytes(nbytes: int) -> torch.Tensor:
+    """(nbytes,) uint8 of fresh anonymous memory of its own (freed when the last tensor viewing it goes), starting
+    on a 2 MiB boundary so that its whole 2 MiB pages can become huge pages. Untouched pages cost nothing."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive (nbytes + HUGE_PAGE,)
+    start = (-whole.data_ptr()) % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+def _huge_range(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) addresses of the whole 2 MiB pages inside `t`'s bytes (empty where there is none): the tail
+    stays in small pages, so memory held stays the bytes rounded to 4 KiB, the figure the plan counts."""
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+    return start, max(start, end)
+
+
+def _madvise(t: torch.Tensor, advice: int | None) -> int:
+    """madvise `advice` over _huge_range(t): 0, or the errno (-1 where there is nothing to advise or no such
+    advice here). ctypes releases the GIL for the call."""
+    start, end = _huge_range(t)
+    if advice is None or end == start:
+        return -1
+    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def offer_huge_pages(t: torch.Tensor) -> None:
+    """Let khugepaged collapse the whole 2 MiB pages of `t`'s bytes into huge pages (MADV_HUGEPAGE), in the
+    background; nothing where the kernel has no transparent huge pages."""
+    _madvise(t, getattr(mmap, "MADV_HUGEPAGE", None))  # best effort
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def copied(raw: torch.Tensor) -> torch.Tensor:
@@ -103,7 +147,7 @@ def owned(weights: dict[str, object]) -> tuple[dict[str, object], torch.Tensor]:
 
 class HugePageCollapse:
     """A daemon thread that collapses `tensors`' memory (copies made here) into huge pages one at a time
-    (MADV_COLLAPSE), nicer than the process (huge_pages.nicer_thread), each once IDLE_S has passed since last_use() (a
+    (MADV_COLLAPSE), COLLAPSE_NICE nicer than the process, each once IDLE_S has passed since last_use() (a
     time.monotonic() reading: when the weights were last in use, which is now while a step holds a block). Stops
     at the first refusal (a kernel without MADV_COLLAPSE: EINVAL; no huge page to be had: EAGAIN, ENOMEM),
     leaving the rest to khugepaged.
@@ -119,13 +163,17 @@ class HugePageCollapse:
         self._thread.start()
 
     def _run(self) -> None:
-        nicer_thread()
+        try:
+            me = threading.get_native_id()  # this thread only (Linux)
+            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + COLLAPSE_NICE))
+        except (AttributeError, OSError):
+            pass
         while self._tensors and not self._stop.is_set():
             busy = self._last_use() + IDLE_S - time.monotonic()
             if busy > 0:
                 self._stop.wait(busy)
                 continue
-            err = collapse(*huge_range(self._tensors.pop(0)))
+            err = _madvise(self._tensors.pop(0), MADV_COLLAPSE)
             if err > 0:
                 self.refused = err
                 log.debug("resident copies left to khugepaged: MADV_COLLAPSE refused (%s)", os.strerror(err))

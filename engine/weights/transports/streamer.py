@@ -126,7 +126,7 @@ class BlockStreamer:
         self._last_use = time.monotonic()
         # The copies collapsed into huge pages in idle time (resident_copy.py): None where none was made. The head's
         # too: read every step like a resident block, and left to khugepaged it stayed in 4 KiB pages for minutes.
-        self.huge_pages = HugePageCollapse(copies_made, self.in_use_at) if copies_made else None
+        self.huge_pages = HugePageCollapse(copies_made, self._in_use_at) if copies_made else None
         self.resident_copies = len(copies_made)
         self._in_use: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
@@ -164,12 +164,12 @@ class BlockStreamer:
             i += 1
 
     # -- compute thread ----------------------------------------------------------------------
-    def in_use_at(self) -> float:
-        """When the weights were last in use: now while a block is held (read by the collapse threads)."""
+    def _in_use_at(self) -> float:
+        """When the weights were last in use: now while a block is held (read by the collapse thread)."""
         return time.monotonic() if self._held else self._last_use
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
-        self._held += 1  # in use from now on: in_use_at() needs no time stamp while a block is held
+        self._held += 1  # in use from now on: _in_use_at() needs no time stamp while a block is held
         w = self._resident.get(block)
         if w is not None:
             return w
