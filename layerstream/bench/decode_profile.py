@@ -175,8 +175,8 @@ def run(ns: argparse.Namespace) -> int:
     for path, (rss, huge) in mapped.items():  # 4 KiB pages stream slower (engine/weights/formats/views.py)
         print(f"mapped {Path(path).name}: {rss / 2**20:.0f} MiB, {huge / max(rss, 1):.0%} of it in huge pages")
     if copies.resident_copies:
-        print(f"resident copies: {copies.resident_copies}, blocks and head ({copies.resident_copies_in_huge_pages} collapsed "
-              f"into huge pages); the process's anonymous memory {anon[0] / 2**20:.0f} MiB, "
+        print(f"resident copies: {copies.resident_copies}, blocks and head ({copies.resident_copies_in_huge_pages} "
+              f"collapsed into huge pages); the process's anonymous memory {anon[0] / 2**20:.0f} MiB, "
               f"{anon[1] / max(anon[0], 1):.0%} of it in huge pages")
     return 0
 

@@ -64,8 +64,8 @@ def test_a_tiny_run_prints_its_table(tmp_path):
 
 
 def test_a_gguf_run_idles_until_its_resident_copies_are_collapsed_then_serves_again():
-    """The resident copies of a GGUF file's blocks and head go into huge pages while the run idles after its 1st request;
-    the 2nd request decodes from them, and to the same tokens."""
+    """The resident copies of a GGUF file's blocks and head go into huge pages while the run idles after its 1st
+    request; the 2nd request decodes from them, and to the same tokens."""
     from engine.demo import demo_gguf_path
 
     from tests.support.large_folios import no_collapse

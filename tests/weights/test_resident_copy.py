@@ -10,7 +10,7 @@ import torch
 from engine import EngineArgs
 from engine.weights.packed.weights import GGUFWeight, Int4Weight, KQuantWeight
 from engine.weights.transports.resident_copy import (HUGE_PAGE, HugePageCollapse, anonymous_bytes, copied,
-                                                     copied_tensors, owned)
+                                                     copied_tensors, owned, tensor_parts)
 from tests.support.large_folios import no_huge_pages
 from tests.support.memory_maps import anon_huge_bytes, mapped_ranges
 
@@ -169,9 +169,7 @@ def test_no_collapse_while_a_step_holds_a_block():
         weights.release(0)
         assert weights.wait_resident_copies(120)
         done = llm.telemetry()
-        head = weights.globals.head
-        head_bytes = anon_huge_bytes(next(t for t in (getattr(head, a, None) for a in ("codes", "data", "scales"))
-                                          if isinstance(t, torch.Tensor)).data_ptr())
+        head_bytes = anon_huge_bytes(next(iter(tensor_parts(weights.globals.head).values())).data_ptr())
     finally:
         llm.close()
     assert held.resident_copies == 31 and held.resident_copies_in_huge_pages == 0
