@@ -263,29 +263,6 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
       prefetch_stream<CODE_BYTES / 64>(w);
       const uint8_t* s = sb + (g / 8) * SB_BYTES;
       const int64_t sg = (g % 8) * 32;
-      __m512i isum[MT][2], rsum[MT][2];
-      for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = rsum[m][0] = rsum[m][1] = _mm512_setzero_si512();
-      for (int v = 0; v < 4; ++v) {
-        const __m512i wv = _mm512_loadu_si512(w + v * 64);
-        __m512i wl = _mm512_and_si512(wv, low);
-        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-        if (BITS == 6) {
-          __m512i hv = _mm512_loadu_si512(w + 256 + (v / 2) * 64);
-          if (v % 2) hv = _mm512_srli_epi16(hv, 4);  // bits 4..7 of each byte down (the spill is masked)
-          wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
-          wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
-        }
-        const int h = v / 2;  // vectors 0, 1 hold the group's first 16 weights
-        for (int m = 0; m < MT; ++m) {
-          const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
-          isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wl, bcast4(X.q.data() + at));
-          isum[m][h] = _mm512_dpbusd_epi32(isum[m][h], wh, bcast4(X.q.data() + at + 4));
-          if (TWO_PASS) {
-            rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wl, bcast4(X.r.data() + at));
-            rsum[m][h] = _mm512_dpbusd_epi32(rsum[m][h], wh, bcast4(X.r.data() + at + 4));
-          }
-        }
-      }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 256)));
       auto u8 = [&](int64_t at) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
@@ -293,26 +270,50 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
       auto i8 = [&](int64_t at) {
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
       };
-      if (BITS == 4) {
-        const __m512 scale = _mm512_mul_ps(d, u8(sg));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
-        const __m512 mn = _mm512_mul_ps(dmin, u8(sg + 16));
-        for (int m = 0; m < MT; ++m) {
-          const int64_t i = (m0 + m) * G + g;
-          __m512i t = _mm512_add_epi32(isum[m][0], isum[m][1]);
-          if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), _mm512_add_epi32(rsum[m][0], rsum[m][1]));
-          acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[r][m]);
-          acc[r][m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[r][m]);
+      // Q4_K's sub-scales cover a group's 32 weights, Q6_K's 16: one integer sum per row and sub-scale at a
+      // time (two would not fit the registers with the tile's float sums: they would spill).
+      constexpr int H = BITS == 4 ? 1 : 2;
+      for (int h = 0; h < H; ++h) {
+        __m512i isum[MT], rsum[MT];
+        for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
+        for (int v = h * 4 / H; v < (h + 1) * 4 / H; ++v) {
+          const __m512i wv = _mm512_loadu_si512(w + v * 64);
+          __m512i wl = _mm512_and_si512(wv, low);
+          __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+          if (BITS == 6) {
+            __m512i hv = _mm512_loadu_si512(w + 256 + (v / 2) * 64);
+            if (v % 2) hv = _mm512_srli_epi16(hv, 4);  // bits 4..7 of each byte down (the spill is masked)
+            wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
+            wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
+          }
+          for (int m = 0; m < MT; ++m) {
+            const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
+            isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
+            isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
+            if (TWO_PASS) {
+              rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
+              rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
+            }
+          }
         }
-      } else {
-        const __m512 scale0 = _mm512_mul_ps(d, i8(sg)), scale1 = _mm512_mul_ps(d, i8(sg + 16));
-        for (int m = 0; m < MT; ++m) {
-          const int64_t i = (m0 + m) * G + g;
-          const __m512 dx = _mm512_set1_ps(X.dx[i]);
-          for (int h = 0; h < 2; ++h) {
-            __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m][h], 8), rsum[m][h]) : isum[m][h];
+        if (BITS == 4) {
+          const __m512 scale = _mm512_mul_ps(d, u8(sg));
+          const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
+          const __m512 mn = _mm512_mul_ps(dmin, u8(sg + 16));
+          for (int m = 0; m < MT; ++m) {
+            const int64_t i = (m0 + m) * G + g;
+            __m512i t = isum[m];
+            if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), rsum[m]);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[r][m]);
+            acc[r][m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[r][m]);
+          }
+        } else {
+          const __m512 scale = _mm512_mul_ps(d, i8(sg + 16 * h));
+          for (int m = 0; m < MT; ++m) {
+            const int64_t i = (m0 + m) * G + g;
+            __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]) : isum[m];
             t = _mm512_sub_epi32(t, _mm512_set1_epi32(32 * X.hsum[i * 2 + h]));
-            acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dx), h ? scale1 : scale0, acc[r][m]);
+            acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[r][m]);
           }
         }
       }
