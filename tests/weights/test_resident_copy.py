@@ -98,7 +98,7 @@ def test_an_unknown_mode_is_refused_before_loading():
 def test_a_plain_checkpoint_is_copied_only_when_asked(llama_dir):
     """A safetensors checkpoint in the compute dtype: auto leaves its resident blocks views of the mapping (measured
     to read no faster copied), copy copies them (stacked as copies are: wqkv, w_gate_up); the same prompt logits
-    bit for bit."""
+    up to the last bits of float32 sums."""
     from engine import LLM
     from tests.support.reference import PROMPT, prompt_logits
 
@@ -123,7 +123,10 @@ def test_a_plain_checkpoint_is_copied_only_when_asked(llama_dir):
             logits[mode] = prompt_logits(llm, PROMPT)
         finally:
             llm.close()
-    assert torch.equal(logits["auto"], logits["copy"])
+    # Stacked and apart, q/k/v (and gate/up) are different GEMM calls: on a CPU without AMX, torch's float32
+    # GEMM may split a product's reduction by its width, so the logits can differ in their last bits (about 2 ulps
+    # on an AMD EPYC; bit-equal on an AMX Xeon). What the copy must not change is anything more.
+    torch.testing.assert_close(logits["auto"], logits["copy"], rtol=1e-6, atol=1e-6)
     assert "wqkv" in fused["copy"] and "wq" in fused["auto"]
 
 
