@@ -130,6 +130,22 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// One 64-byte vector of 4-bit codes (wl: low nibbles, wh: high; 16 rows x 8 weights) times activation rows
+// [m0, m0 + MT) at column k: each row's integer sums of q (and, in two passes, of r) grow by 8 products.
+template <int MT, bool TWO_PASS>
+inline __attribute__((always_inline)) void dot_tile(__m512i* isum, __m512i* rsum, __m512i wl, __m512i wh,
+                                                    const QuantX& X, int64_t m0, int64_t k) {
+  for (int m = 0; m < MT; ++m) {
+    const int64_t at = (m0 + m) * X.K + k;
+    isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
+    isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
+    if (TWO_PASS) {
+      rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
+      rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
+    }
+  }
+}
+
 // Row block n0's outputs for activation rows [m0, m0 + MT): y[m, n0 .. min(n0 + 16, N)) = acc[m] (times the
 // block's 16 row scales where given, in one rounding with the bias) + bias.
 template <int MT, typename T>
@@ -152,7 +168,7 @@ inline void store_rows(const __m512* acc, const float* rowscale, const float* bi
 template <int MT, bool TWO_PASS, bool HAS_MIN, int NB = 1, typename T>
 void block_kernel(const uint8_t* codes, int64_t code_stride, const uint16_t* sm, int64_t sm_stride, const float* bias,
                   const QuantX& X, int64_t m0, int64_t n0, int64_t N, T* y) {
-  const int64_t G = X.G, K = X.K;
+  const int64_t G = X.G;
   const __m512i low = _mm512_set1_epi8(0x0F);
   constexpr int SG = HAS_MIN ? 32 : 16;  // float16 values per group of a row block
   __m512 acc[NB][MT];
@@ -168,15 +184,7 @@ void block_kernel(const uint8_t* codes, int64_t code_stride, const uint16_t* sm,
         const __m512i wv = _mm512_loadu_si512(w + v * 64);
         const __m512i wl = _mm512_and_si512(wv, low);
         const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-        for (int m = 0; m < MT; ++m) {
-          const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
-          if (TWO_PASS) {
-            rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
-            rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
-          }
-        }
+        dot_tile<MT, TWO_PASS>(isum, rsum, wl, wh, X, m0, g * GROUP + v * 8);
       }
       // Two passes: q . codes * 256 + r . codes, exact in int32 (|.| < 2^24, so exact in fp32 too).
       if (TWO_PASS)
@@ -251,7 +259,7 @@ template <int MT, bool TWO_PASS, int BITS, int NB = 1, typename T>
 void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sbs, int64_t sb_stride, const float* bias,
                     const QuantX& X, int64_t m0, int64_t n0, int64_t N, T* y) {
   constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 384, SB_BYTES = BITS == 4 ? 320 : 288;
-  const int64_t G = X.G, K = X.K;
+  const int64_t G = X.G;
   const __m512i low = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
   __m512 acc[NB][MT];
   for (int r = 0; r < NB; ++r)
@@ -286,15 +294,7 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
             wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
             wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
           }
-          for (int m = 0; m < MT; ++m) {
-            const int64_t at = (m0 + m) * K + g * GROUP + v * 8;
-            isum[m] = _mm512_dpbusd_epi32(isum[m], wl, bcast4(X.q.data() + at));
-            isum[m] = _mm512_dpbusd_epi32(isum[m], wh, bcast4(X.q.data() + at + 4));
-            if (TWO_PASS) {
-              rsum[m] = _mm512_dpbusd_epi32(rsum[m], wl, bcast4(X.r.data() + at));
-              rsum[m] = _mm512_dpbusd_epi32(rsum[m], wh, bcast4(X.r.data() + at + 4));
-            }
-          }
+          dot_tile<MT, TWO_PASS>(isum, rsum, wl, wh, X, m0, g * GROUP + v * 8);
         }
         if (BITS == 4) {
           const __m512 scale = _mm512_mul_ps(d, u8(sg));
