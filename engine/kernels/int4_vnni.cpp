@@ -278,8 +278,9 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
       auto i8 = [&](int64_t at) {
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
       };
-      // Q4_K's sub-scales cover a group's 32 weights, Q6_K's 16: one integer sum per row and sub-scale at a
-      // time (two would not fit the registers with the tile's float sums: they would spill).
+      // Q4_K's sub-scales cover a group's 32 weights, Q6_K's 16 (vectors 0-1 hold the first 16, 2-3 the last):
+      // one integer sum per row and sub-scale at a time (two would not fit the registers with the tile's float
+      // sums: they would spill).
       constexpr int H = BITS == 4 ? 1 : 2;
       for (int h = 0; h < H; ++h) {
         __m512i isum[MT], rsum[MT];
