@@ -39,7 +39,11 @@ namespace {
 
 constexpr int64_t GROUP = 32;
 constexpr int64_t LANES = 16;  // rows per block
-constexpr int64_t MTILE = 8;   // activation rows multiplied per pass over a row block
+// Activation rows multiplied per pass over a row block. Four, not eight: at eight rows, two passes' integer sums
+// (16 registers) beside eight float sums and the unpacked weights spill registers inside the group loop;
+// at four a prompt's products ran 1.05x (Q4_0, Q4_K) to 1.6x (Q6_K, int8) as fast on an AMD EPYC without AMX,
+// the same bits, and 8-16 rows (batched decode) as fast (docs/benchmarks/scale.md).
+constexpr int64_t MTILE = 4;
 constexpr int DECODE_BLOCKS = 2;  // row blocks a one-row product walks side by side (block_kernel's NB)
 using layerstream::prefetch_stream;  // each group's code bytes, asked for ahead (stream_prefetch.h)
 
@@ -323,19 +327,16 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
   for (int r = 0; r < NB; ++r) store_rows<MT>(acc[r], nullptr, bias, m0, n0 + r * LANES, N, y);
 }
 
-// f(std::integral_constant<int, MT>) for the activation tile's height, 1..8: each a kernel unrolled
+// f(std::integral_constant<int, MT>) for the activation tile's height, 1..MTILE: each a kernel unrolled
 // over exactly its rows.
 template <typename F>
 void with_tile(int64_t mt, F&& f) {
+  static_assert(MTILE == 4, "one case per tile height");
   switch (mt) {
     case 1: return f(std::integral_constant<int, 1>{});
     case 2: return f(std::integral_constant<int, 2>{});
     case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
+    default: return f(std::integral_constant<int, 4>{});
   }
 }
 
