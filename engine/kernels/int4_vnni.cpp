@@ -40,9 +40,9 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t LANES = 16;  // rows per block
 // Activation rows multiplied per pass over a row block. Four, not eight: at eight rows, two passes' integer sums
-// (16 registers) beside eight float sums and the unpacked weights spill registers inside the group loop;
-// at four a prompt's products ran 1.05x (Q4_0, Q4_K) to 1.6x (Q6_K, int8) as fast on an AMD EPYC without AMX,
-// the same bits, and 8-16 rows (batched decode) as fast (docs/benchmarks/scale.md).
+// (16 registers) beside eight float sums and the unpacked weights spill registers inside the group loop; at
+// four every weight format's prompt products ran faster, most of all Q6_K's and int8's, with the same bits,
+// and batched decode's 8-16 rows no slower (docs/benchmarks/scale.md).
 constexpr int64_t MTILE = 4;
 constexpr int DECODE_BLOCKS = 2;  // row blocks a one-row product walks side by side (block_kernel's NB)
 using layerstream::prefetch_stream;  // each group's code bytes, asked for ahead (stream_prefetch.h)
