@@ -44,7 +44,12 @@ constexpr int64_t LANES = 16;  // rows per block
 // four every weight format's prompt products ran faster, most of all Q6_K's and int8's, with the same bits,
 // and batched decode's 8-16 rows no slower (docs/benchmarks/scale.md).
 constexpr int64_t MTILE = 4;
-constexpr int DECODE_BLOCKS = 2;  // row blocks a one-row product walks side by side (block_kernel's NB)
+// A one-row (decode) product walks DECODE_BLOCKS row blocks side by side (block_kernel's NB) where a row block's
+// codes are longer than PAIRED_BLOCK_BYTES: two long streams keep more reads in flight than one. Shorter row
+// blocks side by side make two streams that each end after a few KiB, and one stream through consecutive row
+// blocks reads them faster (int4 and int8 products of 640-8192 inputs: docs/benchmarks/scale.md).
+constexpr int DECODE_BLOCKS = 2;
+constexpr int64_t PAIRED_BLOCK_BYTES = 16 << 10;
 using layerstream::prefetch_stream;  // each group's code bytes, asked for ahead (stream_prefetch.h)
 
 // Activations of M rows quantized per group of 32: int8 codes in x's order, each group's scale
@@ -363,7 +368,7 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
   // chunks of about an eighth of their share as they finish the last (an atomic counter), not one fixed half
   // each: two cores do not stream memory equally fast, and with fixed halves the first to finish waited for
   // the other at every product's end (perf: over a tenth of a decode step's samples were libgomp waiting).
-  // Chunks hold whole pairs of row blocks, which a one-row product walks side by side.
+  // Chunks hold whole pairs of row blocks, which a one-row product may walk side by side.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_bytes);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, blocks / grain));
   const int64_t chunk = (std::max<int64_t>(grain, blocks / (threads * 8)) + DECODE_BLOCKS - 1) / DECODE_BLOCKS *
@@ -400,11 +405,12 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
       }
     }
   };
-  // Row blocks [b0, b1) times every activation row: one row (decode) DECODE_BLOCKS row blocks at a time, more
-  // rows one row block at a time, every activation tile passing over it while its codes are in L1.
+  // Row blocks [b0, b1) times every activation row: one row (decode) of long row blocks DECODE_BLOCKS row blocks
+  // at a time, else one row block at a time, every activation tile passing over it while its codes are in L1.
+  const bool paired = M == 1 && block_bytes > PAIRED_BLOCK_BYTES;
   const auto row_blocks = [&](int64_t b0, int64_t b1) {
     int64_t b = b0;
-    if (M == 1)
+    if (paired)
       for (; b + DECODE_BLOCKS <= b1; b += DECODE_BLOCKS)
         blocks_at(b, 0, std::integral_constant<int, 1>{}, std::integral_constant<int, DECODE_BLOCKS>{});
     for (; b < b1; ++b)

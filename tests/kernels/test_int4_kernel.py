@@ -170,15 +170,17 @@ def test_threads_split_rows_without_changing_a_bit():
 
 @vnni
 @pytest.mark.parametrize("out", [40, 48, 1000])  # row blocks: 3 (the last padded), 3, 63 (the last padded)
-def test_a_decode_row_gets_the_bits_it_gets_among_other_rows(out):
-    """One row (decode) walks two row blocks side by side; several rows walk one at a time in tiles. Each
-    output is the same sums in the same order either way: the same bits, for every weight form, with a bias."""
-    codes, scale, minimum = random_int4(out, 576, seed=out)
+@pytest.mark.parametrize("inner", [576, 4096])  # row blocks of a few KiB (walked one at a time) and of 32-64 KiB
+def test_a_decode_row_gets_the_bits_it_gets_among_other_rows(out, inner):
+    """One row (decode) walks two long row blocks side by side, short ones one at a time; several rows walk
+    one at a time in tiles. Each output is the same sums in the same order every way: the same bits, for
+    every weight form, with a bias."""
+    codes, scale, minimum = random_int4(out, inner, seed=out)
     dense = dequantized(codes, scale, minimum)
     forms = {"int4": Int4Weight.from_codes(codes, scale, minimum, torch.bfloat16),
              "int4 symmetric": Int4Weight.from_codes(codes, scale, -8 * scale, torch.bfloat16).without_min(),
              "int8": Int8Weight.quantize(dense, torch.bfloat16)}
-    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(3, inner, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(out, generator=torch.Generator().manual_seed(4)).bfloat16()
     for name, w in forms.items():
         rows = ops.linear(x, w, bias)

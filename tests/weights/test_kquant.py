@@ -84,12 +84,13 @@ def test_kquant_product_matches_the_gguf_dequantizer(q, shape, tokens):
 
 @pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("out", [40, 64])  # row blocks: 3 (a pair and one, the last padded), 4 (two pairs)
-def test_a_decode_row_gets_the_bits_it_gets_among_other_rows(q, out):
-    """One row (decode) walks two row blocks side by side, several rows one block at a time: the same sums in
-    the same order for each output, so the same bits."""
-    shape = (out, 512)
+@pytest.mark.parametrize("inner", [512, 4096])  # row blocks of a few KiB (walked one at a time) and of 32-48 KiB
+def test_a_decode_row_gets_the_bits_it_gets_among_other_rows(q, out, inner):
+    """One row (decode) walks two long row blocks side by side, short ones one at a time, several rows one
+    block at a time: the same sums in the same order for each output, so the same bits."""
+    shape = (out, inner)
     w = PackedFormat(torch.bfloat16).resident(_info(q, shape), stored_rows(q, *shape, seed=out))
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(3, inner, generator=torch.Generator().manual_seed(5)).bfloat16()
     rows = ops.linear(x, w)
     for m in range(3):
         assert torch.equal(ops.linear(x[m:m + 1], w), rows[m:m + 1]), m
