@@ -47,7 +47,7 @@ constexpr int64_t MTILE = 4;
 // A one-row (decode) product walks DECODE_BLOCKS row blocks side by side (block_kernel's NB) where a row block's
 // codes are longer than PAIRED_BLOCK_BYTES: two long streams keep more reads in flight than one. Shorter row
 // blocks side by side make two streams that each end after a few KiB, and one stream through consecutive row
-// blocks reads them faster (int4 and int8 products of 640-8192 inputs: docs/benchmarks/scale.md).
+// blocks reads them faster (int4 and int8 products of 640-8192 inputs: docs/benchmarks/gemma3.md).
 constexpr int DECODE_BLOCKS = 2;
 constexpr int64_t PAIRED_BLOCK_BYTES = 16 << 10;
 using layerstream::prefetch_stream;  // each group's code bytes, asked for ahead (stream_prefetch.h)
