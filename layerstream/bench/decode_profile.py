@@ -80,15 +80,6 @@ def run(ns: argparse.Namespace) -> int:
                             context_len=position + 1, attn_mask=(keys[None, :] <= pos[:, None])[:, None, None, :],
                             logits_index=torch.arange(1))
         x0 = torch.randn(1, cfg.hidden_size).to(runner.dtype)  # (1, hidden)
-        rows: dict[int, torch.Tensor] = {}  # in-features -> (1, in-features): the row each product multiplies
-
-        def row_for(w) -> torch.Tensor:
-            """A row as wide as the weight's inputs: the hidden size, heads x head_dim for the o projection
-            (Gemma 3's differs from its hidden size), the intermediate size for down."""
-            width = w.shape[1]
-            if width not in rows:
-                rows[width] = torch.randn(1, width).to(runner.dtype)
-            return rows[width]
 
         def whole_step() -> float:
             engine.add_request(PROMPT, SamplingParams(max_tokens=33, temperature=0, ignore_eos=True), str(time.time()))
@@ -108,8 +99,12 @@ def run(ns: argparse.Namespace) -> int:
 
         # stacked where the block's tensors share a type, apart where they do not (Q4_K_M's Q6_K v and down
         # projections in some layers)
-        products = [(w[name], row_for(w[name])) for w in blocks
-                    for name in ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down") if name in w]
+        names = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down")
+        block_weights = [w[name] for w in blocks for name in names if name in w]
+        # each product's row as wide as its weight's inputs: the hidden size, heads x head_dim for the o
+        # projection (Gemma 3's differs from its hidden size), the intermediate size for down
+        rows = {w.shape[1]: torch.randn(1, w.shape[1]).to(runner.dtype) for w in block_weights}  # in -> (1, in)
+        products = [(w, rows[w.shape[1]]) for w in block_weights]
 
         def matmuls_once():
             with ops.single_row_products(x0):
