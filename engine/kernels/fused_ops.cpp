@@ -620,10 +620,13 @@ LAYERSTREAM_BF16_AVX512 inline __m512 sum_lanes16(const __m512* v) {
 
 // A row of hd bf16 values asked for a block ahead of the one being read, a row at a time with the reading:
 // the blocks lie where the block table puts them, so the memory's prefetchers cannot follow from one block
-// to the next, and the whole next block asked for at once stalled on the fill buffers.
+// to the next, and the whole next block asked for at once stalled on the fill buffers. Into L2 (T1), not L1:
+// a block ahead is far more than the memory's latency, and an L1 prefetch holds one of the core's few L1
+// fill buffers until its line arrives, which capped the kernel's reads from memory (stream_prefetch.h says
+// the same of the weights); the line moves from L2 to L1 when the row is read.
 inline void prefetch_ahead(const uint16_t* row, int64_t hd) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(uint16_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(uint16_t)); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 // s[g * stride + i] = scale * (q_g . k_i) for `take` (<= 16) keys k_i = k + i * kstride of one KV head and
