@@ -16,8 +16,8 @@ with the page cache warm: the fastest is the second-load figure), one --prompt-t
 tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonymous memory (sampled; the
 kernel keeps no peak of it). Then the run idles (--idle) and serves the prompt again, as a server's next
 request does (decode tok/s, 2nd request): layerstream collapses its resident copies into huge pages only
-while idle, so its first request decodes from small pages. The fastest of the --repeats runs is
-reported. Decode is set against the memory floor: the weight bytes a token reads divided by this
+while idle, so its first request decodes from small pages. The peers' --repeats runs alternate, and the
+fastest of each peer's is reported. Decode is set against the memory floor: the weight bytes a token reads divided by this
 machine's measured read bandwidth (measured before and after each file's runs, the faster taken: it
 drifts). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
 memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes read from disk
@@ -518,9 +518,16 @@ def run(ns: argparse.Namespace) -> int:
         if ns.streamed:
             size = sum(p.stat().st_size for p in (sorted(mine.glob("*.safetensors")) if mine.is_dir() else [mine]))
             budget = int(ns.streamed_fraction * size)
+        firsts = {peer: _run(ns, peer, path, ids, 2) for peer, path in peers}  # first loads (and conversions)
+        # The peers' measured runs alternate (the order reversed every round) rather than one peer's runs all
+        # before the other's: the memory's speed drifts over minutes on a shared machine, and each peer's
+        # fastest run should come from the same stretch of it.
+        measured: dict[str, list[dict]] = {peer: [] for peer, _ in peers}
+        for i in range(ns.repeats):
+            for peer, path in (peers if i % 2 == 0 else peers[::-1]):
+                measured[peer].append(_run(ns, peer, path, ids, ns.decode_tokens, again=True))
         for peer, path in peers:
-            first = _run(ns, peer, path, ids, 2)  # the first load (and whatever it converts)
-            runs = [_run(ns, peer, path, ids, ns.decode_tokens, again=True) for _ in range(ns.repeats)]
+            first, runs = firsts[peer], measured[peer]
             if peer == "layerstream" and budget is not None:
                 # the same file with most blocks streamed from the (warm) page cache, and all resident but left
                 # views of the mapping (--resident-weights map), as streamed blocks are, so that what streaming
