@@ -17,9 +17,9 @@ tok/s), --decode-tokens greedy tokens (decode tok/s), and the peak of its anonym
 kernel keeps no peak of it). Then the run idles (--idle) and serves the prompt again, as a server's next
 request does (decode tok/s, 2nd request): layerstream collapses its resident copies into huge pages only
 while idle, so its first request decodes from small pages. The peers' --repeats runs alternate, and the
-fastest of each peer's is reported. Decode is set against the memory floor: the weight bytes a token reads divided by this
-machine's measured read bandwidth (measured before and after each file's runs, the faster taken: it
-drifts). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
+fastest of each peer's is reported. Decode is set against the memory floor: the weight bytes a token
+reads divided by this machine's measured read bandwidth (measured before and after each run, the faster
+taken: it drifts). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
 memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes read from disk
 per token and % of the disk floor (bytes per token / the disk's GB/s, measured by one sustained O_DIRECT
 read of up to 2 GiB of the file the run reads; the fastest 256 MiB part of a 1 GiB read is printed
@@ -522,10 +522,19 @@ def run(ns: argparse.Namespace) -> int:
         # The peers' measured runs alternate (the order reversed every round) rather than one peer's runs all
         # before the other's: the memory's speed drifts over minutes on a shared machine, and each peer's
         # fastest run should come from the same stretch of it.
+        # Each measured run's floor is the memory's speed just before and just after it, the faster of the two
+        # (the stricter floor); one run's after is the next one's before.
         measured: dict[str, list[dict]] = {peer: [] for peer, _ in peers}
+        probes = [before]
         for i in range(ns.repeats):
             for peer, path in (peers if i % 2 == 0 else peers[::-1]):
-                measured[peer].append(_run(ns, peer, path, ids, ns.decode_tokens, again=True))
+                r = _run(ns, peer, path, ids, ns.decode_tokens, again=True)
+                probes.append(memory_gbps(ns.threads))
+                r["memory_gbps"] = max(probes[-2:])
+                measured[peer].append(r)
+                dec, dec2 = _tps(r, "decode_s", ns.decode_tokens - 1), _tps(r, "decode2_s", ns.decode_tokens - 1)
+                print(f"  {f} {peer} run {i + 1}: decode {_fmt(dec)} / {_fmt(dec2)} tok/s (1st / 2nd request), memory "
+                      f"{probes[-2]:.1f} GB/s before, {probes[-1]:.1f} after", flush=True)
         for peer, path in peers:
             first, runs = firsts[peer], measured[peer]
             if peer == "layerstream" and budget is not None:
@@ -542,6 +551,7 @@ def run(ns: argparse.Namespace) -> int:
             r["imports_s"] = min((x["imports_s"] for x in runs if "imports_s" in x), default=None)
             again = min((x for x in runs if "decode2_s" in x), key=lambda x: x["decode2_s"], default={})
             r["decode2_s"], r["same_tokens_again"] = again.get("decode2_s"), again.get("same_tokens_again")
+            r["memory2_gbps"] = again.get("memory_gbps")
             r["bytes_per_token"] = weight_bytes_per_token(path)
             results.append(r)
             rows.append(r)
@@ -564,13 +574,8 @@ def run(ns: argparse.Namespace) -> int:
                       if dec and res and views else
                       f"  {f} layerstream streamed or mapped: {s.get('error') or m.get('error', 'no figure')}: "
                       f"{(s.get('stderr_tail') or m.get('stderr_tail', '')).strip().splitlines()[-1:]}", flush=True)
-        # The memory's speed drifts on a shared machine: each file's floor is its bandwidth just before and just
-        # after its runs, the faster of the two (the stricter floor); one file's after is the next one's before.
-        after = memory_gbps(ns.threads)
-        print(f"  memory read {before:.1f} GB/s before {f}'s runs and {after:.1f} after", flush=True)
-        file_gbps, before = max(before, after), after
-        for r in rows:
-            r["memory_gbps"] = file_gbps
+        print(f"  memory read {min(probes):.1f}-{max(probes):.1f} GB/s around {f}'s measured runs", flush=True)
+        before = probes[-1]
         speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1),
                    _tps(r, "decode2_s", ns.decode_tokens - 1)) for r in rows]
         ref = speeds[-1] if len(rows) > 1 else (None, None, None)  # llama.cpp's, when it ran
@@ -580,21 +585,23 @@ def run(ns: argparse.Namespace) -> int:
 
         table_rows = []
         for r, (pre, dec, dec2) in zip(rows, speeds):
-            floor = file_gbps * 1e9 / r["bytes_per_token"]
+            # each request's floor from the run it came from (the fastest 1st and 2nd requests may be two runs)
+            floor = r["memory_gbps"] * 1e9 / r["bytes_per_token"]
+            floor2 = (r.get("memory2_gbps") or r["memory_gbps"]) * 1e9 / r["bytes_per_token"]
             mine = r["peer"] == "layerstream"
             table_rows.append([r["peer"], r["file"], _fmt(r.get("imports_s")), _fmt(r.get("first_load_s")),
                                _fmt(r.get("load_s")),
                                _fmt(pre), ratio(pre, ref[0]) if mine else "", _fmt(dec),
                                ratio(dec, ref[1]) if mine else "", f"{100 * dec / floor:.0f}%" if dec else "-",
                                _fmt(dec2), ratio(dec2, ref[2]) if mine else "",
-                               f"{100 * dec2 / floor:.0f}%" if dec2 else "-", f"{floor:.1f}",
+                               f"{100 * dec2 / floor2:.0f}%" if dec2 else "-", f"{floor:.1f} / {floor2:.1f}",
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
-        print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB; memory floor at "
-              f"{file_gbps:.1f} GB/s")
+        print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB; each request's memory "
+              f"floor at the memory's speed just before and after its run, the faster")
         print(table(["peer", "file", "imports s", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
                      "decode tok/s", "vs llama.cpp", "of floor", "2nd request", "vs llama.cpp", "of floor",
-                     "memory floor tok/s", "peak RssAnon", "error"], table_rows))
+                     "memory floor tok/s, 1st / 2nd", "peak RssAnon", "error"], table_rows))
 
     if ns.capped or ns.capped_only:
         from engine.weights.probes import measure_disk_bandwidth
