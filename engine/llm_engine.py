@@ -72,12 +72,20 @@ def load_tokenizer(path):
 
     Where tokenizer_config.json names its class, that class loads it directly: AutoTokenizer would load
     the model's transformers config first, whose import costs a fresh process more than mapping the
-    weights. It is the class AutoTokenizer picks from that name (its fast variant where one exists)."""
+    weights. It is the class AutoTokenizer picks from that name (its fast variant where one exists).
+
+    A GGUF file's metadata folder is the exception: its tokenizer.json is the engine's own save of the
+    tokenizer that class built, so transformers' generic backend loads the same pipeline from it in Rust,
+    where a class with its own __init__ (GemmaTokenizer, LlamaTokenizer) parses the whole file once more
+    in Python to rebuild it: about as long again as the Rust parse for a 262k-token vocabulary."""
     import transformers
 
     from .weights import config_folder
+    from .weights.formats.gguf_config import METADATA_MARKER
 
     folder = Path(config_folder(path))
+    if (folder / METADATA_MARKER).is_file() and (folder / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     try:
         name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):

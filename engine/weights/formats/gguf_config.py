@@ -44,6 +44,7 @@ OWN_READER = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "glm
               "deepseek2": "deepseek_v2"}  # V3 when the file has V3's router correction bias (_deepseek2)
 
 METADATA_VERSION = 3  # bump when what is saved changes: older folders are then left alone
+METADATA_MARKER = "layerstream-gguf-metadata.json"  # in every metadata folder: what built it, from which file
 
 
 def metadata_folder(path: Path, header_digest: str, architecture: str | None = None, metadata: dict | None = None,
@@ -84,7 +85,7 @@ def metadata_folder(path: Path, header_digest: str, architecture: str | None = N
         config.save_pretrained(tmp)
         save_tokenizer(tok, tmp)
 
-    return build_once(folder, "layerstream-gguf-metadata.json", {"file": str(path), "header_sha256": header_digest},
+    return build_once(folder, METADATA_MARKER, {"file": str(path), "header_sha256": header_digest},
                       build)
 
 
