@@ -80,11 +80,10 @@ def load_tokenizer(path):
     in Python to rebuild it: about as long again as the Rust parse for a 262k-token vocabulary."""
     import transformers
 
-    from .weights import config_folder
-    from .weights.formats.gguf_config import METADATA_MARKER
+    from .weights import config_folder, is_gguf_metadata_folder
 
     folder = Path(config_folder(path))
-    if (folder / METADATA_MARKER).is_file() and (folder / "tokenizer.json").is_file():
+    if is_gguf_metadata_folder(folder) and (folder / "tokenizer.json").is_file():
         return transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     try:
         name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")

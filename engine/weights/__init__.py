@@ -60,7 +60,8 @@ tests/test_import_rules.py enforces both):
       Bytes streamed by tier (counted as they cross the link, after dtype conversion), stall and
       prepare time; the measured link speeds, kept in their own record, never in the plan (floor_percent:
       a step's bytes against them).
-  config_folder(path) -> Path; find_gguf(folder) -> Path
+  config_folder(path) -> Path; is_gguf_metadata_folder(folder) -> bool (config_folder's folder for a GGUF file,
+      written by the engine); find_gguf(folder) -> Path
       Where transformers reads the tokenizer and chat template (a GGUF file's are its metadata, cached);
       the one GGUF model in a folder.
   TRANSPORTS, check_transport(name)
@@ -114,7 +115,7 @@ finer unit of the same source (BlockSource.expert_tensors(i, e)), moved by the e
 from ..errors import CheckpointError
 from .formats.block_source import WeightSizes
 from .formats.gguf_file import find_gguf
-from .formats.open import config_folder
+from .formats.open import config_folder, is_gguf_metadata_folder
 from .model_weights import ModelCheckpoint, ModelWeights, PlacedGlobals, WeightsTelemetry
 from .packed.weights import GGUFWeight, Int4Weight, Int8Weight
 from .self_draft import SELF_DRAFT_QUANTIZATION, SelfDraftWeights, self_draft_copies_every_block
@@ -128,5 +129,5 @@ __all__ = [
     "CheckpointError", "GGUFWeight", "Int4Weight", "Int8Weight", "LinkSpeeds", "ModelCheckpoint", "ModelWeights",
     "PlacedGlobals", "RESIDENT_WEIGHTS", "SELF_DRAFT_QUANTIZATION", "SelfDraftWeights", "StreamStats", "TRANSPORTS",
     "WeightSizes", "WeightsTelemetry", "check_resident_weights", "check_transport", "config_folder", "find_gguf",
-    "floor_percent", "self_draft_copies_every_block",
+    "floor_percent", "is_gguf_metadata_folder", "self_draft_copies_every_block",
 ]

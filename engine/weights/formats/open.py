@@ -37,3 +37,10 @@ def config_folder(path: str | Path) -> Path:
     finally:
         index.close()
     return metadata_folder(path, digest, metadata.get("general.architecture"), metadata, names)
+
+
+def is_gguf_metadata_folder(folder: str | Path) -> bool:
+    """Whether `folder` is one config_folder made for a GGUF file (its config and tokenizer the engine saved)."""
+    from .gguf_config import METADATA_MARKER
+
+    return (Path(folder) / METADATA_MARKER).is_file()
