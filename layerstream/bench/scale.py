@@ -520,10 +520,9 @@ def run(ns: argparse.Namespace) -> int:
             budget = int(ns.streamed_fraction * size)
         firsts = {peer: _run(ns, peer, path, ids, 2) for peer, path in peers}  # first loads (and conversions)
         # The peers' measured runs alternate (the order reversed every round) rather than one peer's runs all
-        # before the other's: the memory's speed drifts over minutes on a shared machine, and each peer's
-        # fastest run should come from the same stretch of it.
-        # Each measured run's floor is the memory's speed just before and just after it, the faster of the two
-        # (the stricter floor); one run's after is the next one's before.
+        # before the other's, and each run's floor is the memory's speed just before and just after it, the
+        # faster (the stricter floor; one run's after is the next one's before): the memory's speed drifts
+        # within minutes on a shared machine, and each peer's fastest run should meet the same stretch of it.
         measured: dict[str, list[dict]] = {peer: [] for peer, _ in peers}
         probes = [before]
         for i in range(ns.repeats):
