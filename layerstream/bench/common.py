@@ -222,6 +222,23 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout
     raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
 
 
+def idle_until_collapsed(engine, limit: float) -> float:
+    """Idle, as a server between requests, until the engine's resident copies are in huge pages (it collapses them
+    only while no step runs), the collapse stops making progress for 10 s, or `limit` seconds pass; returns the
+    seconds idled."""
+    t_idle, progress, done = time.perf_counter(), time.perf_counter(), -1
+    while time.perf_counter() - t_idle < limit:
+        t = engine.telemetry()
+        if t.resident_copies_in_huge_pages >= t.resident_copies:
+            break
+        if t.resident_copies_in_huge_pages != done:
+            done, progress = t.resident_copies_in_huge_pages, time.perf_counter()
+        elif time.perf_counter() - progress > 10.0:
+            break
+        time.sleep(0.25)
+    return time.perf_counter() - t_idle
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100]."""
     if not values:

@@ -19,7 +19,9 @@ request does (decode tok/s, 2nd request): layerstream collapses its resident cop
 while idle, so its first request decodes from small pages. The peers' --repeats runs alternate, and the
 fastest of each peer's is reported. Decode is set against the memory floor: the weight bytes a token
 reads divided by this machine's measured read bandwidth (measured before and after each run, the faster
-taken: it drifts). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
+taken: it drifts). Then both peers decode in one process, in --paired-rounds alternating rounds (paired_decode.py:
+the median of the rounds' ratios, which the memory's drift between runs does not decide, is the column "paired
+rounds vs llama.cpp"). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
 memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes read from disk
 per token and % of the disk floor (bytes per token / the disk's GB/s, measured by one sustained O_DIRECT
 read of up to 2 GiB of the file the run reads; the fastest 256 MiB part of a 1 GiB read is printed
@@ -52,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BENCH_ROOT, MemorySampler, machine_description, table
+from .common import BENCH_ROOT, MemorySampler, idle_until_collapsed, machine_description, table
 
 PROMPT = "The history of the river valley begins long before the first written records. " * 64
 SHARD_BYTES = 2 << 30
@@ -100,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Half: the 3B Q4 files' plans need about a third of the file beside their blocks (head, KV, a 512-token
     # step's workspace, two stream buffers), so half streams most of their blocks and leaves a few resident.
     p.add_argument("--streamed-fraction", type=float, default=0.5)
+    p.add_argument("--paired-rounds", type=int, default=10,
+                   help="then both peers in one process, decoding in alternating rounds (a ratio that the memory's "
+                        "drift between runs does not decide; layerstream/bench/paired_decode.py); 0: not run")
     p.add_argument("--idle", type=float, default=30.0,
                    help="after the first request each resident run idles, as a server between requests, then serves "
                         "the prompt again (decode tok/s, 2nd request): layerstream until its resident copies are in "
@@ -310,19 +315,9 @@ def _child_layerstream(ns, ids: list[int]) -> dict:
                   plan=f"{len(plan.resident_blocks)} / {len(plan.streamed_blocks) - len(plan.disk_blocks)} / "
                        f"{len(plan.disk_blocks)}")
     if ns.again:
-        # A server idles between requests; this is when the engine collapses its resident copies into huge pages
-        # (it does so only while no step runs). Idle until it has, it stops making progress, or --idle runs out.
-        t_idle, progress, done = time.perf_counter(), time.perf_counter(), -1
-        while time.perf_counter() - t_idle < ns.idle:
-            t = engine.telemetry()
-            if t.resident_copies_in_huge_pages >= t.resident_copies:
-                break
-            if t.resident_copies_in_huge_pages != done:
-                done, progress = t.resident_copies_in_huge_pages, time.perf_counter()
-            elif time.perf_counter() - progress > 10.0:
-                break
-            time.sleep(0.25)
-        t, idle_s = engine.telemetry(), time.perf_counter() - t_idle
+        # A server idles between requests; this is when the engine collapses its resident copies into huge pages.
+        idle_s = idle_until_collapsed(engine, ns.idle)
+        t = engine.telemetry()
         _, first2, end2, tokens2, _, _ = serve("bench-again")
         result.update(idle_s=idle_s, decode2_s=end2 - first2,
                       same_tokens_again=tokens2 == tokens, resident_copies=t.resident_copies,
@@ -464,6 +459,11 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     if ns.child:
+        if ns.child == "paired":
+            from .paired_decode import child
+
+            print(json.dumps(child(json.loads(sys.stdin.read()))))
+            return 0
         ids = json.loads(sys.stdin.read())
         print(json.dumps(_child_layerstream(ns, ids) if ns.child == "layerstream" else _child_llama_cpp(ns, ids)))
         return 0
@@ -574,6 +574,18 @@ def run(ns: argparse.Namespace) -> int:
                       f"  {f} layerstream streamed or mapped: {s.get('error') or m.get('error', 'no figure')}: "
                       f"{(s.get('stderr_tail') or m.get('stderr_tail', '')).strip().splitlines()[-1:]}", flush=True)
         print(f"  memory read {min(probes):.1f}-{max(probes):.1f} GB/s around {f}'s measured runs", flush=True)
+        paired = None
+        if theirs is not None and ns.paired_rounds > 0:
+            from .paired_decode import describe, run_paired
+
+            paired = run_paired(ns, mine, theirs, ids)
+            results.append(dict(paired, peer="paired", file=f))
+            print(f"  {f} paired decode, one process, rounds alternating: "
+                  f"{paired.get('error') or describe(paired)}", flush=True)
+            if "rounds_tps" in paired:
+                print("    rounds, layerstream / llama.cpp tok/s: "
+                      + " ".join(f"{a:.1f}/{b:.1f}" for a, b in paired["rounds_tps"]), flush=True)
+            probes.append(memory_gbps(ns.threads))
         before = probes[-1]
         speeds = [(_tps(r, "prefill_s", len(ids)), _tps(r, "decode_s", ns.decode_tokens - 1),
                    _tps(r, "decode2_s", ns.decode_tokens - 1)) for r in rows]
@@ -594,13 +606,16 @@ def run(ns: argparse.Namespace) -> int:
                                ratio(dec, ref[1]) if mine else "", f"{100 * dec / floor:.0f}%" if dec else "-",
                                _fmt(dec2), ratio(dec2, ref[2]) if mine else "",
                                f"{100 * dec2 / floor2:.0f}%" if dec2 else "-", f"{floor:.1f} / {floor2:.1f}",
+                               f"{paired['ratio']:.2f}x ({paired['ratio_min']:.2f}-{paired['ratio_max']:.2f})"
+                               if mine and paired and "ratio" in paired else "",
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
         print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB; each request's memory "
               f"floor at the memory's speed just before and after its run, the faster")
         print(table(["peer", "file", "imports s", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
                      "decode tok/s", "vs llama.cpp", "of floor", "2nd request", "vs llama.cpp", "of floor",
-                     "memory floor tok/s, 1st / 2nd", "peak RssAnon", "error"], table_rows))
+                     "memory floor tok/s, 1st / 2nd", "paired rounds vs llama.cpp", "peak RssAnon", "error"],
+                    table_rows))
 
     if ns.capped or ns.capped_only:
         from engine.weights.probes import measure_disk_bandwidth

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerstream.bench import scale
+from layerstream.bench import paired_decode, scale
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,19 +108,57 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
                 "decode_s": decode_s[peer, n], "decode2_s": decode_s[peer, n], "same_tokens_again": True,
                 "wall_s": 1.0, "peak_anon": 1 << 20}
 
+    paired_calls = []
+
+    def fake_paired(ns, mine, theirs, ids):
+        paired_calls.append((mine, theirs))
+        rounds = [(10.0, 20.0), (30.0, 20.0), (15.0, 10.0)]
+        return dict(paired_decode.summarize(rounds), rounds_tps=rounds)
+
     monkeypatch.setattr(scale, "_run", fake_run)
+    monkeypatch.setattr(paired_decode, "run_paired", fake_paired)
     monkeypatch.setattr(scale, "memory_gbps", lambda threads: next(probes))
     monkeypatch.setattr(scale, "stream_read_gbps", lambda threads: None)
     monkeypatch.setattr(scale, "weight_bytes_per_token", lambda p: 10**9)  # 1 GB a token: floor tok/s = GB/s
     ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=False, capped=False,
                                   streamed=False, threads=2, prompt_tokens=8, decode_tokens=31, repeats=2,
-                                  json=None, png=None)
+                                  paired_rounds=3, json=None, png=None)
     assert scale.run(ns) == 0
     assert calls == ["layerstream", "llama.cpp", "llama.cpp", "layerstream"]
+    out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
-            for line in capsys.readouterr().out.splitlines() if line.startswith(("| layerstream", "| llama.cpp"))}
+            for line in out.splitlines() if line.startswith(("| layerstream", "| llama.cpp"))}
     # layerstream's fastest run is its 2nd (the 4th run: probes 40 before, 30 after -> floor 40 tok/s), 20 tok/s;
     # llama.cpp's is its 2nd (the 3rd run: probes 20 and 40 -> 40), 30 tok/s
     assert rows["layerstream"][7] == "20.0" and rows["layerstream"][9] == "50%", rows["layerstream"]
     assert rows["llama.cpp"][7] == "30.0" and rows["llama.cpp"][9] == "75%", rows["llama.cpp"]
     assert rows["layerstream"][8] == "0.67x" and rows["layerstream"][13] == "40.0 / 40.0", rows["layerstream"]
+    # then the paired rounds, once, on the same file for both: their median ratio and range on layerstream's row
+    assert paired_calls == [(path, path)]
+    assert rows["layerstream"][14] == "1.50x (0.50-1.50)" and rows["llama.cpp"][14] == "", rows
+    assert "layerstream 15.0, llama.cpp 20.0 tok/s (medians of 3 rounds)" in out
+    assert "10.0/20.0 30.0/20.0 15.0/10.0" in out
+
+
+def test_paired_rounds_are_summarized_by_their_medians():
+    s = paired_decode.summarize([(12.0, 10.0), (9.0, 10.0), (11.0, 10.0), (10.0, 12.5)])
+    assert (s["rounds"], s["layerstream_tps"], s["llama_cpp_tps"]) == (4, 10.5, 10.0)
+    assert s["ratio"] == pytest.approx((0.9 + 1.1) / 2) and (s["ratio_min"], s["ratio_max"]) == (0.8, 1.2)
+    with pytest.raises(ValueError, match="no paired rounds"):
+        paired_decode.summarize([])
+
+
+def test_paired_rounds_refuse_files_that_do_not_fit_together(tmp_path, monkeypatch):
+    """Both peers map their files in one process: where the two do not fit the memory available, no child is
+    started and the row says why."""
+    import engine.host_memory
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"x" * 1000)
+    b.write_bytes(b"x" * 1000)
+    monkeypatch.setattr(engine.host_memory, "host_memory_available", lambda: 2000)
+    monkeypatch.setattr(paired_decode.subprocess, "run", lambda *a, **k: pytest.fail("a child was started"))
+    ns = argparse.Namespace(threads=2, decode_tokens=8, paired_rounds=2, idle=1.0, timeout=10.0)
+    assert paired_decode.run_paired(ns, a, b, [1, 2]) == {"error": "both files do not fit in memory together"}
+    monkeypatch.setattr(engine.host_memory, "host_memory_available", lambda: 10_000)
+    assert paired_decode.fits_together(a, b)
