@@ -63,8 +63,7 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     engine = LLMEngine(EngineArgs(model=spec["mine"], device="cpu", max_num_seqs=1, max_model_len=len(ids) + n + 16,
                                   max_num_batched_tokens=len(ids), show_progress=False, enable_prefix_caching=True))
-    llm = Llama(model_path=spec["theirs"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                n_batch=len(ids), n_ctx=len(ids) + n + 16, verbose=False)
+    llm = None
 
     def mine() -> float:
         engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"paired-{time.time()}")
@@ -85,6 +84,8 @@ def child(spec: dict) -> dict:
         return (count - 1) / (time.perf_counter() - first)
 
     try:
+        llm = Llama(model_path=spec["theirs"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                    n_batch=len(ids), n_ctx=len(ids) + n + 16, verbose=False)
         mine(), theirs()  # each computes the prompt once; every round after reads it from the prefix cache
         idle_until_collapsed(engine, spec["idle"])
         rounds = []
@@ -97,7 +98,8 @@ def child(spec: dict) -> dict:
             rounds.append((speeds["mine"], speeds["theirs"]))
         return dict(rounds_tps=rounds)
     finally:
-        llm.close()
+        if llm is not None:
+            llm.close()
         engine.close()
 
 
