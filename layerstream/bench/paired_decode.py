@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common import checkpoint_bytes, idle_until_collapsed
+
 PAUSE_S = 0.3  # between two decodes: the threads of the one that ran stop spinning before the other runs
 
 
@@ -45,8 +47,7 @@ def fits_together(mine: Path, theirs: Path) -> bool:
     """Whether both peers' files fit the memory available now with room to spare (each maps its file whole)."""
     from engine.host_memory import host_memory_available
 
-    size = sum(p.stat().st_size for p in ([theirs] + (sorted(mine.glob("*.safetensors")) if mine.is_dir() else [mine])))
-    return size < 0.8 * host_memory_available()
+    return checkpoint_bytes(mine) + checkpoint_bytes(theirs) < 0.8 * host_memory_available()
 
 
 def child(spec: dict) -> dict:
@@ -56,8 +57,6 @@ def child(spec: dict) -> dict:
 
     from engine import EngineArgs, LLMEngine
     from engine.sampling_params import SamplingParams
-
-    from .common import idle_until_collapsed
 
     ids, n = spec["ids"], spec["decode_tokens"]
     torch.set_num_threads(spec["threads"])
