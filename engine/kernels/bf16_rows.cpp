@@ -174,6 +174,13 @@ LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, 
   }
 }
 
+// How far ahead dot_row asks for a row's lines, into L2 alone. Its loop spends one instruction per 64 bytes of
+// weight where the packed kernels spend many, so its own loads keep the core's L1 fill buffers busy and an L1
+// prefetch on top only takes buffers from them; and at its pace 2 KiB ahead is as far ahead in time as the
+// packed kernels' 4 KiB. Against stream_prefetch.h's distances it reads the 3B model's block weights as fast
+// as a plain read of them, where those stayed short of it (docs/benchmarks/decode-profile.md).
+constexpr int64_t BF16_L2_AHEAD = 2048;
+
 // One row (a decode step of one sequence): y[n] = x . w[n], a dot product per weight row, the rows in
 // address order so that each thread reads one contiguous stream of the weight (the hardware prefetcher's
 // best case) and the broadcast-pair layout above, which would spend one VDPBF16PS per 4 bytes of weight,
@@ -183,8 +190,9 @@ LAYERSTREAM_BF16_TARGET inline float dot_row(const uint16_t* x, const uint16_t* 
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 4 * SLICE <= K; k += 4 * SLICE) {
-    // The rows lie one after the other: the lines ahead, as int4_vnni.cpp's kernels ask for theirs.
-    layerstream::prefetch_stream<4>(w + k);
+    // The rows lie one after the other: the lines ahead, into L2 only and nearer than int4_vnni.cpp's
+    // kernels ask for theirs (BF16_L2_AHEAD).
+    layerstream::prefetch_stream<4, 0, BF16_L2_AHEAD>(w + k);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
     a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + SLICE), (__m512bh)_mm512_loadu_si512(x + k + SLICE));
     a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 2 * SLICE),

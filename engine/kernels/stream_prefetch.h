@@ -16,13 +16,14 @@ namespace layerstream {
 constexpr int64_t PREFETCH_L1_BYTES = 1024;
 constexpr int64_t PREFETCH_L2_BYTES = 4096;
 
-// LINES 64-byte lines from p, the stretch a loop step reads, asked for ahead of it.
-template <int LINES>
+// LINES 64-byte lines from p, the stretch a loop step reads, asked for ahead of it: L1_AHEAD bytes ahead into
+// L1 and L2_AHEAD bytes ahead into L2 (0: not asked for into that level).
+template <int LINES, int64_t L1_AHEAD = PREFETCH_L1_BYTES, int64_t L2_AHEAD = PREFETCH_L2_BYTES>
 inline void prefetch_stream(const void* p) {
   const char* c = static_cast<const char*>(p);
   for (int i = 0; i < LINES; ++i) {
-    _mm_prefetch(c + PREFETCH_L1_BYTES + 64 * i, _MM_HINT_T0);
-    _mm_prefetch(c + PREFETCH_L2_BYTES + 64 * i, _MM_HINT_T1);
+    if constexpr (L1_AHEAD > 0) _mm_prefetch(c + L1_AHEAD + 64 * i, _MM_HINT_T0);
+    if constexpr (L2_AHEAD > 0) _mm_prefetch(c + L2_AHEAD + 64 * i, _MM_HINT_T1);
   }
 }
 
