@@ -177,8 +177,9 @@ LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, 
 // How far ahead dot_row asks for a row's lines, into L2 alone. Its loop spends one instruction per 64 bytes of
 // weight where the packed kernels spend many, so its own loads keep the core's L1 fill buffers busy and an L1
 // prefetch on top only takes buffers from them; and at its pace 2 KiB ahead is as far ahead in time as the
-// packed kernels' 4 KiB. Against stream_prefetch.h's distances it reads the 3B model's block weights as fast
-// as a plain read of them, where those stayed short of it (docs/benchmarks/decode-profile.md).
+// packed kernels' 4 KiB. With it the 3B model's bf16 matmuls read their weights as fast as a plain read of the
+// same bytes, where with stream_prefetch.h's distances they fell short of it when the memory was fast (measured
+// on an AMD EPYC: docs/benchmarks/scale.md).
 constexpr int64_t BF16_L2_AHEAD = 2048;
 
 // One row (a decode step of one sequence): y[n] = x . w[n], a dot product per weight row, the rows in
