@@ -4,7 +4,8 @@
 // the line arrives. So each step of a kernel's loop asks twice for the lines of the bytes it reads: far
 // ahead into L2 (T1), whose queue holds many more misses, and nearer into L1, by when the line is in L2.
 // Both distances were chosen in an A/B of int4_vnni.cpp's kernel over a 3B model's block weights
-// (docs/benchmarks/scale.md); farther than this the lines arrive too early and are evicted.
+// (docs/benchmarks/scale.md); farther than this the lines arrive too early and are evicted. A loop that does
+// little work per byte asks otherwise (bf16_rows.cpp's one-row product: into L2 alone), hence the arguments.
 #pragma once
 
 #include <immintrin.h>

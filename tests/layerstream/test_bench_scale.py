@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerstream.bench import paired_decode, scale
+from layerstream.bench import common, paired_decode, scale
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,9 +120,11 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
     monkeypatch.setattr(scale, "memory_gbps", lambda threads: next(probes))
     monkeypatch.setattr(scale, "stream_read_gbps", lambda threads: None)
     monkeypatch.setattr(scale, "weight_bytes_per_token", lambda p: 10**9)  # 1 GB a token: floor tok/s = GB/s
+    drawn = []
+    monkeypatch.setattr(common.Chart, "save", lambda self, png: drawn.append((png, self.panels)))
     ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=False, capped=False,
                                   streamed=False, threads=2, prompt_tokens=8, decode_tokens=31, repeats=2,
-                                  paired_rounds=3, json=None, png=None)
+                                  paired_rounds=3, json=None, png="decode.png")
     assert scale.run(ns) == 0
     assert calls == ["layerstream", "llama.cpp", "llama.cpp", "layerstream"]
     out = capsys.readouterr().out
@@ -138,6 +140,11 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
     assert rows["layerstream"][14] == "1.50x (0.50-1.50)" and rows["llama.cpp"][14] == "", rows
     assert "layerstream 15.0, llama.cpp 20.0 tok/s (medians of 3 rounds)" in out
     assert "10.0/20.0 30.0/20.0 15.0/10.0" in out
+    # the chart: each peer's fastest run, and beside it the paired rounds' medians
+    [(png, panels)] = drawn
+    assert png == "decode.png"
+    assert [(metric, values) for metric, _, values, _ in panels] == [
+        ("fastest run, 1st request", [20.0, 30.0]), ("paired rounds, medians", [15.0, 20.0])]
 
 
 def test_paired_rounds_are_summarized_by_their_medians():
