@@ -29,8 +29,9 @@
 //
 //   linear(x, w, bias) -> (M, N) bf16   when applies(x, w), else at::linear(x, w, bias) (the caller need
 //                                        not check: engine/model.py and decode_block.cpp call this)
-//   applies(x, w)                        x (M, K) bf16 contiguous, 1 <= M <= MAX_ROWS (16) (K <= 4096 for
-//                                        M >= 2); w (N, K) bf16 contiguous; K % 32 == 0; the CPU has AVX512-BF16
+//   applies(x, w)                        x (M, K) bf16 contiguous, 1 <= M <= MAX_ROWS (16) (for M >= 2: K <=
+//                                        4096, or K <= 8192 a multiple of 2048); w (N, K) bf16 contiguous;
+//                                        K % 32 == 0; the CPU has AVX512-BF16
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -48,7 +49,8 @@ namespace bf16_rows {
 constexpr int64_t MAX_ROWS = 16;
 constexpr int64_t SLICE = 32;  // K must be a multiple of this: a k loop step reads one 64-byte line of each weight row
 constexpr int64_t TILE = 16;   // weight rows per tile: 16 accumulators, one per output
-constexpr int64_t MAX_PAIRED_K = 4096;  // the most inputs 2-16 rows take this kernel for (applies)
+constexpr int64_t MAX_PAIRED_K = 4096;  // the most inputs 2-16 rows take this kernel for (applies) ...
+constexpr int64_t MAX_STAGED_K = 8192;  // ... or, where the tile stages its lines (staged), this many
 
 #define LAYERSTREAM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -85,7 +87,13 @@ inline uint32_t pair(const uint16_t* p) {
 // per output, lanes per row: no horizontal sums. `next` is the memory that follows (the next tile):
 // its lines are prefetched into L2 (T1) in address order, evenly over this tile's k loop. Into L1
 // (T0) it was 25% slower, two tiles ahead 15% (2816x1024 at 16 rows, throwaway A/B).
-template <int L>
+// STAGED: each k step first copies the tile's 16 lines (64 bytes of each row) side by side into a 1 KiB buffer,
+// and the pairs are broadcast from there. Rows whose byte stride is a multiple of 4 KiB (K a multiple of 2048)
+// all fall in one set of the first-level cache, which holds 8 to 12 lines of a set: the 16 lines a step reads
+// pair by pair evict one another and are fetched again from L2 for every pair. Staged, the same products in the
+// same order (bit-identical) ran 2x faster there; at other strides the copy costs a few percent
+// (docs/benchmarks/bf16-rows.md).
+template <int L, bool STAGED>
 LAYERSTREAM_BF16_TARGET inline void tile(const uint32_t* xp, const uint16_t* w, int64_t K, const char* next,
                                          float* out) {
   using T = Lanes<L>;
@@ -94,12 +102,19 @@ LAYERSTREAM_BF16_TARGET inline void tile(const uint32_t* xp, const uint16_t* w, 
   for (int64_t k0 = 0; k0 < K; k0 += SLICE) {
     for (int n = 0; n < TILE; ++n) _mm_prefetch(next + (k0 / SLICE) * (TILE * 64) + n * 64, _MM_HINT_T1);
     const uint32_t* xk = xp + (k0 / 2) * L;
-    const uint16_t* wa = w + k0;
-    const uint16_t* wb = w + 8 * K + k0;
-    for (int p = 0; p < SLICE / 2; ++p, xk += L, wa += 2, wb += 2) {
-      for (int n = 0; n < 8; ++n) {
-        acc[n] = T::dot(acc[n], xk, pair(wa + n * K));
-        acc[n + 8] = T::dot(acc[n + 8], xk, pair(wb + n * K));
+    if constexpr (STAGED) {
+      alignas(64) uint32_t lines[TILE][SLICE / 2];
+      for (int n = 0; n < TILE; ++n) _mm512_store_si512(lines[n], _mm512_loadu_si512(w + n * K + k0));
+      for (int p = 0; p < SLICE / 2; ++p, xk += L)
+        for (int n = 0; n < TILE; ++n) acc[n] = T::dot(acc[n], xk, lines[n][p]);
+    } else {
+      const uint16_t* wa = w + k0;
+      const uint16_t* wb = w + 8 * K + k0;
+      for (int p = 0; p < SLICE / 2; ++p, xk += L, wa += 2, wb += 2) {
+        for (int n = 0; n < 8; ++n) {
+          acc[n] = T::dot(acc[n], xk, pair(wa + n * K));
+          acc[n + 8] = T::dot(acc[n + 8], xk, pair(wb + n * K));
+        }
       }
     }
   }
@@ -149,6 +164,9 @@ LAYERSTREAM_BF16_TARGET inline void store_tile(const float* out, int64_t M, cons
   }
 }
 
+// Whether the tile stages its lines (tile's STAGED): weight rows a multiple of 4 KiB apart.
+inline bool staged(int64_t K) { return (K * int64_t(sizeof(uint16_t))) % 4096 == 0; }
+
 template <int L>
 LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                                        const uint16_t* bias, uint16_t* y) {
@@ -163,7 +181,12 @@ LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, 
     alignas(64) float out[TILE * L];
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* wt = w + t * TILE * K;
-      tile<L>(xp, wt, K, reinterpret_cast<const char*>(wt + TILE * K), out);
+      const char* next = reinterpret_cast<const char*>(wt + TILE * K);
+      if (staged(K)) {
+        tile<L, true>(xp, wt, K, next, out);
+      } else {
+        tile<L, false>(xp, wt, K, next, out);
+      }
       store_tile<L>(out, M, bias == nullptr ? nullptr : bias + t * TILE, y + t * TILE, N);
     }
   });
@@ -245,9 +268,11 @@ bool applies(const at::Tensor& x, const at::Tensor& w) {
         x.size(1) % SLICE == 0 && x.is_contiguous() && w.is_contiguous())) {
     return false;
   }
-  // 2-16 rows lay x out as K/2 pairs of up to 16 rows; past MAX_PAIRED_K inputs that outgrows the first-level
-  // cache and oneDNN is the faster (docs/benchmarks/bf16-rows.md). One row reads x as it is.
-  return x.size(0) == 1 || (x.size(0) >= 2 && x.size(0) <= MAX_ROWS && x.size(1) <= MAX_PAIRED_K);
+  // 2-16 rows lay x out as K/2 pairs of up to 16 rows; past MAX_PAIRED_K inputs (MAX_STAGED_K where the tile
+  // stages its lines) oneDNN was the faster (docs/benchmarks/bf16-rows.md). One row reads x as it is.
+  const int64_t K = x.size(1);
+  return x.size(0) == 1 || (x.size(0) >= 2 && x.size(0) <= MAX_ROWS &&
+                            (K <= MAX_PAIRED_K || (staged(K) && K <= MAX_STAGED_K)));
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {

@@ -21,7 +21,8 @@ needs_kernel = pytest.mark.skipif(module is None, reason="the AVX512-BF16 rows k
 # (out, in): the benchmark model's and SmolLM2's shapes, and small ones whose out is not a multiple of
 # the 4-row weight tile; in spans one K block (16 KB of x) and several (2816 at 8 rows: 1024 per block;
 # at 16 rows: 512).
-SHAPES = [(1536, 1024), (1024, 2816), (576, 576), (50, 96), (7, 64), (3, 32)]
+SHAPES = [(1536, 1024), (1024, 2816), (576, 576), (50, 96), (7, 64), (3, 32),
+          (40, 2048), (24, 8192)]  # rows 4 and 16 KiB apart: the tile stages its lines (bf16_rows.cpp, STAGED)
 
 
 def _data(out: int, inner: int, rows: int, seed: int = 0):
@@ -58,6 +59,19 @@ def test_kernel_is_as_accurate_as_f_linear(out, inner, rows, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [2, 16])
+def test_staged_tiles_are_the_same_arithmetic(rows):
+    """Rows a multiple of 4 KiB apart take the staged tile, others the direct one: the same products summed in
+    the same order. K = 2048 is staged, the same product padded with zeros to K = 2080 is not; the zeros add
+    nothing, so the two agree bit for bit."""
+    x, w, b = _data(48, 2048, rows, seed=5)
+    padded_x = torch.cat([x, torch.zeros(rows, 32, dtype=x.dtype)], dim=1)
+    padded_w = torch.cat([w, torch.zeros(48, 32, dtype=w.dtype)], dim=1)
+    assert module.applies(x, w) and module.applies(padded_x, padded_w)
+    assert torch.equal(module.linear(x, w, b), module.linear(padded_x, padded_w, b))
+
+
+@needs_kernel
 def test_special_values_pass_through():
     x, w, _ = _data(8, 64, 3)
     x[0, 5] = float("inf")
@@ -84,7 +98,8 @@ def test_threads_split_outputs_without_changing_a_bit(rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["no rows", "seventeen rows", "2 rows of 8192 inputs", "K not a multiple of 32",
+@pytest.mark.parametrize("case", ["no rows", "seventeen rows", "2 rows of 5632 inputs", "2 rows of 16384 inputs",
+                                  "K not a multiple of 32",
                                   "float32", "strided x", "3-d x", "float32 bias"])
 def test_where_it_does_not_apply_it_is_at_linear(case):
     """Outside its cases linear() is at::linear itself: the same result bit for bit, or the same error."""
@@ -94,8 +109,9 @@ def test_where_it_does_not_apply_it_is_at_linear(case):
         x = x[:0]
     elif case == "seventeen rows":
         x = torch.randn(17, 64).bfloat16()
-    elif case == "2 rows of 8192 inputs":  # oneDNN is the faster there (docs/benchmarks/bf16-rows.md)
-        x, w = torch.randn(2, 8192).bfloat16(), torch.randn(40, 8192).bfloat16()
+    elif case.startswith("2 rows of"):  # oneDNN is the faster there (docs/benchmarks/bf16-rows.md)
+        k = int(case.split()[3])  # past 4096, not staged (5632), or past what staged tiles take (16384)
+        x, w = torch.randn(2, k).bfloat16(), torch.randn(40, k).bfloat16()
         assert module.applies(x[:1], w)  # one row still takes the kernel
     elif case == "K not a multiple of 32":
         x, w = x[:, :48].contiguous(), w[:, :48].contiguous()
