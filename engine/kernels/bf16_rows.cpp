@@ -89,10 +89,10 @@ inline uint32_t pair(const uint16_t* p) {
 // (T0) it was 25% slower, two tiles ahead 15% (2816x1024 at 16 rows, throwaway A/B).
 // STAGED: each k step first copies the tile's 16 lines (64 bytes of each row) side by side into a 1 KiB buffer,
 // and the pairs are broadcast from there. Rows whose byte stride is a multiple of 4 KiB (K a multiple of 2048)
-// all fall in one set of the first-level cache, which holds 8 to 12 lines of a set: the 16 lines a step reads
-// pair by pair evict one another and are fetched again from L2 for every pair. Staged, the same products in the
-// same order (bit-identical) ran 2x faster there; at other strides the copy costs a few percent
-// (docs/benchmarks/bf16-rows.md).
+// all fall in one set of the first-level cache, which holds 8 to 12 lines of a set, so the 16 lines a step reads
+// pair by pair evict one another (as the timings say: the CPUs here show no cache counters). Staged, the same
+// products in the same order (bit-identical) no longer do; at other strides the copy only costs, so the tile
+// stages there alone (docs/benchmarks/bf16-rows.md).
 template <int L, bool STAGED>
 LAYERSTREAM_BF16_TARGET inline void tile(const uint32_t* xp, const uint16_t* w, int64_t K, const char* next,
                                          float* out) {

@@ -16,9 +16,11 @@ class Slots:
         self.order = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # a fill has started
         self.fail = set()
 
     def __call__(self, key, slot):
+        self.entered.set()
         self.gate.wait()
         if key in self.fail:
             raise OSError(f"cannot read {key}")
@@ -103,3 +105,23 @@ def test_a_failed_fill_raises_and_leaves_no_bad_slot(cache):
     slots.fail.clear()
     where = use(c, [(0, 0), (0, 1)])  # both slots usable again
     assert sorted(where.values()) == [0, 1]
+
+
+def test_dropping_guesses_waits_for_the_one_being_filled(cache):
+    """A reset (drop_prefetches) forgets queued guesses and returns only once a guess already being filled is done,
+    so no fill of the old step lands in the next step's counters."""
+    c, slots = cache(4)
+    slots.gate.clear()
+    assert c.prefetch([(1, 0), (1, 1)]) == 2  # the fetch thread takes (1, 0) and blocks in the fill
+    assert slots.entered.wait(5)
+    dropped = threading.Thread(target=c.drop_prefetches, daemon=True)
+    dropped.start()
+    dropped.join(0.2)
+    waited = dropped.is_alive()  # waiting for the guess in flight
+    slots.gate.set()  # before any assertion: the fixture's close() joins the fetch thread
+    assert waited
+    dropped.join(5)
+    assert not dropped.is_alive()
+    s = c.stats
+    assert (s.fills, s.fill_bytes) == (1, 100)  # the one in flight, done; the queued one forgotten
+    assert c.cached((1, 0)) and not c.cached((1, 1))

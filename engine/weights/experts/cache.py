@@ -74,6 +74,7 @@ class ExpertCache:
         self._errors: dict[Key, BaseException] = {}  # failed demand fills, for the waiter to raise
         self._demand: list[_Fill] = []
         self._prefetch: list[_Fill] = []
+        self._filling: _Fill | None = None  # the fill the fetch thread is on
         self._stats = ExpertCacheStats()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="layerstream-experts", daemon=True)
@@ -176,12 +177,16 @@ class ExpertCache:
         return queued
 
     def drop_prefetches(self) -> None:
-        """Forget queued guesses (a step failed half-way; the cache itself stays valid)."""
+        """Forget queued guesses (a step failed half-way; the cache itself stays valid), and wait for a guess
+        already being filled: nothing moves on the old step's behalf after this returns, so what the next step
+        counts (fill bytes) is its own."""
         with self._lock:
             for f in self._prefetch:
                 self._forget(f.key)
             self._prefetch.clear()
             self._changed.notify_all()
+            while self._filling is not None and self._filling.prefetch and not self._stop:
+                self._changed.wait()
 
     def close(self) -> None:
         closed(self)
@@ -237,6 +242,7 @@ class ExpertCache:
                 if self._stop:
                     return
                 fill = self._demand.pop(0) if self._demand else self._prefetch.pop(0)
+                self._filling = fill
             t0 = time.perf_counter()
             nbytes, error = 0, None
             try:
@@ -244,6 +250,7 @@ class ExpertCache:
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread that waits for it
                 error = e
             with self._lock:
+                self._filling = None
                 self._loading.pop(fill.key, None)
                 if error is not None:  # the slot holds nothing usable: forget the key (a waiter gets the error)
                     if not fill.prefetch:
