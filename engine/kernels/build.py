@@ -110,6 +110,7 @@ def compile_extension(name: str, source: Path, cflags: tuple[str, ...] = CFLAGS,
             if not library.exists():
                 raise
             # another process built the same kernel first: identical, and this one is already loaded
+        module.__file__ = str(library)  # where the loaded bytes now lie (the work folder is gone)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # (the loaded library stays mapped)
     log.info("compiled the %s kernel in %.0f s", name, time.monotonic() - start)

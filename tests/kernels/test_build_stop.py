@@ -1,4 +1,5 @@
-"""Stopping the kernel builds (a server shut down, or Ctrl-C, while it compiles at start-up)."""
+"""Kernel builds: stopping them (a server shut down, or Ctrl-C, while it compiles at start-up), and where a fresh
+build leaves its library."""
 
 import shutil
 import subprocess
@@ -32,3 +33,27 @@ def test_a_compiler_that_starts_after_the_stop_looked_is_stopped_too(tmp_path: P
     stopper.join()
     assert elapsed < 10, f"prepare() waited {elapsed:.0f} s for a compiler started after the stop"
     assert choices == [prepare.KernelChoice("late", False)]  # its compiler was killed, not finished
+
+
+def test_a_kernel_built_in_this_process_names_the_library_where_it_lies(tmp_path: Path, monkeypatch):
+    """A build runs in a work folder of its own, renamed into place once done; the module it returns then says
+    where its library is now, not in the work folder that is gone (a check that read module.__file__ after a
+    fresh build failed with FileNotFoundError)."""
+    import types
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    source = tmp_path / "tiny.cpp"
+    source.write_text("// a kernel\n")
+
+    def fake_load(name, sources, extra_cflags, build_directory, verbose):  # the compiler's output, without it
+        library = Path(build_directory) / f"{name}.so"
+        library.write_bytes(b"built")
+        return types.SimpleNamespace(__file__=str(library))
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(build, "_ninja_on_path", lambda: None)
+    module = build.compile_extension("tiny", source)
+    assert Path(module.__file__) == build.build_folder("tiny", source) / "tiny.so"
+    assert Path(module.__file__).read_bytes() == b"built"
