@@ -173,7 +173,9 @@ inline void store_rows(const __m512* acc, const float* rowscale, const float* bi
 // HAS_MIN false: the symmetric layout (Q4_0), scales only, (N16/16, G, 16), min = -8 * scale.
 // NB > 1 (decode's one row) walks NB row blocks' codes side by side, group by group: that many memory streams
 // and independent accumulations in flight instead of one (a plain read of NB streams outran one stream's, with
-// or without software prefetch). Each row's sums are the same operations in the same order whatever NB is.
+// or without software prefetch), and each broadcast of 4 activation bytes serves all NB row blocks (the
+// broadcasts are loads: decode's one row has no other use for them). Each row's sums are the same operations
+// in the same order whatever NB is.
 template <int MT, bool TWO_PASS, bool HAS_MIN, int NB = 1, typename T>
 void block_kernel(const uint8_t* codes, int64_t code_stride, const uint16_t* sm, int64_t sm_stride, const float* bias,
                   const QuantX& X, int64_t m0, int64_t n0, int64_t N, T* y) {
@@ -184,20 +186,22 @@ void block_kernel(const uint8_t* codes, int64_t code_stride, const uint16_t* sm,
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    for (int r = 0; r < NB; ++r) {
-      const uint8_t* w = codes + r * code_stride + g * 256;
-      prefetch_stream<4>(w);
-      __m512i isum[MT], rsum[MT];
-      for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
-      for (int v = 0; v < 4; ++v) {
-        const __m512i wv = _mm512_loadu_si512(w + v * 64);
+    for (int r = 0; r < NB; ++r) prefetch_stream<4>(codes + r * code_stride + g * 256);
+    __m512i isum[NB][MT], rsum[NB][MT];
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MT; ++m) isum[r][m] = rsum[r][m] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      for (int r = 0; r < NB; ++r) {
+        const __m512i wv = _mm512_loadu_si512(codes + r * code_stride + g * 256 + v * 64);
         const __m512i wl = _mm512_and_si512(wv, low);
         const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-        dot_tile<MT, TWO_PASS>(isum, rsum, wl, wh, X, m0, g * GROUP + v * 8);
+        dot_tile<MT, TWO_PASS>(isum[r], rsum[r], wl, wh, X, m0, g * GROUP + v * 8);
       }
+    }
+    for (int r = 0; r < NB; ++r) {
       // Two passes: q . codes * 256 + r . codes, exact in int32 (|.| < 2^24, so exact in fp32 too).
       if (TWO_PASS)
-        for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]);
+        for (int m = 0; m < MT; ++m) isum[r][m] = _mm512_add_epi32(_mm512_slli_epi32(isum[r][m], 8), rsum[r][m]);
       const uint16_t* s = sm + r * sm_stride + g * SG;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       // -8 * d is exactly the float16 min the asymmetric layout would store for it (a power of two
@@ -207,7 +211,7 @@ void block_kernel(const uint8_t* codes, int64_t code_stride, const uint16_t* sm,
                                 : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
       for (int m = 0; m < MT; ++m) {
         const int64_t i = (m0 + m) * G + g;
-        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(X.dx[i])), d, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][m]), _mm512_set1_ps(X.dx[i])), d, acc[r][m]);
         acc[r][m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[r][m]);
       }
     }
@@ -227,22 +231,24 @@ void block_kernel_i8(const uint8_t* codes, int64_t code_stride, const float* row
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    for (int r = 0; r < NB; ++r) {
-      const uint8_t* w = codes + r * code_stride + g * 512;
-      prefetch_stream<8>(w);
-      __m512i isum[MT], rsum[MT];
-      for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
-      for (int v = 0; v < 8; ++v) {
-        const __m512i wv = _mm512_loadu_si512(w + v * 64);
+    for (int r = 0; r < NB; ++r) prefetch_stream<8>(codes + r * code_stride + g * 512);
+    __m512i isum[NB][MT], rsum[NB][MT];
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MT; ++m) isum[r][m] = rsum[r][m] = _mm512_setzero_si512();
+    for (int v = 0; v < 8; ++v) {
+      for (int r = 0; r < NB; ++r) {
+        const __m512i wv = _mm512_loadu_si512(codes + r * code_stride + g * 512 + v * 64);
         for (int m = 0; m < MT; ++m) {
           const int64_t at = (m0 + m) * K + g * GROUP + v * 4;
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wv, bcast4(X.q.data() + at));
-          if (TWO_PASS) rsum[m] = _mm512_dpbusd_epi32(rsum[m], wv, bcast4(X.r.data() + at));
+          isum[r][m] = _mm512_dpbusd_epi32(isum[r][m], wv, bcast4(X.q.data() + at));
+          if (TWO_PASS) rsum[r][m] = _mm512_dpbusd_epi32(rsum[r][m], wv, bcast4(X.r.data() + at));
         }
       }
+    }
+    for (int r = 0; r < NB; ++r) {
       for (int m = 0; m < MT; ++m) {
         const int64_t i = (m0 + m) * G + g;
-        __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]) : isum[m];
+        __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[r][m], 8), rsum[r][m]) : isum[r][m];
         t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * X.qsum[i]));
         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i]), acc[r][m]);
       }
@@ -274,27 +280,19 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    for (int r = 0; r < NB; ++r) {
-      const uint8_t* w = codes + r * code_stride + g * CODE_BYTES;
-      const uint8_t* sb = sbs + r * sb_stride;
-      prefetch_stream<CODE_BYTES / 64>(w);
-      const uint8_t* s = sb + (g / 8) * SB_BYTES;
-      const int64_t sg = (g % 8) * 32;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 256)));
-      auto u8 = [&](int64_t at) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
-      };
-      auto i8 = [&](int64_t at) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
-      };
-      // Q4_K's sub-scales cover a group's 32 weights, Q6_K's 16 (vectors 0-1 hold the first 16, 2-3 the last):
-      // one integer sum per row and sub-scale at a time (two would not fit the registers with the tile's float
-      // sums: they would spill).
-      constexpr int H = BITS == 4 ? 1 : 2;
-      for (int h = 0; h < H; ++h) {
-        __m512i isum[MT], rsum[MT];
-        for (int m = 0; m < MT; ++m) isum[m] = rsum[m] = _mm512_setzero_si512();
-        for (int v = h * 4 / H; v < (h + 1) * 4 / H; ++v) {
+    for (int r = 0; r < NB; ++r) prefetch_stream<CODE_BYTES / 64>(codes + r * code_stride + g * CODE_BYTES);
+    const int64_t sg = (g % 8) * 32;
+    // Q4_K's sub-scales cover a group's 32 weights, Q6_K's 16 (vectors 0-1 hold the first 16, 2-3 the last):
+    // one integer sum per row and sub-scale at a time (two would not fit the registers with the tile's float
+    // sums: they would spill).
+    constexpr int H = BITS == 4 ? 1 : 2;
+    for (int h = 0; h < H; ++h) {
+      __m512i isum[NB][MT], rsum[NB][MT];
+      for (int r = 0; r < NB; ++r)
+        for (int m = 0; m < MT; ++m) isum[r][m] = rsum[r][m] = _mm512_setzero_si512();
+      for (int v = h * 4 / H; v < (h + 1) * 4 / H; ++v) {
+        for (int r = 0; r < NB; ++r) {
+          const uint8_t* w = codes + r * code_stride + g * CODE_BYTES;
           const __m512i wv = _mm512_loadu_si512(w + v * 64);
           __m512i wl = _mm512_and_si512(wv, low);
           __m512i wh = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
@@ -304,16 +302,26 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
             wl = _mm512_or_si512(wl, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top2));
             wh = _mm512_or_si512(wh, _mm512_and_si512(_mm512_slli_epi16(hv, 2), top2));
           }
-          dot_tile<MT, TWO_PASS>(isum, rsum, wl, wh, X, m0, g * GROUP + v * 8);
+          dot_tile<MT, TWO_PASS>(isum[r], rsum[r], wl, wh, X, m0, g * GROUP + v * 8);
         }
+      }
+      for (int r = 0; r < NB; ++r) {
+        const uint8_t* s = sbs + r * sb_stride + (g / 8) * SB_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 256)));
+        auto u8 = [&](int64_t at) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+        };
+        auto i8 = [&](int64_t at) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at))));
+        };
         if (BITS == 4) {
           const __m512 scale = _mm512_mul_ps(d, u8(sg));
           const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
           const __m512 mn = _mm512_mul_ps(dmin, u8(sg + 16));
           for (int m = 0; m < MT; ++m) {
             const int64_t i = (m0 + m) * G + g;
-            __m512i t = isum[m];
-            if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), rsum[m]);
+            __m512i t = isum[r][m];
+            if (TWO_PASS) t = _mm512_add_epi32(_mm512_slli_epi32(t, 8), rsum[r][m]);
             acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[r][m]);
             acc[r][m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sx[i]), acc[r][m]);
           }
@@ -321,7 +329,7 @@ void block_kernel_k(const uint8_t* codes, int64_t code_stride, const uint8_t* sb
           const __m512 scale = _mm512_mul_ps(d, i8(sg + 16 * h));
           for (int m = 0; m < MT; ++m) {
             const int64_t i = (m0 + m) * G + g;
-            __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[m], 8), rsum[m]) : isum[m];
+            __m512i t = TWO_PASS ? _mm512_add_epi32(_mm512_slli_epi32(isum[r][m], 8), rsum[r][m]) : isum[r][m];
             t = _mm512_sub_epi32(t, _mm512_set1_epi32(32 * X.hsum[i * 2 + h]));
             acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(X.dx[i])), scale, acc[r][m]);
           }
