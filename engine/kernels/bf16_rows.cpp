@@ -177,12 +177,13 @@ LAYERSTREAM_BF16_TARGET void run_lanes(const uint16_t* x, int64_t M, int64_t K, 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t p = 0; p < K / 2; ++p) xp[p * L + m] = pair(x + m * K + 2 * p);
   const int64_t tiles = N / TILE;
+  const bool stage = staged(K);
   at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
     alignas(64) float out[TILE * L];
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* wt = w + t * TILE * K;
       const char* next = reinterpret_cast<const char*>(wt + TILE * K);
-      if (staged(K)) {
+      if (stage) {
         tile<L, true>(xp, wt, K, next, out);
       } else {
         tile<L, false>(xp, wt, K, next, out);
