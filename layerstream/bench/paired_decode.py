@@ -9,6 +9,14 @@ greedy tokens after that prompt, served from their prefix caches (llama.cpp reus
 fraction of a second apart, the order reversed every round: each round's ratio compares the two under nearly the same
 memory. The median of the rounds' ratios is the figure; their range shows the spread.
 
+Then --floor-rounds more rounds set each peer against the memory floor at the memory's speed of the moment: between
+two tokens the child reads PROBE_BYTES of memory (a torch sum, the threads the peers use), and each token's floor is
+its weight bytes over the faster of the reads just before and just after it. A token takes tens of milliseconds, the
+memory's speed holds for seconds, so the floor and the token see the same memory, where a probe before and after a
+whole run (bench-scale's separate runs) may not. The share of the floor is the tokens' floor time over their time (the
+reads are not counted in it); the median over the rounds is the figure. These rounds are not in the ratio: a torch
+read's threads may still spin when llama.cpp's next token starts.
+
 Both files are mapped in one process, so the pair runs only where both fit in the memory available together.
 """
 
@@ -19,11 +27,34 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .common import checkpoint_bytes, idle_until_collapsed
 
 PAUSE_S = 0.3  # between two decodes: the threads of the one that ran stop spinning before the other runs
+PROBE_BYTES = 256 << 20  # read between two tokens in the floor rounds: long enough to time, short beside a token
+
+
+def floor_share(tokens: Iterator[int], read_gbps: Callable[[], float], bytes_per_token: int) -> tuple[float, float]:
+    """Decodes by drawing from `tokens` (each item: how many tokens that draw decoded), calling read_gbps() between
+    two draws -> (tok/s, the share of the memory floor reached). The first draw finishes the prompt and is not
+    counted; each later token's floor is bytes_per_token at the faster of the reads just before and after it."""
+    draws = iter(tokens)
+    next(draws)
+    before, spent, floor, count = read_gbps(), 0.0, 0.0, 0
+    while True:
+        t0 = time.perf_counter()
+        n = next(draws, None)
+        if n is None:
+            break
+        spent += time.perf_counter() - t0
+        after = read_gbps()
+        floor += n * bytes_per_token / (max(before, after) * 1e9)
+        count, before = count + n, after
+    if not count:
+        raise ValueError("no token after the first to set against the floor")
+    return count / spent, floor / spent
 
 
 def summarize(rounds: list[tuple[float, float]]) -> dict:
@@ -37,10 +68,26 @@ def summarize(rounds: list[tuple[float, float]]) -> dict:
                 ratio_min=min(ratios), ratio_max=max(ratios))
 
 
+def summarize_floor(shares: list[tuple[float, float]]) -> dict:
+    """Each floor round's (layerstream, llama.cpp) share of the memory floor -> each peer's median and range."""
+    if not shares:
+        return {}
+    mine, theirs = [m for m, _ in shares], [t for _, t in shares]
+    return dict(floor_rounds=len(shares), layerstream_floor=statistics.median(mine), layerstream_floor_min=min(mine),
+                layerstream_floor_max=max(mine), llama_cpp_floor=statistics.median(theirs),
+                llama_cpp_floor_min=min(theirs), llama_cpp_floor_max=max(theirs))
+
+
 def describe(s: dict) -> str:
     """The summary as bench-scale prints it."""
-    return (f"layerstream {s['layerstream_tps']:.1f}, llama.cpp {s['llama_cpp_tps']:.1f} tok/s (medians of "
+    text = (f"layerstream {s['layerstream_tps']:.1f}, llama.cpp {s['llama_cpp_tps']:.1f} tok/s (medians of "
             f"{s['rounds']} rounds); per round {s['ratio']:.2f}x median ({s['ratio_min']:.2f}-{s['ratio_max']:.2f}x)")
+    if s.get("floor_rounds"):
+        text += (f"; of the memory floor read between tokens, medians of {s['floor_rounds']} rounds: layerstream "
+                 f"{100 * s['layerstream_floor']:.0f}% ({100 * s['layerstream_floor_min']:.0f}-"
+                 f"{100 * s['layerstream_floor_max']:.0f}%), llama.cpp {100 * s['llama_cpp_floor']:.0f}% "
+                 f"({100 * s['llama_cpp_floor_min']:.0f}-{100 * s['llama_cpp_floor_max']:.0f}%)")
+    return text
 
 
 def fits_together(mine: Path, theirs: Path) -> bool:
@@ -51,7 +98,8 @@ def fits_together(mine: Path, theirs: Path) -> bool:
 
 
 def child(spec: dict) -> dict:
-    """In the child process: spec = {mine, theirs, ids, threads, decode_tokens, rounds, idle}."""
+    """In the child process: spec = {mine, theirs, ids, threads, decode_tokens, rounds, idle, floor_rounds,
+    bytes_per_token: [mine, theirs]}."""
     import torch
     from llama_cpp import Llama
 
@@ -64,23 +112,36 @@ def child(spec: dict) -> dict:
                                   max_num_batched_tokens=len(ids), show_progress=False, enable_prefix_caching=True))
     llm = None
 
-    def mine() -> float:
+    def my_tokens() -> Iterator[int]:  # each step's new tokens
         engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"paired-{time.time()}")
-        first, count = None, 0
         while engine.has_unfinished():
-            for out in engine.step():
-                count += len(out.new_token_ids)
-                first = first or time.perf_counter()
-        return (count - 1) / (time.perf_counter() - first)
+            new = sum(len(out.new_token_ids) for out in engine.step())
+            if new:
+                yield new
+
+    def their_tokens() -> Iterator[int]:
+        for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), 1):
+            yield 1
+            if count == n:
+                return
+
+    def tps(tokens: Iterator[int]) -> float:  # from the first token to the last
+        first = next(tokens)
+        t0, count = time.perf_counter(), sum(tokens)
+        return count / (time.perf_counter() - t0) if first and count else 0.0
+
+    probe = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
+
+    def read_gbps() -> float:
+        t0 = time.perf_counter()
+        probe.sum()
+        return PROBE_BYTES / (time.perf_counter() - t0) / 1e9
+
+    def mine() -> float:
+        return tps(my_tokens())
 
     def theirs() -> float:
-        first, count = None, 0
-        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            count += 1
-            first = first or time.perf_counter()
-            if count == n:
-                break
-        return (count - 1) / (time.perf_counter() - first)
+        return tps(their_tokens())
 
     try:
         llm = Llama(model_path=spec["theirs"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
@@ -95,19 +156,31 @@ def child(spec: dict) -> dict:
                 time.sleep(PAUSE_S)
                 speeds[name] = decode()
             rounds.append((speeds["mine"], speeds["theirs"]))
-        return dict(rounds_tps=rounds)
+        mine_bytes, their_bytes = spec["bytes_per_token"]
+        shares = []
+        for i in range(spec["floor_rounds"]):
+            share = {}
+            for name, tokens, nbytes in ((("mine", my_tokens, mine_bytes), ("theirs", their_tokens, their_bytes))
+                                         if i % 2 == 0 else
+                                         (("theirs", their_tokens, their_bytes), ("mine", my_tokens, mine_bytes))):
+                time.sleep(PAUSE_S)
+                share[name] = floor_share(tokens(), read_gbps, nbytes)[1]
+            shares.append((share["mine"], share["theirs"]))
+        return dict(rounds_tps=rounds, floor_shares=shares)
     finally:
         if llm is not None:
             llm.close()
         engine.close()
 
 
-def run_paired(ns, mine: Path, theirs: Path, ids: list[int]) -> dict:
-    """The paired child's summary (summarize's keys and rounds_tps), or {"error": why}."""
+def run_paired(ns, mine: Path, theirs: Path, ids: list[int], bytes_per_token: tuple[int, int]) -> dict:
+    """The paired child's summary (summarize's and summarize_floor's keys, rounds_tps and floor_shares), or
+    {"error": why}. bytes_per_token: the weight bytes a token reads from each peer's file."""
     if not fits_together(mine, theirs):
         return {"error": "both files do not fit in memory together"}
     spec = dict(mine=str(mine), theirs=str(theirs), ids=ids, threads=ns.threads, decode_tokens=ns.decode_tokens,
-                rounds=ns.paired_rounds, idle=ns.idle)
+                rounds=ns.paired_rounds, idle=ns.idle, floor_rounds=ns.floor_rounds,
+                bytes_per_token=list(bytes_per_token))
     argv = [sys.executable, "-m", "layerstream", "--log-level", "WARNING", "bench-scale", "--child", "paired"]
     try:
         proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, timeout=ns.timeout)
@@ -117,5 +190,6 @@ def run_paired(ns, mine: Path, theirs: Path, ids: list[int]) -> dict:
     if proc.returncode != 0 or not lines:
         tail = proc.stderr.strip().splitlines()[-1:] or [""]
         return {"error": f"exit {proc.returncode}: {tail[0]}"}
-    rounds = [tuple(r) for r in json.loads(lines[-1])["rounds_tps"]]
-    return dict(summarize(rounds), rounds_tps=rounds)
+    out = json.loads(lines[-1])
+    rounds, shares = [tuple(r) for r in out["rounds_tps"]], [tuple(r) for r in out["floor_shares"]]
+    return dict(summarize(rounds), **summarize_floor(shares), rounds_tps=rounds, floor_shares=shares)

@@ -21,7 +21,8 @@ fastest of each peer's is reported. Decode is set against the memory floor: the 
 reads divided by this machine's measured read bandwidth (measured before and after each run, the faster
 taken: it drifts). Then both peers decode in one process, in --paired-rounds alternating rounds (paired_decode.py:
 the median of the rounds' ratios, which the memory's drift between runs does not decide, is the column "paired
-rounds vs llama.cpp"). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
+rounds vs llama.cpp"; in --floor-rounds more, each token's floor is read just before and after it, the column "paired
+rounds: of floor"). With --capped (root: a cgroup v1 memory controller, drop_caches), each file then runs in a
 memory cgroup of --cap-fraction of its size from a cold page cache: decode tok/s, bytes read from disk
 per token and % of the disk floor (bytes per token / the disk's GB/s, measured by one sustained O_DIRECT
 read of up to 2 GiB of the file the run reads; the fastest 256 MiB part of a 1 GiB read is printed
@@ -105,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paired-rounds", type=int, default=10,
                    help="then both peers in one process, decoding in alternating rounds (a ratio that the memory's "
                         "drift between runs does not decide; layerstream/bench/paired_decode.py); 0: not run")
+    p.add_argument("--floor-rounds", type=int, default=4,
+                   help="after the paired rounds, each peer's share of the memory floor, its tokens alternating with "
+                        "reads of memory: each token's floor at the memory's speed of that moment")
     p.add_argument("--idle", type=float, default=30.0,
                    help="after the first request each resident run idles, as a server between requests, then serves "
                         "the prompt again (decode tok/s, 2nd request): layerstream until its resident copies are in "
@@ -249,6 +253,14 @@ def weight_bytes_per_token(path: Path) -> int:
                     sizes[k] = 2 * math.prod(sl.get_shape())
         embed = "model.embed_tokens.weight" if "lm_head.weight" in sizes else None
     return sum(sizes.values()) - (sizes[embed] if embed else 0)
+
+
+def _floor_share(paired: dict | None, peer: str) -> str:
+    """A peer's median share of the floor in the paired child's floor rounds, with its range; "" where none ran."""
+    if not paired or not paired.get("floor_rounds"):
+        return ""
+    return (f"{100 * paired[f'{peer}_floor']:.0f}% ({100 * paired[f'{peer}_floor_min']:.0f}-"
+            f"{100 * paired[f'{peer}_floor_max']:.0f}%)")
 
 
 def memory_gbps(threads: int) -> float:
@@ -581,7 +593,7 @@ def run(ns: argparse.Namespace) -> int:
         if theirs is not None and ns.paired_rounds > 0:
             from .paired_decode import describe, run_paired
 
-            paired = run_paired(ns, mine, theirs, ids)
+            paired = run_paired(ns, mine, theirs, ids, (weight_bytes_per_token(mine), weight_bytes_per_token(theirs)))
             results.append(dict(paired, peer="paired", file=f))
             print(f"  {f} paired decode, one process, rounds alternating: "
                   f"{paired.get('error') or describe(paired)}", flush=True)
@@ -613,13 +625,15 @@ def run(ns: argparse.Namespace) -> int:
                                f"{100 * dec2 / floor2:.0f}%" if dec2 else "-", f"{floor:.1f} / {floor2:.1f}",
                                f"{paired['ratio']:.2f}x ({paired['ratio_min']:.2f}-{paired['ratio_max']:.2f})"
                                if mine and paired and "ratio" in paired else "",
+                               _floor_share(paired, "layerstream" if mine else "llama_cpp"),
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
         print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB; each request's memory "
               f"floor at the memory's speed just before and after its run, the faster")
         print(table(["peer", "file", "imports s", "load s, first", "load s, second", "prefill tok/s", "vs llama.cpp",
                      "decode tok/s", "vs llama.cpp", "of floor", "2nd request", "vs llama.cpp", "of floor",
-                     "memory floor tok/s, 1st / 2nd", "paired rounds vs llama.cpp", "peak RssAnon", "error"],
+                     "memory floor tok/s, 1st / 2nd", "paired rounds vs llama.cpp", "paired rounds: of floor",
+                     "peak RssAnon", "error"],
                     table_rows))
 
     if ns.capped or ns.capped_only:

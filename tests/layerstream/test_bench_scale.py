@@ -110,10 +110,11 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
 
     paired_calls = []
 
-    def fake_paired(ns, mine, theirs, ids):
-        paired_calls.append((mine, theirs))
-        rounds = [(10.0, 20.0), (30.0, 20.0), (15.0, 10.0)]
-        return dict(paired_decode.summarize(rounds), rounds_tps=rounds)
+    def fake_paired(ns, mine, theirs, ids, bytes_per_token):
+        paired_calls.append((mine, theirs, bytes_per_token))
+        rounds, shares = [(10.0, 20.0), (30.0, 20.0), (15.0, 10.0)], [(0.9, 0.5), (0.7, 0.6)]
+        return dict(paired_decode.summarize(rounds), **paired_decode.summarize_floor(shares), rounds_tps=rounds,
+                    floor_shares=shares)
 
     monkeypatch.setattr(scale, "_run", fake_run)
     monkeypatch.setattr(paired_decode, "run_paired", fake_paired)
@@ -124,7 +125,7 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
     monkeypatch.setattr(common.Chart, "save", lambda self, png: drawn.append((png, self.panels)))
     ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=False, capped=False,
                                   streamed=False, threads=2, prompt_tokens=8, decode_tokens=31, repeats=2,
-                                  paired_rounds=3, json=None, png="decode.png")
+                                  paired_rounds=3, floor_rounds=2, json=None, png="decode.png")
     assert scale.run(ns) == 0
     assert calls == ["layerstream", "llama.cpp", "llama.cpp", "layerstream"]
     out = capsys.readouterr().out
@@ -136,8 +137,11 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
     assert rows["llama.cpp"][7] == "30.0" and rows["llama.cpp"][9] == "75%", rows["llama.cpp"]
     assert rows["layerstream"][8] == "0.67x" and rows["layerstream"][13] == "40.0 / 40.0", rows["layerstream"]
     # then the paired rounds, once, on the same file for both: their median ratio and range on layerstream's row
-    assert paired_calls == [(path, path)]
+    assert paired_calls == [(path, path, (10**9, 10**9))]
     assert rows["layerstream"][14] == "1.50x (0.50-1.50)" and rows["llama.cpp"][14] == "", rows
+    # and each peer's share of the floor in the floor rounds: median (range)
+    assert rows["layerstream"][15] == "80% (70-90%)" and rows["llama.cpp"][15] == "55% (50-60%)", rows
+    assert "layerstream 80% (70-90%), llama.cpp 55% (50-60%)" in out
     assert "layerstream 15.0, llama.cpp 20.0 tok/s (medians of 3 rounds)" in out
     assert "10.0/20.0 30.0/20.0 15.0/10.0" in out
     # the chart: each peer's fastest run, and beside it the paired rounds' medians
@@ -145,6 +149,31 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
     assert png == "decode.png"
     assert [(metric, values) for metric, _, values, _ in panels] == [
         ("fastest run, 1st request", [20.0, 30.0]), ("paired rounds, medians", [15.0, 20.0])]
+
+
+def test_a_tokens_floor_is_the_memory_read_just_before_or_after_it(monkeypatch):
+    """floor_share: the first draw (the prompt's end) is not counted; each later token's floor is its bytes at the
+    faster of the reads around it; the reads' own time is not the tokens'."""
+    clock = [0.0]
+    monkeypatch.setattr(paired_decode.time, "perf_counter", lambda: clock[0])
+
+    def tokens():
+        for seconds in (5.0, 1.0, 2.0):  # the first draw, then two tokens of 1 s and 2 s
+            clock[0] += seconds
+            yield 1
+
+    reads = iter([1.0, 2.0, 0.5])  # GB/s before the 2nd token, between, after the 3rd
+
+    def read_gbps():
+        clock[0] += 100.0  # a read that takes long: it must not count
+        return next(reads)
+
+    tps, share = paired_decode.floor_share(tokens(), read_gbps, 10**9)
+    assert tps == pytest.approx(2 / 3.0)
+    # token 2: 1 GB at max(1, 2) GB/s = 0.5 s; token 3: at max(2, 0.5) = 0.5 s; (0.5 + 0.5) / 3 s
+    assert share == pytest.approx(1 / 3.0)
+    with pytest.raises(ValueError, match="no token after the first"):
+        paired_decode.floor_share(iter([1]), lambda: 1.0, 10**9)
 
 
 def test_paired_rounds_are_summarized_by_their_medians():
@@ -165,7 +194,7 @@ def test_paired_rounds_refuse_files_that_do_not_fit_together(tmp_path, monkeypat
     b.write_bytes(b"x" * 1000)
     monkeypatch.setattr(engine.host_memory, "host_memory_available", lambda: 2000)
     monkeypatch.setattr(paired_decode.subprocess, "run", lambda *a, **k: pytest.fail("a child was started"))
-    ns = argparse.Namespace(threads=2, decode_tokens=8, paired_rounds=2, idle=1.0, timeout=10.0)
-    assert paired_decode.run_paired(ns, a, b, [1, 2]) == {"error": "both files do not fit in memory together"}
+    ns = argparse.Namespace(threads=2, decode_tokens=8, paired_rounds=2, idle=1.0, timeout=10.0, floor_rounds=2)
+    assert paired_decode.run_paired(ns, a, b, [1, 2], (1, 1)) == {"error": "both files do not fit in memory together"}
     monkeypatch.setattr(engine.host_memory, "host_memory_available", lambda: 10_000)
     assert paired_decode.fits_together(a, b)
