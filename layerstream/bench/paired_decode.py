@@ -11,11 +11,11 @@ memory. The median of the rounds' ratios is the figure; their range shows the sp
 
 Then --floor-rounds more rounds set each peer against the memory floor at the memory's speed of the moment: between
 two tokens the child reads PROBE_BYTES of memory (a torch sum, the threads the peers use), and each token's floor is
-its weight bytes over the faster of the reads just before and just after it. A token takes tens of milliseconds, the
-memory's speed holds for seconds, so the floor and the token see the same memory, where a probe before and after a
-whole run (bench-scale's separate runs) may not. The share of the floor is the tokens' floor time over their time (the
-reads are not counted in it); the median over the rounds is the figure. These rounds are not in the ratio: a torch
-read's threads may still spin when llama.cpp's next token starts.
+its weight bytes over the faster of the reads just before and just after it. A token takes tens to hundreds of
+milliseconds and the memory's speed holds for seconds, so the floor and the token see the same memory, where a probe
+before and after a whole run (bench-scale's separate runs) may not. The share of the floor is the tokens' floor time
+over their time (the reads are not counted in it); the median over the rounds is the figure. These rounds are not in
+the ratio: a torch read's threads may still spin when llama.cpp's next token starts.
 
 Both files are mapped in one process, so the pair runs only where both fit in the memory available together.
 """
