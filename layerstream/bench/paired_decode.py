@@ -126,9 +126,9 @@ def child(spec: dict) -> dict:
                 return
 
     def tps(tokens: Iterator[int]) -> float:  # from the first token to the last
-        first = next(tokens)
+        next(tokens)
         t0, count = time.perf_counter(), sum(tokens)
-        return count / (time.perf_counter() - t0) if first and count else 0.0
+        return count / (time.perf_counter() - t0) if count else 0.0
 
     probe = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
 
@@ -137,33 +137,29 @@ def child(spec: dict) -> dict:
         probe.sum()
         return PROBE_BYTES / (time.perf_counter() - t0) / 1e9
 
-    def mine() -> float:
-        return tps(my_tokens())
-
-    def theirs() -> float:
-        return tps(their_tokens())
-
     try:
         llm = Llama(model_path=spec["theirs"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
                     n_batch=len(ids), n_ctx=len(ids) + n + 16, verbose=False)
-        mine(), theirs()  # each computes the prompt once; every round after reads it from the prefix cache
+        tps(my_tokens()), tps(their_tokens())  # each computes the prompt once; every round after reads it cached
         idle_until_collapsed(engine, spec["idle"])
-        rounds = []
+        mine_bytes, their_bytes = spec["bytes_per_token"]
+        peers = {"mine": (my_tokens, mine_bytes), "theirs": (their_tokens, their_bytes)}
+
+        def alternate(i: int) -> tuple[str, str]:  # the order, reversed every round
+            return ("mine", "theirs") if i % 2 == 0 else ("theirs", "mine")
+
+        rounds, shares = [], []
         for i in range(spec["rounds"]):
             speeds = {}
-            for name, decode in ((("mine", mine), ("theirs", theirs)) if i % 2 == 0 else
-                                 (("theirs", theirs), ("mine", mine))):
+            for name in alternate(i):
                 time.sleep(PAUSE_S)
-                speeds[name] = decode()
+                speeds[name] = tps(peers[name][0]())
             rounds.append((speeds["mine"], speeds["theirs"]))
-        mine_bytes, their_bytes = spec["bytes_per_token"]
-        shares = []
         for i in range(spec["floor_rounds"]):
             share = {}
-            for name, tokens, nbytes in ((("mine", my_tokens, mine_bytes), ("theirs", their_tokens, their_bytes))
-                                         if i % 2 == 0 else
-                                         (("theirs", their_tokens, their_bytes), ("mine", my_tokens, mine_bytes))):
+            for name in alternate(i):
                 time.sleep(PAUSE_S)
+                tokens, nbytes = peers[name]
                 share[name] = floor_share(tokens(), read_gbps, nbytes)[1]
             shares.append((share["mine"], share["theirs"]))
         return dict(rounds_tps=rounds, floor_shares=shares)

@@ -593,7 +593,7 @@ def run(ns: argparse.Namespace) -> int:
         if theirs is not None and ns.paired_rounds > 0:
             from .paired_decode import describe, run_paired
 
-            paired = run_paired(ns, mine, theirs, ids, (weight_bytes_per_token(mine), weight_bytes_per_token(theirs)))
+            paired = run_paired(ns, mine, theirs, ids, (rows[0]["bytes_per_token"], rows[-1]["bytes_per_token"]))
             results.append(dict(paired, peer="paired", file=f))
             print(f"  {f} paired decode, one process, rounds alternating: "
                   f"{paired.get('error') or describe(paired)}", flush=True)
