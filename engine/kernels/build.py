@@ -129,6 +129,22 @@ def stop_builds() -> int:
     no compiler running behind it; the builds then fail, which is their logged fallback. Returns how
     many processes it killed. Builds that have not started yet never will."""
     _stopped.set()
+    # Freeze before killing: a ninja (or a compiler's shell) left running between a scan and its kill can start
+    # the next compile, whose process the scan did not see and which outlives this one. A stopped process forks
+    # nothing more, so the tree is scanned again until no new process appears, and only then killed.
+    frozen: list[int] = []
+    while fresh := [pid for pid in _build_processes() if pid not in frozen]:
+        for pid in fresh:
+            _signal(pid, signal.SIGSTOP)
+        _until_stopped(fresh)
+        frozen += fresh
+    for pid in reversed(frozen):  # compilers before the ninja that would start the next one
+        _signal(pid, signal.SIGKILL)
+    return len(frozen)
+
+
+def _build_processes() -> list[int]:
+    """This process's ninja children and all their descendants, each parent before its children."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -139,17 +155,38 @@ def stop_builds() -> int:
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
         children.setdefault(ppid, []).append(pid)
-    doomed, stack = [], [pid for pid in children.get(os.getpid(), ()) if _command(pid) == "ninja"]
+    found, stack = [], [pid for pid in children.get(os.getpid(), ()) if _command(pid) == "ninja"]
     while stack:
         pid = stack.pop()
-        doomed.append(pid)
+        found.append(pid)
         stack += children.get(pid, [])
-    for pid in reversed(doomed):  # compilers before the ninja that would start the next one
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return len(doomed)
+    return found
+
+
+def _until_stopped(pids: list[int], timeout_s: float = 1.0) -> None:
+    """Until each of `pids` is stopped or gone: a SIGSTOP takes effect when the process next leaves the kernel,
+    so one in the middle of a fork could otherwise add its child after the scan that follows."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(pids)
+    while waiting and time.monotonic() < deadline:
+        waiting = [pid for pid in waiting if _state(pid) not in ("T", "t", "Z", "X", "")]
+        if waiting:
+            time.sleep(0.001)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, D, T, Z, ...), "" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass  # gone meanwhile
 
 
 def _command(pid: int) -> str:

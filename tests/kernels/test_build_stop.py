@@ -57,3 +57,32 @@ def test_a_kernel_built_in_this_process_names_the_library_where_it_lies(tmp_path
     module = build.compile_extension("tiny", source)
     assert Path(module.__file__) == build.build_folder("tiny", source) / "tiny.so"
     assert Path(module.__file__).read_bytes() == b"built"
+
+
+def test_a_build_that_keeps_starting_compilers_leaves_none_behind(tmp_path: Path, monkeypatch):
+    """A ninja starts its next compile the moment one ends; stop_builds() must not leave one running that it
+    started between the stop's look at its processes and their kill (such a compile outlives the server).
+    Here the "ninja" starts a compiler stand-in every few milliseconds, so that moment is always there."""
+    monkeypatch.setattr(build, "_stopped", threading.Event())  # this test's stop only
+    marker = "61.4142"  # each stand-in's argument: how the leftovers are found
+    ninja = tmp_path / "ninja"
+    ninja.write_text(f"#!/bin/sh\nwhile true; do sleep {marker} & sleep 0.002; done\n")
+    ninja.chmod(0o755)
+    proc = subprocess.Popen([str(ninja)])
+    try:
+        time.sleep(0.3)
+        assert build.stop_builds() > 1
+        proc.wait(timeout=10)
+        time.sleep(0.3)  # a compiler left running would still be there
+        left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if _reads(p).split(b"\0")[1:2] == [marker.encode()]]
+        assert not left, f"{len(left)} compiler stand-ins outlived the stop"
+    finally:
+        proc.kill()
+        subprocess.run(["pkill", "-f", f"sleep {marker}"])
+
+
+def _reads(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
