@@ -1,7 +1,9 @@
 """Kernel builds: stopping them (a server shut down, or Ctrl-C, while it compiles at start-up), and where a fresh
 build leaves its library."""
 
+import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -74,15 +76,24 @@ def test_a_build_that_keeps_starting_compilers_leaves_none_behind(tmp_path: Path
         assert build.stop_builds() > 1
         proc.wait(timeout=10)
         time.sleep(0.3)  # a compiler left running would still be there
-        left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if _reads(p).split(b"\0")[1:2] == [marker.encode()]]
+        left = _stand_ins(marker)
         assert not left, f"{len(left)} compiler stand-ins outlived the stop"
     finally:
         proc.kill()
-        subprocess.run(["pkill", "-f", f"sleep {marker}"])
+        for pid in _stand_ins(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # gone meanwhile
 
 
-def _reads(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return b""
+def _stand_ins(marker: str) -> list[int]:
+    """The processes running `sleep <marker>`."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().split(b"\0")[1:2] == [marker.encode()]:
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue  # gone meanwhile
+    return pids
