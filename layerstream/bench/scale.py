@@ -1,6 +1,7 @@
 """`layerstream bench-scale`: the sizes users run, layerstream against llama.cpp on the same files.
 
-Files, made once under $LAYERSTREAM_BENCH_DIR/scale-<shape>/ (the 3B shape needs ~14 GB of disk):
+Files, made once under $LAYERSTREAM_BENCH_DIR/scale-<shape>/ (the 3B shape needs ~14 GB of disk, the 8B ~38 GB
+and ~8 GB more for its prepacked entries in the layerstream cache):
   bf16/                random weights with a real model's shape (normal, std 0.02; norms 1) and
                        SmolLM2's tokenizer (from the demo GGUF), saved as bf16 safetensors one shard
                        at a time, so building it needs about one shard of memory
@@ -522,9 +523,10 @@ def run(ns: argparse.Namespace) -> int:
     print(f"{what}, {ns.threads} threads, prompt {len(ids)} tokens, {ns.decode_tokens} greedy tokens; "
           f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}\n", flush=True)
 
-    # decode tok/s to draw: each peer's fastest separate run (1st request), and the paired rounds' medians
+    # decode tok/s to draw: each peer's fastest separate run (1st request), the paired rounds' medians, the capped runs
     chart: list[tuple[str, float | None]] = []
     paired_chart: list[tuple[str, float | None]] = []
+    capped_chart: list[tuple[str, float | None]] = []  # decode tok/s under the cgroup (None: no token)
     results, before = [], mem_gbps
     for f, (mine, theirs) in ([] if ns.capped_only else pairs.items()):
         peers = [("layerstream", mine)] + ([] if theirs is None else [("llama.cpp", theirs)])
@@ -674,6 +676,7 @@ def run(ns: argparse.Namespace) -> int:
                                  f"{burst.gbps:.2f}",
                                  f"{100 * dec / floor:.0f}%" if floor else "-", _share(r, "decode_disk_read_s"),
                                  _share(r, "decode_stall_s"), f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
+                    capped_chart.append((f"{f}\n{peer}", dec))
                     print(f"  capped {f} {peer}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s)", flush=True)
             print(f"\nunder a memory cgroup of {ns.cap_fraction:.0%} of each file, cold page cache, "
                   f"{ns.capped_decode_tokens} greedy tokens")
@@ -687,11 +690,17 @@ def run(ns: argparse.Namespace) -> int:
         from .common import Chart
 
         c = Chart(f"bench-scale {what}, {ns.threads} threads: decode tok/s")
-        for metric, bars in (("fastest run, 1st request", chart), ("paired rounds, medians", paired_chart)):
+        panels = [("fastest run, 1st request", chart), ("paired rounds, medians", paired_chart)]
+        if capped_chart:
+            panels.append((f"under {ns.cap_fraction:.0%} of the file, cold cache", capped_chart))
+        for metric, bars in panels:
             if bars:
                 c.add(metric, [label for label, _ in bars], [v for _, v in bars],
                       [0 if "llama.cpp" in label else 1 for label, _ in bars])
-        c.save(ns.png)
+        if c.panels:
+            c.save(ns.png)
+        else:
+            print(f"no chart written to {ns.png}: no run was measured", file=sys.stderr)
     return 0
 
 

