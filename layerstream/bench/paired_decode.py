@@ -78,15 +78,21 @@ def summarize_floor(shares: list[tuple[float, float]]) -> dict:
                 llama_cpp_floor_min=min(theirs), llama_cpp_floor_max=max(theirs))
 
 
+def floor_text(s: dict, peer: str) -> str:
+    """A peer's ("layerstream" or "llama_cpp") median share of the floor in the floor rounds with its range, as
+    "80% (70-90%)"; "" where none ran."""
+    if not s.get("floor_rounds"):
+        return ""
+    return f"{100 * s[f'{peer}_floor']:.0f}% ({100 * s[f'{peer}_floor_min']:.0f}-{100 * s[f'{peer}_floor_max']:.0f}%)"
+
+
 def describe(s: dict) -> str:
     """The summary as bench-scale prints it."""
     text = (f"layerstream {s['layerstream_tps']:.1f}, llama.cpp {s['llama_cpp_tps']:.1f} tok/s (medians of "
             f"{s['rounds']} rounds); per round {s['ratio']:.2f}x median ({s['ratio_min']:.2f}-{s['ratio_max']:.2f}x)")
     if s.get("floor_rounds"):
         text += (f"; of the memory floor read between tokens, medians of {s['floor_rounds']} rounds: layerstream "
-                 f"{100 * s['layerstream_floor']:.0f}% ({100 * s['layerstream_floor_min']:.0f}-"
-                 f"{100 * s['layerstream_floor_max']:.0f}%), llama.cpp {100 * s['llama_cpp_floor']:.0f}% "
-                 f"({100 * s['llama_cpp_floor_min']:.0f}-{100 * s['llama_cpp_floor_max']:.0f}%)")
+                 f"{floor_text(s, 'layerstream')}, llama.cpp {floor_text(s, 'llama_cpp')}")
     return text
 
 

@@ -56,6 +56,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import paired_decode
 from .common import BENCH_ROOT, MemorySampler, idle_until_collapsed, machine_description, table
 
 PROMPT = "The history of the river valley begins long before the first written records. " * 64
@@ -254,14 +255,6 @@ def weight_bytes_per_token(path: Path) -> int:
                     sizes[k] = 2 * math.prod(sl.get_shape())
         embed = "model.embed_tokens.weight" if "lm_head.weight" in sizes else None
     return sum(sizes.values()) - (sizes[embed] if embed else 0)
-
-
-def _floor_share(paired: dict | None, peer: str) -> str:
-    """A peer's median share of the floor in the paired child's floor rounds, with its range; "" where none ran."""
-    if not paired or not paired.get("floor_rounds"):
-        return ""
-    return (f"{100 * paired[f'{peer}_floor']:.0f}% ({100 * paired[f'{peer}_floor_min']:.0f}-"
-            f"{100 * paired[f'{peer}_floor_max']:.0f}%)")
 
 
 def memory_gbps(threads: int) -> float:
@@ -473,9 +466,7 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 def run(ns: argparse.Namespace) -> int:
     if ns.child:
         if ns.child == "paired":
-            from .paired_decode import child
-
-            print(json.dumps(child(json.loads(sys.stdin.read()))))
+            print(json.dumps(paired_decode.child(json.loads(sys.stdin.read()))))
             return 0
         ids = json.loads(sys.stdin.read())
         print(json.dumps(_child_layerstream(ns, ids) if ns.child == "layerstream" else _child_llama_cpp(ns, ids)))
@@ -593,12 +584,11 @@ def run(ns: argparse.Namespace) -> int:
         print(f"  memory read {min(probes):.1f}-{max(probes):.1f} GB/s around {f}'s measured runs", flush=True)
         paired = None
         if theirs is not None and ns.paired_rounds > 0:
-            from .paired_decode import describe, run_paired
-
-            paired = run_paired(ns, mine, theirs, ids, (rows[0]["bytes_per_token"], rows[-1]["bytes_per_token"]))
+            paired = paired_decode.run_paired(ns, mine, theirs, ids,
+                                              (rows[0]["bytes_per_token"], rows[-1]["bytes_per_token"]))
             results.append(dict(paired, peer="paired", file=f))
             print(f"  {f} paired decode, one process, rounds alternating: "
-                  f"{paired.get('error') or describe(paired)}", flush=True)
+                  f"{paired.get('error') or paired_decode.describe(paired)}", flush=True)
             if "rounds_tps" in paired:
                 paired_chart += [(f"{f}\nlayerstream", paired["layerstream_tps"]),
                                  (f"{f}\nllama.cpp", paired["llama_cpp_tps"])]
@@ -627,7 +617,7 @@ def run(ns: argparse.Namespace) -> int:
                                f"{100 * dec2 / floor2:.0f}%" if dec2 else "-", f"{floor:.1f} / {floor2:.1f}",
                                f"{paired['ratio']:.2f}x ({paired['ratio_min']:.2f}-{paired['ratio_max']:.2f})"
                                if mine and paired and "ratio" in paired else "",
-                               _floor_share(paired, "layerstream" if mine else "llama_cpp"),
+                               paired_decode.floor_text(paired or {}, "layerstream" if mine else "llama_cpp"),
                                f"{r['peak_anon'] / 2**20:.0f} MiB", r.get("error", "")])
             chart.append((f"{f}\n{r['peer']}", dec))
         print(f"\n{f}: weights read per token {rows[0]['bytes_per_token'] / 2**30:.2f} GiB; each request's memory "
@@ -690,10 +680,8 @@ def run(ns: argparse.Namespace) -> int:
         from .common import Chart
 
         c = Chart(f"bench-scale {what}, {ns.threads} threads: decode tok/s")
-        panels = [("fastest run, 1st request", chart), ("paired rounds, medians", paired_chart)]
-        if capped_chart:
-            panels.append((f"under {ns.cap_fraction:.0%} of the file, cold cache", capped_chart))
-        for metric, bars in panels:
+        for metric, bars in (("fastest run, 1st request", chart), ("paired rounds, medians", paired_chart),
+                             (f"under {ns.cap_fraction:.0%} of the file, cold cache", capped_chart)):
             if bars:
                 c.add(metric, [label for label, _ in bars], [v for _, v in bars],
                       [0 if "llama.cpp" in label else 1 for label, _ in bars])

@@ -125,7 +125,7 @@ def test_the_peers_runs_alternate_and_each_is_set_against_its_own_floor(monkeypa
     monkeypatch.setattr(common.Chart, "save", lambda self, png: drawn.append((png, self.panels)))
     ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=False, capped=False,
                                   streamed=False, threads=2, prompt_tokens=8, decode_tokens=31, repeats=2,
-                                  paired_rounds=3, floor_rounds=2, json=None, png="decode.png")
+                                  paired_rounds=3, floor_rounds=2, cap_fraction=0.6, json=None, png="decode.png")
     assert scale.run(ns) == 0
     assert calls == ["layerstream", "llama.cpp", "llama.cpp", "layerstream"]
     out = capsys.readouterr().out
@@ -181,8 +181,7 @@ def test_capped_runs_alone_draw_their_own_chart(monkeypatch, capsys):
     monkeypatch.setattr(common.Chart, "save", lambda self, png: drawn.append((png, self.panels)))
     ns = argparse.Namespace(child=None, gguf=str(path), skip_llama_cpp=False, capped_only=True, capped=False,
                             streamed=False, threads=2, prompt_tokens=8, decode_tokens=64, capped_decode_tokens=8,
-                            cap_fraction=0.6,
-                            timeout=900, json=None, png="capped.png")
+                            cap_fraction=0.6, timeout=900, json=None, png="capped.png")
     assert scale.run(ns) == 0
     out = capsys.readouterr().out
     assert "| layerstream" in out and "no token in 180 s" in out
